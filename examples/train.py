@@ -1,0 +1,397 @@
+"""Reference workload for ftrun: a small GPT-style language model trained with DDP.
+
+Run it under ``torchrun``, under ``ftrun`` (same environment: RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) or as a plain ``python examples/train.py`` (one process, no process
+group, no DDP)::
+
+    torchrun --standalone --nproc-per-node 2 examples/train.py --steps 8
+    ftrun --nproc-per-node 2 examples/train.py --steps 8 --fail-at-step 3 --fail-rank 1
+
+The run is deterministic: with the same flags and world size the final parameters are
+bit-identical, also when the job crashed and restarted from step 0. The model is initialised
+from ``--seed`` on every rank, the data of step ``s`` comes from a generator seeded with
+``(seed, s)`` only, and each rank trains on its contiguous slice of the global batch.
+
+Steps are counted from 1: step ``s`` is the ``s``-th optimizer step, ``ftrun.progress(s)`` is
+called once it completed, and ``--fail-at-step S`` fires inside step ``S`` (after backward,
+before ``optimizer.step()``). At the end rank 0 prints one line to stdout::
+
+    ftrun-example: step=N loss=L params_xxh3=HEX
+
+where ``L`` is the mean loss of the last step over the global batch and ``HEX`` the xxh3-64
+digest of the raw float32 bytes of every parameter in ``named_parameters()`` order.
+``--result FILE`` also writes that (plus world size and restart count) as JSON.
+
+Fault injection fires once per job: the failing rank first creates a marker file
+``fault-fired-rank{R}-step{S}`` (O_CREAT|O_EXCL) in ``--fault-dir``, else ``$FTRUN_JOB_DIR``,
+else ``$TMPDIR/ftrun-example-$TORCHELASTIC_RUN_ID``; a restarted rank finds the marker and
+does not fire again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import xxhash
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    import ftrun
+
+    _progress: Callable[[int], None] = ftrun.progress
+except Exception:  # ftrun not installed (or broken): run without progress reports.
+
+    def _progress(step: int) -> None:
+        del step
+
+
+PREFIX = "ftrun-example"
+FAIL_MODES = ("exit", "kill", "hang", "stop")
+EXIT_CODE_FAULT = 13
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention on top of ``scaled_dot_product_attention``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        shape = (b, t, self.heads, c // self.heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: attention and MLP, each with a residual connection."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token + learned positional embeddings, transformer blocks, final LayerNorm, linear head."""
+
+    def __init__(self, vocab: int, seq_len: int, dim: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, dim)
+        self.pos_emb = nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def global_batch(
+    seed: int, step: int, batch: int, seq_len: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole global batch of ``step``: inputs and next-token targets, ``(batch, seq_len)``.
+
+    Depends on ``(seed, step)`` only. Each sequence starts at a random token and continues with
+    ``next = (token * 3 + 1) % vocab``, replaced by a random token with probability 0.1.
+    """
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+    seq = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(vocab, (batch,), generator=gen)
+    noise = torch.rand(batch, seq_len, generator=gen) < 0.1
+    random_tokens = torch.randint(vocab, (batch, seq_len), generator=gen)
+    for t in range(seq_len):
+        pattern = (seq[:, t] * 3 + 1) % vocab
+        seq[:, t + 1] = torch.where(noise[:, t], random_tokens[:, t], pattern)
+    return seq[:, :-1], seq[:, 1:]
+
+
+# --------------------------------------------------------------------------------------------
+# Fault injection
+# --------------------------------------------------------------------------------------------
+
+
+def fault_dir(override: str | None) -> str:
+    """Where the once-per-job fault markers live (created with mode 0700 if missing)."""
+    if override:
+        path = override
+    elif os.environ.get("FTRUN_JOB_DIR"):
+        path = os.environ["FTRUN_JOB_DIR"]
+    else:
+        # Without a run id (plain python) the job is this process.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+        path = os.path.join(tempfile.gettempdir(), f"{PREFIX}-{run_id}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def maybe_inject_fault(args: argparse.Namespace, rank: int, step: int) -> None:
+    """Fire the requested fault if this is the chosen rank and step and it has not fired yet."""
+    if args.fail_at_step is None or step != args.fail_at_step or rank != args.fail_rank:
+        return
+    marker = os.path.join(fault_dir(args.fault_dir), f"fault-fired-rank{rank}-step{step}")
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        print(
+            f"{PREFIX}: fault already fired ({marker}), not injecting again",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    info = {
+        "mode": args.fail_mode,
+        "rank": rank,
+        "step": step,
+        "pid": os.getpid(),
+        "time": time.time(),
+    }
+    try:
+        os.write(fd, json.dumps(info).encode() + b"\n")
+    finally:
+        os.close(fd)
+    print(
+        f"{PREFIX}: injecting fault mode={args.fail_mode} rank={rank} step={step}",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    if args.fail_mode == "exit":
+        sys.exit(EXIT_CODE_FAULT)
+    elif args.fail_mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif args.fail_mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:  # hang: alive, but never progresses again.
+        while True:
+            time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def params_digest(model: nn.Module) -> str:
+    """xxh3-64 over the raw bytes of every parameter, in ``named_parameters()`` order."""
+    h = xxhash.xxh3_64()
+    for _, p in model.named_parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON so that readers see either the old file or the complete new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Deterministic GPT-style DDP training workload for ftrun.",
+    )
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--seq-len", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        help="global batch size, divisible by WORLD_SIZE (default 8)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=60.0,
+        help="init_process_group timeout in seconds (default 60)",
+    )
+    p.add_argument("--result", metavar="FILE", help="rank 0 writes the result as JSON here")
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        metavar="S",
+        help="inject a fault in step S (1..steps), after backward, once per job",
+    )
+    p.add_argument(
+        "--fail-rank", type=int, default=0, metavar="R", help="global rank that fails (default 0)"
+    )
+    p.add_argument(
+        "--fail-mode",
+        choices=FAIL_MODES,
+        default="exit",
+        help="exit: exit code 13; kill: SIGKILL itself; hang: sleep forever; "
+        "stop: SIGSTOP itself (default exit)",
+    )
+    p.add_argument(
+        "--fault-dir",
+        metavar="DIR",
+        help="directory for the fault marker files (default $FTRUN_JOB_DIR, else "
+        "$TMPDIR/ftrun-example-$TORCHELASTIC_RUN_ID)",
+    )
+    args = p.parse_args(argv)
+
+    for name in ("steps", "layers", "dim", "heads", "seq_len", "vocab", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.dim % args.heads:
+        p.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+    if args.batch % world_size:
+        p.error(
+            f"--batch {args.batch} (global batch size) must be divisible by WORLD_SIZE={world_size}"
+        )
+    if not (args.pg_timeout > 0 and math.isfinite(args.pg_timeout)):
+        p.error("--pg-timeout must be a positive number of seconds")
+    if args.fail_at_step is not None:
+        if not 1 <= args.fail_at_step <= args.steps:
+            p.error(f"--fail-at-step must be in 1..{args.steps} (steps count from 1)")
+        if not 0 <= args.fail_rank < world_size:
+            p.error(f"--fail-rank must be in 0..{world_size - 1} (WORLD_SIZE={world_size})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    distributed = "RANK" in os.environ
+    rank = int(os.environ["RANK"]) if distributed else 0
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else 0
+    args = parse_args(argv, world_size)
+
+    # cuBLAS reads this when CUDA initialises; deterministic algorithms need it.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if distributed:
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
+
+    torch.manual_seed(args.seed)  # same on every rank, so every rank builds the same model
+    model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers).to(device)
+    train_model: nn.Module = model
+    if distributed:
+        device_ids = [local_rank] if device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=device_ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    per_rank = args.batch // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    loss = torch.zeros((), device=device)
+    for step in range(1, args.steps + 1):
+        inputs, targets = global_batch(args.seed, step, args.batch, args.seq_len, args.vocab)
+        inputs, targets = inputs[rows].to(device), targets[rows].to(device)
+        logits = train_model(inputs)
+        loss = F.cross_entropy(logits.view(-1, args.vocab), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        maybe_inject_fault(args, rank, step)
+        optimizer.step()
+        _progress(step)
+
+    # Mean over the global batch (equal slices, so the mean of the per-rank means).
+    last_loss = loss.detach().clone()
+    if distributed:
+        dist.all_reduce(last_loss, op=dist.ReduceOp.SUM)
+        last_loss /= world_size
+    loss_value = float(last_loss.item())
+
+    if rank == 0:
+        digest = params_digest(model)
+        print(f"{PREFIX}: step={args.steps} loss={loss_value:.6f} params_xxh3={digest}", flush=True)
+        if args.result:
+            write_json_atomic(
+                args.result,
+                {
+                    "step": args.steps,
+                    "loss": loss_value,
+                    "params_xxh3": digest,
+                    "world_size": world_size,
+                    "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                    "resumed_from": [],
+                },
+            )
+
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""ftrun: a fault-tolerant drop-in for torchrun.
+
+What a training script uses is re-exported here. Heavy modules (torch) load on first use, so
+``import ftrun`` stays cheap for the launcher's helper processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["progress", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "progress":
+        from ftrun.worker.progress import progress
+
+        return progress
+    raise AttributeError(f"module 'ftrun' has no attribute {name!r}")

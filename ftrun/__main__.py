@@ -1,0 +1,3 @@
+from ftrun.cli.main import main
+
+main()

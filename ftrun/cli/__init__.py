@@ -1,0 +1,1 @@
+"""The ``ftrun`` command line: typer commands that hand off to plain functions."""

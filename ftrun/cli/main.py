@@ -1,0 +1,139 @@
+"""The ``ftrun`` command: typer commands, thin, each handing off to a plain function.
+
+``ftrun [TORCHRUN FLAGS] [FTRUN FLAGS] SCRIPT [ARGS]`` is the default command: anything that
+is not a subcommand goes to the launcher, whose flags are torchrun's own parser (so they keep
+torchrun's exact spellings, defaults and errors). ``ftrun --help`` shows those flags.
+Library errors (:class:`ftrun.errors.FtrunError`) become one line on stderr and an exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from ftrun import errors, log
+from ftrun.cli import exit_codes
+
+LAUNCH = "launch"
+
+
+class _DefaultToLaunch(TyperGroup):
+    """Route everything that is not a subcommand to the hidden ``launch`` command."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        # `ftrun --help` shows the launcher's flags: that is what torchrun users look for.
+        if args and args[0] not in self.commands:
+            args = [LAUNCH, *args]
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(
+    cls=_DefaultToLaunch,
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    help="ftrun: a fault-tolerant drop-in for torchrun. "
+    "Run `ftrun --help` for the launcher's flags (torchrun's, plus ftrun's).",
+)
+
+
+def _fail(e: errors.FtrunError) -> int:
+    code = {
+        errors.AuthError: exit_codes.AUTH,
+        errors.UnreachableError: exit_codes.UNREACHABLE,
+        errors.JobNotFoundError: exit_codes.NOT_FOUND,
+        errors.ConfigError: exit_codes.USAGE,
+    }
+    sys.stderr.write(f"ftrun: error: {e}\n")
+    for cls, value in code.items():
+        if isinstance(e, cls):
+            return value
+    return exit_codes.FAILED
+
+
+@app.command(
+    LAUNCH, hidden=True, add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                      "allow_interspersed_args": False},
+)
+def launch_command(ctx: typer.Context) -> None:
+    """Launch one node of a job (the default command)."""
+    from ftrun.launcher.launch import run
+
+    log.configure()
+    try:
+        code = run(list(ctx.args))
+    except errors.FtrunError as e:
+        code = _fail(e)
+    raise typer.Exit(code)
+
+
+@app.command("status")
+def status_command(
+    run_id: Annotated[str | None, typer.Argument(help="The job's run id; omit to list jobs.")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="Coordinator HOST:PORT (skips the job file).", envvar="FTRUN_COORDINATOR")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Write a versioned JSON document.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C (JSON: one document per line).")] = False,
+    no_headers: Annotated[bool, typer.Option("--no-headers", help="Omit the table header and summary.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes under --watch.")] = 2.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the coordinator.")] = 5.0,
+    state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
+) -> None:
+    """Show a job: nodes, ranks, states, restarts, heartbeats. The exit code is its health."""
+    from ftrun.cli.status import run_status
+
+    log.configure("WARNING")
+    try:
+        code = run_status(run_id, endpoint=endpoint, json_out=json_out, watch=watch,
+                          no_headers=no_headers, state_dir=state_dir, interval_s=interval,
+                          timeout_s=timeout)
+    except errors.FtrunError as e:
+        code = _fail(e)
+    raise typer.Exit(code)
+
+
+@app.command("coordinator")
+def coordinator_command(
+    rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", help="HOST:PORT to host the job's rendezvous store on; launchers pass the same --rdzv-endpoint.")],
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="The job's run id (launchers' --rdzv-id).")],
+    bind_host: Annotated[str, typer.Option(help="Address the coordinator binds.")] = "0.0.0.0",
+    node_timeout: Annotated[float, typer.Option(help="Seconds of silence before a node is reported lost.", envvar="FTRUN_NODE_TIMEOUT")] = 10.0,
+    state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
+) -> None:
+    """Run a job's coordinator and rendezvous store on this host, until SIGTERM/Ctrl-C."""
+    from ftrun.coordinator.server import run_standalone
+
+    log.configure()
+    try:
+        code = run_standalone(rdzv_id, rdzv_endpoint, state_dir=state_dir,
+                              node_timeout_s=node_timeout, bind_host=bind_host)
+    except errors.FtrunError as e:
+        code = _fail(e)
+    raise typer.Exit(code)
+
+
+@app.command("completions")
+def completions_command(
+    shell: Annotated[str, typer.Argument(help="bash, zsh or fish.")],
+) -> None:
+    """Print the shell completion script for SHELL."""
+    from ftrun.cli.completions import generate
+
+    try:
+        sys.stdout.write(generate(shell))
+    except errors.FtrunError as e:
+        raise typer.Exit(_fail(e)) from None
+
+
+def main(argv: list[str] | None = None) -> Any:
+    logging.captureWarnings(True)
+    return app(args=argv, prog_name="ftrun")
+
+
+if __name__ == "__main__":
+    main()

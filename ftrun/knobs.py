@@ -1,0 +1,79 @@
+"""Every environment variable ftrun reads or sets, in one table.
+
+Precedence everywhere is: command-line flag > environment variable > default. Launcher flags
+map onto the ``FTRUN_*`` names below (``--hang-timeout`` <-> ``FTRUN_HANG_TIMEOUT``); the
+``worker`` variables are set by the launcher for the ``ftrun`` library inside each rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    type: str
+    default: str
+    meaning: str
+    scope: str = "launcher"  # launcher | worker | any
+
+    def get(self, environ: dict[str, str] | None = None) -> str:
+        env = os.environ if environ is None else environ
+        return env.get(self.name, self.default)
+
+
+STATE_DIR = Knob(
+    "FTRUN_STATE_DIR", "path", "~/.ftrun",
+    "Where job files (endpoint, secret, event log) live; `ftrun status` looks here.", "any",
+)
+SECRET = Knob(
+    "FTRUN_SECRET", "str", "",
+    "The job secret that authenticates control-plane messages. Unset: read or create "
+    "<state dir>/jobs/<run id>/secret (mode 0600).", "any",
+)
+COORDINATOR = Knob(
+    "FTRUN_COORDINATOR", "HOST:PORT", "",
+    "Endpoint of the job's coordinator. Launchers find it through the rendezvous store when "
+    "unset; set for the ranks by the launcher.", "any",
+)
+HEARTBEAT_INTERVAL = Knob(
+    "FTRUN_HEARTBEAT_INTERVAL", "seconds", "1.0",
+    "How often each launcher reports to the coordinator.",
+)
+NODE_TIMEOUT = Knob(
+    "FTRUN_NODE_TIMEOUT", "seconds", "10.0",
+    "A node silent for this long is reported lost by the coordinator.",
+)
+HANG_TIMEOUT = Knob(
+    "FTRUN_HANG_TIMEOUT", "seconds", "0",
+    "Restart the workers when a rank reported progress before and then none for this long, "
+    "or sits stopped (SIGSTOP) for this long. 0 turns the progress check off; stopped ranks "
+    "are then caught after 10 s.",
+)
+LOG_LEVEL = Knob(
+    "FTRUN_LOG_LEVEL", "str", "INFO", "Log level of ftrun's own logger.", "any",
+)
+# Set by the launcher for the ranks.
+RUN_ID = Knob("FTRUN_RUN_ID", "str", "", "The job's run id (equals TORCHELASTIC_RUN_ID).", "worker")
+JOB_DIR = Knob(
+    "FTRUN_JOB_DIR", "path", "", "Per-job directory on this host, private to the user.", "worker",
+)
+NODE_ID = Knob("FTRUN_NODE_ID", "str", "", "Identity of this rank's launcher (host/pid).", "worker")
+PROGRESS_FILE = Knob(
+    "FTRUN_PROGRESS_FILE", "path", "",
+    "Per-rank file through which `ftrun.progress()` tells the launcher the rank is alive.",
+    "worker",
+)
+
+ALL: tuple[Knob, ...] = (
+    STATE_DIR, SECRET, COORDINATOR, HEARTBEAT_INTERVAL, NODE_TIMEOUT, HANG_TIMEOUT, LOG_LEVEL,
+    RUN_ID, JOB_DIR, NODE_ID, PROGRESS_FILE,
+)
+
+
+def state_dir(override: str | None = None) -> Path:
+    """The state directory: flag > FTRUN_STATE_DIR > ~/.ftrun."""
+    return Path(os.path.expanduser(override or STATE_DIR.get())).resolve()

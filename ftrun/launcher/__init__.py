@@ -1,0 +1,1 @@
+"""The node launcher: torchrun's elastic agent, extended."""

@@ -1,0 +1,275 @@
+"""``FtrunAgent``: torchrun's ``LocalElasticAgent`` with ftrun's additions.
+
+The rendezvous, the worker environment, restarts and the failure summary are torch's own.
+This subclass adds, at the agent's existing extension points:
+
+- workers tied to the launcher's life (parent-death signal), so ``kill -9`` of the launcher
+  leaves no orphans;
+- a per-rank progress file and a hang check: a rank that stops reporting progress, or sits
+  stopped (SIGSTOP), for ``--hang-timeout`` seconds is killed and the group restarted;
+- a prompt stop of frozen workers: SIGTERM stays pending on a stopped process, which made
+  torchrun wait out its whole shutdown timeout, so stopped workers get SIGKILL at once;
+- reports to the coordinator: node state for the heartbeat, and events for rendezvous,
+  starts, failures, hangs and restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from ftrun import knobs
+from ftrun.launcher.pdeath import tie_entrypoint
+from ftrun.worker.progress import create_progress_file, read_progress
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    def event(self, type: str, **data: Any) -> None: ...
+
+
+class _NoSink:
+    def event(self, type: str, **data: Any) -> None:
+        log.debug("event %s %s", type, data)
+
+
+@dataclass
+class AgentContext:
+    """What the launcher hands its agent. Mutable: the agent registers itself here."""
+
+    node_id: str
+    host: str
+    node_dir: Path  # private, host-local: progress files live here
+    hang_timeout_s: float
+    worker_env: dict[str, str] = field(default_factory=dict)
+    sink: EventSink = field(default_factory=_NoSink)
+    agent: FtrunAgent | None = None
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of a process from /proc (R, S, D, T, t, Z, ...)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses; the state follows the last ')'.
+    rest = stat.rpartition(")")[2].split()
+    return rest[0] if rest else None
+
+
+def _signal_name(exitcode: int | None) -> str | None:
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+class FtrunAgent(LocalElasticAgent):
+    """A LocalElasticAgent that reports to ftrun's coordinator and catches hung ranks."""
+
+    def __init__(self, *, ctx: AgentContext, spec: WorkerSpec, **kwargs: Any) -> None:
+        spec.entrypoint, spec.args = tie_entrypoint(spec.entrypoint, spec.args)
+        super().__init__(spec=spec, **kwargs)
+        self._ctx = ctx
+        self._phase = "init"
+        self._last_error: str | None = None
+        self._exitcodes: dict[int, int] = {}
+        self._stopped_since: dict[int, float] = {}
+        self._lock = threading.Lock()
+        ctx.agent = self
+
+    # ---- what the heartbeat reports -------------------------------------------------
+    def node_state(self) -> dict[str, Any]:
+        wg = self._worker_group
+        spec = wg.spec
+        pids = self.worker_pids()
+        workers = []
+        for w in wg.workers:
+            workers.append({
+                "local_rank": w.local_rank,
+                "rank": w.global_rank,
+                "pid": pids.get(w.local_rank),
+                "state": self._phase if self._phase != "healthy" else "running",
+                "exitcode": self._exitcodes.get(w.local_rank),
+            })
+        return {
+            "state": self._phase,
+            "group_rank": wg.group_rank,
+            "group_world_size": wg.group_world_size,
+            "restarts": spec.max_restarts - self._remaining_restarts,
+            "max_restarts": spec.max_restarts,
+            "workers": workers,
+            "last_error": self._last_error,
+        }
+
+    def worker_pids(self) -> dict[int, int]:
+        pcontext = self._pcontext
+        if pcontext is None:
+            return {}
+        try:
+            return dict(pcontext.pids())
+        except Exception:  # the context is being torn down by the agent thread
+            return {}
+
+    def forward_signal(self, sig: int) -> None:
+        for local_rank, pid in self.worker_pids().items():
+            try:
+                os.kill(pid, sig)
+                log.info("forwarded %s to local rank %d (pid %d)", signal.Signals(sig).name, local_rank, pid)
+            except ProcessLookupError:
+                pass
+
+    # ---- torch's extension points ---------------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._phase = "rendezvous"
+        t0 = time.monotonic()
+        super()._rendezvous(worker_group)
+        self._ctx.sink.event(
+            "rendezvous",
+            group_rank=worker_group.group_rank,
+            group_world_size=worker_group.group_world_size,
+            ranks=[w.global_rank for w in worker_group.workers],
+            duration_s=round(time.monotonic() - t0, 3),
+        )
+
+    def _set_local_rank_env(
+        self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
+    ) -> None:
+        super()._set_local_rank_env(worker_env, local_rank, spec)
+        path = self._ctx.node_dir / f"progress-{local_rank}"
+        create_progress_file(str(path))
+        worker_env[knobs.PROGRESS_FILE.name] = str(path)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        os.environ.update(self._ctx.worker_env)
+        self._exitcodes.clear()
+        self._stopped_since.clear()
+        pids = super()._start_workers(worker_group)
+        self._phase = "healthy"
+        self._ctx.sink.event(
+            "workers_started",
+            restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
+            pids={str(k): v for k, v in pids.items()},
+            ranks=[w.global_rank for w in worker_group.workers],
+        )
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            # A hung rank is killed here; the next tick sees it die like any crashed worker,
+            # so torch's own failure path (restart or failure summary) takes it from there.
+            self._kill_hung(worker_group)
+        elif result.state == WorkerState.FAILED:
+            self._report_failures(worker_group, result)
+        elif result.state == WorkerState.SUCCEEDED:
+            self._phase = "succeeded"
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._phase = "restarting"
+        self._ctx.sink.event(
+            "restart",
+            restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
+            max_restarts=worker_group.spec.max_restarts,
+            reason=worker_group.state.name,
+        )
+        super()._restart_workers(worker_group)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # A stopped process never handles SIGTERM until continued, so torch would wait the
+        # full timeout for it. It cannot clean up anyway: kill it now.
+        for local_rank, pid in self.worker_pids().items():
+            if proc_state(pid) in ("T", "t"):
+                log.warning("local rank %d (pid %d) is stopped; killing it", local_rank, pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        super()._shutdown(death_sig, timeout)
+
+    # ---- ftrun's checks ---------------------------------------------------------------
+    def _report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        by_global = {w.global_rank: w for w in worker_group.workers}
+        first: tuple[float, str] | None = None
+        for rank, failure in result.failures.items():
+            worker = by_global.get(rank)
+            local_rank = worker.local_rank if worker else failure.local_rank
+            self._exitcodes[local_rank] = failure.exitcode
+            message = failure.message if isinstance(failure.message, str) else str(failure.message)
+            sig = _signal_name(failure.exitcode)
+            summary = f"rank {rank} exited with {sig or f'code {failure.exitcode}'}"
+            if failure.error_file_data:
+                summary += f": {message}"
+            if first is None or failure.timestamp < first[0]:
+                first = (failure.timestamp, summary)
+            self._ctx.sink.event(
+                "worker_failure",
+                rank=rank,
+                local_rank=local_rank,
+                pid=failure.pid,
+                exitcode=failure.exitcode,
+                signal=sig,
+                message=message[:4096],
+                timestamp=failure.timestamp,
+            )
+        if first is not None:
+            self._last_error = first[1][:1024]
+        self._phase = "failed" if self._remaining_restarts == 0 else "restarting"
+
+    def _kill_hung(self, worker_group: WorkerGroup) -> None:
+        timeout_s = self._ctx.hang_timeout_s
+        if timeout_s <= 0:
+            return
+        now = time.monotonic()
+        pids = self.worker_pids()
+        for w in worker_group.workers:
+            pid = pids.get(w.local_rank)
+            if pid is None:
+                continue
+            reason = None
+            if proc_state(pid) in ("T", "t"):
+                since = self._stopped_since.setdefault(pid, now)
+                if now - since >= timeout_s:
+                    reason = f"stopped (SIGSTOP) for {now - since:.1f} s"
+            else:
+                self._stopped_since.pop(pid, None)
+                p = read_progress(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
+                if p is not None and p.reported and p.age_s() >= timeout_s:
+                    reason = f"no progress for {p.age_s():.1f} s after step {p.step}"
+                    create_progress_file(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
+            if reason is None:
+                continue
+            log.error(
+                "rank %d (local %d, pid %d) is hung: %s (--hang-timeout %.1f s); "
+                "killing it and restarting the workers",
+                w.global_rank, w.local_rank, pid, reason, timeout_s,
+            )
+            self._last_error = f"rank {w.global_rank} hung: {reason}"
+            self._ctx.sink.event(
+                "hang_detected", rank=w.global_rank, local_rank=w.local_rank, pid=pid,
+                reason=reason, hang_timeout_s=timeout_s,
+            )
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._stopped_since.pop(pid, None)

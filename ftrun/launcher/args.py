@@ -1,0 +1,147 @@
+"""Launcher flags: torchrun's own parser, plus ftrun's options.
+
+The parser *is* ``torch.distributed.run.get_args_parser()`` with one extra argument group, so
+every torchrun flag keeps its spellings, defaults, ``PET_*`` environment variables and error
+messages. ftrun's flags are checked at import time never to collide with torchrun's, and each
+also reads an ``FTRUN_*`` variable (flag > environment > default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from ftrun import knobs
+from ftrun.errors import ConfigError
+
+FTRUN_EPILOG = """\
+ftrun subcommands: `ftrun status [RUN_ID]` shows a job, `ftrun coordinator` runs a job's
+coordinator and rendezvous store on a host of your choice, `ftrun completions SHELL` prints
+shell completions. Each takes --help.
+"""
+
+
+@dataclass(frozen=True)
+class FtrunOptions:
+    """ftrun's own launcher options, validated."""
+
+    state_dir: str | None
+    coordinator: str | None
+    hang_timeout_s: float
+    heartbeat_interval_s: float
+    node_timeout_s: float
+
+    def __post_init__(self) -> None:
+        if self.hang_timeout_s < 0:
+            raise ConfigError(
+                f"--hang-timeout must be >= 0 seconds (0 turns it off), got {self.hang_timeout_s}"
+            )
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError(
+                f"--heartbeat-interval must be > 0 seconds, got {self.heartbeat_interval_s}"
+            )
+        if self.node_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"--node-timeout ({self.node_timeout_s} s) must exceed --heartbeat-interval "
+                f"({self.heartbeat_interval_s} s), or every node looks lost"
+            )
+        if self.coordinator is not None and ":" not in self.coordinator:
+            raise ConfigError(
+                f"--coordinator must be HOST:PORT, got {self.coordinator!r}"
+            )
+
+
+# (flag, knob, type, help). Flags are spelled with dashes; the underscore spelling is
+# accepted too, as torchrun does.
+_FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
+    ("--state-dir", knobs.STATE_DIR, str,
+     "Directory for job files (secret, coordinator endpoint, event log)."),
+    ("--coordinator", knobs.COORDINATOR, str,
+     "HOST:PORT of a coordinator started with `ftrun coordinator`; by default the launcher "
+     "that hosts the rendezvous store runs it."),
+    ("--hang-timeout", knobs.HANG_TIMEOUT, float,
+     "Seconds a rank may go without calling ftrun.progress() (after its first call), or sit "
+     "stopped, before the launcher kills it and restarts the workers. 0 turns it off."),
+    ("--heartbeat-interval", knobs.HEARTBEAT_INTERVAL, float,
+     "Seconds between the launcher's reports to the coordinator."),
+    ("--node-timeout", knobs.NODE_TIMEOUT, float,
+     "Seconds of silence after which the coordinator reports a node lost."),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def ftrun_flag_names() -> list[str]:
+    names: list[str] = []
+    for flag, *_ in _FTRUN_FLAGS:
+        names += [flag, "--" + _dest(flag)]
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser with ftrun's option group added."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "ftrun"
+    parser.description = (
+        "ftrun: a fault-tolerant drop-in for torchrun. Every torchrun flag works as it does "
+        "in torchrun; ftrun's own options are listed last."
+    )
+    parser.epilog = FTRUN_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    taken = {s for a in parser._actions for s in a.option_strings}
+    group = parser.add_argument_group("ftrun options (each also read from FTRUN_<NAME>)")
+    for flag, knob, typ, help_text in _FTRUN_FLAGS:
+        spellings = [flag, "--" + _dest(flag)]
+        clash = taken.intersection(spellings)
+        if clash:  # torch grew a flag of the same name: fail loudly, never shadow it
+            raise ConfigError(f"ftrun flag {sorted(clash)} collides with a torchrun flag")
+        default = os.environ.get(knob.name) or None
+        group.add_argument(
+            *spellings, dest=_dest(flag), type=typ, default=default,
+            help=f"{help_text} [env {knob.name}]",
+        )
+    return parser
+
+
+def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
+    def num(dest: str, knob: knobs.Knob) -> float:
+        raw = getattr(ns, dest)
+        raw = knob.default if raw is None else raw
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{knob.name}/--{dest.replace('_', '-')} must be a number, got {raw!r}") from None
+
+    return FtrunOptions(
+        state_dir=ns.state_dir,
+        coordinator=ns.coordinator or None,
+        hang_timeout_s=num("hang_timeout", knobs.HANG_TIMEOUT),
+        heartbeat_interval_s=num("heartbeat_interval", knobs.HEARTBEAT_INTERVAL),
+        node_timeout_s=num("node_timeout", knobs.NODE_TIMEOUT),
+    )
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests the user set on the command line (before the script) or through PET_*."""
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    given: set[str] = set()
+    tokens = iter(argv)
+    for token in tokens:
+        if not token.startswith("-"):
+            break  # the training script: everything after it belongs to the script
+        flag, has_value = token.split("=", 1)[0], "=" in token
+        action = actions.get(flag)
+        if action is None:
+            continue
+        given.add(action.dest)
+        if action.nargs != 0 and not has_value:
+            next(tokens, None)  # the flag's value
+    for action in parser._actions:
+        if os.environ.get(f"PET_{action.dest.upper()}") is not None:
+            given.add(action.dest)
+    return given

@@ -1,0 +1,321 @@
+"""``ftrun [TORCHRUN FLAGS] [FTRUN FLAGS] SCRIPT [ARGS]``: the node launcher.
+
+Order of business on every node:
+
+1. Parse with torchrun's own parser (plus ftrun's group); fill rendezvous settings from Slurm
+   when running under ``srun`` and the user did not give them.
+2. Decide, before any rendezvous, which launcher hosts the rendezvous TCPStore. That launcher
+   also runs the job's coordinator, so both live in one predictable place:
+   - ``--coordinator HOST:PORT`` given: a standalone ``ftrun coordinator`` hosts both;
+   - under Slurm: node 0 (the first host of the nodelist);
+   - ``--standalone`` or a single node: this launcher;
+   - otherwise torch's rule: the launcher on the ``--rdzv-endpoint`` host that binds first.
+   The coordinator's endpoint is published in that store, where every launcher finds it.
+3. Tune the c10d rendezvous' dead-node detection (unless ``--rdzv-conf`` sets it), turn off
+   torch's shared rendezvous store (restarted ranks read stale gloo addresses through it),
+   and run torch's elastic launch with :class:`FtrunAgent`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ftrun import jobs, knobs
+from ftrun.errors import ConfigError, FtrunError
+from ftrun.launcher import slurm
+from ftrun.launcher.agent import AgentContext, FtrunAgent
+from ftrun.launcher.args import build_parser, explicit_dests, ftrun_options
+from ftrun.launcher.pdeath import LAUNCHER_PID_ENV
+
+log = logging.getLogger(__name__)
+
+C10D_DEFAULT_PORT = 29400
+SLURM_RDZV_PORT = 29500
+# c10d's defaults take 15 s (keep-alive 5 s x 3) to drop a dead node and then wait a 30 s
+# last call. 2 s x 3 tolerates a launcher stalled for ~4 s on a loaded host; 1 s x 2 was
+# measured to split a job into two worlds. Only applied where --rdzv-conf is silent.
+RDZV_TUNING = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3", "last_call_timeout": "5"}
+COORDINATOR_KEY = "ftrun/coordinator"
+
+
+@dataclass
+class RendezvousPlan:
+    host: str
+    port: int
+    is_host: bool
+    store: Any = None  # our own TCPStore handle: the server on the host, a client elsewhere
+
+
+def _parse_conf(conf: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in conf.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--rdzv-conf item {item!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _format_conf(conf: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+def _split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host:
+        return endpoint.strip("[]"), default_port
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise ConfigError(f"rendezvous endpoint {endpoint!r} has a bad port; use HOST:PORT") from None
+
+
+def apply_slurm(args: argparse.Namespace, explicit: set[str], environ: dict[str, str]) -> None:
+    """Fill nnodes, node rank, rendezvous id and endpoint from SLURM_* where not given."""
+    derived = slurm.derive(environ)
+    if derived is None:
+        return
+    for warning in derived.warnings:
+        log.warning("%s", warning)
+    if not derived.in_step:
+        return
+    if "standalone" in explicit and args.standalone:
+        return
+    if "nnodes" not in explicit:
+        args.nnodes = derived.nnodes
+    if "node_rank" not in explicit:
+        args.node_rank = derived.node_rank
+    if "rdzv_id" not in explicit:
+        args.rdzv_id = derived.rdzv_id
+    if "rdzv_backend" not in explicit:
+        args.rdzv_backend = "c10d"
+    if "rdzv_endpoint" not in explicit and args.rdzv_backend == "c10d":
+        args.rdzv_endpoint = f"{derived.rdzv_host}:{SLURM_RDZV_PORT}"
+    args._ftrun_slurm_node_rank = derived.node_rank
+    log.info(
+        "Slurm job %s: nnodes=%s node_rank=%s rdzv_id=%s rdzv_endpoint=%s",
+        derived.job_id, args.nnodes, derived.node_rank, args.rdzv_id, args.rdzv_endpoint,
+    )
+
+
+def check_script(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.module:
+        return
+    if args.no_python:
+        if os.path.sep in script and not os.path.isfile(script):
+            raise ConfigError(f"program {script!r} not found")
+        if os.path.sep not in script and shutil.which(script) is None:
+            raise ConfigError(f"program {script!r} not found on PATH")
+        return
+    if not os.path.isfile(script):
+        raise ConfigError(
+            f"training script {script!r} not found (cwd {os.getcwd()}); pass a path to a "
+            "Python file, or -m MODULE"
+        )
+
+
+def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host, port, is_master=is_master, multi_tenant=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def plan_rendezvous(args: argparse.Namespace, explicit: set[str], external: bool) -> RendezvousPlan | None:
+    """Decide who hosts the rendezvous store (and so the coordinator). Mutates ``args``."""
+    _, max_nodes = (int(x) for x in (args.nnodes.split(":") * 2)[:2])
+    single = args.standalone or (
+        args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+        and max_nodes == 1
+    )
+    if single:
+        # torch would bind localhost:0 inside its rendezvous; bind it here instead so the
+        # port is known before the coordinator publishes itself in the store.
+        store = _tcp_store("localhost", 0, True, 60)
+        args.standalone = False
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = f"localhost:{store.port}"
+        if args.rdzv_id == "none" or "rdzv_id" not in explicit:
+            args.rdzv_id = str(uuid.uuid4())
+        return RendezvousPlan("localhost", store.port, True, store)
+
+    if args.rdzv_backend == "static":
+        host = args.master_addr
+        port = args.master_port if args.master_port is not None else 29500
+        return RendezvousPlan(host, port, args.node_rank == 0)
+
+    if args.rdzv_backend != "c10d":
+        return None  # etcd and friends: no store of ours to publish in
+
+    conf = _parse_conf(args.rdzv_conf)
+    for key, value in RDZV_TUNING.items():
+        conf.setdefault(key, value)
+    host, port = _split_endpoint(args.rdzv_endpoint or "localhost", C10D_DEFAULT_PORT)
+    join_timeout = float(conf.get("join_timeout", 600))
+    if "is_host" in conf:
+        is_host = conf["is_host"].lower() in ("1", "true", "yes", "y")
+    elif external:
+        is_host = False
+    elif getattr(args, "_ftrun_slurm_node_rank", None) is not None:
+        is_host = args._ftrun_slurm_node_rank == 0
+    else:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        is_host = _matches_machine_hostname(host)
+    store = None
+    if is_host:
+        try:
+            store = _tcp_store(host, port, True, join_timeout)
+        except Exception as e:
+            if "is_host" in conf or getattr(args, "_ftrun_slurm_node_rank", None) == 0:
+                raise ConfigError(
+                    f"cannot host the rendezvous store on {host}:{port}: {e}. Is another job "
+                    "using that port? Pick another with --rdzv-endpoint."
+                ) from e
+            is_host = False  # another launcher on this host bound it first
+    conf["is_host"] = "1" if is_host else "0"
+    args.rdzv_conf = _format_conf(conf)
+    return RendezvousPlan(host, port, is_host, store)
+
+
+@contextlib.contextmanager
+def _agent_class(ctx: AgentContext) -> Iterator[None]:
+    """Have torch's launch_agent build an FtrunAgent where it builds a LocalElasticAgent."""
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+
+    def factory(**kwargs: Any) -> FtrunAgent:
+        return FtrunAgent(ctx=ctx, **kwargs)
+
+    launcher_api.LocalElasticAgent = factory  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+
+
+def _node_dir(run_id: str) -> Path:
+    base = Path(tempfile.gettempdir()) / f"ftrun-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{jobs._SAFE.sub('_', run_id)}.", dir=base))
+
+
+def _install_signal_forwarding(ctx: AgentContext) -> None:
+    def forward(signum: int, _frame: Any) -> None:
+        if ctx.agent is not None:
+            ctx.agent.forward_signal(signum)
+
+    signal.signal(signal.SIGUSR1, forward)
+
+
+def run(argv: list[str]) -> int:
+    """Launch one node of a job. Returns the process exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import run as torch_run
+
+    from ftrun.coordinator.client import NodeReporter
+    from ftrun.coordinator.server import Coordinator, lookup_endpoint, publish_endpoint
+
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on bad flags, exactly as torchrun
+    opts = ftrun_options(args)
+    explicit = explicit_dests(parser, argv)
+    apply_slurm(args, explicit, dict(os.environ))
+    check_script(args)
+    plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None)
+    run_id = args.rdzv_id
+    host = socket.gethostname()
+    node_id = f"{host}/{os.getpid()}"
+    secret = jobs.load_secret(run_id, opts.state_dir)
+
+    coordinator = None
+    endpoint = opts.coordinator
+    if plan is not None and plan.is_host and endpoint is None:
+        coordinator = Coordinator(
+            run_id, secret, advertise_host=plan.host if plan.host != "localhost" else "127.0.0.1",
+            node_timeout_s=opts.node_timeout_s,
+            events_file=jobs.events_path(run_id, opts.state_dir),
+        )
+        coordinator.start()
+        endpoint = coordinator.endpoint
+        if plan.store is None:
+            plan.store = _tcp_store(plan.host, plan.port, True, 60)
+        publish_endpoint(plan.store, endpoint)
+        jobs.write_job_file(
+            jobs.JobFile(run_id=run_id, endpoint=endpoint, host=host, pid=os.getpid(),
+                         started_at=time.time(), rdzv_endpoint=f"{plan.host}:{plan.port}"),
+            opts.state_dir,
+        )
+        log.info("coordinator of job %s at %s", run_id, endpoint)
+    elif plan is not None and endpoint is None:
+        conf = _parse_conf(args.rdzv_conf)
+        timeout_s = float(conf.get("join_timeout", 600))
+        store = _tcp_store(plan.host, plan.port, False, timeout_s)
+        endpoint = lookup_endpoint(store, timeout_s)
+
+    node_dir = _node_dir(run_id)
+    ctx = AgentContext(node_id=node_id, host=host, node_dir=node_dir,
+                       hang_timeout_s=opts.hang_timeout_s)
+    ctx.worker_env = {
+        knobs.RUN_ID.name: run_id,
+        knobs.JOB_DIR.name: str(jobs.job_dir(run_id, opts.state_dir)),
+        knobs.NODE_ID.name: node_id,
+        knobs.COORDINATOR.name: endpoint or "",
+        LAUNCHER_PID_ENV: str(os.getpid()),
+    }
+    # Restarted ranks must not bootstrap through the previous round's shared store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+    reporter = None
+    if endpoint:
+        def state() -> dict[str, Any]:
+            base = {"state": "init", "group_rank": None, "group_world_size": None,
+                    "restarts": 0, "max_restarts": args.max_restarts, "workers": [],
+                    "last_error": None}
+            return ctx.agent.node_state() if ctx.agent is not None else base
+
+        reporter = NodeReporter(endpoint, secret, run_id, node_id, host, state,
+                                interval_s=opts.heartbeat_interval_s)
+        reporter.start()
+        ctx.sink = reporter
+    _install_signal_forwarding(ctx)
+
+    exitcode = 1
+    final = "failed"
+    try:
+        with _agent_class(ctx):
+            torch_run(args)
+        exitcode, final = 0, "succeeded"
+    except ChildFailedError as e:
+        log.error("%s", e.format_msg())
+    except RendezvousError as e:
+        log.error("rendezvous failed: %s: %s", type(e).__name__, e)
+    except FtrunError:
+        raise
+    finally:
+        if reporter is not None:
+            reporter.event("job_end", exitcode=exitcode, state=final)
+            reporter.stop(final, exitcode)
+        if coordinator is not None:
+            coordinator.stop()
+        shutil.rmtree(node_dir, ignore_errors=True)
+    return exitcode

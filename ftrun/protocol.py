@@ -1,0 +1,322 @@
+"""The control-plane wire format: small, versioned, validated, size-limited, authenticated JSON.
+
+A message is a ZeroMQ multipart of exactly two frames::
+
+    [header: UTF-8 JSON object, MAC: HMAC-SHA256(job secret, header bytes), 32 raw bytes]
+
+The header carries ``v`` (protocol version), ``kind``, ``job`` (run id), ``sender``, ``ts``
+(unix time, float), ``id`` (random hex) and ``body`` (an object). Every kind's body has a
+schema in :data:`SCHEMAS`; unknown fields, wrong types, over-long strings and lists are
+rejected. Nothing is ever unpickled. Adding a kind is one entry in :data:`SCHEMAS`.
+
+:func:`decode` checks, in order: frame count, total size, MAC, JSON, version, header fields,
+job, kind, body schema, clock skew. :func:`verify` (the first three) and :func:`parse` (the
+rest) are exposed separately so a server can tell unauthenticated garbage (never answered)
+from an authentic but invalid message (answered with an ``error``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from ftrun.errors import AuthError, ConfigError, ProtocolError
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_STRING_CHARS = 64 * 1024
+MAX_LIST_ITEMS = 4096
+MAX_DEPTH = 16
+MAX_CLOCK_SKEW_S = 300.0
+MAC_BYTES = 32
+# The fixed, unsigned, one-frame answer a coordinator gives a request whose MAC is wrong. It
+# carries no information beyond "not accepted" and lets a client say "wrong secret" instead of
+# waiting for a timeout.
+AUTH_REFUSED = b"ftrun-auth-refused"
+
+_NONE = type(None)
+_HEX = re.compile(r"^[0-9a-f]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ListOf:
+    """A list field whose items are ``item``: a type, a tuple of types, or a nested schema."""
+
+    item: Any
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str
+    job: str
+    sender: str
+    ts: float
+    id: str
+    body: dict[str, Any]
+
+
+# A field spec is (type or tuple of types or ListOf or nested schema dict, required).
+FieldSpec = tuple[Union[type, tuple[type, ...], ListOf, dict[str, Any]], bool]
+Schema = dict[str, FieldSpec]
+
+WORKER_SCHEMA: Schema = {
+    "local_rank": (int, True),
+    "rank": (int, True),
+    "pid": (int, True),
+    "state": (str, True),
+    "exitcode": ((int, _NONE), True),
+}
+
+# The one table of message kinds. ``dict`` means "any JSON object" (still size-checked).
+SCHEMAS: dict[str, Schema] = {
+    "hello": {"node_id": (str, True), "host": (str, True), "pid": (int, True)},
+    "heartbeat": {
+        "node_id": (str, True),
+        "host": (str, True),
+        "pid": (int, True),
+        "state": (str, True),
+        "group_rank": ((int, _NONE), True),
+        "group_world_size": ((int, _NONE), True),
+        "restarts": (int, True),
+        "max_restarts": (int, True),
+        "workers": (ListOf(WORKER_SCHEMA), True),
+        "last_error": ((str, _NONE), True),
+        "extra": (dict, False),
+    },
+    "event": {"node_id": (str, True), "type": (str, True), "data": (dict, True)},
+    "bye": {"node_id": (str, True), "state": (str, True), "exitcode": (int, True)},
+    "status_request": {},
+    "status_reply": {"doc": (dict, True)},
+    "events_request": {"since": (int, False)},
+    "events_reply": {"events": (ListOf(dict), True), "more": (bool, False)},
+    "error": {"message": (str, True), "error": (str, False)},
+    "ack": {},
+}
+
+_HEADER: Schema = {
+    "v": (int, True),
+    "kind": (str, True),
+    "job": (str, True),
+    "sender": (str, True),
+    "ts": (float, True),
+    "id": (str, True),
+    "body": (dict, True),
+}
+
+
+def _type_names(types: Any) -> str:
+    if isinstance(types, ListOf):
+        return "list"
+    if isinstance(types, dict):
+        return "object"
+    if not isinstance(types, tuple):
+        types = (types,)
+    names = {_NONE: "null", dict: "object", list: "list", str: "string", int: "int",
+             float: "number", bool: "bool"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _is_instance(value: Any, types: Any) -> bool:
+    if not isinstance(types, tuple):
+        types = (types,)
+    for t in types:
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if t is bool and isinstance(value, bool):
+            return True
+        if t not in (int, float, bool) and isinstance(value, t):
+            return True
+    return False
+
+
+def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
+    """Caps on free-form JSON: depth, string length, list length (sizes are capped anyway)."""
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"{where} nests deeper than {MAX_DEPTH} levels")
+    if isinstance(value, str):
+        if len(value) > MAX_STRING_CHARS:
+            raise ProtocolError(f"{where} is a string of {len(value)} chars (max {MAX_STRING_CHARS})")
+    elif isinstance(value, list):
+        if len(value) > MAX_LIST_ITEMS:
+            raise ProtocolError(f"{where} is a list of {len(value)} items (max {MAX_LIST_ITEMS})")
+        for i, item in enumerate(value):
+            _check_json_value(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        if len(value) > MAX_LIST_ITEMS:
+            raise ProtocolError(f"{where} has {len(value)} keys (max {MAX_LIST_ITEMS})")
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError(f"{where} has a non-string key {key!r}")
+            _check_json_value(key, f"{where} key", depth + 1)
+            _check_json_value(item, f"{where}.{key}", depth + 1)
+    elif value is None or isinstance(value, (bool, int, float)):
+        return
+    else:
+        raise ProtocolError(f"{where} holds a {type(value).__name__}, which is not JSON")
+
+
+def _check_value(value: Any, spec: Any, where: str, depth: int) -> None:
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
+        validate(spec, value, where, depth + 1)
+        return
+    if isinstance(spec, ListOf):
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+        if len(value) > MAX_LIST_ITEMS:
+            raise ProtocolError(f"{where} is a list of {len(value)} items (max {MAX_LIST_ITEMS})")
+        for i, item in enumerate(value):
+            _check_value(item, spec.item, f"{where}[{i}]", depth + 1)
+        return
+    if not _is_instance(value, spec):
+        raise ProtocolError(
+            f"{where} must be {_type_names(spec)}, got {type(value).__name__} {_short(value)}"
+        )
+    _check_json_value(value, where, depth)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validate(schema: Mapping[str, FieldSpec], obj: Mapping[str, Any], where: str = "body",
+             depth: int = 0) -> None:
+    """Check ``obj`` against ``schema``: no unknown fields, required ones present, types right."""
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"{where} nests deeper than {MAX_DEPTH} levels")
+    unknown = sorted(set(obj) - set(schema))
+    if unknown:
+        raise ProtocolError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))}")
+    for name, (spec, required) in schema.items():
+        if name not in obj:
+            if required:
+                raise ProtocolError(f"{where} lacks required field {name!r}")
+            continue
+        _check_value(obj[name], spec, f"{where}.{name}", depth)
+
+
+def _mac(secret: bytes, header: bytes) -> bytes:
+    return hmac.new(secret, header, hashlib.sha256).digest()
+
+
+def encode(kind: str, body: Mapping[str, Any], *, secret: bytes, job: str,
+           sender: str) -> list[bytes]:
+    """Build the two signed frames of one message; the body is validated like on receipt."""
+    if kind not in SCHEMAS:
+        raise ProtocolError(f"unknown message kind {kind!r}; known: {', '.join(sorted(SCHEMAS))}")
+    body = dict(body)
+    validate(SCHEMAS[kind], body, f"{kind} body")
+    header_obj = {
+        "v": VERSION,
+        "kind": kind,
+        "job": job,
+        "sender": sender,
+        "ts": time.time(),
+        "id": secrets.token_hex(8),
+        "body": body,
+    }
+    try:
+        header = json.dumps(header_obj, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"{kind} body is not JSON-serialisable: {e}") from e
+    if len(header) + MAC_BYTES > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"{kind} message is {len(header) + MAC_BYTES} bytes (max {MAX_MESSAGE_BYTES})"
+        )
+    return [header, _mac(secret, header)]
+
+
+def verify(frames: Sequence[bytes], *, secret: bytes) -> bytes:
+    """Frame count, size and MAC: return the authenticated header bytes.
+
+    Everything this raises concerns an unauthenticated peer and must not be answered with
+    details. A wrong MAC raises :class:`AuthError`, the rest :class:`ProtocolError`.
+    """
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames (header, MAC), got {len(frames)}")
+    header, mac = bytes(frames[0]), bytes(frames[1])
+    size = len(header) + len(mac)
+    if size > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message is {size} bytes (max {MAX_MESSAGE_BYTES})")
+    if not hmac.compare_digest(mac, _mac(secret, header)):
+        raise AuthError(
+            "message not signed with this job's secret (wrong FTRUN_SECRET or state directory, "
+            "or not an ftrun peer)"
+        )
+    return header
+
+
+def parse(header: bytes, *, job: str, now: float | None = None) -> Message:
+    """Parse and validate authenticated header bytes (see :func:`verify`)."""
+    try:
+        obj = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"header is not UTF-8 JSON: {_short(str(e), 120)}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"header must be a JSON object, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            f"message has protocol version {_short(version)}; this ftrun supports version "
+            f"{VERSION}: run the same ftrun release on every node and for `ftrun status`"
+        )
+    validate(_HEADER, obj, "header")
+    if obj["job"] != job:
+        raise ProtocolError(f"message is for job {_short(obj['job'])}, this is job {job!r}")
+    kind = obj["kind"]
+    if kind not in SCHEMAS:
+        raise ProtocolError(f"unknown message kind {_short(kind)}")
+    if not _HEX.match(obj["id"]):
+        raise ProtocolError(f"message id {_short(obj['id'])} is not a short hex string")
+    validate(SCHEMAS[kind], obj["body"], f"{kind} body")
+    current = time.time() if now is None else now
+    skew = float(obj["ts"]) - current
+    if abs(skew) > MAX_CLOCK_SKEW_S:
+        raise ProtocolError(
+            f"message timestamp is {skew:+.0f} s off this host's clock (max "
+            f"{MAX_CLOCK_SKEW_S:.0f} s): a replay, or clocks out of sync (run NTP)"
+        )
+    return Message(
+        kind=kind,
+        job=obj["job"],
+        sender=obj["sender"],
+        ts=float(obj["ts"]),
+        id=obj["id"],
+        body=obj["body"],
+    )
+
+
+def decode(frames: Sequence[bytes], *, secret: bytes, job: str,
+           now: float | None = None) -> Message:
+    """Authenticate and validate one message; raise AuthError or ProtocolError."""
+    return parse(verify(frames, secret=secret), job=job, now=now)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6addr]:port"`` -> (host, port)."""
+    host, sep, port_s = endpoint.strip().rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ConfigError(f"endpoint {endpoint!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port_s)
+
+
+def join_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def zmq_url(endpoint: str) -> str:
+    host, port = split_endpoint(endpoint)
+    return f"tcp://{join_endpoint(host, port)}"

@@ -1,0 +1,1 @@
+"""What runs inside the ranks: progress reports (and, later, the snapshot client)."""

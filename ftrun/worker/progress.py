@@ -1,0 +1,78 @@
+"""Progress reports from a rank to its launcher, for hang detection.
+
+Each rank gets a tiny file (``FTRUN_PROGRESS_FILE``) that it maps and overwrites with
+``(step, CLOCK_MONOTONIC ns)`` whenever it calls :func:`progress`. The launcher reads the same
+file (``read_progress``) and restarts the workers when a rank that reported before goes
+silent for longer than ``--hang-timeout``. CLOCK_MONOTONIC is one clock for the whole host, so
+launcher and rank compare the same timeline. Writing is a 16-byte store into shared pages: no
+system call on the training path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+from ftrun import knobs
+
+_LAYOUT = struct.Struct("<qq")  # step, monotonic ns
+SIZE = _LAYOUT.size
+
+_map: mmap.mmap | None = None
+_path: str | None = None
+
+
+def create_progress_file(path: str) -> None:
+    """Create (or reset) a rank's progress file; called by the launcher before each start."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, _LAYOUT.pack(-1, 0))
+    finally:
+        os.close(fd)
+
+
+def progress(step: int) -> None:
+    """Tell the launcher this rank finished ``step``. A no-op outside ftrun; never raises."""
+    global _map, _path
+    path = knobs.PROGRESS_FILE.get()
+    if not path:
+        return
+    try:
+        if _map is None or _path != path:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                _map = mmap.mmap(fd, SIZE)
+            finally:
+                os.close(fd)
+            _path = path
+        _map[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns())
+    except (OSError, ValueError):
+        # The launcher owns the file; if it vanished, the launcher is gone or restarting us.
+        _map = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    monotonic_ns: int
+
+    @property
+    def reported(self) -> bool:
+        return self.step >= 0
+
+    def age_s(self, now_ns: int | None = None) -> float:
+        return ((now_ns or time.monotonic_ns()) - self.monotonic_ns) / 1e9
+
+
+def read_progress(path: str) -> Progress | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(SIZE)
+    except OSError:
+        return None
+    if len(data) != SIZE:
+        return None
+    return Progress(*_LAYOUT.unpack(data))
