@@ -31,6 +31,7 @@ does not fire again.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -320,6 +321,48 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
     return args
 
 
+def train(
+    args: argparse.Namespace, rank: int, world_size: int, device: torch.device
+) -> tuple[float, str]:
+    """Run the training loop; return the last step's global-batch loss and the params digest.
+
+    The digest is computed on rank 0 only (other ranks return ""). Everything that references the
+    process group (DDP and its reducer) is local to this function, so it is gone before the
+    caller destroys the process group.
+    """
+    distributed = dist.is_initialized()
+    torch.manual_seed(args.seed)  # same on every rank, so every rank builds the same model
+    model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers).to(device)
+    train_model: nn.Module = model
+    if distributed:
+        device_ids = [device.index] if device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=device_ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    per_rank = args.batch // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    last_loss = torch.zeros((), device=device)
+    for step in range(1, args.steps + 1):
+        inputs, targets = global_batch(args.seed, step, args.batch, args.seq_len, args.vocab)
+        inputs, targets = inputs[rows].to(device), targets[rows].to(device)
+        logits = train_model(inputs)
+        loss = F.cross_entropy(logits.view(-1, args.vocab), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        maybe_inject_fault(args, rank, step)
+        optimizer.step()
+        last_loss = loss.detach()
+        _progress(step)
+
+    # Mean over the global batch (equal slices, so the mean of the per-rank means).
+    if distributed:
+        last_loss = last_loss.clone()
+        dist.all_reduce(last_loss, op=dist.ReduceOp.SUM)
+        last_loss /= world_size
+    digest = params_digest(model) if rank == 0 else ""
+    return float(last_loss.item()), digest
+
+
 def main(argv: list[str] | None = None) -> int:
     distributed = "RANK" in os.environ
     rank = int(os.environ["RANK"]) if distributed else 0
@@ -343,44 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
 
-    torch.manual_seed(args.seed)  # same on every rank, so every rank builds the same model
-    model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers).to(device)
-    train_model: nn.Module = model
-    if distributed:
-        device_ids = [local_rank] if device.type == "cuda" else None
-        train_model = DistributedDataParallel(model, device_ids=device_ids)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-
-    per_rank = args.batch // world_size
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    loss = torch.zeros((), device=device)
-    for step in range(1, args.steps + 1):
-        inputs, targets = global_batch(args.seed, step, args.batch, args.seq_len, args.vocab)
-        inputs, targets = inputs[rows].to(device), targets[rows].to(device)
-        logits = train_model(inputs)
-        loss = F.cross_entropy(logits.view(-1, args.vocab), targets.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        maybe_inject_fault(args, rank, step)
-        optimizer.step()
-        _progress(step)
-
-    # Mean over the global batch (equal slices, so the mean of the per-rank means).
-    last_loss = loss.detach().clone()
-    if distributed:
-        dist.all_reduce(last_loss, op=dist.ReduceOp.SUM)
-        last_loss /= world_size
-    loss_value = float(last_loss.item())
+    loss, digest = train(args, rank, world_size, device)
 
     if rank == 0:
-        digest = params_digest(model)
-        print(f"{PREFIX}: step={args.steps} loss={loss_value:.6f} params_xxh3={digest}", flush=True)
+        print(f"{PREFIX}: step={args.steps} loss={loss:.6f} params_xxh3={digest}", flush=True)
         if args.result:
             write_json_atomic(
                 args.result,
                 {
                     "step": args.steps,
-                    "loss": loss_value,
+                    "loss": loss,
                     "params_xxh3": digest,
                     "world_size": world_size,
                     "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
@@ -389,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     if distributed:
+        # DDP's reducer holds a reference to the process group and is destroyed with the GIL
+        # held. If it dropped the last reference, ~ProcessGroupGloo would join its worker
+        # threads while one of them waits for the GIL to free a finished collective's tensor:
+        # a deadlock at exit. So collect DDP first; the group's own Python binding releases
+        # the GIL while it is torn down in destroy_process_group().
+        gc.collect()
         dist.destroy_process_group()
     return 0
 

@@ -69,7 +69,7 @@ Schema = dict[str, FieldSpec]
 WORKER_SCHEMA: Schema = {
     "local_rank": (int, True),
     "rank": (int, True),
-    "pid": (int, True),
+    "pid": ((int, _NONE), True),  # null while the worker is not (yet) running
     "state": (str, True),
     "exitcode": ((int, _NONE), True),
 }
@@ -97,7 +97,7 @@ SCHEMAS: dict[str, Schema] = {
     "events_request": {"since": (int, False)},
     "events_reply": {"events": (ListOf(dict), True), "more": (bool, False)},
     "error": {"message": (str, True), "error": (str, False)},
-    "ack": {},
+    "ack": {"re": (str, False)},
 }
 
 _HEADER: Schema = {
@@ -144,7 +144,9 @@ def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
         raise ProtocolError(f"{where} nests deeper than {MAX_DEPTH} levels")
     if isinstance(value, str):
         if len(value) > MAX_STRING_CHARS:
-            raise ProtocolError(f"{where} is a string of {len(value)} chars (max {MAX_STRING_CHARS})")
+            raise ProtocolError(
+                f"{where} is a string of {len(value)} chars (max {MAX_STRING_CHARS})"
+            )
     elif isinstance(value, list):
         if len(value) > MAX_LIST_ITEMS:
             raise ProtocolError(f"{where} is a list of {len(value)} items (max {MAX_LIST_ITEMS})")

@@ -1,0 +1,297 @@
+"""``ftrun status``: list the jobs in the state directory, or show one job's status.
+
+Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
+from :mod:`ftrun.cli.exit_codes`. JSON output goes through ``sys.stdout.write`` only (never
+through rich), so it is never wrapped or styled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ftrun import jobs, knobs
+from ftrun.cli import exit_codes
+from ftrun.coordinator.client import request
+from ftrun.errors import (
+    AuthError,
+    ConfigError,
+    FtrunError,
+    JobNotFoundError,
+    UnreachableError,
+)
+
+LIST_VERSION = 1
+ERROR_CHARS = 60
+
+_HEALTH_CODES = {
+    "healthy": exit_codes.OK,
+    "finished": exit_codes.OK,
+    "starting": exit_codes.OK,
+    "degraded": exit_codes.DEGRADED,
+    "failed": exit_codes.JOB_FAILED,
+}
+_HEALTH_STYLE = {
+    "healthy": "green",
+    "finished": "green",
+    "starting": "cyan",
+    "degraded": "yellow",
+    "failed": "bold red",
+}
+
+
+def exit_code_for(doc: dict[str, Any]) -> int:
+    """OK for healthy/finished/starting, DEGRADED, JOB_FAILED; DEGRADED when unknown."""
+    return _HEALTH_CODES.get(str(doc.get("health")), exit_codes.DEGRADED)
+
+
+def _error_code(e: FtrunError) -> int:
+    if isinstance(e, AuthError):
+        return exit_codes.AUTH
+    if isinstance(e, UnreachableError):
+        return exit_codes.UNREACHABLE
+    if isinstance(e, JobNotFoundError):
+        return exit_codes.NOT_FOUND
+    if isinstance(e, ConfigError):
+        return exit_codes.USAGE
+    return exit_codes.FAILED
+
+
+def _fail(e: FtrunError) -> int:
+    sys.stderr.write(f"ftrun status: {e}\n")
+    sys.stderr.flush()
+    return _error_code(e)
+
+
+# -- job list ---------------------------------------------------------------------------------
+
+
+def _liveness(job: jobs.JobFile) -> bool | None:
+    """True/False when the job's process is on this host, None when it cannot be told."""
+    if job.host != socket.gethostname() or job.pid <= 0:
+        return None
+    try:
+        os.kill(job.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return None
+    return True
+
+
+def _fmt_time(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def list_jobs(*, json_out: bool, no_headers: bool, state_dir: str | None) -> int:
+    """Print the jobs known in the state directory, newest first."""
+    found = jobs.list_jobs(state_dir)
+    rows = []
+    for job in found:
+        rows.append({
+            "run_id": job.run_id,
+            "endpoint": job.endpoint,
+            "rdzv_endpoint": job.rdzv_endpoint,
+            "host": job.host,
+            "pid": job.pid,
+            "started_at": job.started_at,
+            "live": _liveness(job),
+        })
+    if json_out:
+        sys.stdout.write(json.dumps({"version": LIST_VERSION, "jobs": rows}) + "\n")
+        sys.stdout.flush()
+        return exit_codes.OK
+    console = Console()
+    if not rows:
+        if not no_headers:
+            console.print(f"no jobs in {knobs.state_dir(state_dir)}")
+        return exit_codes.OK
+    table = Table(show_header=not no_headers, box=None, pad_edge=False)
+    for column in ("run id", "coordinator", "host", "pid", "started", "live"):
+        table.add_column(column, no_wrap=True)
+    for row in rows:
+        live = {True: "[green]live[/]", False: "[dim]gone[/]", None: "?"}[row["live"]]
+        table.add_row(Text(row["run_id"]), row["endpoint"], row["host"], str(row["pid"]),
+                      _fmt_time(row["started_at"]), live)
+    console.print(table)
+    return exit_codes.OK
+
+
+# -- one job ----------------------------------------------------------------------------------
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    if not ranks:
+        return "-"
+    parts: list[str] = []
+    ordered = sorted(ranks)
+    start = prev = ordered[0]
+    for r in ordered[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)
+
+
+def _age_text(age_s: float | None) -> str:
+    if age_s is None:
+        return "-"
+    if age_s < 60:
+        return f"{age_s:.1f}s ago"
+    if age_s < 3600:
+        return f"{age_s / 60:.0f}m ago"
+    return f"{age_s / 3600:.1f}h ago"
+
+
+def _truncate(text: str | None, limit: int = ERROR_CHARS) -> str:
+    if not text:
+        return ""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
+    """The status table (and summary line unless ``no_headers``) of a status document."""
+    table = Table(show_header=not no_headers, box=None, pad_edge=False)
+    for column in ("node", "host", "ranks", "state", "restarts", "last heartbeat",
+                   "last error"):
+        table.add_column(column, no_wrap=column != "last error")
+    for node in doc.get("nodes", []):
+        group_rank = node.get("group_rank")
+        state = Text(str(node.get("state", "?")))
+        if node.get("lost"):
+            state = Text(f"lost ({node.get('state', '?')})", style="bold red")
+        elif node.get("state") == "failed":
+            state.stylize("red")
+        elif node.get("state") in ("restarting", "rendezvous"):
+            state.stylize("yellow")
+        table.add_row(
+            "?" if group_rank is None else str(group_rank),
+            Text(str(node.get("host", ""))),
+            _ranks_text(list(node.get("ranks", []))),
+            state,
+            f"{node.get('restarts', 0)}/{node.get('max_restarts', 0)}",
+            _age_text(node.get("last_heartbeat_age_s")),
+            Text(_truncate(node.get("last_error"))),
+        )
+    if no_headers:
+        return Group(table)
+    summary = doc.get("summary", {})
+    health = str(doc.get("health", "?"))
+    lost = summary.get("nodes_lost", 0)
+    line = Text.assemble(
+        ("job ", ""), (str(doc.get("run_id", "?")), "bold"), (": ", ""),
+        (health, _HEALTH_STYLE.get(health, "")),
+        (f" | {summary.get('nodes', 0)} node(s), {summary.get('ranks', 0)} rank(s), "
+         f"{summary.get('workers_running', 0)} running", ""),
+        (f" | {lost} lost", "bold red" if lost else ""),
+        (f" | {summary.get('restarts', 0)} restart(s)", ""),
+    )
+    return Group(table, line)
+
+
+def _fetch(endpoint: str, secret: bytes, run_id: str, timeout_s: float) -> dict[str, Any]:
+    reply = request(endpoint, secret, run_id, "status_request", {}, timeout_s=timeout_s)
+    if reply.kind != "status_reply":
+        raise FtrunError(f"coordinator at {endpoint} answered {reply.kind!r} to a status request")
+    return dict(reply.body["doc"])
+
+
+def run_status(
+    run_id: str | None,
+    *,
+    endpoint: str | None,
+    json_out: bool,
+    watch: bool,
+    no_headers: bool,
+    state_dir: str | None,
+    interval_s: float = 2.0,
+    timeout_s: float = 5.0,
+) -> int:
+    """``ftrun status [RUN_ID]``: list jobs, or show (and with ``watch`` follow) one job."""
+    try:
+        if not run_id and not endpoint:
+            return list_jobs(json_out=json_out, no_headers=no_headers, state_dir=state_dir)
+        if not run_id:
+            run_id = knobs.RUN_ID.get()
+            if not run_id:
+                raise ConfigError(
+                    "--endpoint needs the job's run id too: ftrun status RUN_ID --endpoint H:P"
+                )
+        if not endpoint:
+            endpoint = jobs.read_job_file(run_id, state_dir).endpoint
+        secret = jobs.load_secret(run_id, state_dir, create=False)
+    except FtrunError as e:
+        return _fail(e)
+    if not watch:
+        try:
+            doc = _fetch(endpoint, secret, run_id, timeout_s)
+        except FtrunError as e:
+            return _fail(e)
+        _emit(doc, json_out=json_out, no_headers=no_headers, compact=False)
+        return exit_code_for(doc)
+    return _watch(endpoint, secret, run_id, json_out=json_out, no_headers=no_headers,
+                  interval_s=interval_s, timeout_s=timeout_s)
+
+
+def _emit(doc: dict[str, Any], *, json_out: bool, no_headers: bool, compact: bool) -> None:
+    if json_out:
+        text = json.dumps(doc, separators=(",", ":")) if compact else json.dumps(doc)
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    else:
+        Console().print(render_status(doc, no_headers=no_headers))
+
+
+def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_headers: bool,
+           interval_s: float, timeout_s: float) -> int:
+    interval_s = max(0.1, interval_s)
+    code = exit_codes.UNREACHABLE
+    console = Console()
+    live: Live | None = None
+    if not json_out and console.is_terminal:
+        live = Live(Text("contacting the coordinator…"), console=console,
+                    refresh_per_second=4, transient=False)
+        live.start()
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                doc = _fetch(endpoint, secret, run_id, timeout_s)
+            except FtrunError as e:
+                code = _error_code(e)
+                if live is not None:
+                    live.update(Text(f"ftrun status: {e}", style="red"))
+                else:
+                    sys.stderr.write(f"ftrun status: {e}\n")
+                    sys.stderr.flush()
+            else:
+                code = exit_code_for(doc)
+                if live is not None:
+                    stamp = Text(f"every {interval_s:g}s, {_fmt_time(time.time())}", style="dim")
+                    live.update(Group(render_status(doc, no_headers=no_headers), stamp))
+                else:
+                    _emit(doc, json_out=json_out, no_headers=no_headers, compact=True)
+            time.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+    return code

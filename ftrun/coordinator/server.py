@@ -1,0 +1,672 @@
+"""The job coordinator: one ZeroMQ ROUTER that every node launcher reports to.
+
+It keeps what each node last said (state, workers, restarts), notices nodes that go quiet,
+records a structured event log (in memory, bounded, and as JSON lines in the job's
+``events.jsonl``), and answers ``ftrun status`` with a versioned status document. Every
+message is authenticated with the job secret (see :mod:`ftrun.protocol`); bad messages are
+logged, counted and recorded, never allowed to crash the loop.
+
+It runs inside the launcher of node 0 (:meth:`Coordinator.start`, a daemon thread) or as a
+standalone process that also hosts the job's c10d rendezvous store (:func:`run_standalone`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ftrun import jobs, protocol
+from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
+
+log = logging.getLogger(__name__)
+
+STATUS_VERSION = 1
+ENDPOINT_KEY = "ftrun/coordinator"
+MAX_EVENTS = 10_000
+EVENTS_TAIL = 20
+POLL_INTERVAL_S = 0.1
+MAX_MESSAGES_PER_TICK = 1000
+WARN_EVERY_S = 10.0
+MAX_AUTH_REFUSALS_PER_S = 5
+EVENTS_REPLY_MAX = 1000
+EVENTS_REPLY_BYTES = protocol.MAX_MESSAGE_BYTES // 2
+BIND_TIMEOUT_S = 10.0
+
+# States the launcher reports for its node.
+NODE_FAILED = "failed"
+NODE_SUCCEEDED = "succeeded"
+NODE_RECOVERING = frozenset({"restarting", "rendezvous"})
+# Worker states (lower-cased) that count as running, and as failed.
+WORKER_RUNNING = frozenset({"running", "healthy"})
+WORKER_BAD = frozenset({"failed", "unhealthy"})
+
+
+@dataclass
+class _Node:
+    node_id: str
+    host: str
+    pid: int
+    first_seen: float
+    last_seen: float  # unix time of the last message of any kind
+    last_seen_mono: float
+    state: str = "init"
+    heartbeat: dict[str, Any] = field(default_factory=dict)
+    lost: bool = False
+    left: bool = False
+    exitcode: int | None = None
+
+
+@dataclass(frozen=True)
+class _Peer:
+    identity: bytes
+    address: str
+
+    def __str__(self) -> str:
+        return f"{self.address or '?'} (id {self.identity.hex()})"
+
+
+class _RateLimiter:
+    """Let through the first of each key per ``every_s``; count what was held back."""
+
+    def __init__(self, every_s: float, max_keys: int = 1024) -> None:
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._last: dict[Any, tuple[float, int]] = {}
+
+    def allow(self, key: Any) -> tuple[bool, int]:
+        """(allowed, number suppressed since the last allowed one)."""
+        now = time.monotonic()
+        last, suppressed = self._last.get(key, (float("-inf"), 0))
+        if now - last >= self.every_s:
+            if len(self._last) >= self.max_keys:
+                self._last.clear()
+            self._last[key] = (now, 0)
+            return True, suppressed
+        self._last[key] = (last, suppressed + 1)
+        return False, suppressed + 1
+
+
+def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None) -> str:
+    """The job's health from the ``nodes`` of a status document.
+
+    Rules, first match wins:
+
+    * ``starting``: no node has reported yet, or fewer than the expected minimum of nodes
+      joined and none reached ``healthy``;
+    * ``failed``: a node reports state ``failed``, or a node has a failed worker (state
+      failed/unhealthy or a non-zero exit code) and no restarts left;
+    * ``finished``: every node reports ``succeeded``, or left (``bye``) with exit code 0;
+    * ``degraded``: a node is lost (silent for the node timeout), or a node is in
+      ``restarting``/``rendezvous`` after at least one restart, or a worker failed while
+      restarts remain, or a node left with a non-zero exit code;
+    * ``healthy``: otherwise.
+    """
+    if not nodes:
+        return "starting"
+    if (expected_min_nodes and len(nodes) < expected_min_nodes
+            and not any(n["state"] == "healthy" for n in nodes)):
+        return "starting"
+    for n in nodes:
+        if n["state"] == NODE_FAILED:
+            return "failed"
+        if _has_bad_worker(n) and n["restarts"] >= n["max_restarts"] and not n["left"]:
+            return "failed"
+    if all(n["state"] == NODE_SUCCEEDED or (n["left"] and n["exitcode"] == 0) for n in nodes):
+        return "finished"
+    for n in nodes:
+        if n["lost"]:
+            return "degraded"
+        if n["state"] in NODE_RECOVERING and n["restarts"] > 0:
+            return "degraded"
+        if _has_bad_worker(n) and n["restarts"] < n["max_restarts"]:
+            return "degraded"
+        if n["left"] and n["exitcode"] not in (None, 0):
+            return "degraded"
+    return "healthy"
+
+
+def _has_bad_worker(node: dict[str, Any]) -> bool:
+    return any(
+        str(w.get("state", "")).lower() in WORKER_BAD or w.get("exitcode") not in (None, 0)
+        for w in node["workers"]
+    )
+
+
+def _worker_running(worker: dict[str, Any]) -> bool:
+    return worker.get("exitcode") is None and str(worker.get("state", "")).lower() in WORKER_RUNNING
+
+
+class Coordinator:
+    """The control-plane server of one job.
+
+    Thread-safety: the ZeroMQ socket is only used by the serving thread; the node table and
+    the event log are guarded by a lock so :meth:`status_document` and :meth:`events` can be
+    called from anywhere.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        secret: bytes,
+        *,
+        bind_host: str = "0.0.0.0",
+        port: int = 0,
+        advertise_host: str = "127.0.0.1",
+        node_timeout_s: float = 10.0,
+        events_file: Path | None = None,
+        expected_nodes: tuple[int, int] | None = None,
+    ) -> None:
+        if not secret:
+            raise FtrunError("the coordinator needs a non-empty job secret")
+        self.run_id = run_id
+        self._secret = secret
+        self._bind_host = bind_host
+        self._port = port
+        self._advertise_host = advertise_host
+        self.node_timeout_s = node_timeout_s
+        self._events_file = events_file
+        self._expected_nodes = expected_nodes
+        self._lock = threading.Lock()
+        self._nodes: dict[str, _Node] = {}
+        self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self._seq = 0
+        self._events_fh: Any = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._bound_port: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._serving = threading.Event()
+        self._started_at = time.time()
+        self._warn_limiter = _RateLimiter(WARN_EVERY_S)
+        self._refusals: dict[str, tuple[float, int]] = {}
+        self.counters: dict[str, int] = {"messages": 0, "auth_failures": 0, "bad_messages": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """``advertise_host:port`` with the port actually bound."""
+        if self._bound_port is None:
+            raise FtrunError("the coordinator is not bound yet; call bind() or start() first")
+        return protocol.join_endpoint(self._advertise_host, self._bound_port)
+
+    def bind(self) -> str:
+        """Bind the ROUTER socket (idempotent), record ``job_start``; return the endpoint."""
+        if self._sock is not None:
+            return self.endpoint
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES + 1024)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.setsockopt(zmq.RCVHWM, 10_000)
+            if ":" in self._bind_host:
+                sock.setsockopt(zmq.IPV6, 1)
+            host = f"[{self._bind_host}]" if ":" in self._bind_host else self._bind_host
+            port = "*" if self._port == 0 else str(self._port)
+            sock.bind(f"tcp://{host}:{port}")
+            last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._bound_port = int(last.rsplit(":", 1)[1])
+        except zmq.ZMQError as e:
+            sock.close(0)
+            ctx.term()
+            raise FtrunError(
+                f"coordinator cannot listen on {self._bind_host}:{self._port}: {e}; pick another "
+                "port or free this one"
+            ) from e
+        self._ctx, self._sock = ctx, sock
+        if self._events_file is not None:
+            self._open_events_file(self._events_file)
+        self._stop.clear()
+        log.info("coordinator of job %s listening on %s (bound %s:%s)", self.run_id,
+                 self.endpoint, self._bind_host, self._bound_port)
+        self._record("job_start", None, {"run_id": self.run_id, "endpoint": self.endpoint,
+                                         "pid": os.getpid()})
+        return self.endpoint
+
+    def start(self) -> None:
+        """Bind and serve in a daemon thread; returns once the socket is bound."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self.bind()
+        self._thread = threading.Thread(
+            target=self._serve, args=(self._stop,), name=f"ftrun-coordinator-{self.run_id}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def serve_forever(self, stop_event: threading.Event) -> None:
+        """Bind if needed and serve in the calling thread until ``stop_event`` is set."""
+        self.bind()
+        self._serving.set()
+        try:
+            self._serve(stop_event)
+        finally:
+            self._close()
+            self._serving.clear()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving (bounded by ``timeout_s``) and release the socket."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("coordinator thread did not stop within %.1f s; abandoning it",
+                            timeout_s)
+                return
+            self._thread = None
+        if self._serving.is_set():  # serve_forever() in another thread closes on its way out
+            deadline = time.monotonic() + timeout_s
+            while self._serving.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return
+        self._close()
+
+    def _close(self) -> None:
+        sock, ctx = self._sock, self._ctx
+        self._sock = self._ctx = None
+        if sock is not None:
+            sock.close(0)
+        if ctx is not None:
+            ctx.term()
+        with self._lock:
+            if self._events_fh is not None:
+                try:
+                    self._events_fh.close()
+                except OSError as e:
+                    log.warning("closing the event log failed: %s", e)
+                self._events_fh = None
+
+    def _open_events_file(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._events_fh = os.fdopen(fd, "a", encoding="utf-8")
+        except OSError as e:
+            log.error("cannot open the event log %s (%s); events stay in memory only", path, e)
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def _serve(self, stop_event: threading.Event) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        timeout_ms = int(POLL_INTERVAL_S * 1000)
+        while not stop_event.is_set() and not self._stop.is_set():
+            try:
+                if poller.poll(timeout_ms):
+                    for _ in range(MAX_MESSAGES_PER_TICK):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(sock, frames)
+                self._check_lost()
+            except zmq.ContextTerminated:
+                break
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("coordinator loop error; continuing")
+                time.sleep(POLL_INTERVAL_S)
+        log.debug("coordinator of job %s stopped serving", self.run_id)
+
+    def _handle(self, sock: zmq.Socket[Any], frames: list[Any]) -> None:
+        identity = bytes(frames[0].bytes)
+        try:
+            address = frames[0].get("Peer-Address") or ""
+        except zmq.ZMQError:
+            address = ""
+        peer = _Peer(identity, address)
+        payload = [f.bytes for f in frames[1:]]
+        self.counters["messages"] += 1
+        try:
+            header = protocol.verify(payload, secret=self._secret)
+        except AuthError as e:
+            self.counters["auth_failures"] += 1
+            self._reject("auth_failure", peer, str(e))
+            if self._may_refuse(peer.address):
+                self._send(sock, identity, [protocol.AUTH_REFUSED])
+            return
+        except ProtocolError as e:
+            self.counters["bad_messages"] += 1
+            self._reject("bad_message", peer, str(e))
+            return
+        try:
+            msg = protocol.parse(header, job=self.run_id)
+        except ProtocolError as e:
+            self.counters["bad_messages"] += 1
+            self._reject("bad_message", peer, str(e))
+            self._reply(sock, identity, "error",
+                        {"message": str(e), "error": type(e).__name__})
+            return
+        try:
+            self._dispatch(sock, identity, msg)
+        except FtrunError as e:
+            log.warning("cannot answer %s from %s: %s", msg.kind, peer, e)
+            self._reply(sock, identity, "error", {"message": str(e), "error": type(e).__name__})
+
+    def _reject(self, kind: str, peer: _Peer, reason: str) -> None:
+        allowed, suppressed = self._warn_limiter.allow((kind, peer.address, reason))
+        if not allowed:
+            return
+        more = f" ({suppressed} identical ones suppressed)" if suppressed else ""
+        log.warning("%s from peer %s: %s%s", kind.replace("_", " "), peer, reason, more)
+        data: dict[str, Any] = {"peer": peer.address, "reason": reason}
+        if suppressed:
+            data["suppressed"] = suppressed
+        self._record(kind, None, data)
+
+    def _may_refuse(self, address: str) -> bool:
+        now = time.monotonic()
+        start, count = self._refusals.get(address, (now, 0))
+        if now - start >= 1.0:
+            start, count = now, 0
+        if count >= MAX_AUTH_REFUSALS_PER_S:
+            return False
+        if len(self._refusals) > 1024:
+            self._refusals.clear()
+        self._refusals[address] = (start, count + 1)
+        return True
+
+    def _send(self, sock: zmq.Socket[Any], identity: bytes, frames: list[bytes]) -> None:
+        try:
+            sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("reply to %s dropped: peer not reading", identity.hex())
+
+    def _reply(self, sock: zmq.Socket[Any], identity: bytes, kind: str,
+               body: dict[str, Any]) -> None:
+        try:
+            frames = protocol.encode(kind, body, secret=self._secret, job=self.run_id,
+                                     sender="coordinator")
+        except ProtocolError as e:
+            log.error("cannot encode %s reply: %s", kind, e)
+            frames = protocol.encode("error", {"message": f"coordinator cannot reply: {e}"[:4096],
+                                               "error": "ProtocolError"},
+                                     secret=self._secret, job=self.run_id, sender="coordinator")
+        self._send(sock, identity, frames)
+
+    def _dispatch(self, sock: zmq.Socket[Any], identity: bytes, msg: protocol.Message) -> None:
+        body = msg.body
+        if msg.kind == "status_request":
+            self._reply(sock, identity, "status_reply", {"doc": self.status_document()})
+        elif msg.kind == "events_request":
+            events, more = self._events_since(int(body.get("since", 0)))
+            self._reply(sock, identity, "events_reply", {"events": events, "more": more})
+        elif msg.kind == "hello":
+            self._touch(body["node_id"], body["host"], body["pid"])
+            self._reply(sock, identity, "ack", {"re": msg.id})
+        elif msg.kind == "heartbeat":
+            node = self._touch(body["node_id"], body["host"], body["pid"])
+            with self._lock:
+                node.heartbeat = dict(body)
+                node.state = body["state"]
+        elif msg.kind == "event":
+            self._touch(body["node_id"], None, None)
+            self._record(body["type"], body["node_id"], body["data"])
+        elif msg.kind == "bye":
+            node = self._touch(body["node_id"], None, None)
+            with self._lock:
+                node.left = True
+                node.state = body["state"]
+                node.exitcode = body["exitcode"]
+            self._record("node_left", node.node_id,
+                         {"state": body["state"], "exitcode": body["exitcode"]})
+            self._reply(sock, identity, "ack", {"re": msg.id})
+        else:
+            log.warning("unexpected %s message from %s; ignored", msg.kind, msg.sender)
+            self._reply(sock, identity, "error", {
+                "message": f"the coordinator does not accept {msg.kind!r} messages",
+                "error": "ProtocolError",
+            })
+
+    def _touch(self, node_id: str, host: str | None, pid: int | None) -> _Node:
+        now, mono = time.time(), time.monotonic()
+        joined: dict[str, Any] | None = None
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None:
+                default_host = node_id.rsplit("/", 1)[0] if "/" in node_id else ""
+                node = _Node(node_id, host or default_host, pid or 0, now, now, mono)
+                self._nodes[node_id] = node
+                joined = {"host": node.host, "pid": node.pid}
+            else:
+                if node.lost or node.left:
+                    joined = {"host": host or node.host, "pid": pid or node.pid,
+                              "rejoined": True}
+                    node.lost = node.left = False
+                    node.exitcode = None
+                node.last_seen, node.last_seen_mono = now, mono
+                if host:
+                    node.host = host
+                if pid:
+                    node.pid = pid
+        if joined is not None:
+            log.info("node %s joined (%s)", node_id, joined)
+            self._record("node_joined", node_id, joined)
+        return node
+
+    def _check_lost(self) -> None:
+        mono = time.monotonic()
+        lost: list[tuple[str, float]] = []
+        with self._lock:
+            for node in self._nodes.values():
+                silent_s = mono - node.last_seen_mono
+                if not node.lost and not node.left and silent_s > self.node_timeout_s:
+                    node.lost = True
+                    lost.append((node.node_id, silent_s))
+        for node_id, silent_s in lost:
+            log.warning("node %s lost: no message for %.1f s (timeout %.1f s)", node_id,
+                        silent_s, self.node_timeout_s)
+            self._record("node_lost", node_id, {"silent_s": round(silent_s, 3),
+                                                "node_timeout_s": self.node_timeout_s})
+
+    # -- events ------------------------------------------------------------------------------
+
+    def record_event(self, type: str, node: str | None = None, **data: Any) -> dict[str, Any]:
+        """Record an event from inside this process (thread-safe)."""
+        return self._record(type, node, data)
+
+    def _record(self, type_: str, node: str | None, data: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self._seq += 1
+            event = dict(data)
+            event.update(seq=self._seq, ts=time.time(), type=type_, node=node)
+            self._events.append(event)
+            fh = self._events_fh
+            if fh is not None:
+                try:
+                    fh.write(json.dumps(event, separators=(",", ":")) + "\n")
+                    fh.flush()
+                except (OSError, TypeError, ValueError) as e:
+                    allowed, _ = self._warn_limiter.allow(("events_file", type(e)))
+                    if allowed:
+                        log.error("writing the event log failed: %s", e)
+        return event
+
+    def events(self, since: int = 0) -> list[dict[str, Any]]:
+        """Every event kept in memory with ``seq > since``, oldest first."""
+        with self._lock:
+            return [dict(e) for e in self._events if e["seq"] > since]
+
+    def _events_since(self, since: int) -> tuple[list[dict[str, Any]], bool]:
+        out: list[dict[str, Any]] = []
+        size = 0
+        for event in self.events(since):
+            size += len(json.dumps(event, separators=(",", ":"))) + 1
+            if len(out) >= EVENTS_REPLY_MAX or size > EVENTS_REPLY_BYTES:
+                return out, True
+            out.append(event)
+        return out, False
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status_document(self) -> dict[str, Any]:
+        """The versioned status document ``ftrun status`` shows (see the README)."""
+        now, mono = time.time(), time.monotonic()
+        with self._lock:
+            nodes = [self._node_doc(n, mono) for n in self._nodes.values()]
+            tail = [dict(e) for e in list(self._events)[-EVENTS_TAIL:]]
+            n_events = self._seq
+        nodes.sort(key=lambda n: (n["group_rank"] is None, n["group_rank"] or 0, n["node_id"]))
+        min_nodes = self._expected_nodes[0] if self._expected_nodes else None
+        return {
+            "version": STATUS_VERSION,
+            "run_id": self.run_id,
+            "coordinator": {
+                "endpoint": self.endpoint if self._bound_port is not None else None,
+                "pid": os.getpid(),
+                "started_at": self._started_at,
+                "expected_nodes": list(self._expected_nodes) if self._expected_nodes else None,
+            },
+            "time": now,
+            "health": health_of(nodes, min_nodes),
+            "nodes": nodes,
+            "summary": {
+                "nodes": len(nodes),
+                "nodes_lost": sum(1 for n in nodes if n["lost"]),
+                "ranks": sum(len(n["ranks"]) for n in nodes),
+                "workers_running": sum(
+                    1 for n in nodes if not (n["lost"] or n["left"])
+                    for w in n["workers"] if _worker_running(w)
+                ),
+                "restarts": max((n["restarts"] for n in nodes), default=0),
+                "events": n_events,
+            },
+            "events_tail": tail,
+        }
+
+    def _node_doc(self, node: _Node, mono: float) -> dict[str, Any]:
+        hb = node.heartbeat
+        workers = [dict(w) for w in hb.get("workers", [])]
+        return {
+            "node_id": node.node_id,
+            "host": node.host,
+            "pid": node.pid,
+            "group_rank": hb.get("group_rank"),
+            "group_world_size": hb.get("group_world_size"),
+            "state": node.state,
+            "ranks": sorted(w["rank"] for w in workers),
+            "workers": workers,
+            "restarts": hb.get("restarts", 0),
+            "max_restarts": hb.get("max_restarts", 0),
+            "last_heartbeat_age_s": round(max(0.0, mono - node.last_seen_mono), 3),
+            "last_error": hb.get("last_error"),
+            "lost": node.lost,
+            "left": node.left,
+            "exitcode": node.exitcode,
+        }
+
+
+# -- the rendezvous store handshake -----------------------------------------------------------
+
+
+def publish_endpoint(store: Any, endpoint: str) -> None:
+    """Announce the coordinator endpoint in the job's rendezvous store."""
+    store.set(ENDPOINT_KEY, endpoint.encode())
+
+
+def lookup_endpoint(store: Any, timeout_s: float) -> str:
+    """The coordinator endpoint from the rendezvous store, waiting at most ``timeout_s``."""
+    try:
+        store.wait([ENDPOINT_KEY], timedelta(seconds=timeout_s))
+        raw = store.get(ENDPOINT_KEY)
+    except Exception as e:  # noqa: BLE001 - torch raises several types for a timeout
+        raise UnreachableError(
+            f"no coordinator endpoint under {ENDPOINT_KEY!r} in the rendezvous store within "
+            f"{timeout_s:g} s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "is node 0's launcher or `ftrun coordinator` running for this job?"
+        ) from None
+    endpoint = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    protocol.split_endpoint(endpoint)  # validate
+    return endpoint
+
+
+# -- standalone coordinator -------------------------------------------------------------------
+
+
+def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
+    previous: dict[int, Any] = {}
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        log.info("coordinator got signal %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, _on_signal)
+        except ValueError:  # not the main thread
+            log.warning("cannot install a %s handler outside the main thread", sig)
+    return previous
+
+
+def _restore_handlers(previous: Iterable[tuple[int, Any]]) -> None:
+    for sig, handler in previous:
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, TypeError):
+            pass
+
+
+def run_standalone(
+    run_id: str,
+    rdzv_endpoint: str,
+    *,
+    state_dir: str | None,
+    node_timeout_s: float,
+    bind_host: str,
+) -> int:
+    """Host the job's c10d rendezvous store and its coordinator until SIGTERM/SIGINT.
+
+    Launchers started with ``--rdzv-endpoint`` pointing here find the coordinator through the
+    store key :data:`ENDPOINT_KEY`. Returns the exit code (0 after a clean stop).
+    """
+    from torch.distributed import TCPStore  # lazily: torch is heavy
+
+    host, port = protocol.split_endpoint(rdzv_endpoint)
+    secret = jobs.load_secret(run_id, state_dir, create=True)
+    try:
+        store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30))
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
+        raise UnreachableError(
+            f"cannot host the rendezvous store on {rdzv_endpoint}: {e}; is the port in use?"
+        ) from e
+    coordinator = Coordinator(
+        run_id, secret, bind_host=bind_host, advertise_host=host,
+        node_timeout_s=node_timeout_s, events_file=jobs.events_path(run_id, state_dir),
+    )
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    try:
+        endpoint = coordinator.bind()
+        publish_endpoint(store, endpoint)
+        path = jobs.write_job_file(jobs.JobFile(
+            run_id=run_id, endpoint=endpoint, host=socket.gethostname(), pid=os.getpid(),
+            started_at=time.time(), rdzv_endpoint=rdzv_endpoint,
+        ), state_dir)
+        log.info("job %s: rendezvous store on %s, coordinator on %s, job file %s", run_id,
+                 rdzv_endpoint, endpoint, path)
+        coordinator.serve_forever(stop)
+    finally:
+        coordinator.stop()
+        _restore_handlers(previous.items())
+        del store
+    return 0

@@ -1,0 +1,518 @@
+"""The coordinator, its clients and ``ftrun status`` against a real in-process coordinator."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from ftrun import jobs, protocol
+from ftrun.cli import exit_codes
+from ftrun.cli.status import run_status
+from ftrun.coordinator import server as server_mod
+from ftrun.coordinator.client import NodeReporter, request
+from ftrun.coordinator.server import (
+    ENDPOINT_KEY,
+    Coordinator,
+    health_of,
+    lookup_endpoint,
+    publish_endpoint,
+)
+from ftrun.errors import AuthError, ProtocolError, UnreachableError
+
+pytestmark = pytest.mark.timeout(60)
+
+JOB = "job-test"
+SECRET = b"0123456789abcdef0123456789abcdef"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float = 5.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("FTRUN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("FTRUN_SECRET", raising=False)
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def make_coordinator(tmp_path: Path) -> Iterator[Callable[..., Coordinator]]:
+    started: list[Coordinator] = []
+
+    def make(**kw: Any) -> Coordinator:
+        kw.setdefault("bind_host", "127.0.0.1")
+        kw.setdefault("events_file", tmp_path / "events.jsonl")
+        c = Coordinator(kw.pop("run_id", JOB), kw.pop("secret", SECRET), **kw)
+        c.start()
+        started.append(c)
+        return c
+
+    yield make
+    for c in started:
+        c.stop(timeout_s=2)
+
+
+@pytest.fixture
+def coordinator(make_coordinator: Callable[..., Coordinator]) -> Coordinator:
+    return make_coordinator()
+
+
+def workers_state(restarts: int = 0) -> dict[str, Any]:
+    return {
+        "state": "healthy",
+        "group_rank": 0,
+        "group_world_size": 1,
+        "restarts": restarts,
+        "max_restarts": 3,
+        "workers": [
+            {"local_rank": i, "rank": i, "pid": 1000 + i, "state": "healthy", "exitcode": None}
+            for i in range(2)
+        ],
+        "last_error": None,
+    }
+
+
+def status(c: Coordinator, secret: bytes = SECRET, timeout_s: float = 3.0) -> dict[str, Any]:
+    reply = request(c.endpoint, secret, JOB, "status_request", {}, timeout_s=timeout_s)
+    assert reply.kind == "status_reply"
+    return reply.body["doc"]
+
+
+def test_import_does_not_load_torch() -> None:
+    code = ("import sys, ftrun.protocol, ftrun.coordinator.server, ftrun.coordinator.client, "
+            "ftrun.cli.status; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30, cwd=REPO)
+
+
+def test_endpoint_and_job_start(coordinator: Coordinator, tmp_path: Path) -> None:
+    host, port = protocol.split_endpoint(coordinator.endpoint)
+    assert host == "127.0.0.1" and port > 0
+    doc = status(coordinator)
+    assert doc["version"] == 1 and doc["run_id"] == JOB
+    assert doc["health"] == "starting" and doc["nodes"] == []
+    assert doc["coordinator"]["endpoint"] == coordinator.endpoint
+    assert doc["coordinator"]["pid"] == os.getpid()
+    assert [e["type"] for e in doc["events_tail"]] == ["job_start"]
+    first = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])
+    assert first["type"] == "job_start" and first["seq"] == 1 and first["node"] is None
+
+
+def test_reporter_heartbeats_events_and_bye(coordinator: Coordinator, tmp_path: Path) -> None:
+    reporter = NodeReporter(coordinator.endpoint, SECRET, JOB, "host-a/1", "host-a",
+                            lambda: workers_state(restarts=1), interval_s=0.05)
+    reporter.start()
+    try:
+        node = wait_for(lambda: [n for n in coordinator.status_document()["nodes"]
+                                 if n["workers"]], what="a heartbeat")[0]
+        assert node["node_id"] == "host-a/1" and node["host"] == "host-a"
+        assert node["pid"] == os.getpid() and node["group_rank"] == 0
+        assert node["ranks"] == [0, 1] and node["restarts"] == 1 and node["max_restarts"] == 3
+        assert node["state"] == "healthy" and not node["lost"]
+        assert [w["pid"] for w in node["workers"]] == [1000, 1001]
+        assert node["last_heartbeat_age_s"] < 2
+        doc = status(coordinator)
+        assert doc["health"] == "healthy"
+        assert doc["summary"] == {**doc["summary"], "nodes": 1, "nodes_lost": 0, "ranks": 2,
+                                  "workers_running": 2, "restarts": 1}
+        for i in range(20):
+            reporter.event("worker_failure" if i % 2 else "restart", attempt=i, why="x" * i)
+    finally:
+        reporter.stop("succeeded", 0, timeout_s=3)
+    events = wait_for(lambda: [e for e in coordinator.events() if e["type"] == "node_left"]
+                      and coordinator.events(), what="bye")
+    mine = [e for e in events if e["type"] in ("restart", "worker_failure")]
+    assert [e["attempt"] for e in mine] == list(range(20))
+    assert all(e["node"] == "host-a/1" for e in mine)
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    types = [e["type"] for e in events]
+    assert types.index("node_joined") < types.index("restart") < types.index("node_left")
+    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert lines == events
+    assert reporter.sent["bye"] == 1 and reporter.sent["event"] == 20
+    doc = status(coordinator)
+    assert doc["health"] == "finished"
+    assert doc["nodes"][0]["left"] and doc["nodes"][0]["exitcode"] == 0
+    assert doc["summary"]["events"] == events[-1]["seq"]
+    reply = request(coordinator.endpoint, SECRET, JOB, "events_request",
+                    {"since": events[-3]["seq"]})
+    assert reply.body["events"] == events[-2:] and reply.body["more"] is False
+
+
+def test_node_lost_after_timeout_and_rejoin(make_coordinator: Callable[..., Coordinator]) -> None:
+    c = make_coordinator(node_timeout_s=0.3)
+    hello = {"node_id": "host-b/7", "host": "host-b", "pid": 7}
+    assert request(c.endpoint, SECRET, JOB, "hello", hello, sender="host-b/7").kind == "ack"
+    assert c.status_document()["nodes"][0]["lost"] is False
+    wait_for(lambda: c.status_document()["nodes"][0]["lost"], timeout_s=5, what="node_lost")
+    doc = c.status_document()
+    assert doc["health"] == "degraded" and doc["summary"]["nodes_lost"] == 1
+    lost = [e for e in c.events() if e["type"] == "node_lost"]
+    assert len(lost) == 1 and lost[0]["node"] == "host-b/7"
+    heartbeat = {**workers_state(), "node_id": "host-b/7", "host": "host-b", "pid": 7}
+    frames = protocol.encode("heartbeat", heartbeat, secret=SECRET, job=JOB, sender="t")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(protocol.zmq_url(c.endpoint))
+    try:
+        sock.send_multipart(frames)
+        wait_for(lambda: not c.status_document()["nodes"][0]["lost"], what="rejoin")
+    finally:
+        sock.close(0)
+    joined = [e for e in c.events() if e["type"] == "node_joined"]
+    assert joined[-1].get("rejoined") is True
+
+
+def test_wrong_secret(coordinator: Coordinator, caplog: pytest.LogCaptureFixture) -> None:
+    server_log = logging.getLogger(server_mod.__name__)
+    server_log.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.WARNING)
+    try:
+        started = time.monotonic()
+        with pytest.raises(AuthError, match="refused our secret"):
+            request(coordinator.endpoint, b"wrong-secret-wrong-secret", JOB, "status_request",
+                    {}, timeout_s=5)
+        assert time.monotonic() - started < 2  # an answer, not a timeout
+    finally:
+        server_log.removeHandler(caplog.handler)
+    assert any("auth failure" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+    assert coordinator.counters["auth_failures"] == 1
+    assert [e for e in coordinator.events() if e["type"] == "auth_failure"]
+    assert status(coordinator)["run_id"] == JOB  # still serving
+
+
+def test_garbage_does_not_crash(coordinator: Coordinator) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(protocol.zmq_url(coordinator.endpoint))
+    try:
+        for frames in ([b"x"], [b"a"] * 5, [b"y" * (protocol.MAX_MESSAGE_BYTES - 10), b"z" * 32],
+                       [b"x"] * 2000):
+            sock.send_multipart(frames)
+        assert not sock.poll(300), "unauthenticated garbage must not be answered"
+        # A wrong MAC gets only the fixed, unsigned refusal.
+        for frames in ([b"{}", b"\0" * 32], [b"", b""]):
+            sock.send_multipart(frames)
+            assert sock.poll(3000)
+            assert sock.recv_multipart() == [protocol.AUTH_REFUSED]
+        # Authentic but invalid: answered with an error that names the problem.
+        bad = json.dumps({"v": 1, "kind": "reboot", "job": JOB, "sender": "t",
+                          "ts": time.time(), "id": "ab", "body": {}}).encode()
+        sock.send_multipart([bad, hmac.new(SECRET, bad, hashlib.sha256).digest()])
+        assert sock.poll(3000), "no error reply to an authentic invalid message"
+        reply = protocol.decode(sock.recv_multipart(), secret=SECRET, job=JOB)
+        assert reply.kind == "error" and "unknown message kind" in reply.body["message"]
+        assert reply.body["error"] == "ProtocolError"
+    finally:
+        sock.close(0)
+    assert coordinator.counters["bad_messages"] == 5
+    assert coordinator.counters["auth_failures"] == 2
+    assert status(coordinator)["run_id"] == JOB
+    assert [e for e in coordinator.events() if e["type"] == "bad_message"]
+
+
+def test_wrong_job_is_answered_with_error(coordinator: Coordinator) -> None:
+    with pytest.raises(ProtocolError):
+        request(coordinator.endpoint, SECRET, "other-job", "status_request", {}, timeout_s=3)
+
+
+def test_reporter_survives_coordinator_restart(make_coordinator: Callable[..., Coordinator],
+                                               tmp_path: Path) -> None:
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    calls = {"n": 0}
+
+    def flaky_state() -> dict[str, Any]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("state not ready")
+        return workers_state()
+
+    reporter = NodeReporter(endpoint, SECRET, JOB, "host-c/3", "host-c", flaky_state,
+                            interval_s=0.05)
+    reporter.start()  # the coordinator is not up yet
+    try:
+        time.sleep(0.2)
+        first = make_coordinator(port=port)
+        assert first.endpoint == endpoint
+        wait_for(lambda: first.status_document()["nodes"], what="node on first coordinator")
+        first.stop(timeout_s=2)
+        second = make_coordinator(port=port, events_file=tmp_path / "events2.jsonl")
+        wait_for(lambda: [n for n in second.status_document()["nodes"] if n["workers"]],
+                 timeout_s=10, what="node on restarted coordinator")
+    finally:
+        reporter.stop("stopped", 1, timeout_s=2)
+    assert calls["n"] > 1
+
+
+def test_reporter_stop_is_bounded_without_coordinator() -> None:
+    reporter = NodeReporter(f"127.0.0.1:{free_port()}", SECRET, JOB, "n/1", "n",
+                            workers_state, interval_s=0.05)
+    reporter.start()
+    reporter.event("rendezvous", round=1)
+    started = time.monotonic()
+    reporter.stop("failed", 1, timeout_s=0.5)
+    assert time.monotonic() - started < 2
+
+
+def test_health_rules() -> None:
+    def node(**kw: Any) -> dict[str, Any]:
+        base = {"state": "healthy", "restarts": 0, "max_restarts": 3, "workers": [],
+                "lost": False, "left": False, "exitcode": None}
+        return {**base, **kw}
+
+    failed_worker = [{"rank": 0, "state": "failed", "exitcode": 1}]
+    assert health_of([]) == "starting"
+    assert health_of([node(state="init")], expected_min_nodes=2) == "starting"
+    assert health_of([node(), node()]) == "healthy"
+    assert health_of([node(), node(lost=True)]) == "degraded"
+    assert health_of([node(state="restarting", restarts=1)]) == "degraded"
+    assert health_of([node(state="rendezvous", restarts=0)]) == "healthy"
+    assert health_of([node(workers=failed_worker, restarts=1)]) == "degraded"
+    assert health_of([node(workers=failed_worker, restarts=3)]) == "failed"
+    assert health_of([node(), node(state="failed", lost=True)]) == "failed"
+    assert health_of([node(state="succeeded"), node(state="stopped", left=True,
+                                                    exitcode=0)]) == "finished"
+    assert health_of([node(), node(state="stopped", left=True, exitcode=1)]) == "degraded"
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        if not all(k in self.data for k in keys):
+            raise RuntimeError(f"Wait timeout after {timeout}")
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def test_publish_and_lookup_endpoint() -> None:
+    store = FakeStore()
+    with pytest.raises(UnreachableError, match="no coordinator endpoint"):
+        lookup_endpoint(store, timeout_s=0.1)
+    publish_endpoint(store, "node0:1234")
+    assert store.data[ENDPOINT_KEY] == b"node0:1234"
+    assert lookup_endpoint(store, timeout_s=0.1) == "node0:1234"
+
+
+# -- ftrun status -----------------------------------------------------------------------------
+
+
+def write_job(run_id: str, endpoint: str) -> None:
+    jobs.write_job_file(jobs.JobFile(run_id=run_id, endpoint=endpoint, host=socket.gethostname(),
+                                     pid=os.getpid(), started_at=time.time()))
+
+
+def test_run_status_json(state_dir: Path, make_coordinator: Callable[..., Coordinator],
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    secret = jobs.load_secret(JOB, create=True)
+    c = make_coordinator(secret=secret)
+    write_job(JOB, c.endpoint)
+    reporter = NodeReporter(c.endpoint, secret, JOB, "host-a/1", "host-a", workers_state,
+                            interval_s=0.05)
+    reporter.start()
+    try:
+        wait_for(lambda: c.status_document()["nodes"], what="node")
+        code = run_status(JOB, endpoint=None, json_out=True, watch=False, no_headers=False,
+                          state_dir=None, timeout_s=3)
+        out = capsys.readouterr().out
+        doc = json.loads(out)
+        assert code == exit_codes.OK and out.endswith("}\n")
+        assert doc["run_id"] == JOB and doc["nodes"][0]["node_id"] == "host-a/1"
+
+        code = run_status(JOB, endpoint=None, json_out=False, watch=False, no_headers=False,
+                          state_dir=None, timeout_s=3)
+        out = capsys.readouterr().out
+        assert code == exit_codes.OK
+        assert "last heartbeat" in out and "0-1" in out and "0/3" in out and "healthy" in out
+        run_status(JOB, endpoint=None, json_out=False, watch=False, no_headers=True,
+                   state_dir=None, timeout_s=3)
+        out = capsys.readouterr().out
+        assert "last heartbeat" not in out and "0-1" in out and "job " not in out
+
+        sleeps = {"n": 0}
+
+        def fake_sleep(_s: float) -> None:
+            sleeps["n"] += 1
+            if sleeps["n"] >= 3:
+                raise KeyboardInterrupt
+
+        import ftrun.cli.status as status_mod
+
+        orig_sleep = status_mod.time.sleep
+        status_mod.time.sleep = fake_sleep  # type: ignore[assignment]
+        try:
+            code = run_status(JOB, endpoint=c.endpoint, json_out=True, watch=True,
+                              no_headers=False, state_dir=None, interval_s=0.1, timeout_s=3)
+        finally:
+            status_mod.time.sleep = orig_sleep  # type: ignore[assignment]
+        lines = capsys.readouterr().out.splitlines()
+        assert code == exit_codes.OK and len(lines) == 3
+        assert all(json.loads(line)["run_id"] == JOB for line in lines)
+    finally:
+        reporter.stop("succeeded", 0)
+
+
+def test_run_status_wrong_secret(state_dir: Path, make_coordinator: Callable[..., Coordinator],
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    jobs.load_secret(JOB, create=True)
+    c = make_coordinator()  # runs with a different secret
+    write_job(JOB, c.endpoint)
+    code = run_status(JOB, endpoint=None, json_out=True, watch=False, no_headers=False,
+                      state_dir=None, timeout_s=3)
+    err = capsys.readouterr().err
+    assert code == exit_codes.AUTH
+    assert "refused our secret" in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_status_unknown_job(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = run_status("nope", endpoint=None, json_out=False, watch=False, no_headers=False,
+                      state_dir=None)
+    captured = capsys.readouterr()
+    assert code == exit_codes.NOT_FOUND
+    assert "no job 'nope'" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_run_status_unreachable(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    jobs.load_secret(JOB, create=True)
+    write_job(JOB, f"127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    code = run_status(JOB, endpoint=None, json_out=False, watch=False, no_headers=False,
+                      state_dir=None, timeout_s=0.3)
+    assert time.monotonic() - started < 3
+    err = capsys.readouterr().err
+    assert code == exit_codes.UNREACHABLE
+    assert "did not answer within 0.3 s" in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_status_lists_jobs(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_status(None, endpoint=None, json_out=True, watch=False, no_headers=False,
+                      state_dir=None) == exit_codes.OK
+    assert json.loads(capsys.readouterr().out) == {"version": 1, "jobs": []}
+    write_job("job-a", "127.0.0.1:1")
+    jobs.write_job_file(jobs.JobFile(run_id="job-b", endpoint="h:2", host="elsewhere", pid=1,
+                                     started_at=time.time() + 1))
+    assert run_status(None, endpoint=None, json_out=True, watch=False, no_headers=False,
+                      state_dir=None) == exit_codes.OK
+    listed = json.loads(capsys.readouterr().out)["jobs"]
+    assert [j["run_id"] for j in listed] == ["job-b", "job-a"]
+    assert listed[0]["live"] is None and listed[1]["live"] is True
+    assert run_status(None, endpoint=None, json_out=False, watch=False, no_headers=False,
+                      state_dir=None) == exit_codes.OK
+    out = capsys.readouterr().out
+    assert "job-a" in out and "run id" in out
+
+
+# -- the standalone coordinator (imports torch, in a subprocess) -------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_run_standalone(state_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO);"
+        "from ftrun.coordinator.server import run_standalone;"
+        f"sys.exit(run_standalone('sa-job', '127.0.0.1:{port}', state_dir=None, "
+        "node_timeout_s=5.0, bind_host='127.0.0.1'))"
+    )
+    log_file = (tmp_path / "standalone.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ),
+                            stderr=log_file)
+    try:
+        job_file = state_dir / "jobs" / "sa-job" / "job.json"
+        wait_for(job_file.exists, timeout_s=60, what="the standalone coordinator's job file")
+        job = jobs.read_job_file("sa-job")
+        assert job.rdzv_endpoint == f"127.0.0.1:{port}" and job.pid == proc.pid
+        secret = jobs.load_secret("sa-job", create=False)
+        reply = request(job.endpoint, secret, "sa-job", "status_request", {}, timeout_s=5)
+        assert reply.body["doc"]["run_id"] == "sa-job"
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        assert lookup_endpoint(store, timeout_s=5) == job.endpoint
+        del store
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        log_file.close()
+
+
+def test_stop_is_prompt(make_coordinator: Callable[..., Coordinator]) -> None:
+    c = make_coordinator()
+    started = time.monotonic()
+    c.stop(timeout_s=2)
+    assert time.monotonic() - started < 1
+
+
+def test_serve_forever_in_foreground() -> None:
+    c = Coordinator(JOB, SECRET, bind_host="127.0.0.1")
+    stop = threading.Event()
+    endpoint = c.bind()
+    t = threading.Thread(target=c.serve_forever, args=(stop,), daemon=True)
+    t.start()
+    try:
+        doc = request(endpoint, SECRET, JOB, "status_request", {}, timeout_s=3).body["doc"]
+        assert doc["health"] == "starting"
+    finally:
+        stop.set()
+        t.join(3)
+    assert not t.is_alive()
+
+
+def test_invalid_state_still_heartbeats(coordinator: Coordinator) -> None:
+    def bad_state() -> dict[str, Any]:
+        return {**workers_state(restarts=2), "workers": [{"rank": "zero"}], "bogus": 1}
+
+    reporter = NodeReporter(coordinator.endpoint, SECRET, JOB, "host-d/4", "host-d", bad_state,
+                            interval_s=0.05)
+    reporter.start()
+    try:
+        node = wait_for(lambda: [n for n in coordinator.status_document()["nodes"]
+                                 if n["last_error"]], what="fallback heartbeat")[0]
+    finally:
+        reporter.stop("stopped", 0, timeout_s=2)
+    assert node["last_error"].startswith("invalid heartbeat:")
+    assert node["state"] == "healthy" and node["restarts"] == 2 and node["workers"] == []

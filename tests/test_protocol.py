@@ -1,0 +1,239 @@
+"""The control-plane wire format: round trips, authentication and validation."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from typing import Any
+
+import pytest
+
+from ftrun import protocol
+from ftrun.errors import AuthError, ProtocolError
+
+SECRET = b"s" * 32
+JOB = "job-1"
+
+WORKER = {"local_rank": 0, "rank": 4, "pid": 1234, "state": "healthy", "exitcode": None}
+HEARTBEAT = {
+    "node_id": "host-a/99",
+    "host": "host-a",
+    "pid": 99,
+    "state": "healthy",
+    "group_rank": 2,
+    "group_world_size": 4,
+    "restarts": 1,
+    "max_restarts": 3,
+    "workers": [WORKER, {**WORKER, "local_rank": 1, "rank": 5, "pid": None, "exitcode": 1,
+                         "state": "failed"}],
+    "last_error": None,
+    "extra": {"anything": [1, 2, {"x": None}]},
+}
+
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "hello": {"node_id": "host-a/99", "host": "host-a", "pid": 99},
+    "heartbeat": HEARTBEAT,
+    "event": {"node_id": "host-a/99", "type": "restart", "data": {"attempt": 1}},
+    "bye": {"node_id": "host-a/99", "state": "succeeded", "exitcode": 0},
+    "status_request": {},
+    "status_reply": {"doc": {"version": 1, "nodes": []}},
+    "events_request": {"since": 3},
+    "events_reply": {"events": [{"seq": 4, "type": "x"}]},
+    "error": {"message": "nope"},
+    "ack": {},
+}
+
+
+def sign(header: dict[str, Any] | bytes, secret: bytes = SECRET) -> list[bytes]:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return [raw, hmac.new(secret, raw, hashlib.sha256).digest()]
+
+
+def header(kind: str = "hello", body: dict[str, Any] | None = None, **over: Any) -> dict[str, Any]:
+    h = {"v": protocol.VERSION, "kind": kind, "job": JOB, "sender": "t", "ts": time.time(),
+         "id": "abcd", "body": EXAMPLES[kind] if body is None else body}
+    h.update(over)
+    return h
+
+
+def test_every_kind_has_an_example() -> None:
+    assert set(EXAMPLES) == set(protocol.SCHEMAS)
+
+
+@pytest.mark.parametrize("kind", sorted(EXAMPLES))
+def test_round_trip(kind: str) -> None:
+    frames = protocol.encode(kind, EXAMPLES[kind], secret=SECRET, job=JOB, sender="me")
+    assert len(frames) == 2 and len(frames[1]) == 32
+    msg = protocol.decode(frames, secret=SECRET, job=JOB)
+    assert (msg.kind, msg.job, msg.sender, msg.body) == (kind, JOB, "me", EXAMPLES[kind])
+    assert abs(msg.ts - time.time()) < 5
+    int(msg.id, 16)
+
+
+def test_ids_are_random() -> None:
+    a = protocol.decode(protocol.encode("ack", {}, secret=SECRET, job=JOB, sender="x"),
+                        secret=SECRET, job=JOB)
+    b = protocol.decode(protocol.encode("ack", {}, secret=SECRET, job=JOB, sender="x"),
+                        secret=SECRET, job=JOB)
+    assert a.id != b.id
+
+
+def test_wrong_secret_is_auth_error() -> None:
+    frames = protocol.encode("hello", EXAMPLES["hello"], secret=b"other" * 8, job=JOB,
+                             sender="x")
+    with pytest.raises(AuthError, match="not signed with this job's secret"):
+        protocol.decode(frames, secret=SECRET, job=JOB)
+
+
+def test_tampered_header_is_auth_error() -> None:
+    header_bytes, mac = protocol.encode("bye", EXAMPLES["bye"], secret=SECRET, job=JOB,
+                                        sender="x")
+    tampered = header_bytes.replace(b'"exitcode":0', b'"exitcode":1')
+    assert tampered != header_bytes
+    with pytest.raises(AuthError):
+        protocol.decode([tampered, mac], secret=SECRET, job=JOB)
+
+
+@pytest.mark.parametrize("frames", [
+    [],
+    [b"garbage"],
+    [b"a", b"b", b"c"],
+    [b"{}", b""],
+    [b"\x00" * 10, b"\xff" * 32],
+])
+def test_garbage_frames(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode(frames, secret=SECRET, job=JOB)
+
+
+def test_truncated_mac_and_header() -> None:
+    header_bytes, mac = protocol.encode("hello", EXAMPLES["hello"], secret=SECRET, job=JOB,
+                                        sender="x")
+    with pytest.raises(AuthError):
+        protocol.decode([header_bytes, mac[:16]], secret=SECRET, job=JOB)
+    with pytest.raises(AuthError):
+        protocol.decode([header_bytes[:-5], mac], secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="2 frames"):
+        protocol.decode([header_bytes], secret=SECRET, job=JOB)
+
+
+def test_authentic_but_not_json() -> None:
+    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+        protocol.decode(sign(b"{not json"), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="not UTF-8 JSON"):
+        protocol.decode(sign(b"\xff\xfe"), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="object"):
+        protocol.decode(sign(b"[1, 2]"), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError):
+        protocol.decode(sign(b"[" * 100_000), secret=SECRET, job=JOB)
+
+
+def test_oversize_rejected_before_mac() -> None:
+    big = b"x" * protocol.MAX_MESSAGE_BYTES
+    with pytest.raises(ProtocolError, match="bytes"):
+        protocol.decode([big, b"\0" * 32], secret=SECRET, job=JOB)
+    body = {"events": [{"m": "x" * 60_000}] * 20}  # each string fine, the whole too big
+    with pytest.raises(ProtocolError, match="max"):
+        protocol.encode("events_reply", body, secret=SECRET, job=JOB, sender="x")
+
+
+def test_wrong_version_names_both() -> None:
+    with pytest.raises(ProtocolError, match=r"version 2.*supports version 1"):
+        protocol.decode(sign(header(v=2)), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="version None"):
+        h = header()
+        del h["v"]
+        protocol.decode(sign(h), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="version"):
+        protocol.decode(sign(header(v=True)), secret=SECRET, job=JOB)
+
+
+def test_wrong_job() -> None:
+    with pytest.raises(ProtocolError, match="for job 'other'"):
+        protocol.decode(sign(header(job="other")), secret=SECRET, job=JOB)
+
+
+def test_unknown_kind() -> None:
+    with pytest.raises(ProtocolError, match="unknown message kind"):
+        protocol.decode(sign(header(kind="shutdown", body={})), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="unknown message kind"):
+        protocol.encode("shutdown", {}, secret=SECRET, job=JOB, sender="x")
+
+
+def test_header_fields_checked() -> None:
+    with pytest.raises(ProtocolError, match="unknown field"):
+        protocol.decode(sign(header(extra=1)), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="header.ts"):
+        protocol.decode(sign(header(ts="now")), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="id"):
+        protocol.decode(sign(header(id="not hex!")), secret=SECRET, job=JOB)
+    h = header()
+    del h["sender"]
+    with pytest.raises(ProtocolError, match="sender"):
+        protocol.decode(sign(h), secret=SECRET, job=JOB)
+
+
+@pytest.mark.parametrize(("kind", "body", "match"), [
+    ("hello", {**EXAMPLES["hello"], "admin": True}, "unknown field"),
+    ("hello", {"node_id": "n", "host": "h"}, "lacks required field 'pid'"),
+    ("hello", {"node_id": "n", "host": "h", "pid": "12"}, "pid must be int"),
+    ("hello", {"node_id": "n", "host": "h", "pid": True}, "pid must be int"),
+    ("hello", {"node_id": "n", "host": "h", "pid": 1.5}, "pid must be int"),
+    ("hello", {"node_id": None, "host": "h", "pid": 1}, "node_id must be string"),
+    ("status_request", {"x": 1}, "unknown field"),
+    ("events_request", {"since": "3"}, "since must be int"),
+    ("event", {"node_id": "n", "type": "t", "data": [1]}, "data must be object"),
+    ("event", {"node_id": "n", "type": "t", "data": {"s": "x" * 70_000}}, "string of"),
+    ("events_reply", {"events": [{}] * (protocol.MAX_LIST_ITEMS + 1)}, "list of"),
+    ("events_reply", {"events": [1]}, "must be object"),
+    ("heartbeat", {**HEARTBEAT, "group_rank": "0"}, "group_rank must be int or null"),
+    ("heartbeat", {**HEARTBEAT, "workers": {}}, "workers must be a list"),
+    ("bye", {"node_id": "n", "state": "failed", "exitcode": None}, "exitcode must be int"),
+])
+def test_body_validation(kind: str, body: dict[str, Any], match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode(sign(header(kind, body)), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match=match):
+        protocol.encode(kind, body, secret=SECRET, job=JOB, sender="x")
+
+
+@pytest.mark.parametrize(("worker", "match"), [
+    ({k: v for k, v in WORKER.items() if k != "rank"}, r"workers\[0\] lacks required field 'rank'"),
+    ({**WORKER, "rank": "0"}, r"workers\[0\].rank must be int"),
+    ({**WORKER, "exitcode": "1"}, r"workers\[0\].exitcode must be int or null"),
+    ({**WORKER, "color": "red"}, r"workers\[0\] has unknown field"),
+    ("worker", r"workers\[0\] must be an object"),
+])
+def test_nested_worker_validation(worker: Any, match: str) -> None:
+    body = {**HEARTBEAT, "workers": [worker]}
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode(sign(header("heartbeat", body)), secret=SECRET, job=JOB)
+
+
+def test_optional_fields_may_be_absent() -> None:
+    body = {k: v for k, v in HEARTBEAT.items() if k != "extra"}
+    msg = protocol.decode(sign(header("heartbeat", body)), secret=SECRET, job=JOB)
+    assert "extra" not in msg.body
+    msg = protocol.decode(sign(header("events_request", {})), secret=SECRET, job=JOB)
+    assert msg.body == {}
+
+
+def test_stale_and_future_timestamps() -> None:
+    frames = protocol.encode("ack", {}, secret=SECRET, job=JOB, sender="x")
+    protocol.decode(frames, secret=SECRET, job=JOB, now=time.time() + 200)
+    with pytest.raises(ProtocolError, match="clock"):
+        protocol.decode(frames, secret=SECRET, job=JOB, now=time.time() + 400)
+    with pytest.raises(ProtocolError, match="clock"):
+        protocol.decode(sign(header(ts=time.time() + 1000)), secret=SECRET, job=JOB)
+
+
+def test_endpoints() -> None:
+    assert protocol.split_endpoint("node1:29400") == ("node1", 29400)
+    assert protocol.split_endpoint("[::1]:5") == ("::1", 5)
+    assert protocol.join_endpoint("::1", 5) == "[::1]:5"
+    assert protocol.zmq_url("10.0.0.1:80") == "tcp://10.0.0.1:80"
+    for bad in ("node1", "node1:", ":80", "h:99999", "h:x"):
+        with pytest.raises(Exception, match="HOST:PORT"):
+            protocol.split_endpoint(bad)
