@@ -295,6 +295,13 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         "stop: SIGSTOP itself (default exit)",
     )
     p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="sleep this long in every step, to stand in for a slower model (default 0)",
+    )
+    p.add_argument(
         "--fault-dir",
         metavar="DIR",
         help="directory for the fault marker files (default $FTRUN_JOB_DIR, else "
@@ -352,6 +359,8 @@ def train(
         maybe_inject_fault(args, rank, step)
         optimizer.step()
         last_loss = loss.detach()
+        if args.step_sleep > 0:
+            time.sleep(args.step_sleep)
         _progress(step)
 
     # Mean over the global batch (equal slices, so the mean of the per-rank means).
@@ -363,12 +372,23 @@ def train(
     return float(last_loss.item()), digest
 
 
+def _on_sigusr1(signum: int, _frame: object) -> None:
+    print(
+        f"{PREFIX}: received SIGUSR1 on rank {os.environ.get('RANK', '0')}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     distributed = "RANK" in os.environ
     rank = int(os.environ["RANK"]) if distributed else 0
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else 0
     args = parse_args(argv, world_size)
+    # Slurm's time-limit warning arrives as SIGUSR1 (ftrun forwards it to the ranks). Its
+    # default action ends the process; a real script would save state here and go on.
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
 
     # cuBLAS reads this when CUDA initialises; deterministic algorithms need it.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -49,9 +49,9 @@ NODE_TIMEOUT = Knob(
 )
 HANG_TIMEOUT = Knob(
     "FTRUN_HANG_TIMEOUT", "seconds", "0",
-    "Restart the workers when a rank reported progress before and then none for this long, "
-    "or sits stopped (SIGSTOP) for this long. 0 turns the progress check off; stopped ranks "
-    "are then caught after 10 s.",
+    "Kill a rank (and so restart the workers) when it reported progress before and then none "
+    "for this long, or sat stopped (SIGSTOP) for a third of it (at least 1 s). 0 turns the "
+    "progress check off; stopped ranks are then killed after 10 s.",
 )
 LOG_LEVEL = Knob(
     "FTRUN_LOG_LEVEL", "str", "INFO", "Log level of ftrun's own logger.", "any",

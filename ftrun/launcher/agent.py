@@ -38,6 +38,10 @@ from ftrun.worker.progress import create_progress_file, read_progress
 
 log = logging.getLogger(__name__)
 
+# A rank frozen by SIGSTOP blocks every collective; with --hang-timeout off it is still
+# killed after this long.
+STOPPED_LIMIT_S = 10.0
+
 
 class EventSink(Protocol):
     def event(self, type: str, **data: Any) -> None: ...
@@ -237,8 +241,7 @@ class FtrunAgent(LocalElasticAgent):
 
     def _kill_hung(self, worker_group: WorkerGroup) -> None:
         timeout_s = self._ctx.hang_timeout_s
-        if timeout_s <= 0:
-            return
+        stopped_limit_s = max(1.0, timeout_s / 3) if timeout_s > 0 else STOPPED_LIMIT_S
         now = time.monotonic()
         pids = self.worker_pids()
         for w in worker_group.workers:
@@ -247,13 +250,15 @@ class FtrunAgent(LocalElasticAgent):
                 continue
             reason = None
             if proc_state(pid) in ("T", "t"):
+                # A stopped rank is certainly the culprit, while ranks waiting for it in a
+                # collective merely stall: catch it well before their stall looks like a hang.
                 since = self._stopped_since.setdefault(pid, now)
-                if now - since >= timeout_s:
+                if now - since >= stopped_limit_s:
                     reason = f"stopped (SIGSTOP) for {now - since:.1f} s"
             else:
                 self._stopped_since.pop(pid, None)
                 p = read_progress(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
-                if p is not None and p.reported and p.age_s() >= timeout_s:
+                if timeout_s > 0 and p is not None and p.reported and p.age_s() >= timeout_s:
                     reason = f"no progress for {p.age_s():.1f} s after step {p.step}"
                     create_progress_file(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
             if reason is None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import jobs, knobs
-from ftrun.errors import ConfigError, FtrunError
+from ftrun.errors import ConfigError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent
 from ftrun.launcher.args import build_parser, explicit_dests, ftrun_options
@@ -228,6 +228,7 @@ def _install_signal_forwarding(ctx: AgentContext) -> None:
 
 def run(argv: list[str]) -> int:
     """Launch one node of a job. Returns the process exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run as torch_run
@@ -307,10 +308,12 @@ def run(argv: list[str]) -> int:
         exitcode, final = 0, "succeeded"
     except ChildFailedError as e:
         log.error("%s", e.format_msg())
+    except SignalException as e:
+        # torch's agent already stopped the workers with the same signal.
+        log.warning("stopped by %s", signal.Signals(e.sigval).name)
+        exitcode, final = 128 + int(e.sigval), "stopped"
     except RendezvousError as e:
         log.error("rendezvous failed: %s: %s", type(e).__name__, e)
-    except FtrunError:
-        raise
     finally:
         if reporter is not None:
             reporter.event("job_end", exitcode=exitcode, state=final)

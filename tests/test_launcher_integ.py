@@ -1,0 +1,171 @@
+"""The real ``ftrun`` command with real processes: two launchers on localhost act as two
+nodes of two ranks each. Every fault test asserts that the fault fired, what the launcher
+did about it, and that the final weights equal the fault-free run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TRAIN, Procs, free_port, pid_alive, read_events, result_line, wait_for
+
+pytestmark = pytest.mark.integration
+
+STEPS = "6"
+
+
+def two_nodes(procs: Procs, run_id: str, port: int, *extra: str, nnodes: str = "2",
+              train_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    common = [
+        "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *extra,
+        TRAIN, "--steps", STEPS, *train_args,
+    ]
+    return [procs.ftrun(*common, env=env, name=f"node{i}") for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def baseline_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_xxh3 of the fault-free two-node run."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    procs = Procs(tmp)
+    env = {"FTRUN_STATE_DIR": str(tmp / "state")}
+    try:
+        nodes = two_nodes(procs, "baseline", free_port(), env=env)
+        for node in nodes:
+            assert procs.wait(node, 150) == 0, procs.output(node)[-3000:]
+        outputs = "".join(procs.output(n) for n in nodes)
+        return result_line(outputs).split("params_xxh3=")[1].strip()
+    finally:
+        procs.cleanup()
+
+
+def _job_result(procs: Procs, nodes: list[subprocess.Popen[str]], timeout_s: float) -> str:
+    for node in nodes:
+        code = procs.wait(node, timeout_s)
+        assert code == 0, f"exit {code}:\n{procs.output(node)[-4000:]}"
+    return result_line("".join(procs.output(n) for n in nodes)).split("params_xxh3=")[1].strip()
+
+
+def _fault_marker(state_dir: Path, run_id: str, rank: int, step: int) -> dict:
+    marker = state_dir / "jobs" / run_id / f"fault-fired-rank{rank}-step{step}"
+    assert marker.exists(), f"the fault never fired: {marker} is missing"
+    return json.loads(marker.read_text())
+
+
+def test_killed_worker_restarts_and_matches_fault_free(procs: Procs, state_dir: Path, baseline_hash: str) -> None:
+    run_id = f"kill-{uuid.uuid4().hex[:8]}"
+    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "2",
+                      train_args=("--fail-at-step", "3", "--fail-rank", "1", "--fail-mode", "kill"))
+    assert _job_result(procs, nodes, 200) == baseline_hash
+    fired = _fault_marker(state_dir, run_id, 1, 3)
+    events = read_events(state_dir, run_id)
+    failures = [e for e in events if e["type"] == "worker_failure" and e["rank"] == 1]
+    assert failures and failures[0]["signal"] == "SIGKILL" and failures[0]["pid"] == fired["pid"]
+    assert any(e["type"] == "restart" for e in events)
+
+
+def test_stopped_worker_is_killed_promptly(procs: Procs, state_dir: Path, baseline_hash: str) -> None:
+    # The process-group timeout is far longer than the test's budget: only the launcher's
+    # own detection can bring this job back in time.
+    run_id = f"stop-{uuid.uuid4().hex[:8]}"
+    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "2", "--hang-timeout", "3",
+                      train_args=("--fail-at-step", "3", "--fail-rank", "2", "--fail-mode", "stop",
+                                  "--pg-timeout", "900"))
+    assert _job_result(procs, nodes, 200) == baseline_hash
+    fired = _fault_marker(state_dir, run_id, 2, 3)
+    events = read_events(state_dir, run_id)
+    hangs = [e for e in events if e["type"] == "hang_detected"]
+    assert hangs and hangs[0]["pid"] == fired["pid"] and "stopped" in hangs[0]["reason"]
+    assert not pid_alive(fired["pid"])
+
+
+def test_live_job_status_secret_signals_and_lost_launcher(procs: Procs, state_dir: Path, tmp_path: Path) -> None:
+    run_id = f"live-{uuid.uuid4().hex[:8]}"
+    result = tmp_path / "result.json"
+    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "3", nnodes="1:2",
+                      train_args=("--step-sleep", "0.5", "--result", str(result)))
+    # STEPS is small; the job must outlive the checks below, so give it more steps.
+    status_cmd = [sys.executable, "-m", "ftrun", "status", run_id]
+
+    def status_json() -> dict | None:
+        out = subprocess.run([*status_cmd, "--json"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        if out.returncode not in (0, 3):
+            return None
+        doc = json.loads(out.stdout)
+        running = [w for n in doc["nodes"] for w in n["workers"] if w["state"] == "running" and w["pid"]]
+        return doc if len(doc["nodes"]) == 2 and len(running) == 4 else None
+
+    doc = wait_for(status_json, 120, "status to show 2 nodes and 4 running ranks", interval_s=1)
+    assert doc["version"] == 1 and doc["summary"]["ranks"] == 4
+    assert sorted(r for n in doc["nodes"] for r in n["ranks"]) == [0, 1, 2, 3]
+
+    table = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert table.returncode == 0 and run_id in table.stdout
+
+    wrong = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           env={**os.environ, "FTRUN_SECRET": "not-the-job-secret-at-all"})
+    assert wrong.returncode == 6, wrong.stderr
+    assert "secret" in wrong.stderr and "Traceback" not in wrong.stderr
+    events = read_events(state_dir, run_id)
+    assert any(e["type"] == "auth_failure" for e in events)
+
+    # SIGUSR1 (Slurm's time-limit warning) reaches the workers and does not stop them.
+    host_pid = json.loads((state_dir / "jobs" / run_id / "job.json").read_text())["pid"]
+    host_node = next(n for n in nodes if n.pid == host_pid)
+    other = next(n for n in nodes if n is not host_node)
+    os.kill(other.pid, signal.SIGUSR1)
+    wait_for(lambda: "received SIGUSR1" in procs.output(other), 30, "the workers to report SIGUSR1")
+
+    # kill -9 the non-host launcher: its workers must die with it, and the survivor,
+    # allowed to run alone by --nnodes 1:2, finishes the job.
+    victim_node = next(e["node"] for e in read_events(state_dir, run_id)
+                       if e["type"] == "node_joined" and e["node"].endswith(f"/{other.pid}"))
+    victim_pids = {pid for e in read_events(state_dir, run_id)
+                   if e["type"] == "workers_started" and e["node"] == victim_node
+                   for pid in e["pids"].values()}
+    assert len(victim_pids) >= 2
+    other.kill()
+    other.wait(timeout=30)
+    wait_for(lambda: not any(pid_alive(p) for p in victim_pids), 15, "the dead launcher's workers to exit")
+    assert procs.wait(host_node, 240) == 0, procs.output(host_node)[-4000:]
+    assert json.loads(result.read_text())["world_size"] == 2
+    events = read_events(state_dir, run_id)
+    assert any(e["type"] == "node_lost" and e["node"] == victim_node for e in events) or any(
+        e["type"] == "rendezvous" and e["group_world_size"] == 1 for e in events)
+
+
+def test_sigterm_stops_the_job_gracefully(procs: Procs, state_dir: Path) -> None:
+    job = procs.ftrun("--standalone", "--nproc-per-node", "2", TRAIN, "--steps", "1000",
+                      "--step-sleep", "0.2")
+    jobs_dir = state_dir / "jobs"
+    wait_for(lambda: any(e["type"] == "workers_started" for d in (jobs_dir.iterdir() if jobs_dir.exists() else [])
+                         for e in read_events(state_dir, d.name)), 90, "workers to start")
+    run_id = next(jobs_dir.iterdir()).name
+    pids = [p for e in read_events(state_dir, run_id) if e["type"] == "workers_started" for p in e["pids"].values()]
+    job.send_signal(signal.SIGTERM)
+    code = procs.wait(job, 60)
+    assert code == 128 + signal.SIGTERM, procs.output(job)[-3000:]
+    assert not any(pid_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--standalone", "no/such/script.py"], "training script 'no/such/script.py' not found"),
+        (["--no-such-flag", "x.py"], "unrecognized arguments: --no-such-flag"),
+        (["--hang-timeout", "-2", TRAIN], "--hang-timeout must be >= 0"),
+    ],
+)
+def test_bad_input_is_one_clear_line(procs: Procs, state_dir: Path, argv: list[str], message: str) -> None:
+    proc = procs.ftrun(*argv)
+    assert procs.wait(proc, 60) == 2
+    out = procs.output(proc)
+    assert message in out and "Traceback" not in out
