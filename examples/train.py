@@ -54,10 +54,13 @@ try:
     import ftrun
 
     _progress: Callable[[int], None] = ftrun.progress
-except Exception:  # ftrun not installed (or broken): run without progress reports.
+    _Snapshotter: Any = ftrun.Snapshotter
+except Exception:  # ftrun not installed (or broken): no progress reports, no snapshots.
 
     def _progress(step: int) -> None:
         del step
+
+    _Snapshotter = None
 
 
 PREFIX = "ftrun-example"
@@ -295,6 +298,14 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         "stop: SIGSTOP itself (default exit)",
     )
     p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="snapshot the training state every K steps with ftrun.Snapshotter (default 1; "
+        "0 turns snapshots off; outside ftrun they are off anyway)",
+    )
+    p.add_argument(
         "--step-sleep",
         type=float,
         default=0.0,
@@ -330,8 +341,9 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
 
 def train(
     args: argparse.Namespace, rank: int, world_size: int, device: torch.device
-) -> tuple[float, str]:
-    """Run the training loop; return the last step's global-batch loss and the params digest.
+) -> tuple[float, str, list[int]]:
+    """Run the training loop; return the last step's global-batch loss, the params digest and
+    the steps this job resumed from (one per restore from a snapshot).
 
     The digest is computed on rank 0 only (other ranks return ""). Everything that references the
     process group (DDP and its reducer) is local to this function, so it is gone before the
@@ -346,10 +358,22 @@ def train(
         train_model = DistributedDataParallel(model, device_ids=device_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
+    last_loss = torch.zeros((), device=device)
+    resumed_from: list[int] = []
+    start = 0
+    snap = None
+    if args.snapshot_every > 0 and _Snapshotter is not None:
+        snap = _Snapshotter(train_model, optimizer, every=args.snapshot_every)
+        start = snap.restore()
+        if start > 0:
+            # The history of restores travels inside the snapshots themselves.
+            resumed_from = [*snap.extra["resumed_from"], start]
+            last_loss = snap.extra["loss"].to(device)
+            print(f"{PREFIX}: rank {rank} resumed from step {start}", file=sys.stderr, flush=True)
+
     per_rank = args.batch // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    last_loss = torch.zeros((), device=device)
-    for step in range(1, args.steps + 1):
+    for step in range(start + 1, args.steps + 1):
         inputs, targets = global_batch(args.seed, step, args.batch, args.seq_len, args.vocab)
         inputs, targets = inputs[rows].to(device), targets[rows].to(device)
         logits = train_model(inputs)
@@ -359,9 +383,13 @@ def train(
         maybe_inject_fault(args, rank, step)
         optimizer.step()
         last_loss = loss.detach()
+        if snap is not None:
+            snap.save(step, extra={"resumed_from": resumed_from, "loss": last_loss})
         if args.step_sleep > 0:
             time.sleep(args.step_sleep)
         _progress(step)
+    if snap is not None:
+        snap.close()
 
     # Mean over the global batch (equal slices, so the mean of the per-rank means).
     if distributed:
@@ -369,7 +397,7 @@ def train(
         dist.all_reduce(last_loss, op=dist.ReduceOp.SUM)
         last_loss /= world_size
     digest = params_digest(model) if rank == 0 else ""
-    return float(last_loss.item()), digest
+    return float(last_loss.item()), digest, resumed_from
 
 
 def _on_sigusr1(signum: int, _frame: object) -> None:
@@ -406,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
 
-    loss, digest = train(args, rank, world_size, device)
+    loss, digest, resumed_from = train(args, rank, world_size, device)
 
     if rank == 0:
         print(f"{PREFIX}: step={args.steps} loss={loss:.6f} params_xxh3={digest}", flush=True)
@@ -419,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                     "params_xxh3": digest,
                     "world_size": world_size,
                     "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
-                    "resumed_from": [],
+                    "resumed_from": resumed_from,
                 },
             )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["progress", "__version__"]
+__all__ = ["Snapshotter", "progress", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from ftrun.worker.progress import progress
 
         return progress
+    if name == "Snapshotter":
+        from ftrun.snapshot.client import Snapshotter
+
+        return Snapshotter
     raise AttributeError(f"module 'ftrun' has no attribute {name!r}")

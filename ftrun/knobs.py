@@ -77,3 +77,22 @@ ALL: tuple[Knob, ...] = (
 def state_dir(override: str | None = None) -> Path:
     """The state directory: flag > FTRUN_STATE_DIR > ~/.ftrun."""
     return Path(os.path.expanduser(override or STATE_DIR.get())).resolve()
+
+# Snapshots (launcher flags map onto these; the launcher passes them on to ranks and store).
+PERSIST_DIR = Knob(
+    "FTRUN_PERSIST_DIR", "path", "",
+    "Where the snapshot store writes committed snapshots to disk (torch.distributed.checkpoint "
+    "format); restore falls back to it when memory holds no complete snapshot.", "any",
+)
+PERSIST_EVERY = Knob(
+    "FTRUN_PERSIST_EVERY", "steps", "0", "Persist every N committed steps (0: only on "
+    "SIGTERM/SIGUSR1, at the end, and per --persist-interval).",
+)
+PERSIST_INTERVAL = Knob(
+    "FTRUN_PERSIST_INTERVAL", "seconds", "0", "Also persist when this long has passed since the "
+    "last write (0: off).",
+)
+PERSIST_KEEP = Knob("FTRUN_PERSIST_KEEP", "count", "3", "Persisted checkpoints to keep.")
+STORE = Knob(
+    "FTRUN_STORE", "endpoint", "", "The node's snapshot store (ipc) for the ranks.", "worker",
+)

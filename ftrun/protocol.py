@@ -98,6 +98,28 @@ SCHEMAS: dict[str, Schema] = {
     "events_reply": {"events": (ListOf(dict), True), "more": (bool, False)},
     "error": {"message": (str, True), "error": (str, False)},
     "ack": {"re": (str, False)},
+    # Snapshots. Store -> coordinator: a rank's shard of ``step`` is verified; the epoch
+    # (one per restore, agreed by all ranks) starts from ``base_step``. Reply: commit_info.
+    "snap_epoch": {"node_id": (str, True), "epoch": (str, True), "base_step": (int, True),
+                   "world_size": (int, True)},
+    "snap_verified": {"node_id": (str, True), "epoch": (str, True), "rank": (int, True),
+                      "step": (int, True), "nbytes": (int, True)},
+    "commit_query": {"epoch": (str, True)},
+    "commit_info": {"epoch": (str, True), "committed": (int, True), "known": (bool, True)},
+    "store_report": {"node_id": (str, True), "bytes": (int, True), "segments": (int, True),
+                     "persisted_step": ((int, _NONE), True), "ranks": (ListOf(int), True)},
+    # Rank <-> its node's store (ipc, same secret).
+    "snap_staged": {"rank": (int, True), "buffer": (int, True), "step": (int, True),
+                    "epoch": (str, True)},
+    "snap_done": {"rank": (int, True), "buffer": (int, True), "step": (int, True),
+                  "ok": (bool, True), "committed": (int, True), "reason": (str, False)},
+    "snap_claim": {"rank": (int, True), "buffer": (int, True), "epoch": (str, True),
+                   "need_committed": (int, True)},
+    "snap_claim_reply": {"ok": (bool, True), "committed": (int, True)},
+    "snap_flush": {"rank": (int, True)},
+    "snap_restored": {"rank": (int, True), "epoch": (str, True), "step": (int, True),
+                      "world_size": (int, True)},
+    "store_persist": {"reason": (str, True)},
 }
 
 _HEADER: Schema = {

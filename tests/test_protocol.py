@@ -43,6 +43,20 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "events_reply": {"events": [{"seq": 4, "type": "x"}]},
     "error": {"message": "nope"},
     "ack": {},
+    "snap_epoch": {"node_id": "host-a/99", "epoch": "e1", "base_step": 4, "world_size": 4},
+    "snap_verified": {"node_id": "host-a/99", "epoch": "e1", "rank": 2, "step": 5,
+                      "nbytes": 1024},
+    "commit_query": {"epoch": "e1"},
+    "commit_info": {"epoch": "e1", "committed": 5, "known": True},
+    "store_report": {"node_id": "host-a/99", "bytes": 4096, "segments": 4,
+                     "persisted_step": None, "ranks": [0, 1]},
+    "snap_staged": {"rank": 1, "buffer": 0, "step": 5, "epoch": "e1"},
+    "snap_done": {"rank": 1, "buffer": 0, "step": 5, "ok": True, "committed": 4},
+    "snap_claim": {"rank": 1, "buffer": 1, "epoch": "e1", "need_committed": 5},
+    "snap_claim_reply": {"ok": False, "committed": 4},
+    "snap_flush": {"rank": 1},
+    "snap_restored": {"rank": 1, "epoch": "e1", "step": 4, "world_size": 4},
+    "store_persist": {"reason": "SIGTERM"},
 }
 
 

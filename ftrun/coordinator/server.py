@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from ftrun import jobs, protocol
+from ftrun.coordinator.commits import CommitTracker
 from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,8 @@ class Coordinator:
         self._started_at = time.time()
         self._warn_limiter = _RateLimiter(WARN_EVERY_S)
         self._refusals: dict[str, tuple[float, int]] = {}
+        self._commits = CommitTracker()
+        self._store_reports: dict[str, dict[str, Any]] = {}
         self.counters: dict[str, int] = {"messages": 0, "auth_failures": 0, "bad_messages": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -430,12 +433,37 @@ class Coordinator:
             self._record("node_left", node.node_id,
                          {"state": body["state"], "exitcode": body["exitcode"]})
             self._reply(sock, identity, "ack", {"re": msg.id})
+        elif msg.kind in ("snap_epoch", "snap_verified", "commit_query"):
+            self._reply(sock, identity, "commit_info", self._commit(msg.kind, body))
+        elif msg.kind == "store_report":
+            with self._lock:
+                self._store_reports[body["node_id"]] = dict(body)
+                self._commits.persisted[body["node_id"]] = body["persisted_step"]
+            self._reply(sock, identity, "ack", {"re": msg.id})
         else:
             log.warning("unexpected %s message from %s; ignored", msg.kind, msg.sender)
             self._reply(sock, identity, "error", {
                 "message": f"the coordinator does not accept {msg.kind!r} messages",
                 "error": "ProtocolError",
             })
+
+    def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if kind == "snap_epoch":
+                known = self._commits.get(body["epoch"]) is not None
+                ep = self._commits.begin(body["epoch"], body["base_step"], body["world_size"])
+                if not known:
+                    data = {"epoch": ep.epoch, "step": ep.base_step, "world_size": ep.world_size}
+            elif kind == "snap_verified":
+                ep = self._commits.verified(body["epoch"], body["rank"], body["step"],
+                                            body["nbytes"])
+            else:
+                ep = self._commits.get(body["epoch"])
+        if kind == "snap_epoch" and not known:
+            self._record("restore", body["node_id"], data)
+        if ep is None:
+            return {"epoch": body["epoch"], "committed": -1, "known": False}
+        return {"epoch": ep.epoch, "committed": ep.committed, "known": True}
 
     def _touch(self, node_id: str, host: str | None, pid: int | None) -> _Node:
         now, mono = time.time(), time.monotonic()
@@ -551,7 +579,20 @@ class Coordinator:
                 "events": n_events,
             },
             "events_tail": tail,
+            "snapshots": self._snapshot_summary(),
         }
+
+    def _snapshot_summary(self) -> dict[str, Any] | None:
+        with self._lock:
+            summary = self._commits.summary()
+            stores = {n: {"bytes": r["bytes"], "segments": r["segments"],
+                          "persisted_step": r["persisted_step"], "ranks": r["ranks"]}
+                      for n, r in self._store_reports.items()}
+        if summary is None and not stores:
+            return None
+        out: dict[str, Any] = dict(summary or {})
+        out["stores"] = stores
+        return out
 
     def _node_doc(self, node: _Node, mono: float) -> dict[str, Any]:
         hb = node.heartbeat

@@ -34,6 +34,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from ftrun import knobs
 from ftrun.launcher.pdeath import tie_entrypoint
+from ftrun.launcher.store_proc import StoreProcess
 from ftrun.worker.progress import create_progress_file, read_progress
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class AgentContext:
     worker_env: dict[str, str] = field(default_factory=dict)
     sink: EventSink = field(default_factory=_NoSink)
     agent: FtrunAgent | None = None
+    store: StoreProcess | None = None
 
 
 def proc_state(pid: int) -> str | None:
@@ -134,6 +136,8 @@ class FtrunAgent(LocalElasticAgent):
             return {}
 
     def forward_signal(self, sig: int) -> None:
+        if self._ctx.store is not None:
+            self._ctx.store.signal(sig)
         for local_rank, pid in self.worker_pids().items():
             try:
                 os.kill(pid, sig)
@@ -178,6 +182,12 @@ class FtrunAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        store = self._ctx.store
+        if store is not None:
+            code = store.check()
+            if code is not None:
+                self._ctx.sink.event("store_restarted", exitcode=code, pid=store.pid,
+                                     restarts=store.restarts)
         if result.state == WorkerState.HEALTHY:
             # A hung rank is killed here; the next tick sees it die like any crashed worker,
             # so torch's own failure path (restart or failure summary) takes it from there.

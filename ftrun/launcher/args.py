@@ -31,6 +31,10 @@ class FtrunOptions:
     hang_timeout_s: float
     heartbeat_interval_s: float
     node_timeout_s: float
+    persist_dir: str | None = None
+    persist_every: int = 0
+    persist_interval_s: float = 0.0
+    persist_keep: int = 3
 
     def __post_init__(self) -> None:
         if self.hang_timeout_s < 0:
@@ -45,6 +49,12 @@ class FtrunOptions:
             raise ConfigError(
                 f"--node-timeout ({self.node_timeout_s} s) must exceed --heartbeat-interval "
                 f"({self.heartbeat_interval_s} s), or every node looks lost"
+            )
+        if self.persist_every < 0 or self.persist_interval_s < 0 or self.persist_keep < 1:
+            raise ConfigError(
+                f"--persist-every ({self.persist_every}) and --persist-interval "
+                f"({self.persist_interval_s}) must be >= 0 and --persist-keep "
+                f"({self.persist_keep}) >= 1"
             )
         if self.coordinator is not None and ":" not in self.coordinator:
             raise ConfigError(
@@ -67,6 +77,15 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "Seconds between the launcher's reports to the coordinator."),
     ("--node-timeout", knobs.NODE_TIMEOUT, float,
      "Seconds of silence after which the coordinator reports a node lost."),
+    ("--persist-dir", knobs.PERSIST_DIR, str,
+     "Directory where the snapshot store writes committed snapshots (torch.distributed."
+     "checkpoint format); restore falls back to it when memory holds no complete snapshot."),
+    ("--persist-every", knobs.PERSIST_EVERY, int,
+     "Persist every N committed steps (0: only at the end, on SIGTERM/SIGUSR1, and per "
+     "--persist-interval)."),
+    ("--persist-interval", knobs.PERSIST_INTERVAL, float,
+     "Also persist when this many seconds passed since the last write (0: off)."),
+    ("--persist-keep", knobs.PERSIST_KEEP, int, "Persisted checkpoints to keep."),
 )
 
 
@@ -123,6 +142,10 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         hang_timeout_s=num("hang_timeout", knobs.HANG_TIMEOUT),
         heartbeat_interval_s=num("heartbeat_interval", knobs.HEARTBEAT_INTERVAL),
         node_timeout_s=num("node_timeout", knobs.NODE_TIMEOUT),
+        persist_dir=ns.persist_dir or None,
+        persist_every=int(num("persist_every", knobs.PERSIST_EVERY)),
+        persist_interval_s=num("persist_interval", knobs.PERSIST_INTERVAL),
+        persist_keep=int(num("persist_keep", knobs.PERSIST_KEEP)),
     )
 
 

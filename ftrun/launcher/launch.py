@@ -40,6 +40,8 @@ from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent
 from ftrun.launcher.args import build_parser, explicit_dests, ftrun_options
 from ftrun.launcher.pdeath import LAUNCHER_PID_ENV
+from ftrun.launcher.store_proc import StoreProcess
+from ftrun.snapshot.store import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +278,11 @@ def run(argv: list[str]) -> int:
     node_dir = _node_dir(run_id)
     ctx = AgentContext(node_id=node_id, host=host, node_dir=node_dir,
                        hang_timeout_s=opts.hang_timeout_s)
+    store_url = f"ipc://{node_dir}/store.sock"
     ctx.worker_env = {
+        knobs.STORE.name: store_url,
+        knobs.SECRET.name: secret.decode(),
+        knobs.PERSIST_DIR.name: opts.persist_dir or "",
         knobs.RUN_ID.name: run_id,
         knobs.JOB_DIR.name: str(jobs.job_dir(run_id, opts.state_dir)),
         knobs.NODE_ID.name: node_id,
@@ -298,6 +304,14 @@ def run(argv: list[str]) -> int:
                                 interval_s=opts.heartbeat_interval_s)
         reporter.start()
         ctx.sink = reporter
+    ctx.store = StoreProcess(
+        StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
+                    owner_pid=os.getpid(), persist_dir=opts.persist_dir,
+                    persist_every=opts.persist_every,
+                    persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep),
+        env={knobs.SECRET.name: secret.decode()},
+    )
+    ctx.store.start()
     _install_signal_forwarding(ctx)
 
     exitcode = 1
@@ -315,6 +329,7 @@ def run(argv: list[str]) -> int:
     except RendezvousError as e:
         log.error("rendezvous failed: %s: %s", type(e).__name__, e)
     finally:
+        ctx.store.stop()
         if reporter is not None:
             reporter.event("job_end", exitcode=exitcode, state=final)
             reporter.stop(final, exitcode)

@@ -1,0 +1,713 @@
+"""Benchmark: time from a worker failure to the next completed training step, ftrun vs torchrun.
+
+One command runs the same job under every launcher, side by side, repeats interleaved::
+
+    .venv/bin/python bench/restart.py [--repeats 3] [--nodes 2] [--output bench/RESULTS.md]
+
+The job is ``examples/train.py`` (unchanged, through ``bench/_timed_train.py``, which logs a
+wall-clock timestamp per completed step) on ``--nodes`` launcher processes on localhost
+(``--nnodes N --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``,
+``--max-restarts 1``). Rank ``--fail-rank`` SIGKILLs itself in step ``--fail-at-step``; the fault
+marker it writes just before holds the time of the kill. The measured interval ends when every
+rank of the restarted world has completed its first step (the latest of the ranks' first
+post-restart steps; a process counts as restarted when it started after the kill).
+
+Launchers, all at their defaults apart from the job's flags:
+
+- ``ftrun``;
+- ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the best a torchrun user can do;
+- ``torchrun`` as is. Its shared rendezvous store hands restarted ranks stale gloo addresses,
+  so a restart may never resume: after ``--resume-timeout`` seconds without a resumed step the
+  job is killed and reported as "did not resume".
+
+A second case freezes the rank with SIGSTOP instead: ftrun with ``--hang-timeout`` against
+torchrun (with the variable) relying on the script's ``--pg-timeout`` (both jobs get it).
+
+Every faulted run's final ``params_xxh3`` must equal the fault-free run's of the same launcher.
+Each launcher starts in its own session; on a timeout or an error its process group, and every
+process that carries this job's private step-log path in its environment (torch starts workers
+in sessions of their own), is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "bench" / "_timed_train.py"
+STEPLOG_ENV = "FTRUN_BENCH_STEPLOG"
+HEADING = "Restart after a worker failure (issue: launcher)"
+POLL_S = 0.1
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers and jobs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of launching the job."""
+
+    key: str
+    label: str
+    launcher: str  # "ftrun" or "torchrun"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+FTRUN = Variant("ftrun", "ftrun", "ftrun")
+TORCHRUN_NOSHARE = Variant(
+    "torchrun-noshare",
+    "torchrun + `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`",
+    "torchrun",
+    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+)
+TORCHRUN = Variant("torchrun", "torchrun (as is)", "torchrun")
+KILL_VARIANTS = (FTRUN, TORCHRUN_NOSHARE, TORCHRUN)
+STOP_VARIANTS = (FTRUN, TORCHRUN_NOSHARE)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    variant: Variant
+    fault: str | None  # None, "kill" or "stop"
+    train_extra: tuple[str, ...] = ()
+    launcher_extra: tuple[str, ...] = ()
+    resume_timeout_s: float = 60.0
+    job_timeout_s: float = 300.0
+
+
+@dataclass
+class JobResult:
+    spec: JobSpec
+    outcome: str = "ok"  # ok | no-resume | failed | timeout
+    exit_codes: list[int | None] = field(default_factory=list)
+    wall_s: float | None = None  # launch to the last launcher's exit (None when killed)
+    fault_ts: float | None = None
+    respawn_ts: float | None = None  # every rank's restarted process is running
+    resume_ts: float | None = None  # every rank completed its first post-restart step
+    detect_ts: float | None = None  # ftrun only: first failure/hang event after the fault
+    last_step_ts: float | None = None  # the last step any rank completed
+    end_ts: float | None = None  # every launcher has exited
+    digest: str | None = None
+    restart_count: int | None = None
+    leftovers: int = 0
+    log_tail: str = ""
+
+    @property
+    def to_step_s(self) -> float | None:
+        if self.fault_ts is None or self.resume_ts is None:
+            return None
+        return self.resume_ts - self.fault_ts
+
+    @property
+    def teardown_s(self) -> float | None:
+        if self.last_step_ts is None or self.end_ts is None:
+            return None
+        return self.end_ts - self.last_step_ts
+
+    @property
+    def to_respawn_s(self) -> float | None:
+        if self.fault_ts is None or self.respawn_ts is None:
+            return None
+        return self.respawn_ts - self.fault_ts
+
+    @property
+    def to_detect_s(self) -> float | None:
+        if self.fault_ts is None or self.detect_ts is None:
+            return None
+        return self.detect_ts - self.fault_ts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_cmd(launcher: str) -> list[str]:
+    """The venv's console script when it sits next to this interpreter, else ``-m``."""
+    script = Path(sys.executable).parent / launcher
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    module = "ftrun" if launcher == "ftrun" else "torch.distributed.run"
+    return [sys.executable, "-m", module]
+
+
+def job_env(variant: Variant, job_dir: Path, steplog: Path) -> dict[str, str]:
+    """This process's environment minus launcher settings, plus the job's private paths."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FTRUN_", "PET_", "TORCHELASTIC_"))
+        and k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    }
+    env.update(
+        PYTHONUNBUFFERED="1",
+        FTRUN_STATE_DIR=str(job_dir / "state"),
+        TMPDIR=str(job_dir / "tmp"),
+        **{STEPLOG_ENV: str(steplog)},
+        **variant.env,
+    )
+    return env
+
+
+def _pids_with_env(token: bytes) -> list[int]:
+    """Processes of this user whose environment contains ``token``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if token in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_job(procs: Sequence[subprocess.Popen[bytes]], token: bytes) -> int:
+    """SIGKILL the launchers' process groups and every process carrying ``token``.
+
+    Returns how many token-carrying processes were still alive after the launchers exited on
+    their own (0 on a clean exit).
+    """
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # our child: a session leader by construction
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    found = 0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        pids = [pid for pid in _pids_with_env(token) if not _is_zombie(pid)]
+        if not pids:
+            break
+        found = max(found, len(pids))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    return found
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def read_steplog(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def restart_times(
+    records: list[dict[str, Any]], fault_ts: float, world: int
+) -> tuple[float | None, float | None]:
+    """(every rank respawned, every rank completed a step) after ``fault_ts``, or None."""
+    new_pids = {r["pid"]: r for r in records if r["ev"] == "start" and r["t"] > fault_ts}
+    first_start: dict[int, float] = {}
+    first_step: dict[int, float] = {}
+    for r in records:
+        if r["pid"] not in new_pids:
+            continue
+        table = first_start if r["ev"] == "start" else first_step
+        table[r["rank"]] = min(table.get(r["rank"], r["t"]), r["t"])
+    respawn = max(first_start.values()) if len(first_start) == world else None
+    resume = max(first_step.values()) if len(first_step) == world else None
+    return respawn, resume
+
+
+def ftrun_detect_ts(state_dir: Path, run_id: str, fault_ts: float) -> float | None:
+    path = state_dir / "jobs" / run_id / "events.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    times = []
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            ev = json.loads(line)
+            if ev["type"] in ("worker_failure", "hang_detected") and ev["ts"] >= fault_ts:
+                times.append(float(ev["ts"]))
+    return min(times) if times else None
+
+
+def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
+    """Run one job to its end (or its timeout); always leaves no process behind."""
+    run_id = f"bench-{spec.variant.key}-{spec.fault or 'clean'}-{uuid.uuid4().hex[:8]}"
+    job_dir = root / run_id
+    (job_dir / "tmp").mkdir(parents=True)
+    (job_dir / "faults").mkdir()
+    steplog = job_dir / "steps.jsonl"
+    result_file = job_dir / "result.json"
+    env = job_env(spec.variant, job_dir, steplog)
+    token = f"{STEPLOG_ENV}={steplog}".encode()
+    world = cfg.nodes * cfg.nproc_per_node
+
+    train = [
+        str(DRIVER), "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
+        "--result", str(result_file), "--fault-dir", str(job_dir / "faults"), *spec.train_extra,
+    ]
+    if spec.fault:
+        train += ["--fail-at-step", str(cfg.fail_at_step), "--fail-rank", str(cfg.fail_rank),
+                  "--fail-mode", spec.fault]
+    cmd = [
+        *launcher_cmd(spec.variant.launcher),
+        "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.nproc_per_node),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "--rdzv-id", run_id, "--max-restarts", "1", *spec.launcher_extra, *train,
+    ]
+    res = JobResult(spec)
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[TextIO] = []
+    marker = job_dir / "faults" / f"fault-fired-rank{cfg.fail_rank}-step{cfg.fail_at_step}"
+    t_launch = time.time()
+    try:
+        for i in range(cfg.nodes):
+            log = open(job_dir / f"node{i}.log", "w")  # noqa: SIM115 (closed in finally)
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                cwd=ROOT, start_new_session=True,
+            ))
+        deadline = t_launch + spec.job_timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                res.end_ts = time.time()
+                res.wall_s = res.end_ts - t_launch
+                break
+            now = time.time()
+            if spec.fault and res.fault_ts is None and marker.exists():
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    res.fault_ts = float(json.loads(marker.read_text())["time"])
+            if (
+                res.fault_ts is not None
+                and now > res.fault_ts + spec.resume_timeout_s
+                and restart_times(read_steplog(steplog), res.fault_ts, world)[1] is None
+            ):
+                res.outcome = "no-resume"
+                break
+            if now > deadline:
+                res.outcome = "timeout"
+                break
+            time.sleep(POLL_S)
+    finally:
+        still_running = any(p.poll() is None for p in procs)
+        leftovers = kill_job(procs, token)
+        if not still_running:
+            res.leftovers = leftovers  # processes that outlived their launchers
+        for log in logs:
+            log.close()
+    res.exit_codes = [p.returncode for p in procs]
+
+    if spec.fault and res.fault_ts is None and marker.exists():
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            res.fault_ts = float(json.loads(marker.read_text())["time"])
+    steps = [r["t"] for r in read_steplog(steplog) if r["ev"] == "step"]
+    res.last_step_ts = max(steps) if steps else None
+    if res.fault_ts is not None:
+        res.respawn_ts, res.resume_ts = restart_times(read_steplog(steplog), res.fault_ts, world)
+        if spec.variant.launcher == "ftrun":
+            res.detect_ts = ftrun_detect_ts(job_dir / "state", run_id, res.fault_ts)
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        data = json.loads(result_file.read_text())
+        res.digest, res.restart_count = data["params_xxh3"], int(data["restart_count"])
+    if res.outcome == "ok" and (any(c != 0 for c in res.exit_codes) or res.digest is None):
+        res.outcome = "failed"
+    if spec.fault and res.fault_ts is None and res.outcome == "ok":
+        res.outcome = "failed"  # the fault never fired: the run measured nothing
+    if res.outcome != "ok":
+        tails = []
+        for i in range(cfg.nodes):
+            with contextlib.suppress(OSError):
+                tails.append(f"--- node{i} ---\n" + (job_dir / f"node{i}.log").read_text()[-2500:])
+        res.log_tail = "\n".join(tails)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def fmt_s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f} s"
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "—"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.2f} s"
+    return f"{med:.2f} s ({min(values):.2f}–{max(values):.2f})"
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summary_table(
+    variants: Sequence[Variant],
+    runs: dict[str, list[JobResult]],
+    clean: dict[str, JobResult],
+    what: str,
+    cfg: argparse.Namespace,
+    timeout_s: float,
+) -> list[str]:
+    head = (
+        f"| launcher | {what} → next step, median (min–max) | resumed | {what} → ranks respawned"
+        " | respawned → step | ftrun: detected after | job wall time | last step → exit"
+        " | fault-free wall time | final params = fault-free |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for v in variants:
+        rs = runs.get(v.key, [])
+        ok = [r for r in rs if r.to_step_s is not None]
+        steps = [r.to_step_s for r in ok if r.to_step_s is not None]
+        main = spread(steps)
+        missing = Counter(r.outcome for r in rs if r.to_step_s is None)
+        if missing:
+            main = "; ".join(
+                (f"did not resume within {timeout_s:.0f} s" if outcome == "no-resume"
+                 else f"{outcome}, no resumed step") + f" ({n}/{len(rs)} runs)"
+                for outcome, n in missing.items()
+            )
+            if ok:
+                main += f"; resumed runs: {spread(steps)}"
+        respawn = [r.to_respawn_s for r in ok if r.to_respawn_s is not None]
+        init = [r.resume_ts - r.respawn_ts for r in ok
+                if r.resume_ts is not None and r.respawn_ts is not None]
+        detect = [r.to_detect_s for r in rs if r.to_detect_s is not None]
+        walls = [r.wall_s for r in rs if r.outcome == "ok" and r.wall_s is not None]
+        wall = spread(walls) if walls else ""
+        bad = Counter(r.outcome for r in rs if r.outcome != "ok")
+        if bad:
+            wall += "; " if wall else ""
+            wall += "; ".join(
+                f"{n}/{len(rs)} killed at the resume timeout" if o == "no-resume"
+                else f"{n}/{len(rs)} {o}" for o, n in bad.items()
+            )
+        teardown = [r.teardown_s for r in rs if r.teardown_s is not None]
+        base = clean.get(v.key)
+        finished = [r for r in rs if r.digest is not None]
+        same = sum(1 for r in finished if base is not None and r.digest == base.digest)
+        if not finished:
+            params = "— (no run finished)"
+        elif same == len(finished):
+            params = f"yes ({same}/{len(finished)})"
+        else:
+            params = f"**NO** ({same}/{len(finished)} equal)"
+        lines.append(
+            f"| {v.label} | {main} | {len(ok)}/{len(rs)} | {fmt_s(median(respawn))}"
+            f" | {fmt_s(median(init))} | {fmt_s(median(detect)) if v.launcher == 'ftrun' else '—'}"
+            f" | {wall} | {fmt_s(median(teardown))}"
+            f" | {fmt_s(base.wall_s if base and base.outcome == 'ok' else None)} | {params} |"
+        )
+    return lines
+
+
+def per_run_lines(variants: Sequence[Variant], runs: dict[str, list[JobResult]]) -> list[str]:
+    out = []
+    for v in variants:
+        cells = []
+        for r in runs.get(v.key, []):
+            cell = "—" if r.to_step_s is None else f"{r.to_step_s:.2f}"
+            if r.outcome != "ok":
+                cell += f" ({r.outcome}, exit codes {r.exit_codes})"
+            cells.append(cell)
+        out.append(f"- {v.label}: {', '.join(cells) or '—'}")
+    return out
+
+
+def ratio_line(runs: dict[str, list[JobResult]], what: str) -> str:
+    a = median([r.to_step_s for r in runs.get(FTRUN.key, []) if r.to_step_s is not None])
+    b = median([r.to_step_s for r in runs.get(TORCHRUN_NOSHARE.key, [])
+                if r.to_step_s is not None])
+    if a is None or b is None or a <= 0:
+        return f"Ratio torchrun (with the variable) / ftrun, median {what} → next step: n/a"
+    return (f"Ratio torchrun (with the variable) / ftrun, median {what} → next step: "
+            f"**{b / a:.1f}×** ({b:.2f} s / {a:.2f} s)")
+
+
+def plain_outcome(runs: dict[str, list[JobResult]], timeout_s: float) -> str:
+    rs = runs.get(TORCHRUN.key, [])
+    if not rs:
+        return "torchrun as is: not measured."
+    resumed = [r for r in rs if r.to_step_s is not None]
+    if not resumed:
+        states = "; ".join(
+            "launchers still running, killed" if r.outcome == "no-resume" and r.wall_s is None
+            else f"{r.outcome}, exit codes {r.exit_codes}" for r in rs
+        )
+        return (f"torchrun as is: **did not resume within {timeout_s:.0f} s** in "
+                f"{len(rs)}/{len(rs)} runs ({states}).")
+    return (f"torchrun as is: resumed in {len(resumed)}/{len(rs)} runs, median "
+            f"{median([r.to_step_s for r in resumed if r.to_step_s is not None]):.2f} s.")
+
+
+def render(
+    cfg: argparse.Namespace,
+    clean: dict[str, JobResult],
+    kill_runs: dict[str, list[JobResult]],
+    stop_runs: dict[str, list[JobResult]],
+    meta: dict[str, str],
+) -> str:
+    world = cfg.nodes * cfg.nproc_per_node
+    lines = [
+        f"## {HEADING}",
+        "",
+        f"- Command: `{meta['command']}`",
+        f"- Date (UTC): {meta['date']}",
+        f"- Host: {meta['host']}",
+        f"- ftrun: commit {meta['tree']}",
+        f"- Job: `examples/train.py --steps {cfg.steps} --step-sleep {cfg.step_sleep}` "
+        f"(via `bench/_timed_train.py`) on {cfg.nodes} launchers × {cfg.nproc_per_node} ranks "
+        f"on localhost (world {world}), c10d rendezvous, `--max-restarts 1`; rank "
+        f"{cfg.fail_rank} fails in step {cfg.fail_at_step}; {cfg.repeats} repeat(s), "
+        "launchers interleaved.",
+        "- \"→ next step\": from the fault (time in the fault marker, written just before the "
+        "signal) until every rank of the restarted world completed its first step. "
+        "\"ranks respawned\": the last restarted rank's process started; \"respawned → step\": "
+        "worker start-up (imports, `init_process_group`, model, step 1). \"ftrun: detected "
+        "after\": first `worker_failure`/`hang_detected` event in ftrun's event log. \"last step "
+        "→ exit\": from the job's last completed step until every launcher exited. Times are "
+        "medians over the runs, (min–max) where there is more than one.",
+        "",
+        f"### Worker killed (SIGKILL in step {cfg.fail_at_step})",
+        "",
+        *summary_table(KILL_VARIANTS if not cfg.no_plain else KILL_VARIANTS[:2], kill_runs,
+                       clean, "kill", cfg, cfg.resume_timeout),
+        "",
+        ratio_line(kill_runs, "kill"),
+        "",
+        plain_outcome(kill_runs, cfg.resume_timeout) if not cfg.no_plain
+        else "torchrun as is: not measured (--no-plain).",
+        "",
+        "Per run, kill → next step (s):",
+        "",
+        *per_run_lines(KILL_VARIANTS, kill_runs),
+    ]
+    if not cfg.no_stop:
+        lines += [
+            "",
+            f"### Worker frozen (SIGSTOP in step {cfg.fail_at_step})",
+            "",
+            f"Both jobs run `train.py --pg-timeout {cfg.stop_pg_timeout:g}`; ftrun adds "
+            f"`--hang-timeout {cfg.hang_timeout:g}`. torchrun only learns of the fault when the "
+            "other ranks' collectives time out. The fault-free reference is the kill case's "
+            "(the process-group timeout does not change the parameters).",
+            "",
+            *summary_table(STOP_VARIANTS, stop_runs, clean, "stop", cfg,
+                           cfg.stop_resume_timeout),
+            "",
+            ratio_line(stop_runs, "stop"),
+            "",
+            "Per run, stop → next step (s):",
+            "",
+            *per_run_lines(STOP_VARIANTS, stop_runs),
+        ]
+    digests = {k: r.digest for k, r in clean.items() if r.digest}
+    lines += [
+        "",
+        "Fault-free params_xxh3: "
+        + ", ".join(f"{k} `{d}`" for k, d in digests.items())
+        + (" (equal across launchers)." if len(set(digests.values())) == 1
+           else " (**differ across launchers**)."),
+    ]
+    leftovers = [r for rs in (*kill_runs.values(), *stop_runs.values(), [*clean.values()])
+                 for r in rs if r.leftovers]
+    if leftovers:
+        lines.append("")
+        lines.append("Processes that outlived their launchers (killed by the benchmark): "
+                     + ", ".join(f"{r.spec.variant.key}/{r.spec.fault}: {r.leftovers}"
+                                 for r in leftovers))
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Time from a worker failure to the next completed training step: ftrun vs "
+        "torchrun, same job, side by side.",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="faulted runs per launcher (default 3)")
+    p.add_argument("--nodes", type=int, default=2, help="launcher processes (default 2)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per launcher (default 2)")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--fail-at-step", type=int, default=10, help="faulty step (default 10)")
+    p.add_argument("--fail-rank", type=int, default=1, help="faulty global rank (default 1)")
+    p.add_argument("--step-sleep", type=float, default=0.1,
+                   help="train.py --step-sleep, seconds (default 0.1)")
+    p.add_argument("--resume-timeout", type=float, default=60.0,
+                   help="kill case: give up this long after the kill (default 60 s)")
+    p.add_argument("--stop-resume-timeout", type=float, default=150.0,
+                   help="stop case: give up this long after the stop (default 150 s)")
+    p.add_argument("--hang-timeout", type=float, default=3.0,
+                   help="stop case: ftrun --hang-timeout (default 3 s)")
+    p.add_argument("--stop-pg-timeout", type=float, default=15.0,
+                   help="stop case: train.py --pg-timeout for both launchers (default 15 s)")
+    p.add_argument("--job-timeout", type=float, default=300.0,
+                   help="hard limit per job (default 300 s)")
+    p.add_argument("--no-stop", action="store_true", help="skip the SIGSTOP case")
+    p.add_argument("--no-plain", action="store_true", help="skip torchrun without the variable")
+    p.add_argument("--output", metavar="FILE",
+                   help="also append the report (with command and date) to FILE")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    args = p.parse_args(argv)
+    world = args.nodes * args.nproc_per_node
+    if args.repeats < 1 or args.nodes < 1 or args.nproc_per_node < 1:
+        p.error("--repeats, --nodes and --nproc-per-node must be >= 1")
+    if not 0 <= args.fail_rank < world:
+        p.error(f"--fail-rank must be in 0..{world - 1}")
+    if not 1 <= args.fail_at_step < args.steps:
+        p.error("--fail-at-step must be in 1..steps-1")
+    if 8 % world:
+        p.error(f"train.py's global batch (8) must be divisible by the world size ({world})")
+    return args
+
+
+def _command_line() -> str:
+    exe = sys.executable
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(exe)
+        if not rel.startswith(".."):
+            exe = rel
+    return shlex.join([exe, *sys.argv])
+
+
+def _git_tree() -> str:
+    """The commit measured, and whether the working tree had uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, text=True, capture_output=True, timeout=30,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" + uncommitted changes" if dirty else "")
+
+
+def _progress(tag: str, r: JobResult) -> None:
+    parts = [f"[{tag}] {r.spec.variant.key}: {r.outcome}"]
+    if r.to_step_s is not None:
+        parts.append(f"{r.spec.fault}->step {r.to_step_s:.2f} s")
+    if r.wall_s is not None:
+        parts.append(f"wall {r.wall_s:.1f} s")
+    parts.append(f"exit {r.exit_codes} params {r.digest}")
+    print(", ".join(parts), file=sys.stderr, flush=True)
+    if r.outcome not in ("ok", "no-resume") and r.log_tail:
+        print(r.log_tail, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def work_dir(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ftrun-bench-restart-"))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"work directory kept: {path}", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    import torch  # only for the report's host line
+
+    meta = {
+        "command": _command_line(),
+        "tree": _git_tree(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f} at start, Python "
+        f"{platform.python_version()}, torch {torch.__version__}",
+    }
+    kill_variants = KILL_VARIANTS[:2] if cfg.no_plain else KILL_VARIANTS
+    clean: dict[str, JobResult] = {}
+    kill_runs: dict[str, list[JobResult]] = {}
+    stop_runs: dict[str, list[JobResult]] = {}
+    stop_args = ("--pg-timeout", f"{cfg.stop_pg_timeout:g}")
+
+    with work_dir(cfg.keep) as root:
+        for v in kill_variants:
+            r = run_job(cfg, JobSpec(v, None, job_timeout_s=cfg.job_timeout), root)
+            clean[v.key] = r
+            _progress("fault-free", r)
+        for i in range(cfg.repeats):
+            for v in kill_variants:
+                spec = JobSpec(v, "kill", resume_timeout_s=cfg.resume_timeout,
+                               job_timeout_s=cfg.job_timeout)
+                r = run_job(cfg, spec, root)
+                kill_runs.setdefault(v.key, []).append(r)
+                _progress(f"kill {i + 1}/{cfg.repeats}", r)
+        if not cfg.no_stop:
+            for i in range(cfg.repeats):
+                for v in STOP_VARIANTS:
+                    extra = ("--hang-timeout", f"{cfg.hang_timeout:g}") if v is FTRUN else ()
+                    spec = JobSpec(v, "stop", train_extra=stop_args, launcher_extra=extra,
+                                   resume_timeout_s=cfg.stop_resume_timeout,
+                                   job_timeout_s=cfg.job_timeout)
+                    r = run_job(cfg, spec, root)
+                    stop_runs.setdefault(v.key, []).append(r)
+                    _progress(f"stop {i + 1}/{cfg.repeats}", r)
+
+    report = render(cfg, clean, kill_runs, stop_runs, meta)
+    sys.stdout.write(report)
+    if cfg.output:
+        out = Path(cfg.output)
+        sep = "\n" if out.exists() and out.stat().st_size else ""
+        with out.open("a") as f:
+            f.write(sep + report)
+    broken = [r for rs in (*kill_runs.values(), *stop_runs.values()) for r in rs
+              if r.digest is not None and clean.get(r.spec.variant.key) is not None
+              and r.digest != clean[r.spec.variant.key].digest]
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

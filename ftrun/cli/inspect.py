@@ -1,0 +1,585 @@
+"""``ftrun inspect (RUN_ID | PATH)``: what a snapshot holds, persisted on disk or live in memory.
+
+PATH (an existing directory) is a persist directory (``step_*`` inside), one ``step_<S>`` or
+one ``rank_<r>`` directory: steps (complete or partial), the ranks of the chosen step and
+their tensors. RUN_ID is a job running on this host: its snapshot segments are read straight
+from /dev/shm (no process needs to answer), and the coordinator, when it answers, adds what it
+has committed. ``--verify`` re-hashes every tensor of the chosen step.
+
+Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
+from :mod:`ftrun.cli.exit_codes`. JSON output goes through ``sys.stdout.write`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from ftrun import jobs, knobs
+from ftrun.cli import exit_codes
+from ftrun.coordinator.client import request
+from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
+from ftrun.snapshot import persist, segment
+from ftrun.snapshot.manifest import entries, parse_manifest
+from ftrun.snapshot.segment import (
+    STAGED,
+    VERIFIED,
+    Header,
+    Segment,
+    job_prefix,
+    list_segments,
+    owner_alive,
+)
+
+INSPECT_VERSION = 1
+COORDINATOR_TIMEOUT_S = 2.0
+READ_ATTEMPTS = 3
+WIDE = 200  # columns when stdout is not a terminal: never cut a tensor key
+
+_SEGMENT_RE = re.compile(r"-r(\d+)-b(\d+)$")
+
+
+class _StepNotFound(FtrunError):
+    """The asked-for step is not there (exit NOT_FOUND)."""
+
+
+def _error_code(e: FtrunError) -> int:
+    if isinstance(e, (JobNotFoundError, _StepNotFound)):
+        return exit_codes.NOT_FOUND
+    if isinstance(e, ConfigError):
+        return exit_codes.USAGE
+    return exit_codes.FAILED
+
+
+def _fail(e: FtrunError) -> int:
+    sys.stderr.write(f"ftrun inspect: {e}\n")
+    sys.stderr.flush()
+    return _error_code(e)
+
+
+def run_inspect(target: str, *, step: int | None, json_out: bool, verify: bool,
+                state_dir: str | None) -> int:
+    """``ftrun inspect``: show a persisted checkpoint (PATH) or a live job's snapshots (RUN_ID)."""
+    try:
+        path = Path(target).expanduser()
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(
+                    f"{path} is a file; pass a checkpoint directory (a persist directory, a "
+                    "step_<S> or a rank_<r> directory) or the run id of a job on this host"
+                )
+            doc = _persisted(path, step=step, verify=verify)
+        else:
+            doc = _live(target, step=step, verify=verify, state_dir=state_dir)
+    except FtrunError as e:
+        return _fail(e)
+    for problem in doc["problems"]:
+        sys.stderr.write(f"ftrun inspect: {problem}\n")
+    sys.stderr.flush()
+    if json_out:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+    else:
+        _render(doc)
+    failed = doc["problems"] or (doc["verify"] is not None and doc["verify"]["mismatches"])
+    return exit_codes.FAILED if failed else exit_codes.OK
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _tensor_rows(doc: dict[str, Any], hashes: list[int | None]) -> list[dict[str, Any]]:
+    return [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,
+             "xxh3": persist.xxh3_hex(h) if h is not None else None}
+            for e, h in zip(entries(doc), hashes, strict=True)]
+
+
+def _totals(ranks: list[dict[str, Any]]) -> dict[str, int]:
+    return {"ranks": len(ranks), "tensors": sum(len(r["tensors"]) for r in ranks),
+            "bytes": sum(t["bytes"] for r in ranks for t in r["tensors"])}
+
+
+@contextmanager
+def _progress(total_bytes: int, what: str) -> Iterator[Callable[[int], None]]:
+    """A byte progress bar on stderr, only when stderr is a terminal."""
+    console = Console(stderr=True)
+    if not console.is_terminal or total_bytes <= 0:
+        yield lambda _n: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task(what, total=total_bytes)
+        yield lambda n: progress.advance(task, n)
+
+
+# -- persisted checkpoints --------------------------------------------------------------------
+
+
+def _classify(path: Path) -> tuple[str, list[persist.StepDir]]:
+    """("persist_dir" | "step_dir" | "rank_dir", the steps to show), or raise for others."""
+    if path.name.startswith(persist.TMP_PREFIX):
+        raise IntegrityError(f"{path} is an unfinished write (a {persist.TMP_PREFIX}* "
+                             "directory), never a valid checkpoint; inspect its step directory")
+    parent_step = persist.STEP_RE.match(path.parent.name)
+    if (path / persist.MANIFEST_FILE).exists() or (persist.RANK_RE.match(path.name)
+                                                   and parent_step):
+        rd = persist.read_rank_dir(path, step=int(parent_step.group(1)) if parent_step else None)
+        if rd.problem is not None:
+            raise IntegrityError(rd.problem)
+        step = int(persist.read_manifest(path)["step"])
+        return "rank_dir", [persist.StepDir(step, path.parent, (rd,), ())]
+    if persist.STEP_RE.match(path.name):
+        return "step_dir", [persist.read_step_dir(path)]
+    steps = persist.list_steps(path)
+    if steps:
+        return "persist_dir", steps
+    if (path / persist.DCP_METADATA).exists():
+        raise ConfigError(
+            f"{path} is a plain torch.distributed.checkpoint directory, not an ftrun checkpoint "
+            f"(no {persist.MANIFEST_FILE}); read it with torch.distributed.checkpoint.load"
+        )
+    raise ConfigError(
+        f"{path} is not an ftrun checkpoint (no step_*/ or rank_*/ directories, no "
+        f"{persist.MANIFEST_FILE}); pass a persist directory, a step_<S> or rank_<r> "
+        "directory, or the run id of a job running on this host"
+    )
+
+
+def _step_status(s: persist.StepDir) -> str:
+    if s.problems:
+        return "corrupt"
+    return "complete" if s.complete else "partial"
+
+
+def _disk(path: Path) -> tuple[int, list[str]]:
+    size, files = 0, []
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            size += entry.stat(follow_symlinks=False).st_size
+            if entry.name.endswith(".distcp"):
+                files.append(entry.name)
+    return size, sorted(files)
+
+
+def _persisted(path: Path, *, step: int | None, verify: bool) -> dict[str, Any]:
+    target, steps = _classify(path)
+    problems: list[str] = [p for s in steps for p in s.problems]
+    if step is not None:
+        chosen = next((s for s in steps if s.step == step), None)
+        if chosen is None:
+            present = ", ".join(str(s.step) for s in steps) or "none"
+            raise _StepNotFound(f"no step {step} in {path} (steps present: {present})")
+    else:
+        chosen = next((s for s in steps if s.complete), steps[0] if steps else None)
+
+    ranks: list[dict[str, Any]] = []
+    for rd in chosen.ranks if chosen is not None else ():
+        if rd.problem is not None:
+            continue
+        doc = persist.read_manifest(rd.path)
+        try:
+            recorded = persist.read_hashes(rd.path)
+        except IntegrityError as e:
+            problems.append(str(e))
+            recorded = {}
+        disk_bytes, files = _disk(rd.path)
+        ranks.append({
+            "rank": rd.rank, "path": str(rd.path), "world_size": rd.world_size,
+            "files": files, "disk_bytes": disk_bytes, "meta": doc.get("meta"),
+            "tensors": _tensor_rows(doc, [recorded.get(e.key) for e in entries(doc)]),
+        })
+
+    verified = None
+    if verify and chosen is not None:
+        verified = {"tensors": 0, "bytes": 0, "mismatches": []}
+        total = sum(t["bytes"] for r in ranks for t in r["tensors"])
+        with _progress(total, f"verifying step {chosen.step}") as advance:
+
+            def on_tensor(_key: str, nbytes: int) -> None:
+                verified["tensors"] += 1
+                verified["bytes"] += nbytes
+                advance(nbytes)
+
+            for r in ranks:
+                try:
+                    bad = persist.verify_dir(r["path"], on_tensor=on_tensor)
+                except IntegrityError as e:
+                    problems.append(str(e))
+                    continue
+                verified["mismatches"].extend(
+                    {"rank": r["rank"], "key": m.key, "file": m.file, "expected": m.expected,
+                     "actual": m.actual, "reason": m.reason} for m in bad)
+
+    return {
+        "version": INSPECT_VERSION, "kind": "persisted", "path": str(path), "target": target,
+        "steps": [{"step": s.step, "path": str(s.path), "status": _step_status(s),
+                   "complete": s.complete, "world_size": s.world_size,
+                   "ranks": [r.rank for r in s.ranks if r.problem is None],
+                   "pending": len(s.pending)} for s in steps],
+        "step": chosen.step if chosen is not None else None,
+        "ranks": ranks, "totals": _totals(ranks), "verify": verified, "problems": problems,
+    }
+
+
+# -- live snapshots in /dev/shm ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _SegInfo:
+    path: Path
+    rank: int
+    buffer: int
+    header: Header | None
+    doc: dict[str, Any] | None  # manifest, when staged or verified
+    hashes: list[int] | None  # when verified
+    problem: str | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _segment_contents(seg: Segment, h: Header) -> tuple[dict[str, Any] | None, list[int] | None]:
+    """(manifest, hash table) of a segment as far as its state has them."""
+    if h.state not in (STAGED, VERIFIED):
+        return None, None
+    doc = parse_manifest(seg.manifest_bytes(h))
+    try:
+        n_tensors = len(entries(doc))
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"manifest has a malformed tensor table ({e!r})") from e
+    if h.state != VERIFIED:
+        return doc, None
+    hashes = seg.hashes(h)
+    if len(hashes) != n_tensors:
+        raise IntegrityError(f"{len(hashes)} hashes for {n_tensors} tensors")
+    return doc, hashes
+
+
+def _read_segment(path: Path, rank: int, buffer: int) -> _SegInfo:
+    """One consistent look at a segment (read again when its rank changes it meanwhile)."""
+    try:
+        seg = Segment.open(path)
+    except (OSError, IntegrityError) as e:
+        return _SegInfo(path, rank, buffer, None, None, None, f"{path}: unreadable ({e})")
+    try:
+        for _ in range(READ_ATTEMPTS):
+            h = seg.header()
+            problem = None
+            try:
+                doc, hashes = _segment_contents(seg, h)
+            except IntegrityError as e:
+                doc, hashes, problem = None, None, f"{path}: {e}"
+            if seg.header() == h:  # unchanged while we read: a consistent view
+                return _SegInfo(path, rank, buffer, h, doc, hashes, problem)
+        return _SegInfo(path, rank, buffer, seg.header(), None, None,
+                        f"{path}: changed on every read (its rank keeps rewriting it); try again")
+    finally:
+        seg.close()
+
+
+def _coordinator(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
+    """What the job's coordinator says about snapshots; None when there is no job file."""
+    try:
+        job = jobs.read_job_file(run_id, state_dir)
+    except JobNotFoundError:
+        return None
+    except ConfigError as e:
+        return {"endpoint": None, "reachable": False, "snapshots": None, "note": str(e)}
+    out: dict[str, Any] = {"endpoint": job.endpoint, "reachable": False, "snapshots": None,
+                           "note": None}
+    try:
+        secret = jobs.load_secret(run_id, state_dir, create=False)
+        reply = request(job.endpoint, secret, run_id, "status_request", {},
+                        timeout_s=COORDINATOR_TIMEOUT_S)
+        if reply.kind != "status_reply":
+            raise FtrunError(f"the coordinator answered {reply.kind!r} to a status request")
+    except FtrunError as e:
+        out["note"] = f"coordinator at {job.endpoint} not reachable: {e}"
+        return out
+    out["reachable"] = True
+    status = reply.body.get("doc")
+    out["snapshots"] = status.get("snapshots") if isinstance(status, dict) else None
+    if out["snapshots"] is None:
+        out["note"] = "the coordinator reports no snapshots yet"
+    return out
+
+
+def _choose_live_step(infos: list[_SegInfo], step: int | None) -> int | None:
+    """``step`` if held; else the newest step verified on every rank (or on any, or staged)."""
+    usable = [(i.header.step, i) for i in infos if i.doc is not None and i.header is not None]
+    if step is not None:
+        if not any(s == step for s, _ in usable):
+            held = ", ".join(str(s) for s in sorted({s for s, _ in usable})) or "none"
+            raise _StepNotFound(f"no staged or verified snapshot of step {step} in memory on "
+                                f"this host (steps held: {held})")
+        return step
+    verified: dict[int, set[int]] = {}
+    for s, i in usable:
+        if i.hashes is not None:
+            verified.setdefault(i.rank, set()).add(s)
+    if verified and set(verified) == {i.rank for i in infos}:
+        everywhere = set.intersection(*verified.values())
+        if everywhere:
+            return max(everywhere)
+    anywhere = set().union(*verified.values())
+    if anywhere:
+        return max(anywhere)
+    return max((s for s, _ in usable), default=None)
+
+
+def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None) -> dict[str, Any]:
+    paths = list_segments(job_prefix(run_id))
+    coordinator = _coordinator(run_id, state_dir)
+    if not paths and coordinator is None:
+        raise JobNotFoundError(
+            f"{run_id!r} is not a directory, and no job with that run id has snapshot segments "
+            f"in {segment.SHM_DIR} on this host or a job file in "
+            f"{knobs.state_dir(state_dir) / 'jobs'}; "
+            "pass a checkpoint directory, or the run id on a host of the job (--state-dir)"
+        )
+    infos = []
+    for path in paths:
+        m = _SEGMENT_RE.search(path.name)
+        if m:
+            infos.append(_read_segment(path, int(m.group(1)), int(m.group(2))))
+    problems = [i.problem for i in infos if i.problem]
+    chosen = _choose_live_step(infos, step)
+
+    picked: dict[int, _SegInfo] = {}
+    if chosen is not None:
+        for i in infos:
+            if i.doc is None or i.header is None or i.header.step != chosen:
+                continue
+            if i.rank not in picked or (i.hashes is not None and picked[i.rank].hashes is None):
+                picked[i.rank] = i
+    ranks = []
+    for rank in sorted(picked):
+        i = picked[rank]
+        assert i.doc is not None and i.header is not None
+        hashes: list[int | None] = list(i.hashes) if i.hashes else [None] * len(i.doc["tensors"])
+        ranks.append({"rank": rank, "buffer": i.buffer, "segment": i.name,
+                      "state": i.header.state_name, "world_size": i.doc.get("world_size"),
+                      "meta": i.doc.get("meta"), "tensors": _tensor_rows(i.doc, hashes)})
+
+    verified = None
+    if verify and picked:
+        verified = {"tensors": 0, "bytes": 0, "mismatches": [], "skipped": []}
+        total = sum(t["bytes"] for r in ranks for t in r["tensors"])
+        with _progress(total, f"verifying step {chosen}") as advance:
+            for rank in sorted(picked):
+                _verify_segment(picked[rank], verified, advance)
+
+    segments = []
+    for i in infos:
+        h = i.header
+        segments.append({
+            "segment": i.name, "rank": i.rank, "buffer": i.buffer,
+            "state": h.state_name if h else None,
+            "step": h.step if h and h.step >= 0 else None,
+            "epoch": h.epoch if h else None, "bytes": h.data_len if h else None,
+            "capacity": h.capacity if h else None,
+            "tensors": len(i.doc["tensors"]) if i.doc else None,
+            "owner_pid": h.owner_pid if h else None,
+            "owner_alive": owner_alive(h) if h else None,
+            "staged_at": h.staged_at if h and h.staged_at else None, "problem": i.problem,
+        })
+    return {
+        "version": INSPECT_VERSION, "kind": "live", "run_id": run_id,
+        "host": socket.gethostname(), "shm_dir": str(segment.SHM_DIR), "segments": segments,
+        "coordinator": coordinator, "step": chosen, "ranks": ranks, "totals": _totals(ranks),
+        "verify": verified, "problems": problems,
+    }
+
+
+def _verify_segment(info: _SegInfo, out: dict[str, Any], advance: Callable[[int], None]) -> None:
+    """Re-hash a segment's tensors against its hash table (skipped when not verified yet)."""
+    assert info.doc is not None and info.header is not None
+    table = entries(info.doc)
+    if info.hashes is None:
+        out["skipped"].append({"rank": info.rank, "segment": info.name,
+                               "reason": f"{info.header.state_name}: no hashes recorded yet"})
+        advance(sum(e.nbytes for e in table))
+        return
+    mismatches = []
+    try:
+        seg = Segment.open(info.path)
+    except (OSError, IntegrityError) as e:
+        out["skipped"].append({"rank": info.rank, "segment": info.name,
+                               "reason": f"gone or unreadable ({e})"})
+        return
+    try:
+        h = seg.header()
+        with seg.data(h) as data:
+            for entry, expected in zip(table, info.hashes, strict=True):
+                with data[entry.offset:entry.offset + entry.nbytes] as part:
+                    actual = xxhash.xxh3_64_intdigest(part)
+                out["tensors"] += 1
+                out["bytes"] += entry.nbytes
+                advance(entry.nbytes)
+                if actual != expected:
+                    mismatches.append({
+                        "rank": info.rank, "key": entry.key, "file": info.name,
+                        "expected": persist.xxh3_hex(expected),
+                        "actual": persist.xxh3_hex(actual),
+                        "reason": f"hashes to {persist.xxh3_hex(actual)}, recorded "
+                                  f"{persist.xxh3_hex(expected)}",
+                    })
+        if seg.header() != info.header or h != info.header:
+            out["skipped"].append({"rank": info.rank, "segment": info.name,
+                                   "reason": "rewritten by its rank while verifying; run again"})
+            return
+    finally:
+        seg.close()
+    out["mismatches"].extend(mismatches)
+
+
+# -- human output -----------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _console() -> Console:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, WIDE))
+    return console
+
+
+def _tensor_table(ranks: list[dict[str, Any]]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    for column in ("rank", "key", "dtype", "shape", "bytes", "xxh3"):
+        table.add_column(column, no_wrap=True, justify="right" if column == "bytes" else "left")
+    for r in ranks:
+        for t in r["tensors"]:
+            table.add_row(str(r["rank"]), Text(t["key"]), t["dtype"],
+                          str(tuple(t["shape"])), str(t["bytes"]),
+                          t["xxh3"] or "-")
+    return table
+
+
+def _render(doc: dict[str, Any]) -> None:
+    console = _console()
+    if doc["kind"] == "persisted":
+        _render_persisted(doc, console)
+    else:
+        _render_live(doc, console)
+    totals = doc["totals"]
+    if doc["step"] is not None:
+        if totals["tensors"]:
+            console.print(_tensor_table(doc["ranks"]))
+        console.print(Text(f"step {doc['step']}: {totals['ranks']} rank(s), "
+                           f"{totals['tensors']} tensor(s), {_fmt_bytes(totals['bytes'])} "
+                           f"({totals['bytes']} bytes)", style="bold"))
+    _render_verify(doc["verify"], console)
+
+
+def _render_persisted(doc: dict[str, Any], console: Console) -> None:
+    console.print(Text.assemble(("ftrun checkpoint ", ""), (doc["path"], "bold"),
+                                (f" ({doc['target'].replace('_', ' ')})", "")))
+    style = {"complete": "green", "partial": "yellow", "corrupt": "bold red"}
+    steps = Table(box=None, pad_edge=False)
+    for column in ("step", "status", "ranks", "world size", "writing"):
+        steps.add_column(column, no_wrap=True)
+    for s in doc["steps"]:
+        mark = " *" if s["step"] == doc["step"] else ""
+        steps.add_row(f"{s['step']}{mark}", Text(s["status"], style=style[s["status"]]),
+                      str(len(s["ranks"])), str(s["world_size"] or "?"),
+                      str(s["pending"]) if s["pending"] else "")
+    console.print(steps)
+    if doc["ranks"]:
+        shards = Table(box=None, pad_edge=False)
+        for column in ("rank", "tensors", "bytes", "on disk", "files", "path"):
+            shards.add_column(column, no_wrap=True)
+        for r in doc["ranks"]:
+            nbytes = sum(t["bytes"] for t in r["tensors"])
+            shards.add_row(str(r["rank"]), str(len(r["tensors"])), _fmt_bytes(nbytes),
+                           _fmt_bytes(r["disk_bytes"]), ", ".join(r["files"]), Text(r["path"]))
+        console.print(shards)
+
+
+def _render_live(doc: dict[str, Any], console: Console) -> None:
+    console.print(Text.assemble(("job ", ""), (doc["run_id"], "bold"),
+                                (f" on {doc['host']}: {len(doc['segments'])} snapshot "
+                                 f"segment(s) in {doc['shm_dir']}", "")))
+    if doc["segments"]:
+        style = {"verified": "green", "staged": "cyan", "writing": "yellow", "empty": "dim"}
+        table = Table(box=None, pad_edge=False)
+        for column in ("rank", "buffer", "state", "step", "epoch", "bytes", "tensors", "owner"):
+            table.add_column(column, no_wrap=True)
+        for s in doc["segments"]:
+            state = s["state"] or "unreadable"
+            owner = "-" if s["owner_pid"] is None else (
+                f"{s['owner_pid']}" + ("" if s["owner_alive"] else " (gone)"))
+            table.add_row(str(s["rank"]), f"b{s['buffer']}",
+                          Text(state, style=style.get(state, "bold red")),
+                          "-" if s["step"] is None else str(s["step"]), s["epoch"] or "-",
+                          _fmt_bytes(s["bytes"]),
+                          "-" if s["tensors"] is None else str(s["tensors"]), owner)
+        console.print(table)
+    coord = doc["coordinator"]
+    if coord is None:
+        console.print(Text("no job file in the state directory: coordinator not asked",
+                           style="dim"))
+    elif coord["snapshots"]:
+        snaps = coord["snapshots"]
+        fields = ", ".join(f"{k} {snaps[k]}" for k in ("committed_step", "epoch", "world_size",
+                                                        "persisted_step", "pending_steps")
+                           if snaps.get(k) not in (None, [], {}))
+        console.print(Text(f"coordinator {coord['endpoint']}: {fields or 'nothing committed'}"))
+    else:
+        console.print(Text(coord["note"] or "coordinator: no snapshot information",
+                           style="yellow"))
+    if doc["step"] is None:
+        console.print(Text("no staged or verified snapshot in memory", style="yellow"))
+
+
+def _render_verify(verified: dict[str, Any] | None, console: Console) -> None:
+    if verified is None:
+        return
+    for skip in verified.get("skipped", []):
+        console.print(Text(f"rank {skip['rank']} ({skip['segment']}): not verified: "
+                           f"{skip['reason']}", style="yellow"))
+    bad = verified["mismatches"]
+    summary = (f"verified {verified['tensors']} tensor(s), {_fmt_bytes(verified['bytes'])}: ")
+    if not bad:
+        console.print(Text(summary + "all hashes match", style="green"))
+        return
+    console.print(Text(summary + f"{len(bad)} MISMATCH(ES)", style="bold red"))
+    table = Table(box=None, pad_edge=False)
+    for column in ("rank", "key", "where", "reason"):
+        table.add_column(column, no_wrap=column != "reason")
+    for m in bad:
+        table.add_row(str(m["rank"]), Text(m["key"]), Text(m["file"] or "?"), Text(m["reason"]))
+    console.print(table)

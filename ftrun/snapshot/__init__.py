@@ -1,0 +1,1 @@
+"""In-memory snapshots: shared-memory segments, the rank-side client, the node's store."""

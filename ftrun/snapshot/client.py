@@ -1,0 +1,420 @@
+"""``Snapshotter``: the few lines a training script adds to get per-step snapshots.
+
+::
+
+    snap = ftrun.Snapshotter(model, optimizer)      # after building (and wrapping) both
+    start = snap.restore(extra={"epoch": 0})        # collective; 0 when there is nothing
+    for step in range(start + 1, total + 1):
+        ...forward, backward...
+        optimizer.step()
+        snap.save(step, extra={"epoch": epoch})     # returns at once; see below
+
+What a snapshot holds: the model's and optimizer's state dicts as returned by
+``torch.distributed.checkpoint.state_dict`` (so FSDP2/DTensor shards are this rank's local
+shards, and DDP's ``module.`` prefix is gone), the RNG states (torch CPU, CUDA, numpy,
+python ``random``), the ``extra`` tree you pass (data position, epoch, ...: tensors, numbers,
+strings, lists, dicts), and the step.
+
+When to call: ``save(step)`` right after ``optimizer.step()``; it captures the state of that
+moment. The copy into shared memory runs in the background while the next forward and
+backward run, and ``optimizer.step()`` waits for it (a pre-hook), so parameters are never
+changed under it. If you change parameters in place elsewhere before the next
+``optimizer.step()``, call ``snap.wait()`` first. ``restore()`` is collective: every rank
+calls it, after ``init_process_group``; all return the same step, the newest one that every
+rank holds complete and verified (memory first, then ``--persist-dir``).
+
+Under plain ``torchrun`` or ``python`` (no ftrun store), both calls log once and do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ftrun import knobs, protocol
+from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
+from ftrun.snapshot import segment as shm
+from ftrun.snapshot.channel import Channel
+from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
+
+log = logging.getLogger(__name__)
+
+CLAIM_TIMEOUT_S = 60.0
+STORE_TIMEOUT_S = 5.0
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].clone())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.clone() for t in state["cuda"]])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+class Snapshotter:
+    """Per-step in-memory snapshots of one rank's training state. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 *, every: int = 1, async_copy: bool = True) -> None:
+        if every < 1:
+            raise ConfigError(f"every must be >= 1 step, got {every}")
+        self.model = model
+        self.optimizer = optimizer
+        self.every = every
+        self.extra: Any = None
+        self.resumed_from: int = 0
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.run_id = knobs.RUN_ID.get()
+        store_url = knobs.STORE.get()
+        self.enabled = bool(store_url and self.run_id)
+        self._async = async_copy
+        self._segments: list[shm.Segment | None] = [None, None]
+        self._newest: tuple[int, int] | None = None  # (buffer, step) of the newest good snapshot
+        self._epoch = ""
+        self._pending: Future[None] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-snap")
+        self._copy_stream: Any = None
+        self._registered: set[int] = set()
+        self._lock = threading.Lock()
+        self.committed = -1
+        self.skipped_saves = 0
+        if not self.enabled:
+            log.warning("ftrun snapshots are off: not started by ftrun (no %s). Training runs "
+                        "as usual; run it with `ftrun` to snapshot every step.",
+                        knobs.STORE.name)
+            self._chan = None
+            return
+        secret = knobs.SECRET.get().encode()
+        self._chan = Channel(store_url, secret, self.run_id, f"rank:{self.rank}",
+                             on_other=self._on_store_message)
+        self._owner = int(os.environ.get("FTRUN_LAUNCHER_PID", os.getppid()))
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(lambda *_: self.wait())
+
+    # -- state ------------------------------------------------------------------------------
+    def _state(self, step: int, extra: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        state["rng"] = _rng_state()
+        state["extra"] = extra
+        state["step"] = step
+        return state
+
+    def _apply(self, tree: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(self.model, tree["model"], options=StateDictOptions(strict=True))
+        if self.optimizer is not None and "optim" in tree:
+            set_optimizer_state_dict(self.model, self.optimizer, tree["optim"])
+        _set_rng_state(tree["rng"])
+        self.extra = tree.get("extra")
+
+    # -- save -------------------------------------------------------------------------------
+    def save(self, step: int, extra: Any = None) -> bool:
+        """Snapshot the state after ``step``. Returns False when this call took no snapshot."""
+        if not self.enabled or step % self.every:
+            return False
+        self.wait()
+        t0 = time.perf_counter()
+        flat = flatten(self._state(step, extra))
+        blob = manifest_blob(flat, step=step, rank=self.rank, world_size=self.world_size,
+                             meta={"epoch": self._epoch, "time": time.time()})
+        target = 0 if self._newest is None else 1 - self._newest[0]
+        need = -1 if self._newest is None else self._newest[1]
+        cuda = any(s.is_cuda for s in flat.sources)
+        if cuda and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        if cuda:
+            # The copy must see the values of this moment: order it after the work queued so far.
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
+        job = self._pool.submit(self._write, target, need, step, flat, blob, cuda)
+        self._pending = job
+        if not self._async:
+            self.wait()
+        log.debug("save(%d) returned after %.1f ms", step, (time.perf_counter() - t0) * 1e3)
+        return True
+
+    def wait(self, timeout_s: float = 600.0) -> None:
+        """Block until the snapshot in flight is staged (called before optimizer.step())."""
+        job = self._pending
+        if job is None:
+            return
+        try:
+            job.result(timeout=timeout_s)
+        except FtrunError as e:
+            log.error("snapshot failed: %s", e)
+        finally:
+            self._pending = None
+
+    def _claim(self, target: int, need: int) -> bool:
+        assert self._chan is not None
+        if need < 0:
+            return True
+        deadline = time.monotonic() + CLAIM_TIMEOUT_S
+        delay = 0.001
+        while True:
+            try:
+                reply = self._chan.request("snap_claim", {
+                    "rank": self.rank, "buffer": target, "epoch": self._epoch,
+                    "need_committed": need}, "snap_claim_reply", STORE_TIMEOUT_S, attempts=3)
+            except UnreachableError as e:
+                log.warning("store unreachable (%s); keeping older snapshot", e)
+                return False
+            self.committed = max(self.committed, reply.body["committed"])
+            if reply.body["ok"]:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _segment(self, buffer: int, manifest_cap: int, n_tensors: int, data_len: int) -> shm.Segment:
+        seg = self._segments[buffer]
+        if seg is not None:
+            h = seg.header()
+            if h.manifest_cap >= manifest_cap and h.n_tensors == n_tensors and \
+                    h.data_len >= data_len:
+                return seg
+            seg.close()
+        name = shm.segment_name(self.run_id, self.rank, buffer)
+        _, _, capacity = shm.layout_for(manifest_cap, n_tensors, data_len)
+        shm.check_capacity(2 * capacity if self._segments[1 - buffer] is None else capacity,
+                           f"rank {self.rank}'s snapshot buffers")
+        seg = shm.Segment.create(name, manifest_cap, n_tensors, data_len, self._owner)
+        self._segments[buffer] = seg
+        return seg
+
+    def _write(self, target: int, need: int, step: int, flat: Any, blob: bytes,
+               cuda: bool) -> None:
+        if not self._claim(target, need):
+            self.skipped_saves += 1
+            log.warning("skipping the snapshot of step %d: step %d is not committed yet, and "
+                        "its buffer must not be overwritten before", step, need)
+            return
+        seg = self._segment(target, max(len(blob) * 2, 1 << 16), len(flat.tensors), flat.data_len)
+        h = seg.set_state(shm.WRITING, step=step, epoch=self._epoch, data_len=flat.data_len)
+        data = seg.data(h)
+        if cuda:
+            self._register(seg)
+            with torch.cuda.stream(self._copy_stream):
+                for entry, src in zip(flat.tensors, flat.sources, strict=True):
+                    tensor_view(data, entry).copy_(src.reshape(entry.shape), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            event.synchronize()
+        else:
+            for entry, src in zip(flat.tensors, flat.sources, strict=True):
+                tensor_view(data, entry).copy_(src.reshape(entry.shape))
+        xh = seg.write_manifest(blob)
+        seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh,
+                      staged_at=time.time())
+        self._newest = (target, step)
+        assert self._chan is not None
+        self._chan.send("snap_staged", {"rank": self.rank, "buffer": target, "step": step,
+                                        "epoch": self._epoch})
+
+    def _register(self, seg: shm.Segment) -> None:
+        """Pin the segment's pages for the GPU so device-to-host copies are asynchronous DMA."""
+        key = id(seg.mm)
+        if key in self._registered:
+            return
+        view = torch.frombuffer(seg.mm, dtype=torch.uint8)
+        rc = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)
+        if int(rc) != 0:
+            log.warning("cudaHostRegister failed (%s); copies will be synchronous", rc)
+        self._registered.add(key)
+
+    def _on_store_message(self, msg: protocol.Message) -> None:
+        if msg.kind == "snap_done":
+            self.committed = max(self.committed, msg.body["committed"])
+            if not msg.body["ok"]:
+                log.error("the store could not verify step %d: %s", msg.body["step"],
+                          msg.body.get("reason", "?"))
+
+    # -- restore ----------------------------------------------------------------------------
+    def restore(self, extra: Any = None) -> int:
+        """Load the newest snapshot complete on every rank; returns its step (0: none).
+
+        ``extra`` is what ``self.extra`` holds when nothing was restored.
+        """
+        self.extra = extra
+        if not self.enabled:
+            return 0
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        assert self._chan is not None
+        try:
+            self._chan.request("snap_flush", {"rank": self.rank}, "ack", STORE_TIMEOUT_S,
+                               attempts=6)
+        except UnreachableError as e:
+            log.warning("snapshot store did not answer (%s); using what memory holds", e)
+        local = self._local_steps()
+        steps = self._agree_steps(local, distributed)
+        restored, source = 0, "none"
+        for step in steps:
+            tree = self._load_memory(local[step], step)
+            if self._all(tree is not None, distributed):
+                assert tree is not None
+                self._apply(tree)
+                self._newest = (local[step], step)
+                restored, source = step, "memory"
+                break
+            log.warning("step %d failed verification on some rank; trying an older one", step)
+        if restored == 0:
+            restored, source = self._restore_persisted(distributed)
+        self._epoch = self._agree_epoch(distributed)
+        if restored > 0:
+            log.info("rank %d restored step %d from %s", self.rank, restored, source)
+        try:
+            self._chan.request("snap_restored", {"rank": self.rank, "epoch": self._epoch,
+                                                 "step": restored, "world_size": self.world_size},
+                               "ack", STORE_TIMEOUT_S, attempts=3)
+        except UnreachableError as e:
+            log.warning("could not tell the store about the restore: %s", e)
+        self.committed = restored
+        self.resumed_from = restored
+        self.source = source
+        return restored
+
+    def _local_steps(self) -> dict[int, int]:
+        """step -> buffer, for this rank's VERIFIED buffers of this world size."""
+        out: dict[int, int] = {}
+        for buffer in (0, 1):
+            name = shm.segment_name(self.run_id, self.rank, buffer)
+            try:
+                seg = shm.Segment.open(name)
+            except FileNotFoundError:
+                continue
+            except (IntegrityError, OSError, ValueError) as e:
+                log.warning("ignoring segment %s: %s", name, e)
+                continue
+            self._segments[buffer] = seg
+            h = seg.header()
+            if h.state == shm.VERIFIED:
+                out[h.step] = buffer
+            elif h.state in (shm.WRITING, shm.STAGED):
+                log.warning("buffer %d holds step %d %s: torn or unverified, not loaded",
+                            buffer, h.step, h.state_name)
+        return out
+
+    def _agree_steps(self, local: dict[int, int], distributed: bool) -> list[int]:
+        mine = sorted(local, reverse=True)
+        if not distributed:
+            return mine
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        common = set(mine)
+        for theirs in everyone:
+            common &= set(theirs or [])
+        return sorted(common, reverse=True)
+
+    def _all(self, ok: bool, distributed: bool) -> bool:
+        if not distributed:
+            return ok
+        import torch.distributed as dist
+
+        flags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, bool(ok))
+        return all(flags)
+
+    def _agree_epoch(self, distributed: bool) -> str:
+        epoch = [uuid.uuid4().hex[:16]]
+        if distributed:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(epoch, src=0)
+        return epoch[0]
+
+    def _load_memory(self, buffer: int, step: int) -> dict[str, Any] | None:
+        from ftrun.snapshot.store import verify_segment
+
+        seg = self._segments[buffer]
+        if seg is None:
+            return None
+        ok, reason = verify_segment(seg)
+        if not ok:
+            log.error("rank %d: snapshot of step %d in buffer %d is not loadable (%s); it will "
+                      "not be used", self.rank, step, buffer, reason)
+            return None
+        h = seg.header()
+        doc = parse_manifest(seg.manifest_bytes(h))
+        if doc["world_size"] != self.world_size or doc["step"] != step:
+            return None
+        data = seg.data(h)
+        # Clone: the optimizer keeps what it is given, and must not alias the shared buffer.
+        return unflatten(doc, lambda _i, entry: tensor_view(data, entry).clone())
+
+    def _restore_persisted(self, distributed: bool) -> tuple[int, str]:
+        root = knobs.PERSIST_DIR.get()
+        if not root:
+            return 0, "none"
+        from ftrun.snapshot import persist
+
+        found = persist.latest_complete(root)
+        step = found[0] if found else 0
+        steps = self._agree_steps({step: 0} if step else {}, distributed)
+        if not steps:
+            return 0, "none"
+        step, saved_world = steps[0], found[1] if found else 0
+        rank = self.rank if self.rank < saved_world else 0
+        tree: dict[str, Any] | None = None
+        try:
+            tree = persist.load_rank(root, step, rank)
+        except FtrunError as e:
+            log.error("persisted step %d of rank %d is not loadable: %s", step, rank, e)
+        if not self._all(tree is not None, distributed):
+            return 0, "none"
+        assert tree is not None
+        if saved_world != self.world_size:
+            log.warning("persisted step %d was written by %d ranks, this job has %d: loading "
+                        "rank %d's model and optimizer state", step, saved_world,
+                        self.world_size, rank)
+        self._apply(tree)
+        return step, f"disk ({root})"
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+        for seg in self._segments:
+            if seg is not None:
+                seg.close()
+        if self._chan is not None:
+            self._chan.close()

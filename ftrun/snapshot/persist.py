@@ -1,0 +1,670 @@
+"""On-disk checkpoints, in ``torch.distributed.checkpoint`` (DCP) format, of verified snapshots.
+
+The node's snapshot store (not the ranks) writes them from a VERIFIED buffer. Layout::
+
+    <persist dir>/step_<S:09d>/rank_<r:05d>/     one complete DCP checkpoint per rank
+        .metadata, __0_0.distcp                  written by torch.distributed.checkpoint.save
+        ftrun-manifest.json                      the snapshot's manifest (tree, dtypes, meta)
+        ftrun-hashes.json                        xxh3-64 (hex) of every tensor, by manifest key
+    <persist dir>/step_<S:09d>/.tmp-rank_<r:05d>-<pid>/   a rank being written (never valid)
+
+The DCP state dict of a rank is flat: ``{entry.key.lstrip("/"): tensor}`` for every tensor of
+the manifest (``"model/fc.weight"``, ``"optim/state/0/exp_avg"``...). Non-tensor leaves (step
+counters, RNG tuples, dtypes, bytes) live only in ``ftrun-manifest.json``, from which
+:func:`load_rank` rebuilds the exact state tree, without unpickling anything of ours.
+
+A rank directory only appears, by an atomic rename, once every file in it is written and
+fsynced; a step is complete when every rank ``0..W-1`` has one and their manifests agree on W.
+
+Leaving ftrun: :func:`to_torch_save` writes one ``torch.save`` file holding a rank's state
+tree. PyTorch's own converter also reads a *rank* directory directly (not a step directory:
+that has no ``.metadata``) and gives the flat dict, without the non-tensor leaves::
+
+    python -m torch.distributed.checkpoint.format_utils dcp_to_torch STEP_DIR/rank_00000 out.pt
+
+(in torch 2.13 the mode is the positional ``dcp_to_torch``; there is no ``--mode`` flag and
+no ``dcp_to_torch_save`` mode). Plain ``torch.distributed.checkpoint.load(sd,
+checkpoint_id=RANK_DIR, no_dist=True)`` into a dict of tensors of the right shapes works too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from ftrun.errors import ConfigError, FtrunError, IntegrityError
+from ftrun.snapshot.manifest import TensorEntry, entries, parse_manifest, tensor_view, unflatten
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FILE = "ftrun-manifest.json"
+HASHES_FILE = "ftrun-hashes.json"
+DCP_METADATA = ".metadata"
+HASHES_VERSION = 1
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".del-"
+STALE_TMP_S = 3600.0
+VERIFY_BATCH_BYTES = 256 * 2**20
+
+STEP_RE = re.compile(r"^step_(\d+)$")
+RANK_RE = re.compile(r"^rank_(\d+)$")
+
+PathLike = str | os.PathLike[str]
+
+
+# -- names ------------------------------------------------------------------------------------
+
+
+def step_dir(persist_dir: PathLike, step: int) -> Path:
+    return Path(persist_dir) / f"step_{step:09d}"
+
+
+def rank_dir(persist_dir: PathLike, step: int, rank: int) -> Path:
+    return step_dir(persist_dir, step) / f"rank_{rank:05d}"
+
+
+def dcp_keys(table: list[TensorEntry]) -> list[str]:
+    """The DCP state-dict key of every tensor entry, index-aligned; refuses collisions."""
+    keys = [e.key.lstrip("/") for e in table]
+    seen: dict[str, str] = {}
+    for entry, key in zip(table, keys, strict=True):
+        if not key:
+            raise ConfigError(
+                f"tensor entry {entry.key!r} has an empty checkpoint key: the state root must "
+                "be a dict (model/optim/rng/extra/step), not a bare tensor"
+            )
+        if key in seen:
+            raise ConfigError(
+                f"tensors {seen[key]!r} and {entry.key!r} map to the same checkpoint key "
+                f"{key!r}; rename one of the state's dict keys (keys differing only in type, "
+                "e.g. 1 and '1', collide)"
+            )
+        seen[key] = entry.key
+    return keys
+
+
+def xxh3_hex(value: int) -> str:
+    return f"{value:016x}"
+
+
+def tensor_xxh3(t: torch.Tensor) -> int:
+    """xxh3-64 of a tensor's raw bytes (what the snapshot store records for it)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(memoryview(flat.view(torch.uint8).numpy()))
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise IntegrityError(f"tensor {key}: unknown dtype {name!r} in the manifest")
+    return dtype
+
+
+# -- torch.distributed.checkpoint, imported on first use (it is slow to import) ---------------
+
+
+@contextmanager
+def _quiet_dcp() -> Iterator[Any]:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        # Single-process use is the point here; DCP warns about it on every call.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield dcp
+
+
+def _dcp_save(state: dict[str, torch.Tensor], path: Path) -> None:
+    with _quiet_dcp() as dcp:
+        writer = dcp.FileSystemWriter(str(path), sync_files=True, thread_count=1)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
+    with _quiet_dcp() as dcp:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+
+
+def storage_files(path: PathLike) -> dict[str, str]:
+    """DCP key -> the file (relative to the rank directory) holding that tensor's bytes."""
+    path = Path(path)
+    try:
+        with _quiet_dcp() as dcp:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # DCP raises whatever unpickling a bad file raises
+        raise IntegrityError(f"{path / DCP_METADATA} is unreadable ({e}); the checkpoint "
+                             "is corrupt: use another step") from e
+    return {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+
+
+# -- small durable-file helpers ---------------------------------------------------------------
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath), directory=True)
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def _check_doc(doc: dict[str, Any]) -> tuple[int, int, int]:
+    try:
+        step, rank, world = int(doc["step"]), int(doc["rank"]), int(doc["world_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"manifest lacks a valid step/rank/world_size ({e!r})") from e
+    if step < 0 or world < 1 or not 0 <= rank < world:
+        raise IntegrityError(
+            f"manifest says step {step}, rank {rank} of world size {world}: not a valid snapshot"
+        )
+    return step, rank, world
+
+
+def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | bytes,
+               hashes: list[int]) -> Path:
+    """Persist one rank's verified snapshot as ``step_<S>/rank_<r>``; returns that directory.
+
+    ``doc`` is the parsed manifest, ``data`` the snapshot's data region and ``hashes`` the
+    xxh3-64 the store recorded per tensor. Every tensor is re-hashed first: corrupt bytes are
+    never written (IntegrityError). The caller keeps ``data`` unchanged until this returns;
+    no view into it is left behind. Idempotent: an existing ``rank_<r>`` directory is left as
+    it is. Writing goes to ``.tmp-rank_<r>-<pid>`` in the step directory, fsynced, then
+    renamed: a crash leaves only a temp directory, which is never taken for a checkpoint.
+    """
+    step, rank, _world = _check_doc(doc)
+    table = entries(doc)
+    keys = dcp_keys(table)
+    if len(hashes) != len(table):
+        raise IntegrityError(
+            f"step {step} rank {rank}: {len(hashes)} hashes for {len(table)} tensors; "
+            "the snapshot's hash table does not belong to its manifest"
+        )
+    final = rank_dir(persist_dir, step, rank)
+    if final.is_dir():
+        log.debug("%s exists already; leaving it", final)
+        return final
+    view = memoryview(data).cast("B")
+    try:
+        _check_bytes(view, table, hashes, f"step {step} rank {rank}")
+        return _write_dir(final, doc, view, table, keys, hashes)
+    finally:
+        try:
+            view.release()
+        except BufferError:  # pragma: no cover - only if a tensor over it escaped
+            pass
+
+
+def _check_bytes(view: memoryview, table: list[TensorEntry], hashes: list[int],
+                 what: str) -> None:
+    for entry, expected in zip(table, hashes, strict=True):
+        end = entry.offset + entry.nbytes
+        if entry.offset < 0 or end > len(view):
+            raise IntegrityError(
+                f"{what}: tensor {entry.key} spans bytes [{entry.offset}, {end}) of a "
+                f"{len(view)}-byte data region; the manifest does not fit its snapshot"
+            )
+        with view[entry.offset:end] as part:
+            actual = xxhash.xxh3_64_intdigest(part)
+        if actual != expected:
+            raise IntegrityError(
+                f"{what}: tensor {entry.key} hashes to {xxh3_hex(actual)} but the snapshot "
+                f"recorded {xxh3_hex(expected)}; refusing to persist corrupt bytes"
+            )
+
+
+def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[TensorEntry],
+               keys: list[str], hashes: list[int]) -> Path:
+    step, rank = int(doc["step"]), int(doc["rank"])
+    parent = final.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create {parent}: {e.strerror}; make the persist directory "
+                          "writable or point the persist option elsewhere") from e
+    tmp = parent / f"{TMP_PREFIX}rank_{rank:05d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    state: dict[str, torch.Tensor] = {}
+    try:
+        tmp.mkdir()
+        _write_durable(tmp / MANIFEST_FILE, json.dumps(doc, separators=(",", ":")).encode())
+        hashes_doc = {"v": HASHES_VERSION, "algorithm": "xxh3_64", "step": step, "rank": rank,
+                      "tensors": {e.key: xxh3_hex(h) for e, h in zip(table, hashes, strict=True)}}
+        _write_durable(tmp / HASHES_FILE, json.dumps(hashes_doc, indent=1).encode())
+        with warnings.catch_warnings():
+            # A read-only buffer (bytes) is only read here.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            state = {key: tensor_view(view, e) for key, e in zip(keys, table, strict=True)}
+        _dcp_save(state, tmp)
+        state.clear()
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            if not final.is_dir():
+                raise
+            log.debug("%s appeared while writing (%s); keeping it", final, e.strerror)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final
+        _fsync_path(parent, directory=True)
+        _fsync_path(parent.parent, directory=True)
+    except BaseException as e:
+        state.clear()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, FtrunError) or not isinstance(e, Exception):
+            raise
+        if isinstance(e, OSError):
+            raise ConfigError(
+                f"cannot write step {step} rank {rank} to {parent}: {e}; check that the persist "
+                "directory is writable and has space"
+            ) from e
+        raise FtrunError(f"writing step {step} rank {rank} to {parent} failed: {e!r}") from e
+    log.info("persisted step %d rank %d to %s", step, rank, final)
+    return final
+
+
+# -- scanning ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankDir:
+    """One final ``rank_<r>`` directory, as found on disk."""
+
+    rank: int
+    path: Path
+    world_size: int | None  # from its manifest; None when unreadable
+    problem: str | None  # why it cannot be used, naming the file (None: usable)
+
+
+@dataclass(frozen=True)
+class StepDir:
+    """One ``step_<S>`` directory: its final rank directories and unfinished writes."""
+
+    step: int
+    path: Path
+    ranks: tuple[RankDir, ...]
+    pending: tuple[Path, ...]  # ``.tmp-*`` directories (a write in progress or abandoned)
+
+    @property
+    def world_size(self) -> int | None:
+        """The world size all usable ranks agree on (None when none or disagreeing)."""
+        sizes = {r.world_size for r in self.ranks if r.problem is None}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    @property
+    def complete(self) -> bool:
+        world = self.world_size
+        usable = {r.rank for r in self.ranks if r.problem is None}
+        return (world is not None and usable == set(range(world))
+                and all(r.problem is None for r in self.ranks))
+
+    @property
+    def problems(self) -> list[str]:
+        return [r.problem for r in self.ranks if r.problem is not None]
+
+
+def read_manifest(path: PathLike) -> dict[str, Any]:
+    """The manifest doc of a rank directory (IntegrityError naming the file when unusable)."""
+    file = Path(path) / MANIFEST_FILE
+    try:
+        blob = file.read_bytes()
+    except FileNotFoundError:
+        raise IntegrityError(f"{file} is missing; the rank directory is not a complete ftrun "
+                             "checkpoint: use another step") from None
+    except OSError as e:
+        raise IntegrityError(f"{file} is unreadable: {e.strerror}") from e
+    try:
+        doc = parse_manifest(blob)
+        entries(doc)
+        _check_doc(doc)
+        if "tree" not in doc:
+            raise KeyError("tree")
+    except IntegrityError as e:
+        raise IntegrityError(f"{file}: {e}") from e
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"{file} is not a valid ftrun manifest ({e!r})") from e
+    return doc
+
+
+def read_hashes(path: PathLike) -> dict[str, int]:
+    """Manifest key -> recorded xxh3-64, from a rank directory's ``ftrun-hashes.json``."""
+    file = Path(path) / HASHES_FILE
+    try:
+        doc = json.loads(file.read_bytes())
+        if doc.get("v") != HASHES_VERSION:
+            raise ValueError(f"version {doc.get('v')!r}, this ftrun reads {HASHES_VERSION}")
+        return {str(k): int(v, 16) for k, v in doc["tensors"].items()}
+    except FileNotFoundError:
+        raise IntegrityError(f"{file} is missing; the tensors cannot be checked") from None
+    except OSError as e:
+        raise IntegrityError(f"{file} is unreadable: {e.strerror}") from e
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise IntegrityError(f"{file} is not a valid ftrun hash file ({e})") from e
+
+
+def read_rank_dir(path: PathLike, *, step: int | None = None, rank: int | None = None) -> RankDir:
+    """Describe a final rank directory; ``step``/``rank`` (from its names) are checked too."""
+    path = Path(path)
+    if rank is None:
+        m = RANK_RE.match(path.name)
+        rank = int(m.group(1)) if m else -1
+    if not (path / DCP_METADATA).is_file():
+        return RankDir(rank, path, None, f"{path / DCP_METADATA} is missing (not a complete "
+                       "DCP checkpoint)")
+    try:
+        doc = read_manifest(path)
+    except IntegrityError as e:
+        return RankDir(rank, path, None, str(e))
+    world = int(doc["world_size"])
+    if rank >= 0 and int(doc["rank"]) != rank:
+        return RankDir(rank, path, world,
+                       f"{path / MANIFEST_FILE} is for rank {doc['rank']}, not {rank}")
+    if step is not None and int(doc["step"]) != step:
+        return RankDir(rank, path, world,
+                       f"{path / MANIFEST_FILE} is for step {doc['step']}, not {step}")
+    return RankDir(int(doc["rank"]), path, world, None)
+
+
+def read_step_dir(path: PathLike) -> StepDir:
+    path = Path(path)
+    m = STEP_RE.match(path.name)
+    if not m:
+        raise ConfigError(f"{path} is not a step directory (named step_<number>)")
+    step = int(m.group(1))
+    ranks: list[RankDir] = []
+    pending: list[Path] = []
+    for child in sorted(path.iterdir()):
+        if child.name.startswith(TMP_PREFIX):
+            pending.append(child)
+            continue
+        rm = RANK_RE.match(child.name)
+        if rm and child.is_dir():
+            ranks.append(read_rank_dir(child, step=step, rank=int(rm.group(1))))
+    return StepDir(step, path, tuple(sorted(ranks, key=lambda r: r.rank)), tuple(pending))
+
+
+def list_steps(persist_dir: PathLike) -> list[StepDir]:
+    """Every step directory under ``persist_dir``, newest first (complete or not)."""
+    root = Path(persist_dir)
+    try:
+        children = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    steps = []
+    for child in children:
+        if STEP_RE.match(child.name) and child.is_dir():
+            try:
+                steps.append(read_step_dir(child))
+            except FileNotFoundError:  # pruned meanwhile (by another node's store)
+                continue
+    return sorted(steps, key=lambda s: s.step, reverse=True)
+
+
+def complete_steps(persist_dir: PathLike) -> list[tuple[int, int]]:
+    """(step, world_size) of every complete step, newest first."""
+    out = []
+    for s in list_steps(persist_dir):
+        world = s.world_size
+        if s.complete and world is not None:
+            out.append((s.step, world))
+    return out
+
+
+def latest_complete(persist_dir: PathLike) -> tuple[int, int] | None:
+    """(step, world_size) of the newest complete step, or None."""
+    steps = complete_steps(persist_dir)
+    return steps[0] if steps else None
+
+
+def prune(persist_dir: PathLike, keep: int) -> list[Path]:
+    """Remove step directories older than the newest ``keep`` complete steps.
+
+    Steps newer than the oldest kept one stay (partial or not: a write may be in progress),
+    so the newest complete step is never removed. ``.tmp-*`` directories untouched for an
+    hour are removed too. Returns what was removed.
+    """
+    if keep < 1:
+        raise ConfigError(
+            f"keep={keep}: at least the newest complete step must be kept; pass keep >= 1"
+        )
+    root = Path(persist_dir)
+    removed: list[Path] = []
+    complete = complete_steps(root)
+    oldest_kept = complete[:keep][-1][0] if complete else None
+    now = time.time()
+    for s in list_steps(root):
+        if oldest_kept is not None and s.step < oldest_kept:
+            _remove_dir(s.path, root)
+            removed.append(s.path)
+            continue
+        for tmp in s.pending:
+            try:
+                stale = now - tmp.stat().st_mtime > STALE_TMP_S
+            except FileNotFoundError:
+                continue
+            if stale:
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+    for leftover in root.glob(f"{TRASH_PREFIX}*") if root.is_dir() else ():
+        shutil.rmtree(leftover, ignore_errors=True)
+    if removed:
+        log.info("pruned %d director%s under %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", root)
+    return removed
+
+
+def _remove_dir(path: Path, root: Path) -> None:
+    """Rename out of sight first, so a half-removed step is never seen under its name."""
+    trash = root / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    except OSError:
+        trash = path
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A tensor whose bytes on disk do not match its recorded hash (or cannot be read)."""
+
+    key: str
+    file: str  # path of the .distcp file holding it ("" when unknown)
+    expected: str  # recorded xxh3 hex ("" when none recorded)
+    actual: str  # xxh3 hex of what was read ("" when unreadable)
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file or '?'}: tensor {self.key}: {self.reason}"
+
+
+def _empty_like_entry(entry: TensorEntry) -> torch.Tensor:
+    return torch.empty(entry.shape, dtype=_dtype(entry.dtype, entry.key))
+
+
+def _load_flat(path: Path, table: list[TensorEntry], keys: list[str]) -> dict[str, torch.Tensor]:
+    state = {key: _empty_like_entry(e) for key, e in zip(keys, table, strict=True)}
+    try:
+        _dcp_load(state, path)
+    except Exception as e:  # DCP wraps everything into CheckpointException
+        raise IntegrityError(f"{path}: torch.distributed.checkpoint.load failed ({e}); the "
+                             "checkpoint is corrupt or incomplete: use another step") from e
+    return state
+
+
+def load_dir(path: PathLike, *, verify: bool = True) -> Any:
+    """The state tree of one rank directory (see :func:`load_rank`)."""
+    path = Path(path)
+    if not (path / DCP_METADATA).is_file():
+        raise IntegrityError(f"{path / DCP_METADATA} is missing; not a complete checkpoint")
+    doc = read_manifest(path)
+    table = entries(doc)
+    keys = dcp_keys(table)
+    recorded = read_hashes(path) if verify else {}
+    state = _load_flat(path, table, keys)
+    if verify:
+        files: dict[str, str] | None = None
+        for entry, key in zip(table, keys, strict=True):
+            expected = recorded.get(entry.key)
+            actual = tensor_xxh3(state[key])
+            if expected == actual:
+                continue
+            if files is None:
+                files = storage_files(path)
+            where = path / files.get(key, "?")
+            if expected is None:
+                raise IntegrityError(f"{path / HASHES_FILE} records no hash for tensor "
+                                     f"{entry.key}; the checkpoint cannot be verified")
+            raise IntegrityError(
+                f"{where}: tensor {entry.key} hashes to {xxh3_hex(actual)} but "
+                f"{HASHES_FILE} records {xxh3_hex(expected)}; the file is corrupt: restore "
+                "from another step"
+            )
+    return unflatten(doc, lambda i, _entry: state[keys[i]])
+
+
+def load_rank(persist_dir: PathLike, step: int, rank: int, *, verify: bool = True) -> Any:
+    """Read ``step_<S>/rank_<r>`` back into its state tree (as ``manifest.unflatten`` gives).
+
+    Tensors are freshly allocated with the manifest's dtypes and shapes and filled through
+    ``torch.distributed.checkpoint.load``; numpy entries come back as numpy arrays. With
+    ``verify`` each tensor is checked against ``ftrun-hashes.json`` (IntegrityError naming
+    the file and the tensor). The root is the dict the snapshot was taken of.
+    """
+    path = rank_dir(persist_dir, step, rank)
+    if not path.is_dir():
+        raise IntegrityError(f"no checkpoint of step {step} rank {rank}: {path} does not exist")
+    return load_dir(path, verify=verify)
+
+
+def verify_dir(path: PathLike, *, on_tensor: Callable[[str, int], None] | None = None,
+               batch_bytes: int = VERIFY_BATCH_BYTES) -> list[Mismatch]:
+    """Re-hash every tensor of a rank directory against ``ftrun-hashes.json``.
+
+    Reads at most about ``batch_bytes`` at a time; calls ``on_tensor(key, nbytes)`` after
+    each tensor. Returns every mismatch (an unreadable tensor counts as one).
+    """
+    path = Path(path)
+    doc = read_manifest(path)
+    table = entries(doc)
+    keys = dcp_keys(table)
+    recorded = read_hashes(path)
+    files = storage_files(path)
+    out: list[Mismatch] = []
+
+    def file_of(key: str) -> str:
+        return str(path / files[key]) if key in files else ""
+
+    def check(batch: list[int]) -> None:
+        try:
+            state = _load_flat(path, [table[i] for i in batch], [keys[i] for i in batch])
+        except IntegrityError as e:
+            if len(batch) > 1:  # find out which tensor it is
+                for i in batch:
+                    check([i])
+                return
+            i = batch[0]
+            exp = recorded.get(table[i].key)
+            out.append(Mismatch(table[i].key, file_of(keys[i]),
+                                xxh3_hex(exp) if exp is not None else "", "", f"unreadable: {e}"))
+            if on_tensor:
+                on_tensor(table[i].key, table[i].nbytes)
+            return
+        for i in batch:
+            entry, key = table[i], keys[i]
+            actual = tensor_xxh3(state.pop(key))
+            exp = recorded.get(entry.key)
+            if exp is None:
+                out.append(Mismatch(entry.key, file_of(key), "", xxh3_hex(actual),
+                                    f"no hash recorded in {HASHES_FILE}"))
+            elif exp != actual:
+                out.append(Mismatch(entry.key, file_of(key), xxh3_hex(exp), xxh3_hex(actual),
+                                    f"hashes to {xxh3_hex(actual)}, recorded {xxh3_hex(exp)}"))
+            if on_tensor:
+                on_tensor(entry.key, entry.nbytes)
+
+    batch: list[int] = []
+    size = 0
+    for i, entry in enumerate(table):
+        batch.append(i)
+        size += entry.nbytes
+        if size >= batch_bytes:
+            check(batch)
+            batch, size = [], 0
+    if batch:
+        check(batch)
+    return out
+
+
+# -- leaving ftrun ----------------------------------------------------------------------------
+
+
+def to_torch_save(path: PathLike, out_file: PathLike) -> Path:
+    """Write a rank directory's state tree (model/optim/rng/extra/step) to one ``torch.save``.
+
+    ``path`` is a rank directory, or a step directory (then rank 0's is written). Tensors are
+    verified first. The file loads with ``torch.load(out_file, weights_only=True)`` unless the
+    state holds numpy arrays or numpy scalars (then ``weights_only=False``).
+    """
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file() or RANK_RE.match(path.name):
+        source = path
+    elif STEP_RE.match(path.name) and path.is_dir():
+        source = path / f"rank_{0:05d}"
+        if not source.is_dir():
+            raise IntegrityError(f"{path} has no rank_00000 directory (the step is incomplete); "
+                                 "pass another step or a rank directory")
+    else:
+        raise ConfigError(f"{path} is neither a step_<S> nor a rank_<r> checkpoint directory; "
+                          "pass one of those (see `ftrun inspect`)")
+    tree = load_dir(source, verify=True)
+    out = Path(out_file)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(tree, tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ConfigError(f"cannot write {out}: {e}; choose a writable output file") from e
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out

@@ -1,0 +1,331 @@
+"""Named shared-memory segments that hold one rank's snapshot buffer.
+
+Each rank owns two segments (``b0``/``b1``) in ``/dev/shm``, private to the user (0600).
+They are named after the job and the rank, so they outlive a crash of the rank *and* of the
+node's store: whoever comes next opens them by name. Layout::
+
+    [0, 4096)             header: magic, version, state, step, epoch, sizes, owner, hashes' hash
+    [4096, 4096+M)        manifest JSON (written by the rank when it stages)
+    [.., ..+8*T)          xxh3-64 of every tensor, by index (written by the store)
+    [data_off, ..)        tensor bytes, each 64-byte aligned
+
+States: EMPTY -> WRITING (rank copying) -> STAGED (copy complete, manifest written)
+-> VERIFIED (store hashed every tensor). A segment found in WRITING is torn: never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from ftrun.errors import ConfigError, IntegrityError
+
+SHM_DIR = Path(os.environ.get("FTRUN_SHM_DIR", "/dev/shm"))
+MAGIC = b"FTRUNSN1"
+VERSION = 1
+HEADER_SIZE = 4096
+ALIGN = 64
+PAGE = mmap.PAGESIZE
+
+EMPTY, WRITING, STAGED, VERIFIED = 0, 1, 2, 3
+STATE_NAMES = {EMPTY: "empty", WRITING: "writing", STAGED: "staged", VERIFIED: "verified"}
+
+# magic, version, state, step, epoch(16s), manifest_len, manifest_cap, n_tensors, hash_off,
+# data_off, data_len, capacity, manifest_xxh3, hashes_xxh3, owner_pid, owner_start, staged_at
+_HEADER = struct.Struct("<8sIIq16sQQQQQQQQQQQd")
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def job_tag(run_id: str) -> str:
+    """A short, filesystem-safe tag unique to the run id (and the user)."""
+    digest = hashlib.sha1(f"{os.getuid()}:{run_id}".encode()).hexdigest()[:10]
+    safe = re.sub(r"[^A-Za-z0-9]", "", run_id)[:16]
+    return f"{safe}-{digest}"
+
+
+def segment_name(run_id: str, rank: int, buffer: int) -> str:
+    return f"ftrun-{os.getuid()}-{job_tag(run_id)}-r{rank}-b{buffer}"
+
+
+def job_prefix(run_id: str) -> str:
+    return f"ftrun-{os.getuid()}-{job_tag(run_id)}-"
+
+
+def proc_start_ticks(pid: int) -> int:
+    """Start time of a process in clock ticks since boot (0 if unknown): tells PID reuse apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().decode(errors="replace").rpartition(")")[2].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@dataclass
+class Header:
+    state: int
+    step: int
+    epoch: str
+    manifest_len: int
+    manifest_cap: int
+    n_tensors: int
+    hash_off: int
+    data_off: int
+    data_len: int
+    capacity: int
+    manifest_xxh3: int
+    hashes_xxh3: int
+    owner_pid: int
+    owner_start: int
+    staged_at: float
+
+    @property
+    def state_name(self) -> str:
+        return STATE_NAMES.get(self.state, f"unknown({self.state})")
+
+
+def layout_for(manifest_cap: int, n_tensors: int, data_len: int) -> tuple[int, int, int]:
+    """(hash_off, data_off, capacity) for a segment of the given sizes."""
+    hash_off = align(HEADER_SIZE + manifest_cap, 8)
+    data_off = align(hash_off + 8 * n_tensors, PAGE)
+    return hash_off, data_off, align(data_off + data_len, PAGE)
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def check_capacity(needed: int, what: str) -> None:
+    """Refuse up front, with the fix, when /dev/shm or RAM cannot hold ``needed`` bytes.
+
+    Writing past what tmpfs can hold would end in SIGBUS halfway through a copy.
+    """
+    free = shm_free_bytes()
+    total = shutil.disk_usage(SHM_DIR).total
+    if needed > free:
+        raise ConfigError(
+            f"{SHM_DIR} has {free / 2**20:.0f} MiB free (of {total / 2**20:.0f} MiB) but {what} "
+            f"needs {needed / 2**20:.0f} MiB (two buffers per rank). Enlarge it: Docker "
+            f"`--shm-size={max(1, -(-needed * 2 // 2**30))}g`, Kubernetes an emptyDir with "
+            "medium: Memory at /dev/shm, or `mount -o remount,size=...G /dev/shm`."
+        )
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    if needed > available:
+        raise ConfigError(
+            f"{what} needs {needed / 2**20:.0f} MiB of shared memory but only "
+            f"{available / 2**20:.0f} MiB of RAM is available; snapshot less state "
+            "(e.g. fewer ranks per node) or use a host with more memory."
+        )
+
+
+class Segment:
+    """One mapped snapshot buffer."""
+
+    def __init__(self, path: Path, mm: mmap.mmap) -> None:
+        self.path = path
+        self.mm = mm
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # -- life cycle ---------------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, manifest_cap: int, n_tensors: int, data_len: int,
+               owner_pid: int) -> Segment:
+        """Create (or re-create, larger) the segment and touch every page now.
+
+        Pre-faulting costs once at creation: first-touch page faults make a copy into fresh
+        shared memory several times slower than into touched pages.
+        """
+        hash_off, data_off, capacity = layout_for(manifest_cap, n_tensors, data_len)
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, capacity)  # reserve tmpfs pages: no SIGBUS later
+            except OSError as e:
+                os.close(fd)
+                os.unlink(path)
+                fd = -1
+                raise ConfigError(
+                    f"cannot reserve {capacity / 2**20:.0f} MiB in {SHM_DIR} for {name}: "
+                    f"{e.strerror}. Enlarge /dev/shm (Docker: --shm-size)."
+                ) from e
+            mm = mmap.mmap(fd, capacity)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        _prefault(mm, capacity)
+        seg = cls(path, mm)
+        seg.write_header(Header(
+            state=EMPTY, step=-1, epoch="", manifest_len=0, manifest_cap=manifest_cap,
+            n_tensors=n_tensors, hash_off=hash_off, data_off=data_off, data_len=data_len,
+            capacity=capacity, manifest_xxh3=0, hashes_xxh3=0, owner_pid=owner_pid,
+            owner_start=proc_start_ticks(owner_pid), staged_at=0.0,
+        ))
+        return seg
+
+    @classmethod
+    def open(cls, name_or_path: str | Path) -> Segment:
+        path = Path(name_or_path)
+        if not path.is_absolute():
+            path = SHM_DIR / path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE:
+                raise IntegrityError(f"{path} is {size} bytes: not an ftrun snapshot segment")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        seg = cls(path, mm)
+        seg.header()  # validates magic and version
+        return seg
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # views into the buffer still alive; the mapping goes with the process
+
+    def unlink(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    # -- header -------------------------------------------------------------------------
+    def header(self) -> Header:
+        raw = _HEADER.unpack_from(self.mm, 0)
+        if raw[0] != MAGIC:
+            raise IntegrityError(f"{self.path}: bad magic {raw[0]!r}; not an ftrun snapshot")
+        if raw[1] != VERSION:
+            raise IntegrityError(f"{self.path}: layout version {raw[1]}, this ftrun reads {VERSION}")
+        epoch = raw[4].rstrip(b"\0").decode(errors="replace")
+        return Header(raw[2], raw[3], epoch, *raw[5:])
+
+    def write_header(self, h: Header) -> None:
+        _HEADER.pack_into(
+            self.mm, 0, MAGIC, VERSION, h.state, h.step, h.epoch.encode()[:16].ljust(16, b"\0"),
+            h.manifest_len, h.manifest_cap, h.n_tensors, h.hash_off, h.data_off, h.data_len,
+            h.capacity, h.manifest_xxh3, h.hashes_xxh3, h.owner_pid, h.owner_start, h.staged_at,
+        )
+
+    def set_state(self, state: int, **changes: object) -> Header:
+        h = self.header()
+        h.state = state
+        for key, value in changes.items():
+            setattr(h, key, value)
+        self.write_header(h)
+        return h
+
+    # -- regions ------------------------------------------------------------------------
+    def data(self, h: Header | None = None) -> memoryview:
+        h = h or self.header()
+        return memoryview(self.mm)[h.data_off:h.data_off + h.data_len]
+
+    def write_manifest(self, blob: bytes) -> int:
+        h = self.header()
+        if len(blob) > h.manifest_cap:
+            raise IntegrityError(f"manifest of {len(blob)} bytes exceeds its {h.manifest_cap}-byte slot")
+        self.mm[HEADER_SIZE:HEADER_SIZE + len(blob)] = blob
+        return xxhash.xxh3_64_intdigest(blob)
+
+    def manifest_bytes(self, h: Header | None = None) -> bytes:
+        h = h or self.header()
+        if h.manifest_len > h.manifest_cap:
+            raise IntegrityError(f"{self.path}: manifest length {h.manifest_len} exceeds its slot")
+        blob = bytes(self.mm[HEADER_SIZE:HEADER_SIZE + h.manifest_len])
+        if xxhash.xxh3_64_intdigest(blob) != h.manifest_xxh3:
+            raise IntegrityError(f"{self.path}: manifest hash mismatch")
+        return blob
+
+    def write_hashes(self, hashes: list[int]) -> int:
+        h = self.header()
+        if len(hashes) != h.n_tensors:
+            raise IntegrityError(f"{len(hashes)} hashes for {h.n_tensors} tensors")
+        blob = struct.pack(f"<{len(hashes)}Q", *hashes)
+        self.mm[h.hash_off:h.hash_off + len(blob)] = blob
+        return xxhash.xxh3_64_intdigest(blob)
+
+    def hashes(self, h: Header | None = None) -> list[int]:
+        h = h or self.header()
+        blob = bytes(self.mm[h.hash_off:h.hash_off + 8 * h.n_tensors])
+        if xxhash.xxh3_64_intdigest(blob) != h.hashes_xxh3:
+            raise IntegrityError(f"{self.path}: hash table does not match its own hash")
+        return list(struct.unpack(f"<{h.n_tensors}Q", blob))
+
+
+def _prefault(mm: mmap.mmap, size: int) -> None:
+    chunk = bytes(1 << 20)
+    for off in range(0, size, len(chunk)):
+        n = min(len(chunk), size - off)
+        mm[off:off + n] = chunk[:n]
+
+
+def list_segments(prefix: str) -> list[Path]:
+    try:
+        return sorted(p for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def owner_alive(h: Header) -> bool:
+    if h.owner_pid <= 0:
+        return False
+    try:
+        os.kill(h.owner_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    start = proc_start_ticks(h.owner_pid)
+    return start == 0 or h.owner_start == 0 or start == h.owner_start
+
+
+def clean_leftovers(keep_prefix: str | None = None) -> list[str]:
+    """Remove this user's segments whose owning launcher is gone. Returns the names removed.
+
+    A segment is only removed when it is ours (name carries our uid), is not the current
+    job's, and its recorded owner process no longer exists (PID reuse is told apart by the
+    process start time).
+    """
+    removed = []
+    for path in list_segments(f"ftrun-{os.getuid()}-"):
+        if keep_prefix and path.name.startswith(keep_prefix):
+            continue
+        try:
+            seg = Segment.open(path)
+            try:
+                alive = owner_alive(seg.header())
+            finally:
+                seg.close()
+        except (OSError, IntegrityError, ValueError):
+            alive = False
+        if not alive:
+            try:
+                os.unlink(path)
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+    return removed
