@@ -112,6 +112,7 @@ class JobResult:
     digest: str | None = None
     restart_count: int | None = None
     leftovers: int = 0
+    killed_launchers: int = 0  # launchers still running when the benchmark gave up
     log_tail: str = ""
 
     @property
@@ -165,7 +166,7 @@ def job_env(variant: Variant, job_dir: Path, steplog: Path) -> dict[str, str]:
     env.update(
         PYTHONUNBUFFERED="1",
         FTRUN_STATE_DIR=str(job_dir / "state"),
-        TMPDIR=str(job_dir / "tmp"),
+        TMPDIR=str(job_dir / "t"),
         **{STEPLOG_ENV: str(steplog)},
         **variant.env,
     )
@@ -271,9 +272,10 @@ def ftrun_detect_ts(state_dir: Path, run_id: str, fault_ts: float) -> float | No
 
 def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
     """Run one job to its end (or its timeout); always leaves no process behind."""
-    run_id = f"bench-{spec.variant.key}-{spec.fault or 'clean'}-{uuid.uuid4().hex[:8]}"
-    job_dir = root / run_id
-    (job_dir / "tmp").mkdir(parents=True)
+    run_id = f"b-{spec.variant.key}-{spec.fault or 'clean'}-{uuid.uuid4().hex[:6]}"
+    # Short paths: ftrun puts unix sockets under TMPDIR (sun_path holds 107 bytes).
+    job_dir = root / f"{len(list(root.iterdir())):02d}"
+    (job_dir / "t").mkdir(parents=True)
     (job_dir / "faults").mkdir()
     steplog = job_dir / "steps.jsonl"
     result_file = job_dir / "result.json"
@@ -330,9 +332,9 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
                 break
             time.sleep(POLL_S)
     finally:
-        still_running = any(p.poll() is None for p in procs)
+        res.killed_launchers = sum(1 for p in procs if p.poll() is None)
         leftovers = kill_job(procs, token)
-        if not still_running:
+        if not res.killed_launchers:
             res.leftovers = leftovers  # processes that outlived their launchers
         for log in logs:
             log.close()
@@ -475,7 +477,8 @@ def plain_outcome(runs: dict[str, list[JobResult]], timeout_s: float) -> str:
     resumed = [r for r in rs if r.to_step_s is not None]
     if not resumed:
         states = "; ".join(
-            "launchers still running, killed" if r.outcome == "no-resume" and r.wall_s is None
+            f"{r.killed_launchers} of {len(r.exit_codes)} launchers still running and killed, "
+            f"exit codes {r.exit_codes}" if r.killed_launchers
             else f"{r.outcome}, exit codes {r.exit_codes}" for r in rs
         )
         return (f"torchrun as is: **did not resume within {timeout_s:.0f} s** in "
@@ -645,7 +648,7 @@ def _progress(tag: str, r: JobResult) -> None:
 
 @contextlib.contextmanager
 def work_dir(keep: bool) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="ftrun-bench-restart-"))
+    path = Path(tempfile.mkdtemp(prefix="ftb-"))
     try:
         yield path
     finally:

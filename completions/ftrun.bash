@@ -30,6 +30,10 @@ _ftrun_kind() {
         'launch --node-timeout' | 'launch --node_timeout') _ftrun_k='files' ;;
         'launch --nproc-per-node' | 'launch --nproc_per_node') _ftrun_k='files' ;;
         'launch --numa-binding' | 'launch --numa_binding') _ftrun_k='choices node socket exclusive core-complex' ;;
+        'launch --persist-dir' | 'launch --persist_dir') _ftrun_k='dirs' ;;
+        'launch --persist-every' | 'launch --persist_every') _ftrun_k='files' ;;
+        'launch --persist-interval' | 'launch --persist_interval') _ftrun_k='files' ;;
+        'launch --persist-keep' | 'launch --persist_keep') _ftrun_k='files' ;;
         'launch --rdzv-backend' | 'launch --rdzv_backend') _ftrun_k='files' ;;
         'launch --rdzv-conf' | 'launch --rdzv_conf') _ftrun_k='files' ;;
         'launch --rdzv-endpoint' | 'launch --rdzv_endpoint') _ftrun_k='files' ;;
@@ -67,9 +71,11 @@ _ftrun_command() {
                 --master_addr --master-port --master_port --max-restarts --max_restarts -m
                 --module --monitor-interval --monitor_interval --nnodes --no-python --no_python
                 --node-rank --node_rank --node-timeout --node_timeout --nproc-per-node
-                --nproc_per_node --numa-binding --numa_binding --rdzv-backend --rdzv_backend
-                --rdzv-conf --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r
-                --redirects --role --run-path --run_path --shutdown-timeout --shutdown_timeout
+                --nproc_per_node --numa-binding --numa_binding --persist-dir --persist_dir
+                --persist-every --persist_every --persist-interval --persist_interval
+                --persist-keep --persist_keep --rdzv-backend --rdzv_backend --rdzv-conf
+                --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects
+                --role --run-path --run_path --shutdown-timeout --shutdown_timeout
                 --signals-to-handle --signals_to_handle --standalone --start-method
                 --start_method --state-dir --state_dir -t --tee --virtual-local-rank
                 --virtual_local_rank'

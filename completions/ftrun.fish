@@ -24,11 +24,14 @@ function __ftrun_takes_value --argument-names context flag
             'launch --monitor-interval' 'launch --monitor_interval' 'launch --nnodes' \
             'launch --node-rank' 'launch --node_rank' 'launch --node-timeout' \
             'launch --node_timeout' 'launch --nproc-per-node' 'launch --nproc_per_node' \
-            'launch --numa-binding' 'launch --numa_binding' 'launch --rdzv-backend' \
-            'launch --rdzv_backend' 'launch --rdzv-conf' 'launch --rdzv_conf' \
-            'launch --rdzv-endpoint' 'launch --rdzv_endpoint' 'launch --rdzv-id' \
-            'launch --rdzv_id' 'launch -r' 'launch --redirects' 'launch --role' \
-            'launch --shutdown-timeout' 'launch --shutdown_timeout' 'launch --signals-to-handle' \
+            'launch --numa-binding' 'launch --numa_binding' 'launch --persist-dir' \
+            'launch --persist_dir' 'launch --persist-every' 'launch --persist_every' \
+            'launch --persist-interval' 'launch --persist_interval' 'launch --persist-keep' \
+            'launch --persist_keep' 'launch --rdzv-backend' 'launch --rdzv_backend' \
+            'launch --rdzv-conf' 'launch --rdzv_conf' 'launch --rdzv-endpoint' \
+            'launch --rdzv_endpoint' 'launch --rdzv-id' 'launch --rdzv_id' 'launch -r' \
+            'launch --redirects' 'launch --role' 'launch --shutdown-timeout' \
+            'launch --shutdown_timeout' 'launch --signals-to-handle' \
             'launch --signals_to_handle' 'launch --start-method' 'launch --start_method' \
             'launch --state-dir' 'launch --state_dir' 'launch -t' 'launch --tee' \
             'coordinator --bind-host' 'coordinator --node-timeout' 'coordinator --rdzv-endpoint' \
@@ -140,6 +143,10 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'node-rank' -l 'node_rank' -r 
 complete -c ftrun -n '__ftrun_is first launch' -l 'node-timeout' -l 'node_timeout' -r -d 'Seconds of silence after which the coordinator reports a node lost. [env FTRUN_NODE_TIMEOUT]'
 complete -c ftrun -n '__ftrun_is first launch' -l 'nproc-per-node' -l 'nproc_per_node' -r -d 'Number of workers per node; supported values: [auto, cpu, gpu, xpu, int].'
 complete -c ftrun -n '__ftrun_is first launch' -l 'numa-binding' -l 'numa_binding' -x -a 'node socket exclusive core-complex' -d 'Bind worker processes to CPUs near their assigned GPUs for better performance.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'persist-dir' -l 'persist_dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory where the snapshot store writes committed snapshots...'
+complete -c ftrun -n '__ftrun_is first launch' -l 'persist-every' -l 'persist_every' -r -d 'Persist every N committed steps...'
+complete -c ftrun -n '__ftrun_is first launch' -l 'persist-interval' -l 'persist_interval' -r -d 'Also persist when this many seconds passed since the last write (0: off). [env...'
+complete -c ftrun -n '__ftrun_is first launch' -l 'persist-keep' -l 'persist_keep' -r -d 'Persisted checkpoints to keep. [env FTRUN_PERSIST_KEEP]'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-backend' -l 'rdzv_backend' -r -d 'Rendezvous backend.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-conf' -l 'rdzv_conf' -r -d 'Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...).'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-endpoint' -l 'rdzv_endpoint' -r -d 'Rendezvous backend endpoint; usually in form <host>:<port>.'

@@ -64,7 +64,7 @@ except Exception:  # ftrun not installed (or broken): no progress reports, no sn
 
 
 PREFIX = "ftrun-example"
-FAIL_MODES = ("exit", "kill", "hang", "stop")
+FAIL_MODES = ("exit", "kill", "hang", "stop", "corrupt")
 EXIT_CODE_FAULT = 13
 
 
@@ -176,9 +176,18 @@ def fault_dir(override: str | None) -> str:
     return path
 
 
-def maybe_inject_fault(args: argparse.Namespace, rank: int, step: int) -> None:
-    """Fire the requested fault if this is the chosen rank and step and it has not fired yet."""
+def maybe_inject_fault(
+    args: argparse.Namespace, rank: int, step: int, before_forward: bool = False
+) -> None:
+    """Fire the requested fault if this is the chosen rank and step and it has not fired yet.
+
+    ``corrupt`` fires at the start of the step, before its collectives, so no rank can have
+    moved past the previous committed snapshot; every other mode fires after the backward
+    pass, in the middle of the step.
+    """
     if args.fail_at_step is None or step != args.fail_at_step or rank != args.fail_rank:
+        return
+    if before_forward != (args.fail_mode == "corrupt"):
         return
     marker = os.path.join(fault_dir(args.fault_dir), f"fault-fired-rank{rank}-step{step}")
     try:
@@ -207,6 +216,16 @@ def maybe_inject_fault(args: argparse.Namespace, rank: int, step: int) -> None:
         flush=True,
     )
     sys.stdout.flush()
+    if args.fail_mode == "corrupt":
+        # Flip a byte of this rank's newest snapshot in memory, then crash: the restart must
+        # refuse that snapshot and fall back to an older committed one.
+        from ftrun.faults import corrupt_newest_snapshot
+
+        hit = corrupt_newest_snapshot(rank)
+        with open(marker, "a") as f:
+            f.write(json.dumps({"corrupted_step": hit.step, "segment": hit.segment}) + "\n")
+        print(f"{PREFIX}: corrupted the snapshot of step {hit.step}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CODE_FAULT)
     if args.fail_mode == "exit":
         sys.exit(EXIT_CODE_FAULT)
     elif args.fail_mode == "kill":
@@ -295,7 +314,8 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         choices=FAIL_MODES,
         default="exit",
         help="exit: exit code 13; kill: SIGKILL itself; hang: sleep forever; "
-        "stop: SIGSTOP itself (default exit)",
+        "stop: SIGSTOP itself; corrupt: flip a byte of its newest in-memory snapshot, then exit "
+        "(default exit)",
     )
     p.add_argument(
         "--snapshot-every",
@@ -376,6 +396,7 @@ def train(
     for step in range(start + 1, args.steps + 1):
         inputs, targets = global_batch(args.seed, step, args.batch, args.seq_len, args.vocab)
         inputs, targets = inputs[rows].to(device), targets[rows].to(device)
+        maybe_inject_fault(args, rank, step, before_forward=True)
         logits = train_model(inputs)
         loss = F.cross_entropy(logits.view(-1, args.vocab), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)

@@ -46,20 +46,24 @@ def stage_segment(run_id: str, rank: int, buffer: int, state: Any, *, step: int,
     seg = Segment.create(segment_name(run_id, rank, buffer), manifest_cap=len(blob) * 2 + 4096,
                          n_tensors=len(flat.tensors), data_len=flat.data_len,
                          owner_pid=os.getpid())
-    with seg.data() as data:
-        for entry, src in zip(flat.tensors, flat.sources, strict=True):
-            if entry.nbytes:
-                tensor_view(data, entry).copy_(src)
-        hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes])
-                  for e in flat.tensors]
-    if final_state == WRITING:
-        seg.set_state(WRITING, step=step)
-        return seg
-    xh = seg.write_manifest(blob)
-    seg.set_state(STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh)
-    if final_state == VERIFIED:
-        hx = seg.write_hashes(hashes)
-        seg.set_state(VERIFIED, hashes_xxh3=hx)
+    try:
+        with seg.data() as data:
+            for entry, src in zip(flat.tensors, flat.sources, strict=True):
+                if entry.nbytes:
+                    tensor_view(data, entry).copy_(src)
+            hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes])
+                      for e in flat.tensors]
+        if final_state == WRITING:
+            seg.set_state(WRITING, step=step)
+            return seg
+        xh = seg.write_manifest(blob)
+        seg.set_state(STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh)
+        if final_state == VERIFIED:
+            hx = seg.write_hashes(hashes)
+            seg.set_state(VERIFIED, hashes_xxh3=hx)
+    except BaseException:
+        seg.unlink()  # never leak a segment, even when the helper fails
+        raise
     return seg
 
 
@@ -188,7 +192,8 @@ def test_step_and_rank_dirs(run: Run, ckpt: Path) -> None:
     assert doc["totals"]["ranks"] == 2
     code, doc = run_json(run, ckpt / "step_000000010" / "rank_00001")
     assert code == exit_codes.OK and doc["target"] == "rank_dir"
-    assert [r["rank"] for r in doc["ranks"]] == [1] and doc["steps"][0]["step"] == 10
+    assert [r["rank"] for r in doc["ranks"]] == [1] and doc["totals"]["ranks"] == 1
+    assert [(s["step"], s["status"]) for s in doc["steps"]] == [(10, "complete")]
 
 
 def test_missing_step_is_not_found(run: Run, ckpt: Path) -> None:
@@ -197,6 +202,7 @@ def test_missing_step_is_not_found(run: Run, ckpt: Path) -> None:
     assert "no step 15" in err and "30, 20, 10" in err
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_foreign_and_corrupt_dirs(run: Run, workdir: Path, ckpt: Path) -> None:
     foreign = workdir / "foreign"
     foreign.mkdir()
@@ -205,15 +211,21 @@ def test_foreign_and_corrupt_dirs(run: Run, workdir: Path, ckpt: Path) -> None:
     assert code == exit_codes.USAGE and out == "" and err.count("\n") == 1
     assert "not an ftrun checkpoint" in err
 
+    (workdir / "empty").mkdir()
+    code, _out, err = run(workdir / "empty")
+    assert code == exit_codes.USAGE and "is empty" in err
+
     code, _out, err = run(foreign / "notes.txt")
     assert code == exit_codes.USAGE and "is a file" in err
 
     import torch.distributed.checkpoint as dcp
 
-    with pytest.warns(UserWarning):
-        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(workdir / "plain"), no_dist=True)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(workdir / "plain"), no_dist=True)
     code, _out, err = run(workdir / "plain")
     assert code == exit_codes.USAGE and "plain torch.distributed.checkpoint" in err
+
+    code, _out, err = run(ckpt / "step_000000030" / ".tmp-rank_00001-77")
+    assert code == exit_codes.FAILED and "unfinished write" in err
 
     bad_json = ckpt / "step_000000010" / "rank_00000"
     (bad_json / persist.MANIFEST_FILE).write_text("{not json")

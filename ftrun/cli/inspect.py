@@ -137,8 +137,8 @@ def _progress(total_bytes: int, what: str) -> Iterator[Callable[[int], None]]:
 # -- persisted checkpoints --------------------------------------------------------------------
 
 
-def _classify(path: Path) -> tuple[str, list[persist.StepDir]]:
-    """("persist_dir" | "step_dir" | "rank_dir", the steps to show), or raise for others."""
+def _classify(path: Path) -> tuple[str, list[persist.StepDir], int | None]:
+    """(target kind, the steps to show, the one rank to show or None), or raise for others."""
     if path.name.startswith(persist.TMP_PREFIX):
         raise IntegrityError(f"{path} is an unfinished write (a {persist.TMP_PREFIX}* "
                              "directory), never a valid checkpoint; inspect its step directory")
@@ -148,18 +148,22 @@ def _classify(path: Path) -> tuple[str, list[persist.StepDir]]:
         rd = persist.read_rank_dir(path, step=int(parent_step.group(1)) if parent_step else None)
         if rd.problem is not None:
             raise IntegrityError(rd.problem)
+        if parent_step:  # show the real state of its step, but only this rank's shard
+            return "rank_dir", [persist.read_step_dir(path.parent)], rd.rank
         step = int(persist.read_manifest(path)["step"])
-        return "rank_dir", [persist.StepDir(step, path.parent, (rd,), ())]
+        return "rank_dir", [persist.StepDir(step, path.parent, (rd,), ())], rd.rank
     if persist.STEP_RE.match(path.name):
-        return "step_dir", [persist.read_step_dir(path)]
+        return "step_dir", [persist.read_step_dir(path)], None
     steps = persist.list_steps(path)
     if steps:
-        return "persist_dir", steps
+        return "persist_dir", steps, None
     if (path / persist.DCP_METADATA).exists():
         raise ConfigError(
             f"{path} is a plain torch.distributed.checkpoint directory, not an ftrun checkpoint "
             f"(no {persist.MANIFEST_FILE}); read it with torch.distributed.checkpoint.load"
         )
+    if not any(path.iterdir()):
+        raise ConfigError(f"{path} is empty: no checkpoint has been persisted there (yet)")
     raise ConfigError(
         f"{path} is not an ftrun checkpoint (no step_*/ or rank_*/ directories, no "
         f"{persist.MANIFEST_FILE}); pass a persist directory, a step_<S> or rank_<r> "
@@ -184,8 +188,8 @@ def _disk(path: Path) -> tuple[int, list[str]]:
 
 
 def _persisted(path: Path, *, step: int | None, verify: bool) -> dict[str, Any]:
-    target, steps = _classify(path)
-    problems: list[str] = [p for s in steps for p in s.problems]
+    target, steps, only_rank = _classify(path)
+    problems: list[str] = [p for s in steps for p in s.problems] if only_rank is None else []
     if step is not None:
         chosen = next((s for s in steps if s.step == step), None)
         if chosen is None:
@@ -196,7 +200,7 @@ def _persisted(path: Path, *, step: int | None, verify: bool) -> dict[str, Any]:
 
     ranks: list[dict[str, Any]] = []
     for rd in chosen.ranks if chosen is not None else ():
-        if rd.problem is not None:
+        if rd.problem is not None or only_rank not in (None, rd.rank):
             continue
         doc = persist.read_manifest(rd.path)
         try:

@@ -154,14 +154,17 @@ class Snapshotter:
         flat = flatten(self._state(step, extra))
         blob = manifest_blob(flat, step=step, rank=self.rank, world_size=self.world_size,
                              meta={"epoch": self._epoch, "time": time.time()})
-        target = 0 if self._newest is None else 1 - self._newest[0]
-        need = -1 if self._newest is None else self._newest[1]
         cuda = any(s.is_cuda for s in flat.sources)
         if cuda and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()
         if cuda:
             # The copy must see the values of this moment: order it after the work queued so far.
             self._copy_stream.wait_stream(torch.cuda.current_stream())
+        # Buffers are sized (and /dev/shm checked) here, in the caller: a job that cannot
+        # hold its snapshots fails at its first save with the fix in the message.
+        self._ensure_segments(max(len(blob) * 2, 1 << 16), len(flat.tensors), flat.data_len)
+        target = 0 if self._newest is None else 1 - self._newest[0]
+        need = -1 if self._newest is None else self._newest[1]
         job = self._pool.submit(self._write, target, need, step, flat, blob, cuda)
         self._pending = job
         if not self._async:
@@ -203,21 +206,32 @@ class Snapshotter:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def _segment(self, buffer: int, manifest_cap: int, n_tensors: int, data_len: int) -> shm.Segment:
-        seg = self._segments[buffer]
-        if seg is not None:
+    def _ensure_segments(self, manifest_cap: int, n_tensors: int, data_len: int) -> None:
+        """Create (or grow) both buffers so they can hold a snapshot of this size."""
+        stale = []
+        for buffer, seg in enumerate(self._segments):
+            if seg is None:
+                stale.append(buffer)
+                continue
             h = seg.header()
-            if h.manifest_cap >= manifest_cap and h.n_tensors == n_tensors and \
-                    h.data_len >= data_len:
-                return seg
-            seg.close()
-        name = shm.segment_name(self.run_id, self.rank, buffer)
+            if h.manifest_cap < manifest_cap or h.n_tensors != n_tensors or h.data_len < data_len:
+                stale.append(buffer)
+        if not stale:
+            return
         _, _, capacity = shm.layout_for(manifest_cap, n_tensors, data_len)
-        shm.check_capacity(2 * capacity if self._segments[1 - buffer] is None else capacity,
-                           f"rank {self.rank}'s snapshot buffers")
-        seg = shm.Segment.create(name, manifest_cap, n_tensors, data_len, self._owner)
-        self._segments[buffer] = seg
-        return seg
+        shm.check_capacity(capacity * len(stale), f"rank {self.rank}'s snapshot buffers")
+        self.wait()
+        for buffer in stale:
+            if self._newest is not None and self._newest[0] == buffer:
+                # Growing the buffer that holds the newest snapshot would lose it: the state
+                # grew (new optimizer state appears after its first step); start afresh.
+                self._newest = None
+            old = self._segments[buffer]
+            if old is not None:
+                old.close()
+            name = shm.segment_name(self.run_id, self.rank, buffer)
+            self._segments[buffer] = shm.Segment.create(name, manifest_cap, n_tensors,
+                                                        data_len, self._owner)
 
     def _write(self, target: int, need: int, step: int, flat: Any, blob: bytes,
                cuda: bool) -> None:
@@ -226,7 +240,8 @@ class Snapshotter:
             log.warning("skipping the snapshot of step %d: step %d is not committed yet, and "
                         "its buffer must not be overwritten before", step, need)
             return
-        seg = self._segment(target, max(len(blob) * 2, 1 << 16), len(flat.tensors), flat.data_len)
+        seg = self._segments[target]
+        assert seg is not None
         h = seg.set_state(shm.WRITING, step=step, epoch=self._epoch, data_len=flat.data_len)
         data = seg.data(h)
         if cuda:

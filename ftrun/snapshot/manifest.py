@@ -9,27 +9,35 @@ the offending value, so a snapshot can always be read back without running code.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ftrun.errors import ConfigError, IntegrityError
 from ftrun.snapshot.segment import align
 
+if TYPE_CHECKING:
+    import torch
+
 MANIFEST_VERSION = 1
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-        torch.bool, torch.complex64, torch.complex128,
-        torch.float8_e4m3fn, torch.float8_e5m2,
-    )
-}
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    # Built on first use: the node's store reads manifests without importing torch.
+    import torch
+
+    return {
+        str(dt).removeprefix("torch."): dt
+        for dt in (
+            torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+            torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32,
+            torch.uint64, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        )
+    }
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class Flattened:
 
 def _dtype_name(t: torch.Tensor) -> str:
     name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in _dtypes():
         raise ConfigError(f"tensor dtype {t.dtype} cannot be snapshotted")
     return name
 
@@ -76,6 +84,8 @@ def flatten(state: Any) -> Flattened:
         sources.append(local)
         offset = align(offset + entry.nbytes)
         return {"T": len(tensors) - 1}
+
+    import torch
 
     def enc(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -144,9 +154,11 @@ def entries(doc: dict[str, Any]) -> list[TensorEntry]:
 
 def tensor_view(data: memoryview, entry: TensorEntry) -> torch.Tensor:
     """A tensor over the snapshot's bytes (no copy)."""
-    if entry.dtype not in _DTYPES:
+    import torch
+
+    if entry.dtype not in _dtypes():
         raise IntegrityError(f"{entry.key}: unknown dtype {entry.dtype}")
-    dtype = _DTYPES[entry.dtype]
+    dtype = _dtypes()[entry.dtype]
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=dtype)
     flat = torch.frombuffer(data, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
@@ -177,7 +189,7 @@ def unflatten(doc: dict[str, Any], tensor_of: Any) -> Any:
         if "B" in obj:
             return base64.b64decode(obj["B"])
         if "dt" in obj:
-            return _DTYPES[obj["dt"]]
+            return _dtypes()[obj["dt"]]
         if "npv" in obj:
             import numpy as np
 

@@ -15,6 +15,7 @@ counters, RNG tuples, dtypes, bytes) live only in ``ftrun-manifest.json``, from 
 
 A rank directory only appears, by an atomic rename, once every file in it is written and
 fsynced; a step is complete when every rank ``0..W-1`` has one and their manifests agree on W.
+Scanning and pruning never import torch; writing and loading import it (and DCP) on first use.
 
 Leaving ftrun: :func:`to_torch_save` writes one ``torch.save`` file holding a rank's state
 tree. PyTorch's own converter also reads a *rank* directory directly (not a step directory:
@@ -40,13 +41,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from ftrun.errors import ConfigError, FtrunError, IntegrityError
 from ftrun.snapshot.manifest import TensorEntry, entries, parse_manifest, tensor_view, unflatten
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,8 @@ def xxh3_hex(value: int) -> str:
 
 def tensor_xxh3(t: torch.Tensor) -> int:
     """xxh3-64 of a tensor's raw bytes (what the snapshot store records for it)."""
+    import torch
+
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
@@ -109,6 +114,8 @@ def tensor_xxh3(t: torch.Tensor) -> int:
 
 
 def _dtype(name: str, key: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise IntegrityError(f"tensor {key}: unknown dtype {name!r} in the manifest")
@@ -517,6 +524,8 @@ class Mismatch:
 
 
 def _empty_like_entry(entry: TensorEntry) -> torch.Tensor:
+    import torch
+
     return torch.empty(entry.shape, dtype=_dtype(entry.dtype, entry.key))
 
 
@@ -655,6 +664,8 @@ def to_torch_save(path: PathLike, out_file: PathLike) -> Path:
     else:
         raise ConfigError(f"{path} is neither a step_<S> nor a rank_<r> checkpoint directory; "
                           "pass one of those (see `ftrun inspect`)")
+    import torch
+
     tree = load_dir(source, verify=True)
     out = Path(out_file)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
