@@ -662,12 +662,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     import torch  # only for the report's host line
 
+    load = f"{os.getloadavg()[0]:.2f}"
     meta = {
         "command": _command_line(),
         "tree": _git_tree(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.2f} at start, Python "
+        "load average (1 min) {load} at start / {load_end} at end, Python "
         f"{platform.python_version()}, torch {torch.__version__}",
     }
     kill_variants = KILL_VARIANTS[:2] if cfg.no_plain else KILL_VARIANTS
@@ -699,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
                     stop_runs.setdefault(v.key, []).append(r)
                     _progress(f"stop {i + 1}/{cfg.repeats}", r)
 
+    meta["host"] = meta["host"].format(load=load, load_end=f"{os.getloadavg()[0]:.2f}")
     report = render(cfg, clean, kill_runs, stop_runs, meta)
     sys.stdout.write(report)
     if cfg.output:

@@ -50,6 +50,8 @@ _ftrun_kind() {
         'coordinator --rdzv-endpoint') _ftrun_k='files' ;;
         'coordinator --rdzv-id') _ftrun_k='files' ;;
         'coordinator --state-dir') _ftrun_k='dirs' ;;
+        'inspect --state-dir') _ftrun_k='dirs' ;;
+        'inspect --step') _ftrun_k='files' ;;
         'status --endpoint') _ftrun_k='files' ;;
         'status --interval') _ftrun_k='files' ;;
         'status --state-dir') _ftrun_k='dirs' ;;
@@ -89,6 +91,12 @@ _ftrun_command() {
         coordinator)
             _ftrun_opts='--bind-host --help --node-timeout --rdzv-endpoint --rdzv-id --state-dir'
             case $2 in
+                *) _ftrun_k=none ;;
+            esac ;;
+        inspect)
+            _ftrun_opts='--help --json --state-dir --step --verify'
+            case $2 in
+                0) _ftrun_k='files' ;;
                 *) _ftrun_k=none ;;
             esac ;;
         status)
@@ -136,7 +144,7 @@ _ftrun() {
     COMPREPLY=()
     # A subcommand is only ever the first word; anything else goes to the launcher.
     case ${COMP_WORDS[1]} in
-        completions | coordinator | status)
+        completions | coordinator | inspect | status)
             if ((COMP_CWORD > 1)); then
                 context=${COMP_WORDS[1]}
                 i=2
@@ -188,7 +196,7 @@ _ftrun() {
     fi
     if [[ $context == launch ]]; then
         # The first word: a subcommand, a flag, or the training script.
-        ((COMP_CWORD == 1)) && _ftrun_add -W 'completions coordinator status' -- "$cur"
+        ((COMP_CWORD == 1)) && _ftrun_add -W 'completions coordinator inspect status' -- "$cur"
         [[ -z $cur ]] && _ftrun_add -W "$_ftrun_opts" -- "$cur"
         _ftrun_files -f "$cur"
         return 0

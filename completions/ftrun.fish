@@ -35,8 +35,9 @@ function __ftrun_takes_value --argument-names context flag
             'launch --signals_to_handle' 'launch --start-method' 'launch --start_method' \
             'launch --state-dir' 'launch --state_dir' 'launch -t' 'launch --tee' \
             'coordinator --bind-host' 'coordinator --node-timeout' 'coordinator --rdzv-endpoint' \
-            'coordinator --rdzv-id' 'coordinator --state-dir' 'status --endpoint' \
-            'status --interval' 'status --state-dir' 'status --timeout'
+            'coordinator --rdzv-id' 'coordinator --state-dir' 'inspect --state-dir' \
+            'inspect --step' 'status --endpoint' 'status --interval' 'status --state-dir' \
+            'status --timeout'
             return 0
     end
     return 1
@@ -53,7 +54,7 @@ function __ftrun_where
         return
     end
     set -l context launch
-    if contains -- $words[1] 'completions' 'coordinator' 'status'
+    if contains -- $words[1] 'completions' 'coordinator' 'inspect' 'status'
         set context $words[1]
         set -e words[1]
     end
@@ -117,6 +118,7 @@ end
 # Subcommands: only ever the first word.
 complete -c ftrun -n '__ftrun_is first' -a 'completions' -d 'Print the shell completion script for SHELL.'
 complete -c ftrun -n '__ftrun_is first' -a 'coordinator' -d 'Run a job\'s coordinator and rendezvous store on this host, until SIGTERM/Ctrl-C.'
+complete -c ftrun -n '__ftrun_is first' -a 'inspect' -d 'Show the snapshots of a live job or a persisted checkpoint: steps, ranks, tensors, hashes.'
 complete -c ftrun -n '__ftrun_is first' -a 'status' -d 'Show a job: nodes, ranks, states, restarts, heartbeats.'
 
 # The launcher: torchrun's flags and ftrun's, up to the training script;
@@ -174,6 +176,14 @@ complete -c ftrun -n '__ftrun_in coordinator' -l 'node-timeout' -r -d 'Seconds o
 complete -c ftrun -n '__ftrun_in coordinator' -l 'rdzv-endpoint' -r -d 'HOST:PORT to host the job\'s rendezvous store on; launchers pass the same --rdzv-endpoint.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'rdzv-id' -r -d 'The job\'s run id (launchers\' --rdzv-id).'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'state-dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'State directory.'
+
+# ftrun inspect
+complete -c ftrun -n '__ftrun_in inspect' -l 'help' -d 'Show this message and exit.'
+complete -c ftrun -n '__ftrun_in inspect' -l 'json' -d 'Write a versioned JSON document.'
+complete -c ftrun -n '__ftrun_in inspect' -l 'state-dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'State directory.'
+complete -c ftrun -n '__ftrun_in inspect' -l 'step' -r -d 'The step to show (default: the newest complete one).'
+complete -c ftrun -n '__ftrun_in inspect' -l 'verify' -d 'Re-hash every tensor and report mismatches.'
+complete -c ftrun -n '__ftrun_arg inspect 0' -F -d 'A live job\'s run id (this host\'s snapshots), or a persisted checkpoint directory.'
 
 # ftrun status
 complete -c ftrun -n '__ftrun_in status' -l 'endpoint' -r -d 'Coordinator HOST:PORT (skips the job file).'

@@ -53,12 +53,12 @@ from torch.nn.parallel import DistributedDataParallel
 try:
     import ftrun
 
-    _progress: Callable[[int], None] = ftrun.progress
+    _progress: Callable[..., None] = ftrun.progress
     _Snapshotter: Any = ftrun.Snapshotter
 except Exception:  # ftrun not installed (or broken): no progress reports, no snapshots.
 
-    def _progress(step: int) -> None:
-        del step
+    def _progress(step: int, done: bool = False) -> None:
+        del step, done
 
     _Snapshotter = None
 
@@ -409,6 +409,7 @@ def train(
         if args.step_sleep > 0:
             time.sleep(args.step_sleep)
         _progress(step)
+    _progress(args.steps, done=True)  # training is over: no more hang watch
     if snap is not None:
         snap.close()
 

@@ -68,10 +68,7 @@ PROGRESS_FILE = Knob(
     "worker",
 )
 
-ALL: tuple[Knob, ...] = (
-    STATE_DIR, SECRET, COORDINATOR, HEARTBEAT_INTERVAL, NODE_TIMEOUT, HANG_TIMEOUT, LOG_LEVEL,
-    RUN_ID, JOB_DIR, NODE_ID, PROGRESS_FILE,
-)
+ALL: tuple[Knob, ...]  # filled in at the end of the module
 
 
 def state_dir(override: str | None = None) -> Path:
@@ -96,3 +93,9 @@ PERSIST_KEEP = Knob("FTRUN_PERSIST_KEEP", "count", "3", "Persisted checkpoints t
 STORE = Knob(
     "FTRUN_STORE", "endpoint", "", "The node's snapshot store (ipc) for the ranks.", "worker",
 )
+SHM_DIR = Knob(
+    "FTRUN_SHM_DIR", "path", "/dev/shm",
+    "Where snapshot segments live (a tmpfs). Every process of a job on a host must agree.", "any",
+)
+
+ALL = tuple(v for v in list(globals().values()) if isinstance(v, Knob))

@@ -97,6 +97,26 @@ def status_command(
     raise typer.Exit(code)
 
 
+@app.command("inspect")
+def inspect_command(
+    target: Annotated[str, typer.Argument(help="A live job's run id (this host's snapshots), or a persisted checkpoint directory.")],
+    step: Annotated[int | None, typer.Option(help="The step to show (default: the newest complete one).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Write a versioned JSON document.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every tensor and report mismatches.")] = False,
+    state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
+) -> None:
+    """Show the snapshots of a live job or a persisted checkpoint: steps, ranks, tensors, hashes."""
+    from ftrun.cli.inspect import run_inspect
+
+    log.configure("WARNING")
+    try:
+        code = run_inspect(target, step=step, json_out=json_out, verify=verify,
+                           state_dir=state_dir)
+    except errors.FtrunError as e:
+        code = _fail(e)
+    raise typer.Exit(code)
+
+
 @app.command("coordinator")
 def coordinator_command(
     rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", help="HOST:PORT to host the job's rendezvous store on; launchers pass the same --rdzv-endpoint.")],

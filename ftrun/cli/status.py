@@ -170,8 +170,10 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
     """The status table (and summary line unless ``no_headers``) of a status document."""
     table = Table(show_header=not no_headers, box=None, pad_edge=False)
     for column in ("node", "host", "ranks", "state", "restarts", "last heartbeat",
-                   "last error"):
+                   "snapshots", "last error"):
         table.add_column(column, no_wrap=column != "last error")
+    snaps = doc.get("snapshots") or {}
+    stores = snaps.get("stores") or {}
     for node in doc.get("nodes", []):
         group_rank = node.get("group_rank")
         state = Text(str(node.get("state", "?")))
@@ -188,6 +190,7 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
             state,
             f"{node.get('restarts', 0)}/{node.get('max_restarts', 0)}",
             _age_text(node.get("last_heartbeat_age_s")),
+            _bytes_text((stores.get(node.get("node_id")) or {}).get("bytes")),
             Text(_truncate(node.get("last_error"))),
         )
     if no_headers:
@@ -203,7 +206,33 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         (f" | {lost} lost", "bold red" if lost else ""),
         (f" | {summary.get('restarts', 0)} restart(s)", ""),
     )
-    return Group(table, line)
+    if not snaps:
+        return Group(table, line)
+    committed = snaps.get("committed_step")
+    age = snaps.get("committed_age_s")
+    persisted = snaps.get("persisted_step")
+    snap_line = Text.assemble(
+        ("snapshots: ", ""),
+        (f"committed step {committed}" if committed is not None else "none committed yet",
+         "bold" if committed is not None else "yellow"),
+        (f" ({_age_text(age)})" if age is not None else "", ""),
+        (f" | {_bytes_text(sum(int(v.get('bytes') or 0) for v in stores.values())).plain}"
+         f" in memory on {len(stores)} node(s)", ""),
+        (f" | persisted step {persisted}" if persisted is not None else " | nothing persisted",
+         ""),
+    )
+    return Group(table, line, snap_line)
+
+
+def _bytes_text(n: int | None) -> Text:
+    if n is None:
+        return Text("-")
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return Text(f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}")
+        value /= 1024
+    return Text(str(n))
 
 
 def _fetch(endpoint: str, secret: bytes, run_id: str, timeout_s: float) -> dict[str, Any]:

@@ -268,7 +268,8 @@ class FtrunAgent(LocalElasticAgent):
             else:
                 self._stopped_since.pop(pid, None)
                 p = read_progress(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
-                if timeout_s > 0 and p is not None and p.reported and p.age_s() >= timeout_s:
+                if (timeout_s > 0 and p is not None and p.reported and not p.done
+                        and p.age_s() >= timeout_s):
                     reason = f"no progress for {p.age_s():.1f} s after step {p.step}"
                     create_progress_file(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
             if reason is None:

@@ -312,6 +312,7 @@ def run(argv: list[str]) -> int:
         env={knobs.SECRET.name: secret.decode()},
     )
     ctx.store.start()
+    ctx.sink.event("store_started", pid=ctx.store.pid, url=store_url)
     _install_signal_forwarding(ctx)
 
     exitcode = 1

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import xxhash
 
+from ftrun import knobs
 from ftrun.errors import ConfigError, IntegrityError
 
-SHM_DIR = Path(os.environ.get("FTRUN_SHM_DIR", "/dev/shm"))
+SHM_DIR = Path(knobs.SHM_DIR.get())
 MAGIC = b"FTRUNSN1"
 VERSION = 1
 HEADER_SIZE = 4096

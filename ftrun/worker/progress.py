@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from ftrun import knobs
 
-_LAYOUT = struct.Struct("<qq")  # step, monotonic ns
+_LAYOUT = struct.Struct("<qqq")  # step, monotonic ns, flags
+DONE = 1
 SIZE = _LAYOUT.size
 
 _map: mmap.mmap | None = None
@@ -29,13 +30,17 @@ def create_progress_file(path: str) -> None:
     """Create (or reset) a rank's progress file; called by the launcher before each start."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, _LAYOUT.pack(-1, 0))
+        os.write(fd, _LAYOUT.pack(-1, 0, 0))
     finally:
         os.close(fd)
 
 
-def progress(step: int) -> None:
-    """Tell the launcher this rank finished ``step``. A no-op outside ftrun; never raises."""
+def progress(step: int, *, done: bool = False) -> None:
+    """Tell the launcher this rank finished ``step``. A no-op outside ftrun; never raises.
+
+    ``done=True`` says training is over: the launcher stops watching this rank for hangs
+    while it writes results and exits.
+    """
     global _map, _path
     path = knobs.PROGRESS_FILE.get()
     if not path:
@@ -48,7 +53,7 @@ def progress(step: int) -> None:
             finally:
                 os.close(fd)
             _path = path
-        _map[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns())
+        _map[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns(), DONE if done else 0)
     except (OSError, ValueError):
         # The launcher owns the file; if it vanished, the launcher is gone or restarting us.
         _map = None
@@ -58,10 +63,15 @@ def progress(step: int) -> None:
 class Progress:
     step: int
     monotonic_ns: int
+    flags: int = 0
 
     @property
     def reported(self) -> bool:
         return self.step >= 0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.flags & DONE)
 
     def age_s(self, now_ns: int | None = None) -> float:
         return ((now_ns or time.monotonic_ns()) - self.monotonic_ns) / 1e9
