@@ -22,11 +22,12 @@ STEPS = "6"
 
 
 def two_nodes(procs: Procs, run_id: str, port: int, *extra: str, nnodes: str = "2",
-              train_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+              train_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+              steps: str = STEPS) -> list[subprocess.Popen[str]]:
     common = [
         "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *extra,
-        TRAIN, "--steps", STEPS, *train_args,
+        TRAIN, "--steps", steps, *train_args,
     ]
     return [procs.ftrun(*common, env=env, name=f"node{i}") for i in range(2)]
 
@@ -60,11 +61,16 @@ def _fault_marker(state_dir: Path, run_id: str, rank: int, step: int) -> dict:
     return json.loads(marker.read_text())
 
 
-def test_killed_worker_restarts_and_matches_fault_free(procs: Procs, state_dir: Path, baseline_hash: str) -> None:
+def test_killed_worker_restarts_and_matches_fault_free(procs: Procs, state_dir: Path, tmp_path: Path,
+                                                        baseline_hash: str) -> None:
     run_id = f"kill-{uuid.uuid4().hex[:8]}"
+    result = tmp_path / "result.json"
     nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "2",
-                      train_args=("--fail-at-step", "3", "--fail-rank", "1", "--fail-mode", "kill"))
+                      train_args=("--fail-at-step", "3", "--fail-rank", "1", "--fail-mode", "kill",
+                                  "--result", str(result)))
     assert _job_result(procs, nodes, 200) == baseline_hash
+    # Both nodes resumed from their in-memory snapshots of the last completed step.
+    assert json.loads(result.read_text())["resumed_from"] == [2]
     fired = _fault_marker(state_dir, run_id, 1, 3)
     events = read_events(state_dir, run_id)
     failures = [e for e in events if e["type"] == "worker_failure" and e["rank"] == 1]
@@ -90,9 +96,9 @@ def test_stopped_worker_is_killed_promptly(procs: Procs, state_dir: Path, baseli
 def test_live_job_status_secret_signals_and_lost_launcher(procs: Procs, state_dir: Path, tmp_path: Path) -> None:
     run_id = f"live-{uuid.uuid4().hex[:8]}"
     result = tmp_path / "result.json"
-    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "3", nnodes="1:2",
+    # Enough steps for the job to outlive the checks below.
+    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "3", nnodes="1:2", steps="40",
                       train_args=("--step-sleep", "0.5", "--result", str(result)))
-    # STEPS is small; the job must outlive the checks below, so give it more steps.
     status_cmd = [sys.executable, "-m", "ftrun", "status", run_id]
 
     def status_json() -> dict | None:
@@ -101,14 +107,17 @@ def test_live_job_status_secret_signals_and_lost_launcher(procs: Procs, state_di
             return None
         doc = json.loads(out.stdout)
         running = [w for n in doc["nodes"] for w in n["workers"] if w["state"] == "running" and w["pid"]]
-        return doc if len(doc["nodes"]) == 2 and len(running) == 4 else None
+        committed = (doc.get("snapshots") or {}).get("committed_step")
+        return doc if len(doc["nodes"]) == 2 and len(running) == 4 and committed else None
 
-    doc = wait_for(status_json, 120, "status to show 2 nodes and 4 running ranks", interval_s=1)
+    doc = wait_for(status_json, 120, "status to show 2 nodes, 4 running ranks, a commit",
+                   interval_s=1)
     assert doc["version"] == 1 and doc["summary"]["ranks"] == 4
+    assert len(doc["snapshots"]["stores"]) == 2
     assert sorted(r for n in doc["nodes"] for r in n["ranks"]) == [0, 1, 2, 3]
 
     table = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert table.returncode == 0 and run_id in table.stdout
+    assert table.returncode == 0 and run_id in table.stdout and "committed step" in table.stdout
 
     wrong = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
                            env={**os.environ, "FTRUN_SECRET": "not-the-job-secret-at-all"})

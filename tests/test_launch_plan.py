@@ -1,0 +1,81 @@
+"""Launcher decisions before any process starts: Slurm defaults, store placement, script checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.errors import ConfigError
+from ftrun.launcher import launch
+from ftrun.launcher.args import build_parser, explicit_dests
+
+SLURM = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "1",
+}
+
+
+def _args(argv: list[str]) -> tuple[object, set[str]]:
+    parser = build_parser()
+    return parser.parse_args(argv), explicit_dests(parser, argv)
+
+
+def test_slurm_fills_what_the_user_left_out() -> None:
+    args, explicit = _args(["--nproc-per-node", "4", "train.py"])
+    launch.apply_slurm(args, explicit, SLURM)
+    assert args.nnodes == "2" and args.rdzv_id == "4242" and args.rdzv_backend == "c10d"
+    assert args.rdzv_endpoint == "gpu07:29500" and args._ftrun_slurm_node_rank == 1
+
+
+def test_flags_win_over_slurm() -> None:
+    args, explicit = _args(["--nnodes", "2:4", "--rdzv-id", "mine", "--rdzv-endpoint", "h:1",
+                            "--rdzv-backend", "c10d", "train.py"])
+    launch.apply_slurm(args, explicit, SLURM)
+    assert (args.nnodes, args.rdzv_id, args.rdzv_endpoint) == ("2:4", "mine", "h:1")
+
+
+def test_batch_script_without_step_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    env = {k: v for k, v in SLURM.items() if "STEP" not in k}
+    args, explicit = _args(["train.py"])
+    launch.apply_slurm(args, explicit, env)
+    assert args.nnodes == "1:1" and args.rdzv_backend == "static"
+    assert "srun" in caplog.text
+
+
+def test_standalone_binds_the_store_here() -> None:
+    args, explicit = _args(["--standalone", "train.py"])
+    plan = launch.plan_rendezvous(args, explicit, external=False)
+    assert plan is not None and plan.is_host and plan.port > 0
+    assert args.rdzv_endpoint == f"localhost:{plan.port}" and not args.standalone
+
+
+def test_c10d_conf_gets_tuned_defaults_but_user_values_win() -> None:
+    args, explicit = _args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                            "203.0.113.9:29400", "--rdzv-conf", "keep_alive_interval=7",
+                            "train.py"])
+    plan = launch.plan_rendezvous(args, explicit, external=False)
+    conf = launch._parse_conf(args.rdzv_conf)
+    assert conf["keep_alive_interval"] == "7"
+    assert conf["keep_alive_max_attempt"] == "3" and conf["last_call_timeout"] == "5"
+    assert plan is not None and not plan.is_host and conf["is_host"] == "0"
+
+
+def test_external_coordinator_means_no_launcher_hosts() -> None:
+    args, explicit = _args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                            "localhost:1", "train.py"])
+    plan = launch.plan_rendezvous(args, explicit, external=True)
+    assert plan is not None and not plan.is_host
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["missing.py"], "training script 'missing.py' not found"),
+    (["--no-python", "no-such-binary-here"], "not found on PATH"),
+])
+def test_missing_script_is_a_clear_error(argv: list[str], message: str) -> None:
+    args, _ = _args(argv)
+    with pytest.raises(ConfigError, match=message):
+        launch.check_script(args)
+
+
+def test_bad_rdzv_conf_item() -> None:
+    with pytest.raises(ConfigError, match="not KEY=VALUE"):
+        launch._parse_conf("join_timeout")

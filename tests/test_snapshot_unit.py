@@ -1,0 +1,164 @@
+"""Snapshot building blocks without processes: segments, manifests, commits, degraded mode."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftrun.coordinator.commits import CommitTracker
+from ftrun.errors import ConfigError, IntegrityError
+from ftrun.snapshot import segment as shm
+from ftrun.snapshot.manifest import (
+    entries,
+    flatten,
+    manifest_blob,
+    parse_manifest,
+    tensor_view,
+    unflatten,
+)
+from ftrun.snapshot.store import hash_tensors, verify_segment
+
+
+@pytest.fixture
+def run_id() -> Iterator[str]:
+    rid = f"unit-{uuid.uuid4().hex[:8]}"
+    yield rid
+    for path in shm.list_segments(shm.job_prefix(rid)):
+        path.unlink(missing_ok=True)
+
+
+def _stage(run_id: str, state: dict, step: int, owner: int | None = None) -> shm.Segment:
+    flat = flatten(state)
+    blob = manifest_blob(flat, step=step, rank=0, world_size=1, meta={})
+    seg = shm.Segment.create(shm.segment_name(run_id, 0, 0), len(blob) * 2, len(flat.tensors),
+                             flat.data_len, owner or os.getpid())
+    data = seg.data()
+    for e, src in zip(flat.tensors, flat.sources, strict=True):
+        tensor_view(data, e).copy_(src)
+    xh = seg.write_manifest(blob)
+    seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh)
+    doc = parse_manifest(seg.manifest_bytes())
+    seg.set_state(shm.VERIFIED, hashes_xxh3=seg.write_hashes(hash_tensors(seg, doc)))
+    return seg
+
+
+def test_segment_is_private_and_round_trips(run_id: str) -> None:
+    state = {"model": {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.int64)},
+             "extra": {"pos": 17, "name": "x", 3: (1.5, None)}, "rng": random.getstate()}
+    seg = _stage(run_id, state, step=7)
+    assert stat.S_IMODE(seg.path.stat().st_mode) == 0o600
+    again = shm.Segment.open(seg.name)
+    h = again.header()
+    assert (h.state, h.step) == (shm.VERIFIED, 7)
+    assert verify_segment(again) == (True, "")
+    doc = parse_manifest(again.manifest_bytes())
+    data = again.data()
+    tree = unflatten(doc, lambda _i, e: tensor_view(data, e).clone())
+    assert torch.equal(tree["model"]["w"], state["model"]["w"])
+    assert tree["extra"] == {"pos": 17, "name": "x", 3: (1.5, None)}
+    assert tree["rng"] == state["rng"]
+    again.close()
+    seg.close()
+
+
+def test_flipped_byte_is_detected(run_id: str) -> None:
+    seg = _stage(run_id, {"model": {"w": torch.ones(1000)}}, step=3)
+    h = seg.header()
+    seg.mm[h.data_off + 10] ^= 0x01
+    ok, reason = verify_segment(seg)
+    assert not ok and "hash mismatch" in reason and "/model/w" in reason
+    seg.mm[shm.HEADER_SIZE + 2] ^= 0x01  # the manifest too
+    ok, reason = verify_segment(seg)
+    assert not ok and "manifest hash mismatch" in reason
+    seg.close()
+
+
+def test_unsupported_values_are_refused_with_their_path() -> None:
+    with pytest.raises(ConfigError, match=r"/extra/loader of type object"):
+        flatten({"extra": {"loader": object()}})
+
+
+def test_foreign_file_is_not_a_segment(tmp_path: Path) -> None:
+    path = tmp_path / "foreign"
+    path.write_bytes(b"x" * 8192)
+    with pytest.raises(IntegrityError, match="bad magic"):
+        shm.Segment.open(path)
+
+
+def test_capacity_error_names_size_and_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * 2**20)
+    with pytest.raises(ConfigError) as exc:
+        shm.check_capacity(3 * 2**30, "rank 0's snapshot buffers")
+    msg = str(exc.value)
+    assert "64 MiB free" in msg and "3072 MiB" in msg and "--shm-size" in msg
+
+
+def test_leftovers_of_dead_owners_are_removed_and_live_ones_kept(run_id: str) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    other = f"{run_id}-dead"
+    try:
+        gone = _stage(other, {"w": torch.ones(4)}, step=1, owner=dead.pid)
+        live = _stage(run_id, {"w": torch.ones(4)}, step=1)
+        removed = shm.clean_leftovers()
+        assert gone.name in removed and live.name not in removed
+        assert live.path.exists() and not gone.path.exists()
+        gone.close()
+        live.close()
+    finally:
+        for path in shm.list_segments(shm.job_prefix(other)):
+            path.unlink(missing_ok=True)
+
+
+def test_commits_need_every_rank_and_stay_in_their_epoch() -> None:
+    tracker = CommitTracker()
+    tracker.begin("e1", base_step=4, world_size=2)
+    tracker.verified("e1", 0, 5, 100)
+    assert tracker.get("e1").committed == 4
+    tracker.verified("e1", 1, 5, 100)
+    assert tracker.get("e1").committed == 5
+    # A new incarnation of the workers: shards of the old epoch do not count for it.
+    tracker.begin("e2", base_step=5, world_size=2)
+    tracker.verified("e1", 0, 6, 100)
+    tracker.verified("e2", 1, 6, 100)
+    assert tracker.get("e2").committed == 5
+    tracker.verified("e2", 0, 6, 100)
+    assert tracker.get("e2").committed == 6
+    assert tracker.verified("nope", 0, 1, 1) is None
+    assert tracker.summary()["committed_step"] == 6
+
+
+def test_snapshotter_outside_ftrun_is_a_logged_no_op(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ftrun.snapshot.client import Snapshotter
+
+    monkeypatch.delenv("FTRUN_STORE", raising=False)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    with caplog.at_level(logging.WARNING):
+        snap = Snapshotter(model, opt)
+    assert "snapshots are off" in caplog.text
+    assert snap.restore(extra={"a": 1}) == 0 and snap.extra == {"a": 1}
+    assert snap.save(1) is False
+    snap.close()
+    with pytest.raises(ConfigError, match="every must be >= 1"):
+        Snapshotter(model, opt, every=0)
+
+
+def test_entries_cover_the_data_region() -> None:
+    flat = flatten({"a": torch.zeros(3), "b": torch.zeros(7, dtype=torch.float16)})
+    doc = parse_manifest(manifest_blob(flat, step=1, rank=0, world_size=1, meta={}))
+    ends = [e.offset + e.nbytes for e in entries(doc)]
+    assert max(ends) <= flat.data_len
+    assert all(e.offset % 64 == 0 for e in entries(doc))
