@@ -228,6 +228,10 @@ class Snapshotter:
                 self._newest = None
             old = self._segments[buffer]
             if old is not None:
+                ptr = torch.frombuffer(old.mm, dtype=torch.uint8).data_ptr()
+                if ptr in self._registered:
+                    torch.cuda.cudart().cudaHostUnregister(ptr)
+                    self._registered.discard(ptr)
                 old.close()
             name = shm.segment_name(self.run_id, self.rank, buffer)
             self._segments[buffer] = shm.Segment.create(name, manifest_cap, n_tensors,
@@ -265,14 +269,14 @@ class Snapshotter:
 
     def _register(self, seg: shm.Segment) -> None:
         """Pin the segment's pages for the GPU so device-to-host copies are asynchronous DMA."""
-        key = id(seg.mm)
-        if key in self._registered:
-            return
         view = torch.frombuffer(seg.mm, dtype=torch.uint8)
+        if view.data_ptr() in self._registered:
+            return
         rc = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)
         if int(rc) != 0:
             log.warning("cudaHostRegister failed (%s); copies will be synchronous", rc)
-        self._registered.add(key)
+            return
+        self._registered.add(view.data_ptr())
 
     def _on_store_message(self, msg: protocol.Message) -> None:
         if msg.kind == "snap_done":
@@ -428,6 +432,9 @@ class Snapshotter:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+        for ptr in self._registered:  # unpin before the mappings go away
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
         for seg in self._segments:
             if seg is not None:
                 seg.close()

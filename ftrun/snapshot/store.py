@@ -132,7 +132,17 @@ class SnapshotStore:
             old[1].close()
 
     def _job_segments(self) -> list[str]:
-        return [p.name for p in shm.list_segments(self._prefix)]
+        """This node's segments of the job: those whose owner is our launcher.
+
+        Several launchers of one job can share a host (and /dev/shm); each store must only
+        ever touch its own node's buffers.
+        """
+        mine = []
+        for path in shm.list_segments(self._prefix):
+            seg = self._open(path.name)
+            if seg is not None and seg.header().owner_pid == self.cfg.owner_pid:
+                mine.append(path.name)
+        return mine
 
     @staticmethod
     def _rank_of(name: str) -> tuple[int, int]:
