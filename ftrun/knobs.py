@@ -93,6 +93,10 @@ PERSIST_KEEP = Knob("FTRUN_PERSIST_KEEP", "count", "3", "Persisted checkpoints t
 STORE = Knob(
     "FTRUN_STORE", "endpoint", "", "The node's snapshot store (ipc) for the ranks.", "worker",
 )
+LAUNCHER_PID = Knob(
+    "FTRUN_LAUNCHER_PID", "int", "", "PID of the rank's launcher: workers and the store die "
+    "with it (parent-death signal) and snapshot segments record it as their owner.", "worker",
+)
 SHM_DIR = Knob(
     "FTRUN_SHM_DIR", "path", "/dev/shm",
     "Where snapshot segments live (a tmpfs). Every process of a job on a host must agree.", "any",

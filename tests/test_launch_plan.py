@@ -23,7 +23,7 @@ def test_slurm_fills_what_the_user_left_out() -> None:
     args, explicit = _args(["--nproc-per-node", "4", "train.py"])
     launch.apply_slurm(args, explicit, SLURM)
     assert args.nnodes == "2" and args.rdzv_id == "4242" and args.rdzv_backend == "c10d"
-    assert args.rdzv_endpoint == "gpu07:29500" and args._ftrun_slurm_node_rank == 1
+    assert args.rdzv_endpoint == "gpu07:29500"
 
 
 def test_flags_win_over_slurm() -> None:

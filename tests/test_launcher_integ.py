@@ -151,18 +151,38 @@ def test_live_job_status_secret_signals_and_lost_launcher(procs: Procs, state_di
         e["type"] == "rendezvous" and e["group_world_size"] == 1 for e in events)
 
 
-def test_sigterm_stops_the_job_gracefully(procs: Procs, state_dir: Path) -> None:
-    job = procs.ftrun("--standalone", "--nproc-per-node", "2", TRAIN, "--steps", "1000",
-                      "--step-sleep", "0.2")
-    jobs_dir = state_dir / "jobs"
-    wait_for(lambda: any(e["type"] == "workers_started" for d in (jobs_dir.iterdir() if jobs_dir.exists() else [])
-                         for e in read_events(state_dir, d.name)), 90, "workers to start")
-    run_id = next(jobs_dir.iterdir()).name
-    pids = [p for e in read_events(state_dir, run_id) if e["type"] == "workers_started" for p in e["pids"].values()]
+def test_sigterm_stops_the_job_gracefully_and_persists(procs: Procs, state_dir: Path,
+                                                      tmp_path: Path) -> None:
+    from ftrun import jobs
+    from ftrun.coordinator.client import request
+    from ftrun.snapshot import persist
+
+    ckpt = tmp_path / "ckpt"
+    run_id = f"term-{uuid.uuid4().hex[:8]}"
+    job = procs.ftrun("--standalone", "--rdzv-id", run_id, "--nproc-per-node", "2",
+                      "--persist-dir", str(ckpt), TRAIN, "--steps", "1000", "--step-sleep", "0.2")
+    wait_for(lambda: (state_dir / "jobs" / run_id / "job.json").exists(), 90, "the job file")
+    endpoint = jobs.read_job_file(run_id).endpoint
+    secret = jobs.load_secret(run_id, create=False)
+
+    def committed() -> int | None:
+        doc = request(endpoint, secret, run_id, "status_request", {}, timeout_s=5).body["doc"]
+        step = (doc.get("snapshots") or {}).get("committed_step")
+        return step if step and step >= 2 else None
+
+    wait_for(committed, 120, "a committed snapshot", interval_s=0.2)
+    pids = [p for e in read_events(state_dir, run_id) if e["type"] == "workers_started"
+            for p in e["pids"].values()]
     job.send_signal(signal.SIGTERM)
-    code = procs.wait(job, 60)
+    code = procs.wait(job, 120)
     assert code == 128 + signal.SIGTERM, procs.output(job)[-3000:]
     assert not any(pid_alive(p) for p in pids)
+    # The store wrote the newest committed snapshot on its way out, and removed its segments.
+    done = persist.latest_complete(ckpt)
+    assert done is not None and done[0] >= 2 and done[1] == 2
+    from ftrun.snapshot import segment as shm
+
+    assert not shm.list_segments(shm.job_prefix(run_id))
 
 
 @pytest.mark.parametrize(
@@ -178,3 +198,32 @@ def test_bad_input_is_one_clear_line(procs: Procs, state_dir: Path, argv: list[s
     assert procs.wait(proc, 60) == 2
     out = procs.output(proc)
     assert message in out and "Traceback" not in out
+
+
+def test_standalone_coordinator_outlives_any_launcher(procs: Procs, state_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """With `ftrun coordinator` holding the rendezvous store, no launcher is special."""
+    run_id = f"coord-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    result = tmp_path / "result.json"
+    coord = procs.ftrun("coordinator", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                        name="coordinator")
+    wait_for(lambda: (state_dir / "jobs" / run_id / "job.json").exists(), 60, "the coordinator")
+    nodes = two_nodes(procs, run_id, port, "--max-restarts", "3", nnodes="1:2", steps="30",
+                      train_args=("--step-sleep", "0.3", "--result", str(result)))
+
+    def started_on_both() -> bool:
+        ranks: dict[str, set[int]] = {}
+        for e in read_events(state_dir, run_id):
+            if e["type"] == "workers_started":
+                ranks[e["node"]] = set(e["ranks"])
+        return len(ranks) == 2 and set().union(*ranks.values()) == {0, 1, 2, 3}
+
+    wait_for(started_on_both, 120, "workers on both nodes")
+    first = nodes[0]
+    first.kill()  # kill -9 whichever launcher started first: the job goes on
+    first.wait(timeout=30)
+    assert procs.wait(nodes[1], 240) == 0, procs.output(nodes[1])[-4000:]
+    assert json.loads(result.read_text())["world_size"] == 2
+    coord.send_signal(signal.SIGTERM)
+    assert procs.wait(coord, 30) == 0

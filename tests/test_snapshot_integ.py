@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -176,6 +177,13 @@ def test_persist_then_a_new_job_resumes_from_disk(
     rank0 = persist / "step_000000006" / "rank_00000"
     assert (rank0 / ".metadata").exists(), sorted(p.name for p in persist.iterdir())
     assert _params_digest_from_checkpoint(rank0) == doc1["params_xxh3"]
+    inspected = subprocess.run(
+        [sys.executable, "-m", "ftrun", "inspect", str(persist), "--json", "--verify"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert inspected.returncode == 0, inspected.stderr
+    report = json.loads(inspected.stdout)
+    assert report["kind"] == "persisted" and report["step"] == 6
 
     second, _ = job(procs, "--result", str(r2),
                     ftrun_args=("--persist-dir", str(persist)))

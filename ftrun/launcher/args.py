@@ -16,9 +16,10 @@ from ftrun import knobs
 from ftrun.errors import ConfigError
 
 FTRUN_EPILOG = """\
-ftrun subcommands: `ftrun status [RUN_ID]` shows a job, `ftrun coordinator` runs a job's
-coordinator and rendezvous store on a host of your choice, `ftrun completions SHELL` prints
-shell completions. Each takes --help.
+ftrun subcommands: `ftrun status [RUN_ID]` shows a job, `ftrun inspect (RUN_ID | PATH)` shows
+its snapshots or a persisted checkpoint, `ftrun coordinator` runs a job's coordinator and
+rendezvous store on a host of your choice, `ftrun completions SHELL` prints shell completions.
+Each takes --help.
 """
 
 
@@ -93,11 +94,13 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def _spellings(flag: str) -> list[str]:
+    """The dash spelling and, when it differs, the underscore one (as torchrun accepts)."""
+    return list(dict.fromkeys([flag, "--" + _dest(flag)]))
+
+
 def ftrun_flag_names() -> list[str]:
-    names: list[str] = []
-    for flag, *_ in _FTRUN_FLAGS:
-        names += [flag, "--" + _dest(flag)]
-    return names
+    return [s for flag, *_ in _FTRUN_FLAGS for s in _spellings(flag)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     taken = {s for a in parser._actions for s in a.option_strings}
     group = parser.add_argument_group("ftrun options (each also read from FTRUN_<NAME>)")
     for flag, knob, typ, help_text in _FTRUN_FLAGS:
-        spellings = [flag, "--" + _dest(flag)]
+        spellings = _spellings(flag)
         clash = taken.intersection(spellings)
         if clash:  # torch grew a flag of the same name: fail loudly, never shadow it
             raise ConfigError(f"ftrun flag {sorted(clash)} collides with a torchrun flag")

@@ -107,7 +107,6 @@ def apply_slurm(args: argparse.Namespace, explicit: set[str], environ: dict[str,
         args.rdzv_backend = "c10d"
     if "rdzv_endpoint" not in explicit and args.rdzv_backend == "c10d":
         args.rdzv_endpoint = f"{derived.rdzv_host}:{SLURM_RDZV_PORT}"
-    args._ftrun_slurm_node_rank = derived.node_rank
     log.info(
         "Slurm job %s: nnodes=%s node_rank=%s rdzv_id=%s rdzv_endpoint=%s",
         derived.job_id, args.nnodes, derived.node_rank, args.rdzv_id, args.rdzv_endpoint,
@@ -171,13 +170,15 @@ def plan_rendezvous(args: argparse.Namespace, explicit: set[str], external: bool
         conf.setdefault(key, value)
     host, port = _split_endpoint(args.rdzv_endpoint or "localhost", C10D_DEFAULT_PORT)
     join_timeout = float(conf.get("join_timeout", 600))
-    if "is_host" in conf:
+    explicit_host = "is_host" in conf
+    if explicit_host:
         is_host = conf["is_host"].lower() in ("1", "true", "yes", "y")
     elif external:
         is_host = False
-    elif getattr(args, "_ftrun_slurm_node_rank", None) is not None:
-        is_host = args._ftrun_slurm_node_rank == 0
     else:
+        # torch's own rule: the endpoint's host, first launcher there to bind. Under Slurm
+        # the endpoint is the first host of the nodelist, so that is node 0 (unless a
+        # standalone `ftrun coordinator` already holds the port).
         from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
         is_host = _matches_machine_hostname(host)
@@ -186,12 +187,13 @@ def plan_rendezvous(args: argparse.Namespace, explicit: set[str], external: bool
         try:
             store = _tcp_store(host, port, True, join_timeout)
         except Exception as e:
-            if "is_host" in conf or getattr(args, "_ftrun_slurm_node_rank", None) == 0:
+            if explicit_host:
                 raise ConfigError(
                     f"cannot host the rendezvous store on {host}:{port}: {e}. Is another job "
                     "using that port? Pick another with --rdzv-endpoint."
                 ) from e
-            is_host = False  # another launcher on this host bound it first
+            # Another launcher on this host, or `ftrun coordinator`, holds it already.
+            is_host = False
     conf["is_host"] = "1" if is_host else "0"
     args.rdzv_conf = _format_conf(conf)
     return RendezvousPlan(host, port, is_host, store)

@@ -11,9 +11,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ftrun import knobs
+
 log = logging.getLogger(__name__)
 
-LAUNCHER_PID_ENV = "FTRUN_LAUNCHER_PID"
+LAUNCHER_PID_ENV = knobs.LAUNCHER_PID.name
 _PR_SET_PDEATHSIG = 1
 
 

@@ -87,6 +87,7 @@ class Snapshotter:
         self.every = every
         self.extra: Any = None
         self.resumed_from: int = 0
+        self.source = "none"  # where restore() found its step: "memory", "disk (...)", "none"
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.run_id = knobs.RUN_ID.get()

@@ -140,7 +140,18 @@ class SnapshotStore:
         mine = []
         for path in shm.list_segments(self._prefix):
             seg = self._open(path.name)
-            if seg is not None and seg.header().owner_pid == self.cfg.owner_pid:
+            if seg is None:
+                continue
+            h = seg.header()
+            if h.owner_pid != self.cfg.owner_pid and not shm.owner_alive(h):
+                # Left by a launcher of this job that died (a replaced node, a relaunch):
+                # they are ours now.
+                seg.set_state(h.state, owner_pid=self.cfg.owner_pid,
+                              owner_start=shm.proc_start_ticks(self.cfg.owner_pid))
+                log.info("adopted %s (step %d) from dead launcher %d", path.name, h.step,
+                         h.owner_pid)
+                h = seg.header()
+            if h.owner_pid == self.cfg.owner_pid:
                 mine.append(path.name)
         return mine
 
