@@ -150,6 +150,14 @@ class Snapshotter:
         """Snapshot the state after ``step``. Returns False when this call took no snapshot."""
         if not self.enabled or step % self.every:
             return False
+        if not self._epoch:
+            # restore() was skipped: start counting commits without loading anything. Every
+            # rank reaches its first save together, so this collective lines up.
+            import torch.distributed as dist
+
+            log.warning("save() before restore(): starting fresh (call restore() first to "
+                        "resume after failures)")
+            self._start_epoch(0, dist.is_available() and dist.is_initialized())
         self.wait()
         t0 = time.perf_counter()
         flat = flatten(self._state(step, extra))
@@ -318,19 +326,25 @@ class Snapshotter:
             log.warning("step %d failed verification on some rank; trying an older one", step)
         if restored == 0:
             restored, source = self._restore_persisted(distributed)
-        self._epoch = self._agree_epoch(distributed)
         if restored > 0:
             log.info("rank %d restored step %d from %s", self.rank, restored, source)
-        try:
-            self._chan.request("snap_restored", {"rank": self.rank, "epoch": self._epoch,
-                                                 "step": restored, "world_size": self.world_size},
-                               "ack", STORE_TIMEOUT_S, attempts=3)
-        except UnreachableError as e:
-            log.warning("could not tell the store about the restore: %s", e)
-        self.committed = restored
+        self._start_epoch(restored, distributed)
         self.resumed_from = restored
         self.source = source
         return restored
+
+    def _start_epoch(self, base_step: int, distributed: bool) -> None:
+        """Agree on a new epoch id and announce it; commits are counted per epoch."""
+        assert self._chan is not None
+        self._epoch = self._agree_epoch(distributed)
+        try:
+            self._chan.request("snap_restored", {"rank": self.rank, "epoch": self._epoch,
+                                                 "step": base_step,
+                                                 "world_size": self.world_size},
+                               "ack", STORE_TIMEOUT_S, attempts=3)
+        except UnreachableError as e:
+            log.warning("could not tell the store about the new epoch: %s", e)
+        self.committed = base_step
 
     def _local_steps(self) -> dict[int, int]:
         """step -> buffer, for this rank's VERIFIED buffers of this world size."""
