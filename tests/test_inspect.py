@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import xxhash
+from snapshot_helpers import stage_segment
 
 from ftrun import jobs, protocol
 from ftrun.cli import exit_codes
@@ -22,7 +23,7 @@ from ftrun.cli import inspect as inspect_cli
 from ftrun.errors import UnreachableError
 from ftrun.snapshot import persist
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view
-from ftrun.snapshot.segment import STAGED, VERIFIED, WRITING, Segment, segment_name
+from ftrun.snapshot.segment import STAGED, WRITING, Segment, segment_name
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -36,35 +37,6 @@ def make_state(seed: int = 0, step: int = 1) -> dict[str, Any]:
         "extra": {"epoch": 1},
         "step": step,
     }
-
-
-def stage_segment(run_id: str, rank: int, buffer: int, state: Any, *, step: int,
-                  world_size: int = 1, final_state: int = VERIFIED) -> Segment:
-    """Fill a segment the way a rank and its store do: data, manifest (STAGED), hashes."""
-    flat = flatten(state)
-    blob = manifest_blob(flat, step=step, rank=rank, world_size=world_size, meta={})
-    seg = Segment.create(segment_name(run_id, rank, buffer), manifest_cap=len(blob) * 2 + 4096,
-                         n_tensors=len(flat.tensors), data_len=flat.data_len,
-                         owner_pid=os.getpid())
-    try:
-        with seg.data() as data:
-            for entry, src in zip(flat.tensors, flat.sources, strict=True):
-                if entry.nbytes:
-                    tensor_view(data, entry).copy_(src)
-            hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes])
-                      for e in flat.tensors]
-        if final_state == WRITING:
-            seg.set_state(WRITING, step=step)
-            return seg
-        xh = seg.write_manifest(blob)
-        seg.set_state(STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh)
-        if final_state == VERIFIED:
-            hx = seg.write_hashes(hashes)
-            seg.set_state(VERIFIED, hashes_xxh3=hx)
-    except BaseException:
-        seg.unlink()  # never leak a segment, even when the helper fails
-        raise
-    return seg
 
 
 def write_plain(root: Path, state: Any, *, step: int, rank: int = 0, world_size: int = 1) -> Path:

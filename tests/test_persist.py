@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from snapshot_helpers import stage_segment
 
 from ftrun.errors import ConfigError, IntegrityError
 from ftrun.snapshot import persist
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view
-from ftrun.snapshot.segment import STAGED, VERIFIED, Segment, segment_name
+from ftrun.snapshot.segment import STAGED, VERIFIED, Segment
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -65,32 +66,6 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-def stage_segment(run_id: str, rank: int, buffer: int, state: Any, *, step: int,
-                  world_size: int = 1, verified: bool = True) -> Segment:
-    """Fill a segment the way a rank and its store do: data, manifest (STAGED), hashes."""
-    flat = flatten(state)
-    blob = manifest_blob(flat, step=step, rank=rank, world_size=world_size, meta={"t": 1})
-    seg = Segment.create(segment_name(run_id, rank, buffer), manifest_cap=len(blob) * 2 + 4096,
-                         n_tensors=len(flat.tensors), data_len=flat.data_len,
-                         owner_pid=os.getpid())
-    try:
-        with seg.data() as data:
-            for entry, src in zip(flat.tensors, flat.sources, strict=True):
-                if entry.nbytes:
-                    tensor_view(data, entry).copy_(src)
-            hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes])
-                      for e in flat.tensors]
-        xh = seg.write_manifest(blob)
-        seg.set_state(STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh)
-        if verified:
-            hx = seg.write_hashes(hashes)
-            seg.set_state(VERIFIED, hashes_xxh3=hx)
-    except BaseException:
-        seg.unlink()  # never leak a segment, even when the helper fails
-        raise
-    return seg
-
-
 SegmentFactory = Callable[..., Segment]
 
 
@@ -102,7 +77,7 @@ def segments() -> Iterator[SegmentFactory]:
     def make(rank: int, state: Any, *, step: int, world_size: int = 1, buffer: int = 0,
              verified: bool = True) -> Segment:
         seg = stage_segment(run_id, rank, buffer, state, step=step, world_size=world_size,
-                            verified=verified)
+                            final_state=VERIFIED if verified else STAGED)
         made.append(seg)
         return seg
 

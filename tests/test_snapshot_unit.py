@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import stat
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from snapshot_helpers import stage_segment
 
 from ftrun.coordinator.commits import CommitTracker
 from ftrun.errors import ConfigError, IntegrityError
@@ -26,7 +26,7 @@ from ftrun.snapshot.manifest import (
     tensor_view,
     unflatten,
 )
-from ftrun.snapshot.store import hash_tensors, verify_segment
+from ftrun.snapshot.store import verify_segment
 
 
 @pytest.fixture
@@ -37,25 +37,10 @@ def run_id() -> Iterator[str]:
         path.unlink(missing_ok=True)
 
 
-def _stage(run_id: str, state: dict, step: int, owner: int | None = None) -> shm.Segment:
-    flat = flatten(state)
-    blob = manifest_blob(flat, step=step, rank=0, world_size=1, meta={})
-    seg = shm.Segment.create(shm.segment_name(run_id, 0, 0), len(blob) * 2, len(flat.tensors),
-                             flat.data_len, owner or os.getpid())
-    data = seg.data()
-    for e, src in zip(flat.tensors, flat.sources, strict=True):
-        tensor_view(data, e).copy_(src)
-    xh = seg.write_manifest(blob)
-    seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh)
-    doc = parse_manifest(seg.manifest_bytes())
-    seg.set_state(shm.VERIFIED, hashes_xxh3=seg.write_hashes(hash_tensors(seg, doc)))
-    return seg
-
-
 def test_segment_is_private_and_round_trips(run_id: str) -> None:
     state = {"model": {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.int64)},
              "extra": {"pos": 17, "name": "x", 3: (1.5, None)}, "rng": random.getstate()}
-    seg = _stage(run_id, state, step=7)
+    seg = stage_segment(run_id, 0, 0, state, step=7)
     assert stat.S_IMODE(seg.path.stat().st_mode) == 0o600
     again = shm.Segment.open(seg.name)
     h = again.header()
@@ -72,7 +57,7 @@ def test_segment_is_private_and_round_trips(run_id: str) -> None:
 
 
 def test_flipped_byte_is_detected(run_id: str) -> None:
-    seg = _stage(run_id, {"model": {"w": torch.ones(1000)}}, step=3)
+    seg = stage_segment(run_id, 0, 0, {"model": {"w": torch.ones(1000)}}, step=3)
     h = seg.header()
     seg.mm[h.data_off + 10] ^= 0x01
     ok, reason = verify_segment(seg)
@@ -108,8 +93,8 @@ def test_leftovers_of_dead_owners_are_removed_and_live_ones_kept(run_id: str) ->
     dead.wait(timeout=30)
     other = f"{run_id}-dead"
     try:
-        gone = _stage(other, {"w": torch.ones(4)}, step=1, owner=dead.pid)
-        live = _stage(run_id, {"w": torch.ones(4)}, step=1)
+        gone = stage_segment(other, 0, 0, {"w": torch.ones(4)}, step=1, owner_pid=dead.pid)
+        live = stage_segment(run_id, 0, 0, {"w": torch.ones(4)}, step=1)
         removed = shm.clean_leftovers()
         assert gone.name in removed and live.name not in removed
         assert live.path.exists() and not gone.path.exists()

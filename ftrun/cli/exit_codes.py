@@ -10,3 +10,18 @@ JOB_FAILED = 4  # `status`: the job reports failed workers and no restarts left
 UNREACHABLE = 5  # the coordinator did not answer in time
 AUTH = 6  # the coordinator refused the secret
 NOT_FOUND = 7  # no such job in the state directory
+
+
+def for_error(e: BaseException) -> int:
+    """The exit code for an ftrun error, the same for every command."""
+    from ftrun import errors
+
+    for cls, code in (
+        (errors.AuthError, AUTH),
+        (errors.UnreachableError, UNREACHABLE),
+        (errors.JobNotFoundError, NOT_FOUND),
+        (errors.ConfigError, USAGE),
+    ):
+        if isinstance(e, cls):
+            return code
+    return FAILED

@@ -60,22 +60,14 @@ WIDE = 200  # columns when stdout is not a terminal: never cut a tensor key
 _SEGMENT_RE = re.compile(r"-r(\d+)-b(\d+)$")
 
 
-class _StepNotFound(FtrunError):
+class _StepNotFound(JobNotFoundError):
     """The asked-for step is not there (exit NOT_FOUND)."""
-
-
-def _error_code(e: FtrunError) -> int:
-    if isinstance(e, (JobNotFoundError, _StepNotFound)):
-        return exit_codes.NOT_FOUND
-    if isinstance(e, ConfigError):
-        return exit_codes.USAGE
-    return exit_codes.FAILED
 
 
 def _fail(e: FtrunError) -> int:
     sys.stderr.write(f"ftrun inspect: {e}\n")
     sys.stderr.flush()
-    return _error_code(e)
+    return exit_codes.for_error(e)
 
 
 def run_inspect(target: str, *, step: int | None, json_out: bool, verify: bool,

@@ -43,17 +43,8 @@ app = typer.Typer(
 
 
 def _fail(e: errors.FtrunError) -> int:
-    code = {
-        errors.AuthError: exit_codes.AUTH,
-        errors.UnreachableError: exit_codes.UNREACHABLE,
-        errors.JobNotFoundError: exit_codes.NOT_FOUND,
-        errors.ConfigError: exit_codes.USAGE,
-    }
     sys.stderr.write(f"ftrun: error: {e}\n")
-    for cls, value in code.items():
-        if isinstance(e, cls):
-            return value
-    return exit_codes.FAILED
+    return exit_codes.for_error(e)
 
 
 @app.command(

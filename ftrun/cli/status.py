@@ -24,11 +24,8 @@ from ftrun import jobs, knobs
 from ftrun.cli import exit_codes
 from ftrun.coordinator.client import request
 from ftrun.errors import (
-    AuthError,
     ConfigError,
     FtrunError,
-    JobNotFoundError,
-    UnreachableError,
 )
 
 LIST_VERSION = 1
@@ -55,22 +52,10 @@ def exit_code_for(doc: dict[str, Any]) -> int:
     return _HEALTH_CODES.get(str(doc.get("health")), exit_codes.DEGRADED)
 
 
-def _error_code(e: FtrunError) -> int:
-    if isinstance(e, AuthError):
-        return exit_codes.AUTH
-    if isinstance(e, UnreachableError):
-        return exit_codes.UNREACHABLE
-    if isinstance(e, JobNotFoundError):
-        return exit_codes.NOT_FOUND
-    if isinstance(e, ConfigError):
-        return exit_codes.USAGE
-    return exit_codes.FAILED
-
-
 def _fail(e: FtrunError) -> int:
     sys.stderr.write(f"ftrun status: {e}\n")
     sys.stderr.flush()
-    return _error_code(e)
+    return exit_codes.for_error(e)
 
 
 # -- job list ---------------------------------------------------------------------------------
@@ -304,7 +289,7 @@ def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_head
             try:
                 doc = _fetch(endpoint, secret, run_id, timeout_s)
             except FtrunError as e:
-                code = _error_code(e)
+                code = exit_codes.for_error(e)
                 if live is not None:
                     live.update(Text(f"ftrun status: {e}", style="red"))
                 else:
