@@ -326,6 +326,14 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         "0 turns snapshots off; outside ftrun they are off anyway)",
     )
     p.add_argument(
+        "--torch-save-dir",
+        metavar="DIR",
+        help="the usual alternative to ftrun's snapshots, for comparisons: rank 0 writes "
+        "model and optimizer state with torch.save to DIR/checkpoint.pt every "
+        "--torch-save-every steps, and every rank loads it at start when present",
+    )
+    p.add_argument("--torch-save-every", type=int, default=10, metavar="K")
+    p.add_argument(
         "--step-sleep",
         type=float,
         default=0.0,
@@ -397,6 +405,11 @@ def train(
             last_loss = snap.extra["loss"].to(device)
             print(f"{PREFIX}: rank {rank} resumed from step {start}", file=sys.stderr, flush=True)
 
+    if args.torch_save_dir:
+        start, resumed_from, last_loss = _torch_load(
+            args, model, optimizer, start, resumed_from, last_loss, device
+        )
+
     per_rank = args.batch // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     for step in range(start + 1, args.steps + 1):
@@ -412,6 +425,8 @@ def train(
         last_loss = loss.detach()
         if snap is not None:
             snap.save(step, extra={"resumed_from": resumed_from, "loss": last_loss})
+        if args.torch_save_dir and step % args.torch_save_every == 0 and rank == 0:
+            _torch_save(args, model, optimizer, step, resumed_from, last_loss)
         if args.step_sleep > 0:
             time.sleep(args.step_sleep)
         _progress(step)
@@ -426,6 +441,53 @@ def train(
         last_loss /= world_size
     digest = params_digest(model) if rank == 0 else ""
     return float(last_loss.item()), digest, resumed_from
+
+
+def _torch_save(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    resumed_from: list[int],
+    loss: torch.Tensor,
+) -> None:
+    path = os.path.join(args.torch_save_dir, "checkpoint.pt")
+    os.makedirs(args.torch_save_dir, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "step": step,
+        "resumed_from": resumed_from,
+        "loss": loss,
+        "rng": torch.get_rng_state(),
+    }
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _torch_load(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start: int,
+    resumed_from: list[int],
+    loss: torch.Tensor,
+    device: torch.device,
+) -> tuple[int, list[int], torch.Tensor]:
+    path = os.path.join(args.torch_save_dir, "checkpoint.pt")
+    if not os.path.exists(path):
+        return start, resumed_from, loss
+    state = torch.load(path, map_location=device, weights_only=True)
+    if state["step"] <= start:
+        return start, resumed_from, loss
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    torch.set_rng_state(state["rng"])
+    step = int(state["step"])
+    print(
+        f"{PREFIX}: resumed from torch.save checkpoint of step {step}", file=sys.stderr, flush=True
+    )
+    return step, [*state["resumed_from"], step], state["loss"]
 
 
 def _on_sigusr1(signum: int, _frame: object) -> None:
