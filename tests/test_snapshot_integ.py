@@ -190,3 +190,20 @@ def test_persist_then_a_new_job_resumes_from_disk(
     doc2 = finish(procs, second, r2)
     assert doc2["resumed_from"] == [6]
     assert doc2["params_xxh3"] == baseline
+
+
+def test_fsdp2_shards_restore_bit_identical(procs: Procs, state_dir: Path) -> None:
+    """DTensor shards (FSDP2 on CPU/gloo) go into snapshots and come back as DTensors."""
+    worker = str(Path(__file__).with_name("fsdp_worker.py"))
+
+    def run(*args: str) -> str:
+        proc = procs.ftrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                           worker, *args)
+        assert procs.wait(proc, 200) == 0, procs.output(proc)[-4000:]
+        return [ln for ln in procs.output(proc).splitlines() if ln.startswith("fsdp:")][-1]
+
+    clean = run("6")
+    faulted = run("6", "4")
+    assert clean.startswith("fsdp: start=0 ")
+    assert faulted.startswith("fsdp: start=3 ")
+    assert clean.split("hash=")[1] == faulted.split("hash=")[1]

@@ -75,6 +75,26 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
+def _as_current(loaded: Any, current: Any) -> Any:
+    """``loaded`` with every tensor that is a DTensor in ``current`` made one again.
+
+    A snapshot holds a DTensor's local shard only; on the same world size the shard goes back
+    with the live tensor's mesh, placements, shape and stride.
+    """
+    if isinstance(loaded, dict) and isinstance(current, dict):
+        return {k: _as_current(v, current.get(k)) for k, v in loaded.items()}
+    if isinstance(loaded, (list, tuple)) and isinstance(current, (list, tuple)) and \
+            len(loaded) == len(current):
+        return type(loaded)(_as_current(a, b) for a, b in zip(loaded, current, strict=True))
+    if isinstance(loaded, torch.Tensor) and type(current).__name__ == "DTensor":
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(loaded.to(current.device), current.device_mesh,
+                                  current.placements, shape=current.shape,
+                                  stride=current.stride())
+    return loaded
+
+
 class Snapshotter:
     """Per-step in-memory snapshots of one rank's training state. See the module docstring."""
 
@@ -119,14 +139,7 @@ class Snapshotter:
 
     # -- state ------------------------------------------------------------------------------
     def _state(self, step: int, extra: Any) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
-        if self.optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        state = self._state_dicts()
         state["rng"] = _rng_state()
         state["extra"] = extra
         state["step"] = step
@@ -139,11 +152,26 @@ class Snapshotter:
             set_optimizer_state_dict,
         )
 
-        set_model_state_dict(self.model, tree["model"], options=StateDictOptions(strict=True))
+        # Snapshots hold each DTensor's local shard; give them back their placements.
+        current = self._state_dicts()
+        model_sd = _as_current(tree["model"], current["model"])
+        set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
         if self.optimizer is not None and "optim" in tree:
-            set_optimizer_state_dict(self.model, self.optimizer, tree["optim"])
+            optim_sd = _as_current(tree["optim"], current.get("optim"))
+            set_optimizer_state_dict(self.model, self.optimizer, optim_sd)
         _set_rng_state(tree["rng"])
         self.extra = tree.get("extra")
+
+    def _state_dicts(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        out: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
+            out["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return out
 
     # -- save -------------------------------------------------------------------------------
     def save(self, step: int, extra: Any = None) -> bool:
