@@ -334,6 +334,11 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
     )
     p.add_argument("--torch-save-every", type=int, default=10, metavar="K")
     p.add_argument(
+        "--step-log",
+        metavar="FILE",
+        help="rank 0 appends one JSON line per completed step: time, step, restart count",
+    )
+    p.add_argument(
         "--step-sleep",
         type=float,
         default=0.0,
@@ -410,6 +415,7 @@ def train(
             args, model, optimizer, start, resumed_from, last_loss, device
         )
 
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     per_rank = args.batch // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
     for step in range(start + 1, args.steps + 1):
@@ -427,6 +433,9 @@ def train(
             snap.save(step, extra={"resumed_from": resumed_from, "loss": last_loss})
         if args.torch_save_dir and step % args.torch_save_every == 0 and rank == 0:
             _torch_save(args, model, optimizer, step, resumed_from, last_loss)
+        if args.step_log and rank == 0:
+            with open(args.step_log, "a") as f:
+                f.write(json.dumps({"time": time.time(), "step": step, "restart": restart}) + "\n")
         if args.step_sleep > 0:
             time.sleep(args.step_sleep)
         _progress(step)
