@@ -95,6 +95,14 @@ class Procs:
                 except ProcessLookupError:
                     pass
                 proc.wait(timeout=30)
+        if self.procs:
+            # Launchers killed here take their stores with them (parent-death signal); the
+            # segments they leave are removed the way a later store would remove them.
+            from ftrun.snapshot.segment import clean_leftovers
+
+            deadline = time.monotonic() + 10
+            while clean_leftovers() and time.monotonic() < deadline:
+                time.sleep(0.1)
 
 
 @pytest.fixture
