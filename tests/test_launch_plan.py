@@ -79,3 +79,14 @@ def test_missing_script_is_a_clear_error(argv: list[str], message: str) -> None:
 def test_bad_rdzv_conf_item() -> None:
     with pytest.raises(ConfigError, match="not KEY=VALUE"):
         launch._parse_conf("join_timeout")
+
+
+def test_store_socket_fits_even_with_long_run_ids_and_tmpdirs(tmp_path, monkeypatch) -> None:
+    node_dir = launch._node_dir("x" * 300)
+    try:
+        assert len(launch._store_url(node_dir)) <= 110
+    finally:
+        node_dir.rmdir()
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    assert launch._store_url(deep).startswith("ipc://@ftrun-")

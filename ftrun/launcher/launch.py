@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -219,7 +220,17 @@ def _agent_class(ctx: AgentContext) -> Iterator[None]:
 def _node_dir(run_id: str) -> Path:
     base = Path(tempfile.gettempdir()) / f"ftrun-{os.getuid()}"
     base.mkdir(mode=0o700, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{jobs._SAFE.sub('_', run_id)}.", dir=base))
+    # Short on purpose: the store's socket lives here and socket paths max out at 107 bytes.
+    tag = hashlib.sha1(run_id.encode()).hexdigest()[:8]
+    return Path(tempfile.mkdtemp(prefix=f"{tag}.", dir=base))
+
+
+def _store_url(node_dir: Path) -> str:
+    path = node_dir / "store.sock"
+    if len(str(path)) <= 100:
+        return f"ipc://{path}"
+    # A long TMPDIR: use Linux's abstract socket namespace (messages are still signed).
+    return f"ipc://@ftrun-{os.getuid()}-{node_dir.name}"
 
 
 def _install_signal_forwarding(ctx: AgentContext) -> None:
@@ -280,7 +291,7 @@ def run(argv: list[str]) -> int:
     node_dir = _node_dir(run_id)
     ctx = AgentContext(node_id=node_id, host=host, node_dir=node_dir,
                        hang_timeout_s=opts.hang_timeout_s)
-    store_url = f"ipc://{node_dir}/store.sock"
+    store_url = _store_url(node_dir)
     ctx.worker_env = {
         knobs.STORE.name: store_url,
         knobs.SECRET.name: secret.decode(),
