@@ -4,10 +4,13 @@
 ftrun and under torchrun. It appends JSON lines to the file named by ``$FTRUN_BENCH_STEPLOG``:
 
 - ``{"ev": "start", ...}`` once, as soon as the interpreter runs this file;
-- ``{"ev": "step", "step": S, ...}`` whenever the script reports step ``S`` as completed.
+- ``{"ev": "step", "step": S, ...}`` whenever the script reports step ``S`` as completed;
+- ``{"ev": "done", "step": S, ...}`` when it reports that training is over
+  (``progress(S, done=True)``).
 
 Each line also has ``t`` (``time.time()``, the clock of the fault marker's ``"time"``),
-``rank``, ``restart`` (``$TORCHELASTIC_RESTART_COUNT``) and ``pid``. Lines are written with one
+``rank``, ``restart`` (``$TORCHELASTIC_RESTART_COUNT``) and ``pid``; the start line also has
+``ftrun``, the directory the ``ftrun`` package was imported from. Lines are written with one
 ``write`` to an ``O_APPEND`` descriptor, so the ranks' lines never interleave.
 
 ``train.py`` binds its step hook at import time (``_progress = ftrun.progress``, or a no-op when
@@ -29,6 +32,7 @@ _START = time.time()
 import importlib.util  # noqa: E402  (timestamp first: it marks the process start)
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 STEPLOG_ENV = "FTRUN_BENCH_STEPLOG"
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
@@ -55,16 +59,25 @@ def _record(ev: str, t: float, **data: object) -> None:
     os.write(_fd, (json.dumps(rec) + "\n").encode())
 
 
-def _timed(hook: Callable[[int], None]) -> Callable[[int], None]:
-    def progress(step: int) -> None:
-        hook(step)
-        _record("step", time.time(), step=int(step))
+def _timed(hook: Callable[..., None]) -> Callable[..., None]:
+    def progress(step: int, *args: Any, **kwargs: Any) -> None:
+        hook(step, *args, **kwargs)
+        done = bool(kwargs.get("done", args[0] if args else False))
+        _record("done" if done else "step", time.time(), step=int(step))
 
     return progress
 
 
+def _ftrun_dir() -> str | None:
+    try:
+        import ftrun
+    except Exception:
+        return None
+    return os.path.dirname(os.path.abspath(ftrun.__file__))
+
+
 def main() -> int:
-    _record("start", _START)
+    _record("start", _START, ftrun=_ftrun_dir())
     spec = importlib.util.spec_from_file_location("ftrun_bench_train", TRAIN)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {TRAIN}")

@@ -10,20 +10,26 @@ wall-clock timestamp per completed step) on ``--nodes`` launcher processes on lo
 ``--max-restarts 1``). Rank ``--fail-rank`` SIGKILLs itself in step ``--fail-at-step``; the fault
 marker it writes just before holds the time of the kill. The measured interval ends when every
 rank of the restarted world has completed its first step (the latest of the ranks' first
-post-restart steps; a process counts as restarted when it started after the kill).
+post-restart steps; a process counts as restarted when it started after the kill). A second
+interval ends when every rank has completed the failed step again: it adds the work lost to the
+fault (ftrun's ranks resume from their newest snapshot, torchrun's from step 1).
 
 Launchers, all at their defaults apart from the job's flags:
 
 - ``ftrun``;
 - ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the best a torchrun user can do;
 - ``torchrun`` as is. Its shared rendezvous store hands restarted ranks stale gloo addresses,
-  so a restart may never resume: after ``--resume-timeout`` seconds without a resumed step the
-  job is killed and reported as "did not resume".
+  so the restart fails or hangs; a job with no resumed step ``--resume-timeout`` seconds after
+  the kill is killed. Either way it is reported as "did not resume".
 
 A second case freezes the rank with SIGSTOP instead: ftrun with ``--hang-timeout`` against
 torchrun (with the variable) relying on the script's ``--pg-timeout`` (both jobs get it).
 
 Every faulted run's final ``params_xxh3`` must equal the fault-free run's of the same launcher.
+The code under test (the ``ftrun`` package, ``examples/train.py`` and the driver) is copied into
+the work directory at start and imported from there (``PYTHONPATH`` and working directory), so
+every run measures the same code even while the tree is being edited; the report names the
+commit and a digest of the copy, and a run whose ranks imported another ``ftrun`` is rejected.
 Each launcher starts in its own session; on a timeout or an error its process group, and every
 process that carries this job's private step-log path in its environment (torch starts workers
 in sessions of their own), is killed with SIGKILL.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -54,7 +61,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
-DRIVER = ROOT / "bench" / "_timed_train.py"
+# Copied into the work directory at start, so every run measures the same code even while the
+# tree is being edited: the ftrun package, the job and the step-timing driver.
+FROZEN = ("ftrun", "examples/train.py", "bench/_timed_train.py")
+DRIVER = "bench/_timed_train.py"
 STEPLOG_ENV = "FTRUN_BENCH_STEPLOG"
 HEADING = "Restart after a worker failure (issue: launcher)"
 POLL_S = 0.1
@@ -107,12 +117,15 @@ class JobResult:
     respawn_ts: float | None = None  # every rank's restarted process is running
     resume_ts: float | None = None  # every rank completed its first post-restart step
     detect_ts: float | None = None  # ftrun only: first failure/hang event after the fault
+    resume_step: int | None = None  # the step number of that first post-restart step
+    caught_up_ts: float | None = None  # every rank completed the failed step again
     last_step_ts: float | None = None  # the last step any rank completed
     end_ts: float | None = None  # every launcher has exited
     digest: str | None = None
     restart_count: int | None = None
     leftovers: int = 0
     killed_launchers: int = 0  # launchers still running when the benchmark gave up
+    shm_leftovers: int = 0  # snapshot segments left in /dev/shm (removed by the benchmark)
     log_tail: str = ""
 
     @property
@@ -126,6 +139,12 @@ class JobResult:
         if self.last_step_ts is None or self.end_ts is None:
             return None
         return self.end_ts - self.last_step_ts
+
+    @property
+    def to_caught_up_s(self) -> float | None:
+        if self.fault_ts is None or self.caught_up_ts is None:
+            return None
+        return self.caught_up_ts - self.fault_ts
 
     @property
     def to_respawn_s(self) -> float | None:
@@ -155,7 +174,22 @@ def launcher_cmd(launcher: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def job_env(variant: Variant, job_dir: Path, steplog: Path) -> dict[str, str]:
+def freeze_code(dest: Path) -> str:
+    """Copy the code under test to ``dest``; returns a short digest of what was copied."""
+    digest = hashlib.sha256()
+    for rel in FROZEN:
+        src, dst = ROOT / rel, dest / rel
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    for path in sorted(p for p in dest.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(dest)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def job_env(variant: Variant, job_dir: Path, steplog: Path, code: Path) -> dict[str, str]:
     """This process's environment minus launcher settings, plus the job's private paths."""
     env = {
         k: v
@@ -165,6 +199,8 @@ def job_env(variant: Variant, job_dir: Path, steplog: Path) -> dict[str, str]:
     }
     env.update(
         PYTHONUNBUFFERED="1",
+        # Ahead of the editable install: launchers and ranks import the frozen ftrun.
+        PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
         FTRUN_STATE_DIR=str(job_dir / "state"),
         TMPDIR=str(job_dir / "t"),
         **{STEPLOG_ENV: str(steplog)},
@@ -226,6 +262,27 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def remove_shm(run_id: str) -> int:
+    """Delete the job's snapshot segments left in /dev/shm; returns how many there were.
+
+    The job environment drops every ``FTRUN_*`` variable, so segments live in the default
+    ``/dev/shm``, named by ftrun's per-job prefix (nothing to do with an ftrun that has none).
+    """
+    try:
+        from ftrun.snapshot.segment import job_prefix
+    except ImportError:
+        return 0
+    prefix = job_prefix(run_id)
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/dev/shm"):
+            if entry.name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed
+
+
 def read_steplog(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text().splitlines()
@@ -238,21 +295,43 @@ def read_steplog(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def restart_times(
-    records: list[dict[str, Any]], fault_ts: float, world: int
-) -> tuple[float | None, float | None]:
-    """(every rank respawned, every rank completed a step) after ``fault_ts``, or None."""
-    new_pids = {r["pid"]: r for r in records if r["ev"] == "start" and r["t"] > fault_ts}
+@dataclass
+class Recovery:
+    """When the restarted world got where; each None until every rank of the world did."""
+
+    respawn: float | None = None  # every rank's new process started
+    resume: float | None = None  # every rank completed its first step
+    resume_step: int | None = None  # the number of that step
+    caught_up: float | None = None  # every rank completed the failed step (or a later one)
+
+
+def recovery(
+    records: list[dict[str, Any]], fault_ts: float, world: int, fail_step: int
+) -> Recovery:
+    """Read the restart off the step log: processes started after ``fault_ts`` are new."""
+    new_pids = {r["pid"] for r in records if r["ev"] == "start" and r["t"] > fault_ts}
     first_start: dict[int, float] = {}
-    first_step: dict[int, float] = {}
+    first_step: dict[int, tuple[float, int]] = {}
+    caught_up: dict[int, float] = {}
     for r in records:
         if r["pid"] not in new_pids:
             continue
-        table = first_start if r["ev"] == "start" else first_step
-        table[r["rank"]] = min(table.get(r["rank"], r["t"]), r["t"])
-    respawn = max(first_start.values()) if len(first_start) == world else None
-    resume = max(first_step.values()) if len(first_step) == world else None
-    return respawn, resume
+        rank, t = r["rank"], r["t"]
+        if r["ev"] == "start":
+            first_start[rank] = min(first_start.get(rank, t), t)
+        elif r["ev"] == "step":
+            if rank not in first_step or t < first_step[rank][0]:
+                first_step[rank] = (t, int(r["step"]))
+            if r["step"] >= fail_step:
+                caught_up[rank] = min(caught_up.get(rank, t), t)
+    out = Recovery()
+    if len(first_start) == world:
+        out.respawn = max(first_start.values())
+    if len(first_step) == world:
+        out.resume, out.resume_step = max(first_step.values())
+    if len(caught_up) == world:
+        out.caught_up = max(caught_up.values())
+    return out
 
 
 def ftrun_detect_ts(state_dir: Path, run_id: str, fault_ts: float) -> float | None:
@@ -270,21 +349,21 @@ def ftrun_detect_ts(state_dir: Path, run_id: str, fault_ts: float) -> float | No
     return min(times) if times else None
 
 
-def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
+def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path, code: Path) -> JobResult:
     """Run one job to its end (or its timeout); always leaves no process behind."""
     run_id = f"b-{spec.variant.key}-{spec.fault or 'clean'}-{uuid.uuid4().hex[:6]}"
     # Short paths: ftrun puts unix sockets under TMPDIR (sun_path holds 107 bytes).
-    job_dir = root / f"{len(list(root.iterdir())):02d}"
+    job_dir = root / f"{sum(1 for p in root.iterdir() if p.name.isdigit()):02d}"
     (job_dir / "t").mkdir(parents=True)
     (job_dir / "faults").mkdir()
     steplog = job_dir / "steps.jsonl"
     result_file = job_dir / "result.json"
-    env = job_env(spec.variant, job_dir, steplog)
+    env = job_env(spec.variant, job_dir, steplog, code)
     token = f"{STEPLOG_ENV}={steplog}".encode()
     world = cfg.nodes * cfg.nproc_per_node
 
     train = [
-        str(DRIVER), "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
+        str(code / DRIVER), "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
         "--result", str(result_file), "--fault-dir", str(job_dir / "faults"), *spec.train_extra,
     ]
     if spec.fault:
@@ -307,7 +386,7 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
             logs.append(log)
             procs.append(subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                cwd=ROOT, start_new_session=True,
+                cwd=code, start_new_session=True,
             ))
         deadline = t_launch + spec.job_timeout_s
         while True:
@@ -323,7 +402,7 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
             if (
                 res.fault_ts is not None
                 and now > res.fault_ts + spec.resume_timeout_s
-                and restart_times(read_steplog(steplog), res.fault_ts, world)[1] is None
+                and recovery(read_steplog(steplog), res.fault_ts, world, 1).resume is None
             ):
                 res.outcome = "no-resume"
                 break
@@ -336,6 +415,7 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
         leftovers = kill_job(procs, token)
         if not res.killed_launchers:
             res.leftovers = leftovers  # processes that outlived their launchers
+        res.shm_leftovers = remove_shm(run_id)
         for log in logs:
             log.close()
     res.exit_codes = [p.returncode for p in procs]
@@ -343,10 +423,16 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path) -> JobResult:
     if spec.fault and res.fault_ts is None and marker.exists():
         with contextlib.suppress(OSError, ValueError, KeyError):
             res.fault_ts = float(json.loads(marker.read_text())["time"])
-    steps = [r["t"] for r in read_steplog(steplog) if r["ev"] == "step"]
+    records = read_steplog(steplog)
+    foreign = {r.get("ftrun") for r in records if r["ev"] == "start"} - {str(code / "ftrun")}
+    if foreign:
+        res.outcome = f"wrong ftrun imported: {sorted(map(str, foreign))}"
+    steps = [r["t"] for r in records if r["ev"] == "step"]
     res.last_step_ts = max(steps) if steps else None
     if res.fault_ts is not None:
-        res.respawn_ts, res.resume_ts = restart_times(read_steplog(steplog), res.fault_ts, world)
+        rec = recovery(records, res.fault_ts, world, cfg.fail_at_step)
+        res.respawn_ts, res.resume_ts, res.resume_step = rec.respawn, rec.resume, rec.resume_step
+        res.caught_up_ts = rec.caught_up
         if spec.variant.launcher == "ftrun":
             res.detect_ts = ftrun_detect_ts(job_dir / "state", run_id, res.fault_ts)
     with contextlib.suppress(OSError, ValueError, KeyError):
@@ -396,11 +482,12 @@ def summary_table(
     timeout_s: float,
 ) -> list[str]:
     head = (
-        f"| launcher | {what} → next step, median (min–max) | resumed | {what} → ranks respawned"
+        f"| launcher | {what} → next step, median (min–max) | resumed | next step"
+        f" | {what} → step {cfg.fail_at_step} done again | {what} → ranks respawned"
         " | respawned → step | ftrun: detected after | job wall time | last step → exit"
         " | fault-free wall time | final params = fault-free |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for v in variants:
         rs = runs.get(v.key, [])
         ok = [r for r in rs if r.to_step_s is not None]
@@ -410,11 +497,13 @@ def summary_table(
         if missing:
             main = "; ".join(
                 (f"did not resume within {timeout_s:.0f} s" if outcome == "no-resume"
-                 else f"{outcome}, no resumed step") + f" ({n}/{len(rs)} runs)"
+                 else "job failed, no step after the restart" if outcome == "failed"
+                 else outcome) + f" ({n}/{len(rs)} runs)"
                 for outcome, n in missing.items()
             )
             if ok:
                 main += f"; resumed runs: {spread(steps)}"
+        caught_up = [r.to_caught_up_s for r in ok if r.to_caught_up_s is not None]
         respawn = [r.to_respawn_s for r in ok if r.to_respawn_s is not None]
         init = [r.resume_ts - r.respawn_ts for r in ok
                 if r.resume_ts is not None and r.respawn_ts is not None]
@@ -428,7 +517,9 @@ def summary_table(
                 f"{n}/{len(rs)} killed at the resume timeout" if o == "no-resume"
                 else f"{n}/{len(rs)} {o}" for o, n in bad.items()
             )
-        teardown = [r.teardown_s for r in rs if r.teardown_s is not None]
+        at = sorted({r.resume_step for r in ok if r.resume_step is not None})
+        resumed_at = ", ".join(str(x) for x in at) or "—"
+        teardown = [r.teardown_s for r in rs if r.outcome == "ok" and r.teardown_s is not None]
         base = clean.get(v.key)
         finished = [r for r in rs if r.digest is not None]
         same = sum(1 for r in finished if base is not None and r.digest == base.digest)
@@ -439,7 +530,8 @@ def summary_table(
         else:
             params = f"**NO** ({same}/{len(finished)} equal)"
         lines.append(
-            f"| {v.label} | {main} | {len(ok)}/{len(rs)} | {fmt_s(median(respawn))}"
+            f"| {v.label} | {main} | {len(ok)}/{len(rs)} | {resumed_at}"
+            f" | {spread(caught_up)} | {fmt_s(median(respawn))}"
             f" | {fmt_s(median(init))} | {fmt_s(median(detect)) if v.launcher == 'ftrun' else '—'}"
             f" | {wall} | {fmt_s(median(teardown))}"
             f" | {fmt_s(base.wall_s if base and base.outcome == 'ok' else None)} | {params} |"
@@ -460,14 +552,17 @@ def per_run_lines(variants: Sequence[Variant], runs: dict[str, list[JobResult]])
     return out
 
 
-def ratio_line(runs: dict[str, list[JobResult]], what: str) -> str:
-    a = median([r.to_step_s for r in runs.get(FTRUN.key, []) if r.to_step_s is not None])
-    b = median([r.to_step_s for r in runs.get(TORCHRUN_NOSHARE.key, [])
-                if r.to_step_s is not None])
-    if a is None or b is None or a <= 0:
-        return f"Ratio torchrun (with the variable) / ftrun, median {what} → next step: n/a"
-    return (f"Ratio torchrun (with the variable) / ftrun, median {what} → next step: "
+def ratio_line(runs: dict[str, list[JobResult]], what: str, cfg: argparse.Namespace) -> str:
+    parts = []
+    for attr, end in (("to_step_s", "next step"),
+                      ("to_caught_up_s", f"step {cfg.fail_at_step} done again")):
+        a = median([x for r in runs.get(FTRUN.key, []) if (x := getattr(r, attr)) is not None])
+        b = median([x for r in runs.get(TORCHRUN_NOSHARE.key, [])
+                    if (x := getattr(r, attr)) is not None])
+        value = "n/a" if a is None or b is None or a <= 0 else (
             f"**{b / a:.1f}×** ({b:.2f} s / {a:.2f} s)")
+        parts.append(f"median {what} → {end}: {value}")
+    return "Ratio torchrun (with the variable) / ftrun: " + "; ".join(parts) + "."
 
 
 def plain_outcome(runs: dict[str, list[JobResult]], timeout_s: float) -> str:
@@ -475,16 +570,25 @@ def plain_outcome(runs: dict[str, list[JobResult]], timeout_s: float) -> str:
     if not rs:
         return "torchrun as is: not measured."
     resumed = [r for r in rs if r.to_step_s is not None]
+    states = []
+    for r in rs:
+        if r.to_step_s is not None:
+            continue
+        if r.killed_launchers:
+            states.append(f"no step within {timeout_s:.0f} s of the fault, "
+                          f"{r.killed_launchers} of {len(r.exit_codes)} launchers still running "
+                          f"(killed)")
+        elif r.fault_ts is not None and r.end_ts is not None:
+            states.append(f"the restarted job failed: launchers exited with {r.exit_codes} "
+                          f"{r.end_ts - r.fault_ts:.0f} s after the fault")
+        else:
+            states.append(f"{r.outcome}, exit codes {r.exit_codes}")
+    detail = "; ".join(f"{n}× {state}" for state, n in Counter(states).items())
     if not resumed:
-        states = "; ".join(
-            f"{r.killed_launchers} of {len(r.exit_codes)} launchers still running and killed, "
-            f"exit codes {r.exit_codes}" if r.killed_launchers
-            else f"{r.outcome}, exit codes {r.exit_codes}" for r in rs
-        )
-        return (f"torchrun as is: **did not resume within {timeout_s:.0f} s** in "
-                f"{len(rs)}/{len(rs)} runs ({states}).")
-    return (f"torchrun as is: resumed in {len(resumed)}/{len(rs)} runs, median "
-            f"{median([r.to_step_s for r in resumed if r.to_step_s is not None]):.2f} s.")
+        return f"torchrun as is: **did not resume** in {len(rs)}/{len(rs)} runs ({detail})."
+    text = (f"torchrun as is: resumed in {len(resumed)}/{len(rs)} runs, median "
+            f"{median([r.to_step_s for r in resumed if r.to_step_s is not None]):.2f} s")
+    return text + (f"; did not resume in the others ({detail})." if detail else ".")
 
 
 def render(
@@ -501,14 +605,18 @@ def render(
         f"- Command: `{meta['command']}`",
         f"- Date (UTC): {meta['date']}",
         f"- Host: {meta['host']}",
-        f"- ftrun: commit {meta['tree']}",
+        f"- Code: commit {meta['tree']}",
         f"- Job: `examples/train.py --steps {cfg.steps} --step-sleep {cfg.step_sleep}` "
         f"(via `bench/_timed_train.py`) on {cfg.nodes} launchers × {cfg.nproc_per_node} ranks "
         f"on localhost (world {world}), c10d rendezvous, `--max-restarts 1`; rank "
         f"{cfg.fail_rank} fails in step {cfg.fail_at_step}; {cfg.repeats} repeat(s), "
         "launchers interleaved.",
         "- \"→ next step\": from the fault (time in the fault marker, written just before the "
-        "signal) until every rank of the restarted world completed its first step. "
+        "signal) until every rank of the restarted world completed its first step; \"next "
+        "step\" is that step's number (train.py snapshots every step under ftrun and resumes "
+        "from the newest committed snapshot; under torchrun it starts over at step 1), and "
+        f"\"step {cfg.fail_at_step} done again\" runs until every rank completed the failed "
+        "step again (the lost work redone). "
         "\"ranks respawned\": the last restarted rank's process started; \"respawned → step\": "
         "worker start-up (imports, `init_process_group`, model, step 1). \"ftrun: detected "
         "after\": first `worker_failure`/`hang_detected` event in ftrun's event log. \"last step "
@@ -520,7 +628,7 @@ def render(
         *summary_table(KILL_VARIANTS if not cfg.no_plain else KILL_VARIANTS[:2], kill_runs,
                        clean, "kill", cfg, cfg.resume_timeout),
         "",
-        ratio_line(kill_runs, "kill"),
+        ratio_line(kill_runs, "kill", cfg),
         "",
         plain_outcome(kill_runs, cfg.resume_timeout) if not cfg.no_plain
         else "torchrun as is: not measured (--no-plain).",
@@ -542,7 +650,7 @@ def render(
             *summary_table(STOP_VARIANTS, stop_runs, clean, "stop", cfg,
                            cfg.stop_resume_timeout),
             "",
-            ratio_line(stop_runs, "stop"),
+            ratio_line(stop_runs, "stop", cfg),
             "",
             "Per run, stop → next step (s):",
             "",
@@ -556,13 +664,19 @@ def render(
         + (" (equal across launchers)." if len(set(digests.values())) == 1
            else " (**differ across launchers**)."),
     ]
-    leftovers = [r for rs in (*kill_runs.values(), *stop_runs.values(), [*clean.values()])
-                 for r in rs if r.leftovers]
-    if leftovers:
+    every = [r for rs in (*kill_runs.values(), *stop_runs.values(), [*clean.values()])
+             for r in rs]
+    if any(r.leftovers for r in every):
         lines.append("")
         lines.append("Processes that outlived their launchers (killed by the benchmark): "
                      + ", ".join(f"{r.spec.variant.key}/{r.spec.fault}: {r.leftovers}"
-                                 for r in leftovers))
+                                 for r in every if r.leftovers))
+    if any(r.shm_leftovers and not r.killed_launchers for r in every):
+        lines.append("")
+        lines.append("Snapshot segments left in /dev/shm after the launchers exited (removed by "
+                     "the benchmark): "
+                     + ", ".join(f"{r.spec.variant.key}/{r.spec.fault}: {r.shm_leftovers}"
+                                 for r in every if r.shm_leftovers and not r.killed_launchers))
     return "\n".join(lines) + "\n"
 
 
@@ -678,15 +792,17 @@ def main(argv: list[str] | None = None) -> int:
     stop_args = ("--pg-timeout", f"{cfg.stop_pg_timeout:g}")
 
     with work_dir(cfg.keep) as root:
+        code = root / "code"
+        meta["tree"] += f"; measured from a copy taken at start (sha256 {freeze_code(code)})"
         for v in kill_variants:
-            r = run_job(cfg, JobSpec(v, None, job_timeout_s=cfg.job_timeout), root)
+            r = run_job(cfg, JobSpec(v, None, job_timeout_s=cfg.job_timeout), root, code)
             clean[v.key] = r
             _progress("fault-free", r)
         for i in range(cfg.repeats):
             for v in kill_variants:
                 spec = JobSpec(v, "kill", resume_timeout_s=cfg.resume_timeout,
                                job_timeout_s=cfg.job_timeout)
-                r = run_job(cfg, spec, root)
+                r = run_job(cfg, spec, root, code)
                 kill_runs.setdefault(v.key, []).append(r)
                 _progress(f"kill {i + 1}/{cfg.repeats}", r)
         if not cfg.no_stop:
@@ -696,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
                     spec = JobSpec(v, "stop", train_extra=stop_args, launcher_extra=extra,
                                    resume_timeout_s=cfg.stop_resume_timeout,
                                    job_timeout_s=cfg.job_timeout)
-                    r = run_job(cfg, spec, root)
+                    r = run_job(cfg, spec, root, code)
                     stop_runs.setdefault(v.key, []).append(r)
                     _progress(f"stop {i + 1}/{cfg.repeats}", r)
 
