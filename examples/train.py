@@ -177,7 +177,7 @@ def fault_dir(override: str | None) -> str:
 
 
 def maybe_inject_fault(
-    args: argparse.Namespace, rank: int, step: int, before_forward: bool = False
+    args: argparse.Namespace, rank: int, step: int, before_forward: bool = False, snap: Any = None
 ) -> None:
     """Fire the requested fault if this is the chosen rank and step and it has not fired yet.
 
@@ -221,6 +221,8 @@ def maybe_inject_fault(
         # refuse that snapshot and fall back to an older committed one.
         from ftrun.faults import corrupt_newest_snapshot
 
+        if snap is not None:
+            snap.wait()  # the previous step's snapshot is staged: it is the one to corrupt
         hit = corrupt_newest_snapshot(rank)
         with open(marker, "a") as f:
             f.write(json.dumps({"corrupted_step": hit.step, "segment": hit.segment}) + "\n")
@@ -421,7 +423,7 @@ def train(
     for step in range(start + 1, args.steps + 1):
         inputs, targets = global_batch(args.seed, step, args.batch, args.seq_len, args.vocab)
         inputs, targets = inputs[rows].to(device), targets[rows].to(device)
-        maybe_inject_fault(args, rank, step, before_forward=True)
+        maybe_inject_fault(args, rank, step, before_forward=True, snap=snap)
         logits = train_model(inputs)
         loss = F.cross_entropy(logits.view(-1, args.vocab), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)

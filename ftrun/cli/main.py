@@ -9,6 +9,7 @@ Library errors (:class:`ftrun.errors.FtrunError`) become one line on stderr and 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Annotated, Any
 
@@ -61,7 +62,13 @@ def launch_command(ctx: typer.Context) -> None:
         code = run(list(ctx.args))
     except errors.FtrunError as e:
         code = _fail(e)
-    raise typer.Exit(code)
+    # Everything the launcher started is stopped and reaped by now. Leave without the
+    # interpreter's teardown: torch's C++ threads (rendezvous store, agent) can abort the
+    # process while being destroyed after a signal, which would replace the exit code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 @app.command("status")
