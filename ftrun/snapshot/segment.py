@@ -157,7 +157,9 @@ class Segment:
         shared memory several times slower than into touched pages.
         """
         hash_off, data_off, capacity = layout_for(manifest_cap, n_tensors, data_len)
-        path = SHM_DIR / name
+        final = SHM_DIR / name
+        # Built under a hidden name and renamed when complete: nobody opens a half-made one.
+        path = SHM_DIR / f".{name}.{os.getpid()}.tmp"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -176,13 +178,14 @@ class Segment:
             if fd >= 0:
                 os.close(fd)
         _prefault(mm, capacity)
-        seg = cls(path, mm)
+        seg = cls(final, mm)
         seg.write_header(Header(
             state=EMPTY, step=-1, epoch="", manifest_len=0, manifest_cap=manifest_cap,
             n_tensors=n_tensors, hash_off=hash_off, data_off=data_off, data_len=data_len,
             capacity=capacity, manifest_xxh3=0, hashes_xxh3=0, owner_pid=owner_pid,
             owner_start=proc_start_ticks(owner_pid), staged_at=0.0,
         ))
+        os.replace(path, final)
         return seg
 
     @classmethod
