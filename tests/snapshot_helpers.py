@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from ftrun.snapshot.manifest import flatten, manifest_blob, tensor_view
+from ftrun.snapshot import persist
+from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view
 from ftrun.snapshot.segment import STAGED, VERIFIED, WRITING, Segment, segment_name
 
 
@@ -38,3 +40,16 @@ def stage_segment(run_id: str, rank: int, buffer: int, state: Any, *, step: int,
         seg.unlink()  # never leak a segment, even when the helper fails
         raise
     return seg
+
+
+def write_plain(root: Path, state: Any, *, step: int, rank: int = 0, world_size: int = 1) -> Path:
+    """persist.write_rank from an in-memory buffer (no segment), for tests needing many steps."""
+    flat = flatten(state)
+    doc = parse_manifest(manifest_blob(flat, step=step, rank=rank, world_size=world_size, meta={}))
+    buf = bytearray(flat.data_len)
+    data = memoryview(buf)
+    for entry, src in zip(flat.tensors, flat.sources, strict=True):
+        if entry.nbytes:
+            tensor_view(data, entry).copy_(src)
+    hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes]) for e in flat.tensors]
+    return persist.write_rank(root, doc, bytes(buf), hashes)

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from snapshot_helpers import stage_segment
+from snapshot_helpers import stage_segment, write_plain
 
 from ftrun import jobs, protocol
 from ftrun.cli import exit_codes
 from ftrun.cli import inspect as inspect_cli
 from ftrun.errors import UnreachableError
 from ftrun.snapshot import persist
-from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view
+from ftrun.snapshot.manifest import flatten
 from ftrun.snapshot.segment import STAGED, WRITING, Segment, segment_name
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -37,18 +37,6 @@ def make_state(seed: int = 0, step: int = 1) -> dict[str, Any]:
         "extra": {"epoch": 1},
         "step": step,
     }
-
-
-def write_plain(root: Path, state: Any, *, step: int, rank: int = 0, world_size: int = 1) -> Path:
-    flat = flatten(state)
-    doc = parse_manifest(manifest_blob(flat, step=step, rank=rank, world_size=world_size, meta={}))
-    buf = bytearray(flat.data_len)
-    data = memoryview(buf)
-    for entry, src in zip(flat.tensors, flat.sources, strict=True):
-        if entry.nbytes:
-            tensor_view(data, entry).copy_(src)
-    hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes]) for e in flat.tensors]
-    return persist.write_rank(root, doc, bytes(buf), hashes)
 
 
 class Live:

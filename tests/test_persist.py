@@ -15,12 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import xxhash
-from snapshot_helpers import stage_segment
+from snapshot_helpers import stage_segment, write_plain
 
 from ftrun.errors import ConfigError, IntegrityError
 from ftrun.snapshot import persist
-from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view
+from ftrun.snapshot.manifest import flatten, parse_manifest
 from ftrun.snapshot.segment import STAGED, VERIFIED, Segment
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -101,19 +100,6 @@ def persist_from(seg: Segment, root: Path) -> Path:
     doc = parse_manifest(seg.manifest_bytes())
     with seg.data() as data:
         return persist.write_rank(root, doc, data, seg.hashes())
-
-
-def write_plain(root: Path, state: Any, *, step: int, rank: int = 0, world_size: int = 1) -> Path:
-    """write_rank from an in-memory buffer (no segment), for tests that need many steps."""
-    flat = flatten(state)
-    doc = parse_manifest(manifest_blob(flat, step=step, rank=rank, world_size=world_size, meta={}))
-    buf = bytearray(flat.data_len)
-    data = memoryview(buf)
-    for entry, src in zip(flat.tensors, flat.sources, strict=True):
-        if entry.nbytes:
-            tensor_view(data, entry).copy_(src)
-    hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes]) for e in flat.tensors]
-    return persist.write_rank(root, doc, bytes(buf), hashes)
 
 
 # -- tests ------------------------------------------------------------------------------------
