@@ -25,7 +25,8 @@ digest of the raw float32 bytes of every parameter in ``named_parameters()`` ord
 Fault injection fires once per job: the failing rank first creates a marker file
 ``fault-fired-rank{R}-step{S}`` (O_CREAT|O_EXCL) in ``--fault-dir``, else ``$FTRUN_JOB_DIR``,
 else ``$TMPDIR/ftrun-example-$TORCHELASTIC_RUN_ID``; a restarted rank finds the marker and
-does not fire again.
+does not fire again. ``--fault-schedule FILE`` plans several faults in one job (a JSON list of
+``{"step": S, "rank": R, "mode": M}``), each firing once by the same rule.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ except Exception:  # ftrun not installed (or broken): no progress reports, no sn
 
 
 PREFIX = "ftrun-example"
-FAIL_MODES = ("exit", "kill", "hang", "stop", "corrupt")
+FAIL_MODES = ("exit", "kill", "hang", "stop", "corrupt", "raise")
 EXIT_CODE_FAULT = 13
 
 
@@ -176,19 +177,55 @@ def fault_dir(override: str | None) -> str:
     return path
 
 
+class InjectedFault(RuntimeError):
+    """The exception that fault mode ``raise`` throws out of the training loop."""
+
+
+def load_fault_schedule(path: str, steps: int) -> list[tuple[int, int, str]]:
+    """Read ``--fault-schedule``: a JSON list of ``{"step": S, "rank": R, "mode": M}``.
+
+    Raises ValueError naming the bad entry; ranks are checked later, against WORLD_SIZE.
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(doc, list):
+        raise ValueError(f"{path} must hold a JSON list of {{step, rank, mode}} objects")
+    out = []
+    for i, entry in enumerate(doc):
+        if not isinstance(entry, dict) or set(entry) != {"step", "rank", "mode"}:
+            raise ValueError(f"{path}: entry {i} must be an object with exactly the keys "
+                             f"step, rank and mode, got {entry!r}")
+        step, rank, mode = entry["step"], entry["rank"], entry["mode"]
+        if type(step) is not int or not 1 <= step <= steps:
+            raise ValueError(f"{path}: entry {i}: step must be an integer in 1..{steps}, "
+                             f"got {step!r}")
+        if type(rank) is not int or rank < 0:
+            raise ValueError(f"{path}: entry {i}: rank must be an integer >= 0, got {rank!r}")
+        if mode not in FAIL_MODES:
+            raise ValueError(f"{path}: entry {i}: mode must be one of {', '.join(FAIL_MODES)}, "
+                             f"got {mode!r}")
+        out.append((step, rank, mode))
+    return out
+
+
 def maybe_inject_fault(
     args: argparse.Namespace, rank: int, step: int, before_forward: bool = False, snap: Any = None
 ) -> None:
-    """Fire the requested fault if this is the chosen rank and step and it has not fired yet.
+    """Fire the faults planned for this rank and step (``args.faults``) that have not fired yet.
 
     ``corrupt`` fires at the start of the step, before its collectives, so no rank can have
     moved past the previous committed snapshot; every other mode fires after the backward
     pass, in the middle of the step.
     """
-    if args.fail_at_step is None or step != args.fail_at_step or rank != args.fail_rank:
-        return
-    if before_forward != (args.fail_mode == "corrupt"):
-        return
+    for fault_step, fault_rank, mode in args.faults:
+        if (fault_step, fault_rank) == (step, rank) and before_forward == (mode == "corrupt"):
+            _fire_fault(args, rank, step, mode, snap)
+
+
+def _fire_fault(args: argparse.Namespace, rank: int, step: int, mode: str, snap: Any) -> None:
     marker = os.path.join(fault_dir(args.fault_dir), f"fault-fired-rank{rank}-step{step}")
     try:
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -200,7 +237,7 @@ def maybe_inject_fault(
         )
         return
     info = {
-        "mode": args.fail_mode,
+        "mode": mode,
         "rank": rank,
         "step": step,
         "pid": os.getpid(),
@@ -211,12 +248,12 @@ def maybe_inject_fault(
     finally:
         os.close(fd)
     print(
-        f"{PREFIX}: injecting fault mode={args.fail_mode} rank={rank} step={step}",
+        f"{PREFIX}: injecting fault mode={mode} rank={rank} step={step}",
         file=sys.stderr,
         flush=True,
     )
     sys.stdout.flush()
-    if args.fail_mode == "corrupt":
+    if mode == "corrupt":
         # Flip a byte of this rank's newest snapshot in memory, then crash: the restart must
         # refuse that snapshot and fall back to an older committed one.
         from ftrun.faults import corrupt_newest_snapshot
@@ -228,11 +265,13 @@ def maybe_inject_fault(
             f.write(json.dumps({"corrupted_step": hit.step, "segment": hit.segment}) + "\n")
         print(f"{PREFIX}: corrupted the snapshot of step {hit.step}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CODE_FAULT)
-    if args.fail_mode == "exit":
+    if mode == "exit":
         sys.exit(EXIT_CODE_FAULT)
-    elif args.fail_mode == "kill":
+    elif mode == "raise":
+        raise InjectedFault(f"injected fault: exception in step {step} on rank {rank}")
+    elif mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif args.fail_mode == "stop":
+    elif mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     else:  # hang: alive, but never progresses again.
         while True:
@@ -316,8 +355,14 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         choices=FAIL_MODES,
         default="exit",
         help="exit: exit code 13; kill: SIGKILL itself; hang: sleep forever; "
-        "stop: SIGSTOP itself; corrupt: flip a byte of its newest in-memory snapshot, then exit "
-        "(default exit)",
+        "stop: SIGSTOP itself; corrupt: flip a byte of its newest in-memory snapshot, then exit; "
+        "raise: raise an exception out of the training loop (default exit)",
+    )
+    p.add_argument(
+        "--fault-schedule",
+        metavar="FILE",
+        help='several faults in one job: a JSON list of {"step": S, "rank": R, "mode": M} '
+        "(modes as --fail-mode), each fired once per job like --fail-at-step; combines with it",
     )
     p.add_argument(
         "--snapshot-every",
@@ -371,6 +416,22 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
             p.error(f"--fail-at-step must be in 1..{args.steps} (steps count from 1)")
         if not 0 <= args.fail_rank < world_size:
             p.error(f"--fail-rank must be in 0..{world_size - 1} (WORLD_SIZE={world_size})")
+    args.faults = []
+    if args.fault_schedule:
+        try:
+            args.faults = load_fault_schedule(args.fault_schedule, args.steps)
+        except ValueError as e:
+            p.error(f"--fault-schedule: {e}")
+    if args.fail_at_step is not None:
+        args.faults.append((args.fail_at_step, args.fail_rank, args.fail_mode))
+    for step, rank, _ in args.faults:
+        if rank >= world_size:
+            p.error(f"--fault-schedule: rank {rank} (step {step}) is not in "
+                    f"0..{world_size - 1} (WORLD_SIZE={world_size})")
+    seen = [(step, rank) for step, rank, _ in args.faults]
+    if len(set(seen)) != len(seen):
+        p.error("--fault-schedule/--fail-at-step: at most one fault per (step, rank); "
+                "each fires once, recorded by its marker fault-fired-rank{R}-step{S}")
     return args
 
 
