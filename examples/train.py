@@ -451,13 +451,9 @@ def train(
     train_model: nn.Module = model
     if distributed:
         device_ids = [device.index] if device.type == "cuda" else None
-        # Bit-identical results across a restart need the same gradient bucket layout on
-        # both sides of it: DDP otherwise rebuilds its buckets after the first iteration of
-        # each process, so the first step after a restore would sum gradients of 3+ ranks in
-        # a different order. With find_unused_parameters=True it keeps its initial layout.
-        train_model = DistributedDataParallel(
-            model, device_ids=device_ids, find_unused_parameters=True
-        )
+        # DDP with its default arguments: ftrun's snapshots record the gradient bucket layout
+        # DDP settles on, and a restore reduces with it from the first step (ftrun._torch).
+        train_model = DistributedDataParallel(model, device_ids=device_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     last_loss = torch.zeros((), device=device)

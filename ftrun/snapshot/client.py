@@ -29,17 +29,19 @@ Under plain ``torchrun`` or ``python`` (no ftrun store), both calls log once and
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from ftrun import knobs, protocol
+from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot.channel import Channel
@@ -48,31 +50,68 @@ from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tens
 log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT_S = 60.0
+RNG_TIMEOUT_S = 600.0
+RNG_KEY = "/rng/"
 STORE_TIMEOUT_S = 5.0
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """Every RNG state a training step may draw from, as tensors of fixed shapes.
+
+    Fixed shapes let a snapshot's manifest be written before the values are taken: the
+    values are those of the moment the next forward pass starts (see ``Snapshotter``).
+    """
+    version, mt, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": torch.tensor([version, *mt], dtype=torch.int64),
+        "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
-
-        state["numpy"] = np.random.get_state()
     except ImportError:
-        pass
+        return state
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state["numpy"] = torch.from_numpy(keys.astype(np.int64))
+    state["numpy_meta"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
+    state["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
     return state
+
+
+def _refresh_rng_state(state: dict[str, Any]) -> None:
+    """Overwrite the tensors of an earlier ``_rng_state()`` with the states of now."""
+    now = _rng_state()
+    for key, old in state.items():
+        new = now.get(key)
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+            old.copy_(new)
+        elif isinstance(old, list) and isinstance(new, list):
+            for a, b in zip(old, new, strict=True):
+                a.copy_(b)
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].clone())
-    random.setstate(state["python"])
+    py = state["python"]
+    if isinstance(py, torch.Tensor):
+        gauss = float(state["python_gauss"][0])
+        values = py.tolist()
+        random.setstate((values[0], tuple(values[1:]), None if math.isnan(gauss) else gauss))
+    else:  # snapshots written before RNG states were tensors
+        random.setstate(py)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([t.clone() for t in state["cuda"]])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        np_state = state["numpy"]
+        if isinstance(np_state, torch.Tensor):
+            pos, has_gauss = (int(v) for v in state["numpy_meta"])
+            np_state = ("MT19937", np_state.numpy().astype(np.uint32), pos, has_gauss,
+                        float(state["numpy_gauss"][0]))
+        np.random.set_state(np_state)
 
 
 def _as_current(loaded: Any, current: Any) -> Any:
@@ -95,15 +134,40 @@ def _as_current(loaded: Any, current: Any) -> Any:
     return loaded
 
 
+def _check_stateful(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``state=`` objects, checked: each follows torch's ``Stateful`` protocol."""
+    if state is None:
+        return {}
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"state= takes a dict of name -> object, got {type(state).__qualname__}")
+    for name, obj in state.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"state= names must be non-empty strings, got {name!r}")
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(
+                f"state[{name!r}] ({type(obj).__qualname__}) has no state_dict()/"
+                "load_state_dict(): pass objects that follow torch's Stateful protocol (LR "
+                "schedulers, StatefulDataLoader, GradScaler, ...), or put plain values in extra=")
+    return dict(state)
+
+
 class Snapshotter:
     """Per-step in-memory snapshots of one rank's training state. See the module docstring."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 *, every: int = 1, async_copy: bool = True) -> None:
+                 *, state: Mapping[str, Any] | None = None, every: int = 1,
+                 async_copy: bool = True) -> None:
         if every < 1:
             raise ConfigError(f"every must be >= 1 step, got {every}")
         self.model = model
         self.optimizer = optimizer
+        self.stateful = _check_stateful(state)
+        self._ddp_buckets: Any = None
+        self._rng_due: dict[str, Any] | None = None  # the in-flight snapshot's RNG tensors
+        self._rng_taken = threading.Event()
+        self._copied = threading.Event()
+        self._rng_restored: dict[str, Any] | None = None  # to apply at the next forward
         self.every = every
         self.extra: Any = None
         self.resumed_from: int = 0
@@ -136,14 +200,49 @@ class Snapshotter:
         self._owner = int(os.environ.get("FTRUN_LAUNCHER_PID", os.getppid()))
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self.wait())
+        inner = getattr(model, "module", None)
+        for module in (model, inner) if isinstance(inner, torch.nn.Module) else (model,):
+            module.register_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, *_: Any) -> None:
+        """At the forward pass after a save() or restore(): the RNG states meet here.
+
+        A snapshot records the RNG states that the forward pass after it starts with, and a
+        restore re-applies them when the restored run's first forward pass starts. Whatever
+        the script draws in between (a new DataLoader iterator draws a seed from the global
+        generator; skipping batches may draw more) then cannot shift dropout and other
+        random draws of the training step, in the uninterrupted run or the restored one.
+        """
+        if self._rng_restored is not None:
+            _set_rng_state(self._rng_restored)
+            self._rng_restored = None
+        self._take_rng()
+
+    def _take_rng(self) -> None:
+        due, self._rng_due = self._rng_due, None
+        if due is not None:
+            _refresh_rng_state(due)
+            self._rng_taken.set()
 
     # -- state ------------------------------------------------------------------------------
     def _state(self, step: int, extra: Any) -> dict[str, Any]:
         state = self._state_dicts()
+        state["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         state["rng"] = _rng_state()
+        layout = self._ddp_layout()
+        if layout is not None:
+            state["ddp_buckets"] = layout
         state["extra"] = extra
         state["step"] = step
         return state
+
+    def _ddp_layout(self) -> Any:
+        """DDP's rebuilt bucket layout (see ftrun._torch), once it is known."""
+        if self._ddp_buckets is None:
+            ddp = _torch.ddp_of(self.model)
+            if ddp is not None:
+                self._ddp_buckets = _torch.ddp_layout(ddp)
+        return self._ddp_buckets
 
     def _apply(self, tree: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -159,7 +258,23 @@ class Snapshotter:
         if self.optimizer is not None and "optim" in tree:
             optim_sd = _as_current(tree["optim"], current.get("optim"))
             set_optimizer_state_dict(self.model, self.optimizer, optim_sd)
+        saved = tree.get("stateful") or {}
+        missing = sorted(set(self.stateful) - set(saved))
+        if missing:
+            raise ConfigError(
+                f"the snapshot of step {tree['step']} holds no state for {', '.join(missing)} "
+                f"(it holds: {', '.join(sorted(saved)) or 'none'}): pass the same state= names "
+                "to Snapshotter as the run that wrote it, or start the job afresh")
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(saved[name])
         _set_rng_state(tree["rng"])
+        self._rng_restored = tree["rng"]
+        ddp = _torch.ddp_of(self.model)
+        layout = tree.get("ddp_buckets")
+        # Reduce the next step with the buckets the uninterrupted run used.
+        if ddp is not None and layout and not ddp._has_rebuilt_buckets and \
+                _torch.ddp_use_layout(ddp, [list(b) for b in layout]):
+            self._ddp_buckets = layout
         self.extra = tree.get("extra")
 
     def _state_dicts(self) -> dict[str, Any]:
@@ -188,7 +303,12 @@ class Snapshotter:
             self._start_epoch(0, dist.is_available() and dist.is_initialized())
         self.wait()
         t0 = time.perf_counter()
-        flat = flatten(self._state(step, extra))
+        state = self._state(step, extra)
+        # The RNG states go in as of the next forward pass (or wait()), not of now: that is
+        # where a restored run picks up, whatever the script does in between (see _on_forward).
+        self._rng_due = state["rng"]
+        self._rng_taken.clear()
+        flat = flatten(state)
         blob = manifest_blob(flat, step=step, rank=self.rank, world_size=self.world_size,
                              meta={"epoch": self._epoch, "time": time.time()})
         cuda = any(s.is_cuda for s in flat.sources)
@@ -205,12 +325,13 @@ class Snapshotter:
         job = self._pool.submit(self._write, target, need, step, flat, blob, cuda)
         self._pending = job
         if not self._async:
-            self.wait()
+            self._copied.wait(timeout=600.0)
         log.debug("save(%d) returned after %.1f ms", step, (time.perf_counter() - t0) * 1e3)
         return True
 
     def wait(self, timeout_s: float = 600.0) -> None:
         """Block until the snapshot in flight is staged (called before optimizer.step())."""
+        self._take_rng()
         job = self._pending
         if job is None:
             return
@@ -277,6 +398,7 @@ class Snapshotter:
     def _write(self, target: int, need: int, step: int, flat: Any, blob: bytes,
                cuda: bool) -> None:
         if not self._claim(target, need):
+            self._copied.set()
             self.skipped_saves += 1
             log.warning("skipping the snapshot of step %d: step %d is not committed yet, and "
                         "its buffer must not be overwritten before", step, need)
@@ -289,12 +411,24 @@ class Snapshotter:
             self._register(seg)
             with torch.cuda.stream(self._copy_stream):
                 for entry, src in zip(flat.tensors, flat.sources, strict=True):
-                    tensor_view(data, entry).copy_(src.reshape(entry.shape), non_blocking=True)
+                    if not entry.key.startswith(RNG_KEY):  # RNG states are on the host
+                        tensor_view(data, entry).copy_(src.reshape(entry.shape),
+                                                       non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             event.synchronize()
         else:
             for entry, src in zip(flat.tensors, flat.sources, strict=True):
+                if not entry.key.startswith(RNG_KEY):
+                    tensor_view(data, entry).copy_(src.reshape(entry.shape))
+        self._copied.set()
+        if not self._rng_taken.wait(timeout=RNG_TIMEOUT_S):
+            self.skipped_saves += 1
+            log.warning("skipping the snapshot of step %d: no forward pass and no wait() within "
+                        "%.0f s to take its RNG states", step, RNG_TIMEOUT_S)
+            return
+        for entry, src in zip(flat.tensors, flat.sources, strict=True):
+            if entry.key.startswith(RNG_KEY):
                 tensor_view(data, entry).copy_(src.reshape(entry.shape))
         xh = seg.write_manifest(blob)
         seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh,

@@ -1,0 +1,170 @@
+"""A DDP training script written the way PyTorch users write them, with ftrun snapshots.
+
+Everything here is stock PyTorch with default arguments: ``DistributedDataParallel(model)``,
+a ``DataLoader`` over a ``DistributedSampler`` (shuffled, ``set_epoch`` every epoch), dropout,
+AdamW, a ``LambdaLR`` warm-up + cosine schedule and gradient clipping. The ftrun part is the
+``Snapshotter`` (model, optimizer and the scheduler as a stateful object), ``restore()`` before
+the loop and ``save()`` after ``optimizer.step()``.
+
+Two ways to resume mid-epoch, chosen with ``--loader``:
+
+- ``sampler`` (default): a plain ``DataLoader``; the script skips the batches of the current
+  epoch that were already trained, as users do with ``itertools.islice``.
+- ``stateful``: ``torchdata``'s ``StatefulDataLoader`` handed to the Snapshotter, which saves
+  and restores its position; the script counts nothing.
+
+Run it::
+
+    ftrun --nproc-per-node 4 examples/user_ddp.py --epochs 3
+    ftrun --nproc-per-node 4 examples/user_ddp.py --loader stateful --kill-at-step 7 --kill-rank 2
+
+At the end rank 0 prints ``user-ddp: step=N params_xxh3=HEX``. ``--kill-at-step S --kill-rank
+R`` SIGKILLs rank R in step S once per job, after its optimizer step and before its snapshot
+(the snapshot of step S-1 is then staged on every rank, so the job resumes from S-1); the marker file lives in
+``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ftrun
+
+
+def make_dataset(n: int, features: int, classes: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, features, generator=gen)
+    w = torch.randn(features, classes, generator=gen)
+    y = (x @ w + 0.1 * torch.randn(n, classes, generator=gen)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def make_model(features: int, hidden: int, classes: int, dropout: float) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(features, hidden), nn.GELU(), nn.Dropout(dropout),
+        nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout),
+        nn.Linear(hidden, classes),
+    )
+
+
+def warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return factor
+
+
+def params_xxh3(model: nn.Module) -> str:
+    h = xxhash.xxh3_64()
+    for _, p in model.named_parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:
+    if step != args.kill_at_step or rank != args.kill_rank:
+        return
+    directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
+    marker = os.path.join(directory, f"user-ddp-fault-rank{rank}-step{step}")
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return  # fired already in this job
+    print(f"user-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--features", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--loader", choices=("sampler", "stateful"), default="sampler")
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--kill-at-step", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--fault-dir")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+
+    dataset = make_dataset(args.samples, args.features, args.classes)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    if args.loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader: DataLoader = StatefulDataLoader(dataset, batch_size=args.batch_size,
+                                                sampler=sampler, num_workers=args.num_workers)
+    else:
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                            num_workers=args.num_workers)
+    steps_per_epoch = len(loader)
+    total_steps = args.epochs * steps_per_epoch
+
+    model = DistributedDataParallel(
+        make_model(args.features, args.hidden, args.classes, args.dropout))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(warmup=max(1, total_steps // 10), total=total_steps))
+
+    state = {"scheduler": scheduler}
+    if args.loader == "stateful":
+        state["loader"] = loader
+    snap = ftrun.Snapshotter(model, optimizer, state=state)
+    step = snap.restore()  # 0 on a fresh start
+    if step:
+        print(f"user-ddp: rank {rank} resumed from step {step}", file=sys.stderr, flush=True)
+
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(step // steps_per_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        if args.loader == "sampler":
+            # A plain DataLoader starts the epoch over: skip what was trained already.
+            batches = itertools.islice(batches, step - epoch * steps_per_epoch, None)
+        model.train()
+        for x, y in batches:
+            step += 1
+            loss = loss_fn(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            maybe_kill(args, rank, step)
+            snap.save(step)
+            ftrun.progress(step)
+    ftrun.progress(step, done=True)
+    snap.close()
+
+    if rank == 0:
+        print(f"user-ddp: step={step} world={world} params_xxh3={params_xxh3(model)}", flush=True)
+    del model
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The private parts of torch that ftrun relies on, all in one place.
+
+Each function here names the torch internals it touches. ``tests/test_torch_seams.py`` checks
+that they still exist with the signatures used here, so a torch upgrade that moves one fails
+there, with the name of the seam, rather than deep inside a training job.
+
+DDP's gradient buckets
+----------------------
+``DistributedDataParallel`` reduces gradients in flat buckets. With default arguments its
+first iteration uses one bucket of every parameter in definition order; right before the
+second forward it *rebuilds* the buckets in the order gradients became ready during the first
+backward. With three or more ranks an allreduce sums each element in an order that depends on
+where it sits in its bucket, so a process that restarts mid-training and reduces its first
+step with the initial layout gets a result that differs in the last bits from the
+uninterrupted run, which used the rebuilt one. ftrun therefore records the rebuilt layout in
+every snapshot and, on restore, builds the reducer with that layout from the start.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Layout = list[list[int]]  # DDP buckets, each a list of parameter indices, in reduction order
+
+
+def ddp_of(model: Any) -> Any | None:
+    """``model`` if it is a DDP module with a C++ reducer ftrun can work with, else None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    if getattr(model, "_use_python_reducer", False) or getattr(model, "reducer", None) is None:
+        return None
+    return model
+
+
+def ddp_layout(ddp: Any) -> Layout | None:
+    """The rebuilt bucket layout of ``ddp``, or None while DDP has not rebuilt its buckets.
+
+    DDP rebuilds lazily, at the start of the forward after its first backward. The rebuild
+    only needs that backward's gradient order, so it is done here as soon as it can be (this
+    is what DDP's next forward would do; the layout and so the numerics are the same). The
+    layout is read from DDP's logging data, where the reducer reports it.
+    """
+    if not getattr(ddp, "_has_rebuilt_buckets", False):
+        # Collective (rank 0 broadcasts the layout): every rank calls save() at the same step.
+        if not ddp.reducer._rebuild_buckets():
+            return None
+        ddp._has_rebuilt_buckets = True
+    data = ddp._get_ddp_logging_data()
+    text = data.get("rebuilt_per_bucket_param_indices")
+    if not text:
+        # Logged at the next sampled forward; ask the logger to record it now.
+        ddp.logger.set_runtime_stats_and_log()
+        text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    if not text:
+        return None
+    return [[int(i) for i in bucket.split()] for bucket in text.split(",")]
+
+
+def ddp_use_layout(ddp: Any, layout: Layout) -> bool:
+    """Rebuild ``ddp``'s reducer so that its buckets follow ``layout`` from the first step.
+
+    Done the way DDP itself rebuilds a reducer when it is unpickled (``_ddp_init_helper``),
+    with the bucket assignment replaced by ``layout``. Communication hooks registered through
+    ``register_comm_hook`` are registered again. Returns False (and changes nothing) when the
+    layout does not fit the model's parameters.
+    """
+    import torch.distributed as dist
+
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    flat = sorted(i for bucket in layout for i in bucket)
+    if flat != list(range(len(parameters))):
+        log.warning("the snapshot's DDP bucket layout covers %d parameters, the model has %d: "
+                    "keeping DDP's own layout", len(flat), len(parameters))
+        return False
+    if ddp.logger is not None and ddp._get_ddp_logging_data().get("comm_hook") and \
+            not ddp._comm_hooks:
+        log.warning("a built-in DDP communication hook is registered; it is not carried over to "
+                    "the reducer ftrun rebuilds for the restored bucket layout")
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    cap = ddp.bucket_bytes_cap
+    # _ddp_init_helper reverses the assignment it computes; hand it the layout reversed.
+    assignment = ([list(b) for b in reversed(layout)], [cap] * len(layout))
+    old = ddp.reducer
+    old._remove_autograd_hooks()
+    original = dist._compute_bucket_assignment_by_size
+    dist._compute_bucket_assignment_by_size = lambda *_a, **_k: assignment
+    try:
+        ddp._ddp_init_helper(parameters, expect_sparse, names, ddp.static_graph)
+    finally:
+        dist._compute_bucket_assignment_by_size = original
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    for hook, state in ddp._comm_hooks:
+        dist._register_comm_hook(ddp.reducer, state, hook)
+    if getattr(ddp, "mixed_precision", None) is not None:
+        ddp.reducer._set_mixed_precision_param_dtype(ddp.mixed_precision.param_dtype)
+    ddp._has_rebuilt_buckets = False
+    del old
+    return True
+

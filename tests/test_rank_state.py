@@ -1,0 +1,97 @@
+"""What a snapshot captures in the rank: stateful objects and RNG states (no store needed)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ftrun.errors import ConfigError
+from ftrun.snapshot import client
+from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
+
+
+def roundtrip(tree: object) -> object:
+    """Through the manifest and a data buffer, as a snapshot travels."""
+    flat = flatten(tree)
+    doc = parse_manifest(manifest_blob(flat, step=1, rank=0, world_size=1, meta={}))
+    data = memoryview(bytearray(flat.data_len))
+    for entry, src in zip(flat.tensors, flat.sources, strict=True):
+        if entry.nbytes:
+            tensor_view(data, entry).copy_(src)
+    return unflatten(doc, lambda _i, e: tensor_view(data, e).clone())
+
+
+def draws() -> tuple[float, float, float, float]:
+    return (torch.rand(()).item(), random.random(), random.gauss(0, 1),
+            float(np.random.standard_normal()))
+
+
+def test_rng_states_roundtrip_and_restore_every_generator() -> None:
+    random.gauss(0, 1)  # leaves a cached gaussian in python's state
+    np.random.standard_normal()  # and in numpy's
+    state = roundtrip(client._rng_state())
+    expected = draws()
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    client._set_rng_state(state)  # type: ignore[arg-type]
+    assert draws() == expected
+
+
+def test_rng_state_tensors_are_refreshed_in_place() -> None:
+    state = client._rng_state()
+    ref = state["torch"]
+    draws()
+    client._refresh_rng_state(state)
+    assert state["torch"] is ref
+    assert torch.equal(ref, torch.get_rng_state())
+    assert state["python"].tolist()[1:] == list(random.getstate()[1])
+
+
+def test_snapshots_written_before_rng_tensors_still_restore() -> None:
+    legacy = {"torch": torch.get_rng_state(), "python": random.getstate(),
+              "numpy": np.random.get_state()}
+    expected = draws()
+    client._set_rng_state(roundtrip(legacy))  # type: ignore[arg-type]
+    assert draws() == expected
+
+
+def test_stateful_objects_are_checked() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert client._check_stateful({"scheduler": sched}) == {"scheduler": sched}
+    assert client._check_stateful(None) == {}
+    with pytest.raises(ConfigError, match=r"state\['epoch'\] \(int\) has no state_dict"):
+        client._check_stateful({"epoch": 3})
+    with pytest.raises(ConfigError, match="dict of name -> object"):
+        client._check_stateful([sched])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="non-empty strings"):
+        client._check_stateful({"": sched})
+
+
+def test_scheduler_and_stateful_loader_state_survive_the_manifest() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    loader = StatefulDataLoader(list(range(20)), batch_size=3, shuffle=True)
+    it = iter(loader)
+    next(it), next(it)
+    saved = roundtrip({"scheduler": sched.state_dict(), "loader": loader.state_dict()})
+    rest = [b.tolist() for b in it]
+
+    sched2 = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), lambda s: 0.5 ** s)
+    sched2.load_state_dict(saved["scheduler"])  # type: ignore[index]
+    assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr()
+    loader2 = StatefulDataLoader(list(range(20)), batch_size=3, shuffle=True)
+    loader2.load_state_dict(saved["loader"])  # type: ignore[index]
+    assert [b.tolist() for b in loader2] == rest

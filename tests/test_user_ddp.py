@@ -1,0 +1,71 @@
+"""A script written the way users write them, 4 ranks on 2 launchers, ends bit-identical.
+
+examples/user_ddp.py is stock PyTorch with default arguments (DDP, DataLoader over a shuffled
+DistributedSampler with set_epoch, dropout, AdamW, LambdaLR warm-up/cosine, gradient
+clipping) plus ftrun's Snapshotter. Killing one rank mid-epoch (and at an epoch boundary)
+must not change the final weights. Each of these was a real source of divergence:
+
+- DDP rebuilds its gradient buckets after its first iteration, so a restarted process would
+  reduce its first step with another layout (4 ranks sum in another order);
+- a new DataLoader iterator draws a seed from the global RNG, shifting every dropout mask
+  after a mid-epoch resume.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Procs, free_port
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = str(ROOT / "examples" / "user_ddp.py")
+# 256 samples / 4 ranks / batch 8 = 8 steps per epoch, 2 epochs.
+ARGS = ("--epochs", "2", "--samples", "256", "--batch-size", "8", "--hidden", "128")
+
+
+def run_job(procs: Procs, tmp: Path, *script_args: str) -> tuple[str, str, str]:
+    """Two launchers x two ranks; returns (params_xxh3, run id, combined output)."""
+    run_id = f"user-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+              "--max-restarts", "2", SCRIPT, *ARGS, "--fault-dir", str(tmp), *script_args]
+    env = {"FTRUN_STATE_DIR": str(tmp / "state")}
+    nodes: list[subprocess.Popen[str]] = [
+        procs.ftrun(*common, env=env, name=f"node{i}") for i in range(2)]
+    codes = [procs.wait(p, 240) for p in nodes]
+    out = "\n".join(procs.output(p) for p in nodes)
+    assert codes == [0, 0], f"exit codes {codes}\n{out[-6000:]}"
+    digests = re.findall(r"user-ddp: step=16 world=4 params_xxh3=([0-9a-f]+)", out)
+    assert len(digests) == 1, out[-6000:]
+    return digests[0], run_id, out
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("user-ddp-baseline")
+    procs = Procs(tmp)
+    try:
+        return run_job(procs, tmp)[0]
+    finally:
+        procs.cleanup()
+
+
+@pytest.mark.parametrize("loader, kill_step, resumed", [
+    ("sampler", 11, 10),   # mid-epoch: the script skips the trained batches of epoch 1
+    ("sampler", 9, 8),     # right after an epoch boundary
+    ("stateful", 13, 12),  # torchdata's StatefulDataLoader restores its own position
+])
+def test_killed_rank_ends_bit_identical(procs: Procs, tmp_path: Path, fault_free: str,
+                                        loader: str, kill_step: int, resumed: int) -> None:
+    digest, _, out = run_job(procs, tmp_path, "--loader", loader,
+                             "--kill-at-step", str(kill_step), "--kill-rank", "2")
+    assert (tmp_path / f"user-ddp-fault-rank2-step{kill_step}").exists(), "the fault never fired"
+    assert f"killing rank 2 in step {kill_step}" in out
+    assert sorted(set(re.findall(r"rank \d resumed from step (\d+)", out))) == [str(resumed)]
+    assert digest == fault_free
