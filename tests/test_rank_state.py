@@ -95,3 +95,17 @@ def test_scheduler_and_stateful_loader_state_survive_the_manifest() -> None:
     loader2 = StatefulDataLoader(list(range(20)), batch_size=3, shuffle=True)
     loader2.load_state_dict(saved["loader"])  # type: ignore[index]
     assert [b.tolist() for b in loader2] == rest
+
+
+def test_buffers_are_taken_at_save_time_parameters_are_not() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    snap = client.Snapshotter(model)  # not under ftrun: snapshots off, state still readable
+    try:
+        state = snap._state(1, None)["model"]
+        assert state["0.weight"].data_ptr() == model[0].weight.data_ptr()
+        assert state["1.running_mean"].data_ptr() != model[1].running_mean.data_ptr()
+        before = state["1.running_mean"].clone()
+        model(torch.randn(4, 3))  # the next forward updates the statistics in place
+        assert torch.equal(state["1.running_mean"], before)
+    finally:
+        snap.close()

@@ -227,6 +227,11 @@ class Snapshotter:
     # -- state ------------------------------------------------------------------------------
     def _state(self, step: int, extra: Any) -> dict[str, Any]:
         state = self._state_dicts()
+        # Buffers change inside the next forward pass (batch-norm statistics, DDP's buffer
+        # broadcast), which the background copy overlaps: take them now. They are small.
+        buffers = {b.data_ptr() for b in self.model.buffers() if type(b) is torch.Tensor}
+        state["model"] = {k: v.clone() if type(v) is torch.Tensor and v.data_ptr() in buffers
+                          else v for k, v in state["model"].items()}
         state["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         state["rng"] = _rng_state()
         layout = self._ddp_layout()
