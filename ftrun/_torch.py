@@ -104,3 +104,17 @@ def ddp_use_layout(ddp: Any, layout: Layout) -> bool:
     del old
     return True
 
+
+
+def agent_shutdown(agent_cls: type, agent: Any, death_sig: Any, timeout: int) -> None:
+    """``LocalElasticAgent._shutdown`` of ``agent_cls``'s base, with the arguments it takes.
+
+    torch 2.11's takes ``(death_sig)``; later ones ``(death_sig, timeout)``.
+    """
+    import inspect
+
+    base = super(agent_cls, agent)._shutdown
+    if "timeout" in inspect.signature(base).parameters:
+        base(death_sig, timeout)
+    else:
+        base(death_sig)

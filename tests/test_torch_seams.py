@@ -87,3 +87,28 @@ def test_a_layout_that_does_not_fit_is_refused(group: object) -> None:
     reducer = ddp.reducer
     assert not _torch.ddp_use_layout(ddp, [[0, 1, 2]])
     assert ddp.reducer is reducer
+
+
+def test_agent_shutdown_passes_only_the_arguments_torch_takes() -> None:
+    calls: list[tuple] = []
+
+    class Old:  # torch 2.11: _shutdown(self, death_sig)
+        def _shutdown(self, death_sig):  # noqa: ANN001, ANN202
+            calls.append(("old", death_sig))
+
+    class New:
+        def _shutdown(self, death_sig, timeout=30):  # noqa: ANN001, ANN202
+            calls.append(("new", death_sig, timeout))
+
+    class A(Old):
+        pass
+
+    class B(New):
+        pass
+
+    _torch.agent_shutdown(A, A(), 15, 5)
+    _torch.agent_shutdown(B, B(), 15, 5)
+    assert calls == [("old", 15), ("new", 15, 5)]
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert params(LocalElasticAgent._shutdown)[:2] == ["self", "death_sig"]

@@ -32,7 +32,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from ftrun import knobs
+from ftrun import _torch, knobs
 from ftrun.launcher.pdeath import tie_entrypoint
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.worker.progress import create_progress_file, read_progress
@@ -218,7 +218,7 @@ class FtrunAgent(LocalElasticAgent):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        super()._shutdown(death_sig, timeout)
+        _torch.agent_shutdown(FtrunAgent, self, death_sig, timeout)
 
     # ---- ftrun's checks ---------------------------------------------------------------
     def _report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
