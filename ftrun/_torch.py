@@ -118,3 +118,9 @@ def agent_shutdown(agent_cls: type, agent: Any, death_sig: Any, timeout: int) ->
         base(death_sig, timeout)
     else:
         base(death_sig)
+
+
+def ddp_will_rebuild(ddp: Any) -> bool:
+    """Whether ``ddp`` has yet to rebuild its buckets (it never does with unused-parameter
+    search, unless its graph is static)."""
+    return not ddp._has_rebuilt_buckets and (ddp.static_graph or not ddp.find_unused_parameters)

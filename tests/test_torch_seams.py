@@ -112,3 +112,12 @@ def test_agent_shutdown_passes_only_the_arguments_torch_takes() -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     assert params(LocalElasticAgent._shutdown)[:2] == ["self", "death_sig"]
+
+
+def test_will_rebuild_follows_ddp_arguments(group: object) -> None:
+    plain = DistributedDataParallel(model())
+    assert _torch.ddp_will_rebuild(plain)
+    step(plain)
+    _torch.ddp_layout(plain)
+    assert not _torch.ddp_will_rebuild(plain)
+    assert not _torch.ddp_will_rebuild(DistributedDataParallel(model(), find_unused_parameters=True))

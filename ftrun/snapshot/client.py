@@ -280,6 +280,14 @@ class Snapshotter:
         if ddp is not None and layout and not ddp._has_rebuilt_buckets and \
                 _torch.ddp_use_layout(ddp, [list(b) for b in layout]):
             self._ddp_buckets = layout
+        elif ddp is not None and not layout and _torch.ddp_will_rebuild(ddp):
+            log.warning(
+                "the snapshot of step %d carries no DDP bucket layout (it was written by an "
+                "older ftrun, or before DDP's first backward): the next step reduces gradients "
+                "in a different order than the uninterrupted run, so with 3 or more ranks the "
+                "weights may differ in the last bits. Snapshots written from now on carry it; "
+                "DistributedDataParallel(find_unused_parameters=True) avoids the rebuild "
+                "altogether", tree["step"])
         self.extra = tree.get("extra")
 
     def _state_dicts(self) -> dict[str, Any]:
