@@ -1,0 +1,77 @@
+"""The short chaos run (``bench/chaos.py --short``): one two-node job takes one fault of every
+kind, each fires, and the job ends with the fault-free run's weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(720)]
+
+SEED = 1
+KINDS = {"kill", "stop", "raise", "hang", "corrupt", "store-kill", "sigterm", "persist-corrupt"}
+
+
+def _run_chaos(work: Path, report: Path) -> tuple[int, str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--short", "--seed", str(SEED),
+         "--json", str(report), "--work-dir", str(work)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=660)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # chaos.py stops and reaps its jobs on SIGTERM
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its launchers die with it (parent-death signal)
+            out, _ = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"bench/chaos.py --short did not finish in 660 s:\n{out[-6000:]}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for leftover in Path("/dev/shm").glob(f"ftrun-chaos-{proc.pid}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return proc.returncode, out
+
+
+def test_short_chaos_run_every_fault_fires_and_weights_match(tmp_path: Path) -> None:
+    work, report = tmp_path / "chaos", tmp_path / "chaos.json"
+    code, out = _run_chaos(work, report)
+    assert report.exists(), f"no report (exit {code}):\n{out[-6000:]}"
+    doc = json.loads(report.read_text())
+    faults = doc["faults"]
+    assert {f["kind"] for f in faults} == KINDS, faults
+
+    # Every scheduled fault fired. Rank faults: their marker, read here, not from the report.
+    markers = work / "faulted" / "faults"
+    for f in faults:
+        assert f["fired"], f"fault not fired: {f}\n{out[-6000:]}"
+        if f["kind"] in {"kill", "stop", "raise", "hang", "corrupt"}:
+            marker = markers / f"fault-fired-rank{f['rank']}-step{f['step']}"
+            assert marker.exists(), f"{marker} missing"
+            info = json.loads(marker.read_text().splitlines()[0])
+            assert (info["mode"], info["rank"], info["step"]) == (f["kind"], f["rank"], f["step"])
+    # Harness faults: what ftrun recorded about them in its event log.
+    events_file = next((work / "faulted" / "state" / "jobs").glob("*/events.jsonl"))
+    events = [json.loads(line) for line in events_file.read_text().splitlines() if line]
+    store_kills = sum(1 for f in faults if f["kind"] == "store-kill")
+    assert sum(1 for e in events if e["type"] == "store_restarted"
+               and e["exitcode"] == -signal.SIGKILL) == store_kills
+    sigterms = sum(1 for f in faults if f["kind"] == "sigterm")
+    assert sum(1 for e in events if e["type"] == "job_end" and e["exitcode"] == 143) == 2 * sigterms
+
+    # The job recovered from every fault as promised, and ends bit-identical.
+    assert doc["faulted"]["params_xxh3"], out[-6000:]
+    assert doc["faulted"]["params_xxh3"] == doc["fault_free"]["params_xxh3"], out[-6000:]
+    assert code == 0 and doc["ok"], "\n".join(doc["problems"]) + "\n" + out[-6000:]
