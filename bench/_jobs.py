@@ -73,13 +73,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def freeze_code(dest: Path, paths: Sequence[str]) -> str:
+def freeze_code(dest: Path, paths: Sequence[str], commit: str | None = None) -> str:
     """Copy ``paths`` (relative to the repository) to ``dest``; returns a short digest.
 
     Jobs then import the copy (``PYTHONPATH``, working directory), so a long run measures one
-    version of the code even while the tree is being edited.
+    version of the code even while the tree is being edited. The copy is of the working tree,
+    or of ``commit`` (``git archive``) when given.
     """
-    for rel in paths:
+    dest.mkdir(parents=True, exist_ok=True)
+    if commit:
+        archive = subprocess.run(["git", "archive", "--format=tar", commit, *paths], cwd=ROOT,
+                                 capture_output=True, timeout=120)
+        if archive.returncode:
+            raise ValueError(f"git archive {commit}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True,
+                       timeout=120)
+    for rel in [] if commit else paths:
         src, dst = ROOT / rel, dest / rel
         if src.is_dir():
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -93,11 +102,14 @@ def freeze_code(dest: Path, paths: Sequence[str]) -> str:
     return digest.hexdigest()[:12]
 
 
-def git_tree() -> str:
+def git_tree(commit: str | None = None) -> str:
     """The commit measured, and whether the working tree had uncommitted changes."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, timeout=30, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", commit or "HEAD"], cwd=ROOT,
+                              text=True, capture_output=True, timeout=30,
+                              check=True).stdout.strip()
+        if commit:
+            return head
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=ROOT, text=True, capture_output=True, timeout=30,
                                check=True).stdout.strip()

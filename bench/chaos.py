@@ -46,6 +46,7 @@ import random
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -735,6 +736,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slot-timeout", type=float, default=180.0,
                    help="give up when one fault has not fired or been recovered from after "
                    "this many seconds (default 180)")
+    p.add_argument("--commit", metavar="REV",
+                   help="run ftrun and examples/train.py as of commit REV (git archive) "
+                   "instead of the working tree")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     p.add_argument("--work-dir", metavar="DIR",
                    help="work in DIR (created; must not exist) and keep it, instead of a "
@@ -742,6 +746,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.step_sleep < 0 or args.hang_timeout <= 0 or args.persist_every < 1:
         p.error("--step-sleep must be >= 0, --hang-timeout > 0 and --persist-every >= 1")
+    if args.commit and subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", f"{args.commit}^{{commit}}"], cwd=ROOT,
+            capture_output=True, timeout=30).returncode:
+        p.error(f"--commit {args.commit}: no such commit in {ROOT}")
     if args.work_dir and Path(args.work_dir).exists():
         p.error(f"--work-dir {args.work_dir} exists already; name a directory to create")
     return args
@@ -832,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
                                "bench/chaos.py", *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": _host(),
-        "code": git_tree(),
+        "code": git_tree(args.commit),
         "config": {"form": form.name, "seed": args.seed, "steps": steps,
                    "step_sleep_s": args.step_sleep, "hang_timeout_s": args.hang_timeout,
                    "persist_every": args.persist_every, "nodes": NODES,
@@ -840,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     with work_dir(args.keep, args.work_dir) as work:
         code = work / "code"
-        doc["code"] += f"; run from a copy taken at start (sha256 {freeze_code(code, FROZEN)})"
+        digest = freeze_code(code, FROZEN, args.commit)
+        doc["code"] += f"; run from a copy taken at start (sha256 {digest})"
         clean = run_clean(cfg, work, code)
         print(f"[chaos] fault-free: params_xxh3 {clean['params_xxh3']} in "
               f"{clean['wall_s']:.0f} s", file=sys.stderr, flush=True)
