@@ -72,6 +72,14 @@ WORKER_SCHEMA: Schema = {
     "pid": ((int, _NONE), True),  # null while the worker is not (yet) running
     "state": (str, True),
     "exitcode": ((int, _NONE), True),
+    # The launcher's verdict on a running rank (ftrun.launcher.suspect); optional.
+    "health": (str, False),
+    "cause": ((str, _NONE), False),
+    "reason": ((str, _NONE), False),
+    "step": ((int, _NONE), False),
+    "progress_age_s": ((float, _NONE), False),
+    "step_interval_s": ((float, _NONE), False),
+    "progress_limit_s": ((float, _NONE), False),
 }
 
 # The one table of message kinds. ``dict`` means "any JSON object" (still size-checked).

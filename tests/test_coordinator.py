@@ -307,6 +307,12 @@ def test_health_rules() -> None:
     assert health_of([node(state="succeeded"), node(state="stopped", left=True,
                                                     exitcode=0)]) == "finished"
     assert health_of([node(), node(state="stopped", left=True, exitcode=1)]) == "degraded"
+    suspect = [{"rank": 0, "state": "running", "exitcode": None, "health": "suspect"},
+               {"rank": 1, "state": "running", "exitcode": None, "health": "ok"}]
+    assert health_of([node(), node(workers=suspect)]) == "degraded"
+    # A verdict from before the worker exited, or from a launcher that left, is stale.
+    assert health_of([node(workers=[{**suspect[0], "exitcode": 0}])]) == "healthy"
+    assert health_of([node(), node(workers=suspect, left=True, exitcode=0)]) == "healthy"
 
 
 class FakeStore:
@@ -387,6 +393,64 @@ def test_run_status_json(state_dir: Path, make_coordinator: Callable[..., Coordi
         lines = capsys.readouterr().out.splitlines()
         assert code == exit_codes.OK and len(lines) == 3
         assert all(json.loads(line)["run_id"] == JOB for line in lines)
+    finally:
+        reporter.stop("succeeded", 0)
+
+
+def test_status_table_without_a_terminal(state_dir: Path, make_coordinator: Callable[..., Coordinator],
+                                        capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Piped (capsys is no tty): one line per node however long the error; all of it in --json."""
+    secret = jobs.load_secret(JOB, create=True)
+    c = make_coordinator(secret=secret)
+    write_job(JOB, c.endpoint)
+    error = ("rank 1 exited with code 13: Traceback (most recent call last):\n"
+             + "".join(f'  File "train.py", line {i}, in step\n' for i in range(40))
+             + "RuntimeError: " + "x" * 300)
+
+    def state() -> dict[str, Any]:
+        doc = workers_state(restarts=1)
+        doc["last_error"] = error
+        doc["workers"][1].update(health="suspect", cause="stopped", step=7,
+                                 reason="stopped (SIGSTOP or a debugger) for 2.5 s")
+        return doc
+
+    reporter = NodeReporter(c.endpoint, secret, JOB, "host-a/1", "host-a", state, interval_s=0.05)
+    reporter.start()
+    try:
+        wait_for(lambda: c.status_document()["nodes"], what="node")
+        code = run_status(JOB, endpoint=None, json_out=True, watch=False, no_headers=False,
+                          state_dir=None, timeout_s=3)
+        doc = json.loads(capsys.readouterr().out)
+        assert code == exit_codes.DEGRADED and doc["health"] == "degraded"
+        node = doc["nodes"][0]
+        assert node["last_error"] == error and node["suspect_ranks"] == [1]
+        assert doc["summary"]["ranks_suspect"] == 1
+        ok, bad = node["workers"]
+        assert ok["health"] == "ok" and ok["cause"] is None and ok["progress_age_s"] is None
+        assert bad["cause"] == "stopped" and bad["step"] == 7
+
+        for columns in (None, "80", "60"):
+            if columns is None:
+                monkeypatch.delenv("COLUMNS", raising=False)
+            else:
+                monkeypatch.setenv("COLUMNS", columns)
+            code = run_status(JOB, endpoint=None, json_out=False, watch=False, no_headers=False,
+                              state_dir=None, timeout_s=3)
+            lines = capsys.readouterr().out.splitlines()
+            assert code == exit_codes.DEGRADED
+            # Header, the node's one row, then the summary and the suspect line.
+            assert lines[0].startswith("no") and lines[1].startswith("0 "), lines
+            assert "suspect (1)" in lines[1] or columns == "60", lines
+            assert lines[2].startswith(f"job {JOB}: degraded"), lines
+            assert any(ln.startswith("suspect: rank 1 (node 0, host-a, pid 1001): stopped")
+                       for ln in lines[2:]), lines
+            if columns is None:
+                assert "rank 1 exited with code 13: Traceback" in lines[1]
+                assert lines[1].rstrip().endswith("…") and len(lines[1]) <= 200
+                assert "1 running" not in lines[2] and "2 running, 1 suspect" in lines[2]
+            else:
+                assert all(len(ln) <= int(columns) for ln in lines[:2]), lines
     finally:
         reporter.stop("succeeded", 0)
 

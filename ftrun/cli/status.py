@@ -2,7 +2,10 @@
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
 from :mod:`ftrun.cli.exit_codes`. JSON output goes through ``sys.stdout.write`` only (never
-through rich), so it is never wrapped or styled.
+through rich), so it is never wrapped or styled. Tables never wrap a cell: every column stays
+on one line and long text (the last error, a suspect's reason) is cut with an ellipsis; the
+full text is in ``--json``. Without a terminal (a pipe, a CI log) tables are laid out
+:data:`PIPE_WIDTH` columns wide unless ``COLUMNS`` says otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from rich.text import Text
 
 from ftrun import jobs, knobs
 from ftrun.cli import exit_codes
+from ftrun.coordinator.api import JobHealth, NodeState
 from ftrun.coordinator.client import request
 from ftrun.errors import (
     ConfigError,
@@ -30,26 +34,40 @@ from ftrun.errors import (
 
 LIST_VERSION = 1
 ERROR_CHARS = 60
+PIPE_WIDTH = 200
 
 _HEALTH_CODES = {
-    "healthy": exit_codes.OK,
-    "finished": exit_codes.OK,
-    "starting": exit_codes.OK,
-    "degraded": exit_codes.DEGRADED,
-    "failed": exit_codes.JOB_FAILED,
+    JobHealth.HEALTHY.value: exit_codes.OK,
+    JobHealth.FINISHED.value: exit_codes.OK,
+    JobHealth.STARTING.value: exit_codes.OK,
+    JobHealth.DEGRADED.value: exit_codes.DEGRADED,
+    JobHealth.FAILED.value: exit_codes.JOB_FAILED,
 }
 _HEALTH_STYLE = {
-    "healthy": "green",
-    "finished": "green",
-    "starting": "cyan",
-    "degraded": "yellow",
-    "failed": "bold red",
+    JobHealth.HEALTHY.value: "green",
+    JobHealth.FINISHED.value: "green",
+    JobHealth.STARTING.value: "cyan",
+    JobHealth.DEGRADED.value: "yellow",
+    JobHealth.FAILED.value: "bold red",
 }
 
 
 def exit_code_for(doc: dict[str, Any]) -> int:
     """OK for healthy/finished/starting, DEGRADED, JOB_FAILED; DEGRADED when unknown."""
     return _HEALTH_CODES.get(str(doc.get("health")), exit_codes.DEGRADED)
+
+
+def _console() -> Console:
+    """A console for tables: a pipe gets PIPE_WIDTH columns (rich would assume 80)."""
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=PIPE_WIDTH)
+    return console
+
+
+def _cell(text: str, style: str = "") -> Text:
+    """One line of table text: never wrapped, cut with an ellipsis when too long."""
+    return Text(text, style=style, no_wrap=True, overflow="ellipsis")
 
 
 def _fail(e: FtrunError) -> int:
@@ -98,14 +116,14 @@ def list_jobs(*, json_out: bool, no_headers: bool, state_dir: str | None) -> int
         sys.stdout.write(json.dumps({"version": LIST_VERSION, "jobs": rows}) + "\n")
         sys.stdout.flush()
         return exit_codes.OK
-    console = Console()
+    console = _console()
     if not rows:
         if not no_headers:
             console.print(f"no jobs in {knobs.state_dir(state_dir)}")
         return exit_codes.OK
     table = Table(show_header=not no_headers, box=None, pad_edge=False)
     for column in ("run id", "coordinator", "host", "pid", "started", "live"):
-        table.add_column(column, no_wrap=True)
+        table.add_column(column, no_wrap=True, overflow="ellipsis")
     for row in rows:
         live = {True: "[green]live[/]", False: "[dim]gone[/]", None: "?"}[row["live"]]
         table.add_row(Text(row["run_id"]), row["endpoint"], row["host"], str(row["pid"]),
@@ -151,48 +169,78 @@ def _truncate(text: str | None, limit: int = ERROR_CHARS) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def _state_cell(node: dict[str, Any]) -> Text:
+    state = str(node.get("state", "?"))
+    if node.get("lost"):
+        return _cell(f"lost ({state})", "bold red")
+    if node.get("suspect_ranks") and state == NodeState.HEALTHY:
+        return _cell(f"suspect ({_ranks_text(list(node['suspect_ranks']))})", "bold yellow")
+    if state == NodeState.FAILED:
+        return _cell(state, "red")
+    if state in (NodeState.RESTARTING, NodeState.RENDEZVOUS):
+        return _cell(state, "yellow")
+    return _cell(state)
+
+
+def _suspect_lines(doc: dict[str, Any]) -> list[Text]:
+    """One line per suspect rank: which, where, and why."""
+    lines = []
+    for node in doc.get("nodes", []):
+        if node.get("lost") or not node.get("suspect_ranks"):
+            continue
+        group = node.get("group_rank")
+        where = f"node {'?' if group is None else group}, {node.get('host', '?')}"
+        for w in node.get("workers", []):
+            if w.get("rank") in node["suspect_ranks"]:
+                lines.append(Text.assemble(
+                    ("suspect: ", "bold yellow"),
+                    (f"rank {w.get('rank')} ({where}, pid {w.get('pid')}): ", ""),
+                    (_truncate(w.get("reason") or str(w.get("cause") or "?"), 2 * ERROR_CHARS),
+                     ""),
+                    no_wrap=True, overflow="ellipsis",
+                ))
+    return lines
+
+
 def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
-    """The status table (and summary line unless ``no_headers``) of a status document."""
+    """The status table (and summary lines unless ``no_headers``) of a status document."""
     table = Table(show_header=not no_headers, box=None, pad_edge=False)
     for column in ("node", "host", "ranks", "state", "restarts", "last heartbeat",
                    "snapshots", "last error"):
-        table.add_column(column, no_wrap=column != "last error")
+        # Only "last error" gives way on a narrow screen; its cells are one line anyway.
+        table.add_column(_cell(column), no_wrap=column != "last error", overflow="ellipsis")
     snaps = doc.get("snapshots") or {}
     stores = snaps.get("stores") or {}
     for node in doc.get("nodes", []):
         group_rank = node.get("group_rank")
-        state = Text(str(node.get("state", "?")))
-        if node.get("lost"):
-            state = Text(f"lost ({node.get('state', '?')})", style="bold red")
-        elif node.get("state") == "failed":
-            state.stylize("red")
-        elif node.get("state") in ("restarting", "rendezvous"):
-            state.stylize("yellow")
         table.add_row(
-            "?" if group_rank is None else str(group_rank),
-            Text(str(node.get("host", ""))),
-            _ranks_text(list(node.get("ranks", []))),
-            state,
-            f"{node.get('restarts', 0)}/{node.get('max_restarts', 0)}",
-            _age_text(node.get("last_heartbeat_age_s")),
+            _cell("?" if group_rank is None else str(group_rank)),
+            _cell(str(node.get("host", ""))),
+            _cell(_ranks_text(list(node.get("ranks", [])))),
+            _state_cell(node),
+            _cell(f"{node.get('restarts', 0)}/{node.get('max_restarts', 0)}"),
+            _cell(_age_text(node.get("last_heartbeat_age_s"))),
             _bytes_text((stores.get(node.get("node_id")) or {}).get("bytes")),
-            Text(_truncate(node.get("last_error"))),
+            _cell(_truncate(node.get("last_error"))),
         )
     if no_headers:
         return Group(table)
     summary = doc.get("summary", {})
     health = str(doc.get("health", "?"))
     lost = summary.get("nodes_lost", 0)
+    suspect = summary.get("ranks_suspect", 0)
     line = Text.assemble(
         ("job ", ""), (str(doc.get("run_id", "?")), "bold"), (": ", ""),
         (health, _HEALTH_STYLE.get(health, "")),
         (f" | {summary.get('nodes', 0)} node(s), {summary.get('ranks', 0)} rank(s), "
          f"{summary.get('workers_running', 0)} running", ""),
+        (f", {suspect} suspect" if suspect else "", "bold yellow"),
         (f" | {lost} lost", "bold red" if lost else ""),
         (f" | {summary.get('restarts', 0)} restart(s)", ""),
     )
+    details = _suspect_lines(doc)
     if not snaps:
-        return Group(table, line)
+        return Group(table, line, *details)
     committed = snaps.get("committed_step")
     age = snaps.get("committed_age_s")
     persisted = snaps.get("persisted_step")
@@ -206,16 +254,16 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         (f" | persisted step {persisted}" if persisted is not None else " | nothing persisted",
          ""),
     )
-    return Group(table, line, snap_line)
+    return Group(table, line, *details, snap_line)
 
 
 def _bytes_text(n: int | None) -> Text:
     if n is None:
-        return Text("-")
+        return _cell("-")
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
-            return Text(f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}")
+            return _cell(f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}")
         value /= 1024
     return Text(str(n))
 
@@ -270,14 +318,14 @@ def _emit(doc: dict[str, Any], *, json_out: bool, no_headers: bool, compact: boo
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     else:
-        Console().print(render_status(doc, no_headers=no_headers))
+        _console().print(render_status(doc, no_headers=no_headers))
 
 
 def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_headers: bool,
            interval_s: float, timeout_s: float) -> int:
     interval_s = max(0.1, interval_s)
     code = exit_codes.UNREACHABLE
-    console = Console()
+    console = _console()
     live: Live | None = None
     if not json_out and console.is_terminal:
         live = Live(Text("contacting the coordinator…"), console=console,

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from ftrun import jobs, protocol
+from ftrun.coordinator.api import JobHealth, NodeState, RankHealth
 from ftrun.coordinator.commits import CommitTracker
 from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
 
@@ -47,12 +48,15 @@ EVENTS_REPLY_BYTES = protocol.MAX_MESSAGE_BYTES // 2
 BIND_TIMEOUT_S = 10.0
 
 # States the launcher reports for its node.
-NODE_FAILED = "failed"
-NODE_SUCCEEDED = "succeeded"
-NODE_RECOVERING = frozenset({"restarting", "rendezvous"})
+NODE_RECOVERING = frozenset({NodeState.RESTARTING, NodeState.RENDEZVOUS})
 # Worker states (lower-cased) that count as running, and as failed.
 WORKER_RUNNING = frozenset({"running", "healthy"})
 WORKER_BAD = frozenset({"failed", "unhealthy"})
+# The verdict fields of a worker in the status document (see ftrun.launcher.suspect).
+WORKER_VERDICT_DEFAULTS: dict[str, Any] = {
+    "health": RankHealth.OK.value, "cause": None, "reason": None, "step": None,
+    "progress_age_s": None, "step_interval_s": None, "progress_limit_s": None,
+}
 
 
 @dataclass
@@ -100,7 +104,7 @@ class _RateLimiter:
         return False, suppressed + 1
 
 
-def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None) -> str:
+def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None) -> JobHealth:
     """The job's health from the ``nodes`` of a status document.
 
     Rules, first match wins:
@@ -112,31 +116,43 @@ def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None
     * ``finished``: every node reports ``succeeded``, or left (``bye``) with exit code 0;
     * ``degraded``: a node is lost (silent for the node timeout), or a node is in
       ``restarting``/``rendezvous`` after at least one restart, or a worker failed while
-      restarts remain, or a node left with a non-zero exit code;
+      restarts remain, or a node left with a non-zero exit code, or a running node has a
+      suspect rank (stopped, or silent past its progress limit: ftrun.launcher.suspect);
     * ``healthy``: otherwise.
     """
     if not nodes:
-        return "starting"
+        return JobHealth.STARTING
     if (expected_min_nodes and len(nodes) < expected_min_nodes
-            and not any(n["state"] == "healthy" for n in nodes)):
-        return "starting"
+            and not any(n["state"] == NodeState.HEALTHY for n in nodes)):
+        return JobHealth.STARTING
     for n in nodes:
-        if n["state"] == NODE_FAILED:
-            return "failed"
+        if n["state"] == NodeState.FAILED:
+            return JobHealth.FAILED
         if _has_bad_worker(n) and n["restarts"] >= n["max_restarts"] and not n["left"]:
-            return "failed"
-    if all(n["state"] == NODE_SUCCEEDED or (n["left"] and n["exitcode"] == 0) for n in nodes):
-        return "finished"
+            return JobHealth.FAILED
+    if all(n["state"] == NodeState.SUCCEEDED or (n["left"] and n["exitcode"] == 0)
+           for n in nodes):
+        return JobHealth.FINISHED
     for n in nodes:
         if n["lost"]:
-            return "degraded"
+            return JobHealth.DEGRADED
         if n["state"] in NODE_RECOVERING and n["restarts"] > 0:
-            return "degraded"
+            return JobHealth.DEGRADED
         if _has_bad_worker(n) and n["restarts"] < n["max_restarts"]:
-            return "degraded"
+            return JobHealth.DEGRADED
         if n["left"] and n["exitcode"] not in (None, 0):
-            return "degraded"
-    return "healthy"
+            return JobHealth.DEGRADED
+        if not n["left"] and _suspect_ranks(n):
+            return JobHealth.DEGRADED
+    return JobHealth.HEALTHY
+
+
+def _suspect_ranks(node: dict[str, Any]) -> list[int]:
+    """Ranks of the node's live workers that its launcher judged suspect."""
+    return sorted(
+        w["rank"] for w in node["workers"]
+        if w.get("health") == RankHealth.SUSPECT and w.get("exitcode") is None
+    )
 
 
 def _has_bad_worker(node: dict[str, Any]) -> bool:
@@ -565,7 +581,7 @@ class Coordinator:
                 "expected_nodes": list(self._expected_nodes) if self._expected_nodes else None,
             },
             "time": now,
-            "health": health_of(nodes, min_nodes),
+            "health": health_of(nodes, min_nodes).value,
             "nodes": nodes,
             "summary": {
                 "nodes": len(nodes),
@@ -575,6 +591,7 @@ class Coordinator:
                     1 for n in nodes if not (n["lost"] or n["left"])
                     for w in n["workers"] if _worker_running(w)
                 ),
+                "ranks_suspect": sum(len(n["suspect_ranks"]) for n in nodes if not n["lost"]),
                 "restarts": max((n["restarts"] for n in nodes), default=0),
                 "events": n_events,
             },
@@ -596,8 +613,9 @@ class Coordinator:
 
     def _node_doc(self, node: _Node, mono: float) -> dict[str, Any]:
         hb = node.heartbeat
-        workers = [dict(w) for w in hb.get("workers", [])]
-        return {
+        # Launchers that report no verdict (older ones, or ranks not running) read as ok.
+        workers = [{**WORKER_VERDICT_DEFAULTS, **w} for w in hb.get("workers", [])]
+        doc = {
             "node_id": node.node_id,
             "host": node.host,
             "pid": node.pid,
@@ -614,6 +632,8 @@ class Coordinator:
             "left": node.left,
             "exitcode": node.exitcode,
         }
+        doc["suspect_ranks"] = [] if node.left else _suspect_ranks(doc)
+        return doc
 
 
 # -- the rendezvous store handshake -----------------------------------------------------------

@@ -7,6 +7,8 @@ This subclass adds, at the agent's existing extension points:
   leaves no orphans;
 - a per-rank progress file and a hang check: a rank that stops reporting progress, or sits
   stopped (SIGSTOP), for ``--hang-timeout`` seconds is killed and the group restarted;
+- a per-rank health verdict (:mod:`ftrun.launcher.suspect`): a stopped or silent rank is
+  reported ``suspect`` at once, long before it is killed;
 - a prompt stop of frozen workers: SIGTERM stays pending on a stopped process, which made
   torchrun wait out its whole shutdown timeout, so stopped workers get SIGKILL at once;
 - reports to the coordinator: node state for the heartbeat, and events for rendezvous,
@@ -33,8 +35,10 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from ftrun import _torch, knobs
+from ftrun.coordinator.api import NodeState
 from ftrun.launcher.pdeath import tie_entrypoint
 from ftrun.launcher.store_proc import StoreProcess
+from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
 from ftrun.worker.progress import create_progress_file, read_progress
 
 log = logging.getLogger(__name__)
@@ -95,10 +99,12 @@ class FtrunAgent(LocalElasticAgent):
         spec.entrypoint, spec.args = tie_entrypoint(spec.entrypoint, spec.args)
         super().__init__(spec=spec, **kwargs)
         self._ctx = ctx
-        self._phase = "init"
+        self._phase: NodeState = NodeState.INIT
         self._last_error: str | None = None
         self._exitcodes: dict[int, int] = {}
-        self._stopped_since: dict[int, float] = {}
+        self._rule = SuspectRule(hang_timeout_s=ctx.hang_timeout_s)
+        self._watches: dict[int, RankWatch] = {}  # by local rank; new at every (re)start
+        self._verdicts: dict[int, Verdict] = {}  # replaced whole by the agent thread
         self._lock = threading.Lock()
         ctx.agent = self
 
@@ -107,17 +113,20 @@ class FtrunAgent(LocalElasticAgent):
         wg = self._worker_group
         spec = wg.spec
         pids = self.worker_pids()
+        phase = self._phase
+        verdicts = self._verdicts if phase is NodeState.HEALTHY else {}
         workers = []
         for w in wg.workers:
             workers.append({
                 "local_rank": w.local_rank,
                 "rank": w.global_rank,
                 "pid": pids.get(w.local_rank),
-                "state": self._phase if self._phase != "healthy" else "running",
+                "state": phase.value if phase is not NodeState.HEALTHY else "running",
                 "exitcode": self._exitcodes.get(w.local_rank),
+                **verdicts.get(w.local_rank, NOT_WATCHED).fields(),
             })
         return {
-            "state": self._phase,
+            "state": phase.value,
             "group_rank": wg.group_rank,
             "group_world_size": wg.group_world_size,
             "restarts": spec.max_restarts - self._remaining_restarts,
@@ -147,7 +156,7 @@ class FtrunAgent(LocalElasticAgent):
 
     # ---- torch's extension points ---------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self._phase = "rendezvous"
+        self._phase = NodeState.RENDEZVOUS
         t0 = time.monotonic()
         super()._rendezvous(worker_group)
         self._ctx.sink.event(
@@ -169,9 +178,10 @@ class FtrunAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ.update(self._ctx.worker_env)
         self._exitcodes.clear()
-        self._stopped_since.clear()
+        self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
+        self._verdicts = {}
         pids = super()._start_workers(worker_group)
-        self._phase = "healthy"
+        self._phase = NodeState.HEALTHY
         self._ctx.sink.event(
             "workers_started",
             restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
@@ -191,15 +201,15 @@ class FtrunAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             # A hung rank is killed here; the next tick sees it die like any crashed worker,
             # so torch's own failure path (restart or failure summary) takes it from there.
-            self._kill_hung(worker_group)
+            self._watch_workers(worker_group)
         elif result.state == WorkerState.FAILED:
             self._report_failures(worker_group, result)
         elif result.state == WorkerState.SUCCEEDED:
-            self._phase = "succeeded"
+            self._phase = NodeState.SUCCEEDED
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        self._phase = "restarting"
+        self._phase = NodeState.RESTARTING
         self._ctx.sink.event(
             "restart",
             restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
@@ -247,31 +257,36 @@ class FtrunAgent(LocalElasticAgent):
             )
         if first is not None:
             self._last_error = first[1][:1024]
-        self._phase = "failed" if self._remaining_restarts == 0 else "restarting"
+        self._phase = NodeState.FAILED if self._remaining_restarts == 0 else NodeState.RESTARTING
 
-    def _kill_hung(self, worker_group: WorkerGroup) -> None:
+    def _watch_workers(self, worker_group: WorkerGroup) -> None:
+        """Judge every running rank (suspect or not) and kill the hung ones."""
         timeout_s = self._ctx.hang_timeout_s
         stopped_limit_s = max(1.0, timeout_s / 3) if timeout_s > 0 else STOPPED_LIMIT_S
-        now = time.monotonic()
+        now_ns = time.monotonic_ns()
         pids = self.worker_pids()
+        verdicts: dict[int, Verdict] = {}
         for w in worker_group.workers:
             pid = pids.get(w.local_rank)
             if pid is None:
                 continue
+            path = str(self._ctx.node_dir / f"progress-{w.local_rank}")
+            state = proc_state(pid)
+            p = read_progress(path)
+            watch = self._watches.setdefault(w.local_rank, RankWatch(self._rule))
+            verdict = watch.observe(p, state, now_ns)
+            self._note_verdict(w.global_rank, w.local_rank, pid, verdict)
+            verdicts[w.local_rank] = verdict
             reason = None
-            if proc_state(pid) in ("T", "t"):
+            if verdict.stopped_s is not None:
                 # A stopped rank is certainly the culprit, while ranks waiting for it in a
                 # collective merely stall: catch it well before their stall looks like a hang.
-                since = self._stopped_since.setdefault(pid, now)
-                if now - since >= stopped_limit_s:
-                    reason = f"stopped (SIGSTOP) for {now - since:.1f} s"
-            else:
-                self._stopped_since.pop(pid, None)
-                p = read_progress(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
-                if (timeout_s > 0 and p is not None and p.reported and not p.done
-                        and p.age_s() >= timeout_s):
-                    reason = f"no progress for {p.age_s():.1f} s after step {p.step}"
-                    create_progress_file(str(self._ctx.node_dir / f"progress-{w.local_rank}"))
+                if verdict.stopped_s >= stopped_limit_s:
+                    reason = f"stopped (SIGSTOP) for {verdict.stopped_s:.1f} s"
+            elif (timeout_s > 0 and p is not None and p.reported and not p.done
+                    and p.age_s() >= timeout_s):
+                reason = f"no progress for {p.age_s():.1f} s after step {p.step}"
+                create_progress_file(path)
             if reason is None:
                 continue
             log.error(
@@ -288,4 +303,24 @@ class FtrunAgent(LocalElasticAgent):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self._stopped_since.pop(pid, None)
+        self._verdicts = verdicts
+
+    def _note_verdict(self, rank: int, local_rank: int, pid: int, verdict: Verdict) -> None:
+        """Log and record a rank turning suspect, changing cause, or recovering."""
+        before = self._verdicts.get(local_rank, NOT_WATCHED)
+        if verdict.cause == before.cause:
+            return
+        if verdict.suspect:
+            log.warning("rank %d (local %d, pid %d) is suspect: %s", rank, local_rank, pid,
+                        verdict.reason)
+            self._ctx.sink.event(
+                "rank_suspect", rank=rank, local_rank=local_rank, pid=pid,
+                cause=str(verdict.cause), reason=verdict.reason, step=verdict.step,
+                progress_age_s=verdict.fields()["progress_age_s"],
+                progress_limit_s=verdict.fields()["progress_limit_s"],
+            )
+        else:
+            log.info("rank %d (local %d, pid %d) is no longer suspect (was: %s)", rank,
+                     local_rank, pid, before.reason)
+            self._ctx.sink.event("rank_cleared", rank=rank, local_rank=local_rank, pid=pid,
+                                 cause=str(before.cause), step=verdict.step)

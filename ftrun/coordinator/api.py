@@ -1,0 +1,54 @@
+"""The states the control plane reports, as documented ``str`` Enums.
+
+Launchers send them in heartbeats, the coordinator folds them into the status document, and
+``ftrun status`` renders them. On the wire and in JSON they are their plain string values
+(the Enums subclass ``str``), so consumers of ``ftrun status --json`` see ``"healthy"``,
+``"suspect"`` and so on. docs/operations.md ("The status document") documents each value.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class _StrEnum(str, Enum):
+    """A ``str`` Enum whose ``str()`` and f-string form are its value (as on every Python)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class JobHealth(_StrEnum):
+    """The job's health in the status document; ``ftrun status`` exits with its code."""
+
+    STARTING = "starting"  # no node reported yet, or fewer than the minimum joined
+    HEALTHY = "healthy"  # every node runs its workers, no rank is suspect
+    DEGRADED = "degraded"  # runs, but a node is lost, workers restart, or a rank is suspect
+    FAILED = "failed"  # a node failed, or failed workers have no restarts left
+    FINISHED = "finished"  # every node succeeded (or left with exit code 0)
+
+
+class NodeState(_StrEnum):
+    """What a launcher reports as its node's ``state``."""
+
+    INIT = "init"  # started, not in a rendezvous yet
+    RENDEZVOUS = "rendezvous"  # in a rendezvous round
+    HEALTHY = "healthy"  # its workers run and are being watched
+    RESTARTING = "restarting"  # a worker failed or was killed; the group restarts
+    FAILED = "failed"  # workers failed with no restarts left
+    SUCCEEDED = "succeeded"  # every worker exited with 0
+    STOPPED = "stopped"  # the launcher was stopped by a signal (final state, with ``bye``)
+
+
+class RankHealth(_StrEnum):
+    """A running rank's health as its launcher judges it (see ftrun.launcher.suspect)."""
+
+    OK = "ok"  # not stopped, and progress (if it reports any) within its limit
+    SUSPECT = "suspect"  # stopped, or silent for longer than its progress limit
+
+
+class SuspectCause(_StrEnum):
+    """Why a rank is suspect."""
+
+    STOPPED = "stopped"  # state T or t in /proc: SIGSTOP, a job-control stop, or a tracer
+    NO_PROGRESS = "no_progress"  # no ftrun.progress() call for longer than its limit
