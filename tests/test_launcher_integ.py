@@ -5,6 +5,7 @@ did about it, and that the final weights equal the fault-free run's.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -91,6 +92,82 @@ def test_stopped_worker_is_killed_promptly(procs: Procs, state_dir: Path, baseli
     hangs = [e for e in events if e["type"] == "hang_detected"]
     assert hangs and hangs[0]["pid"] == fired["pid"] and "stopped" in hangs[0]["reason"]
     assert not pid_alive(fired["pid"])
+
+
+def _load_demo():
+    spec = importlib.util.spec_from_file_location("ftrun_demo", ROOT / "examples" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stopped_rank_is_suspect_in_status_at_once(procs: Procs, state_dir: Path, tmp_path: Path,
+                                                   baseline_hash: str) -> None:
+    """A SIGSTOPped rank reads suspect and the job degraded long before ftrun kills it."""
+    run_id = f"suspect-{uuid.uuid4().hex[:8]}"
+    ckpt = tmp_path / "ckpt"
+    # --hang-timeout 30: a stopped rank is killed after 10 s; it must show as suspect first.
+    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "2", "--hang-timeout", "30",
+                      "--persist-dir", str(ckpt),
+                      train_args=("--fail-at-step", "3", "--fail-rank", "2", "--fail-mode", "stop",
+                                  "--pg-timeout", "900"))
+    status_cmd = [sys.executable, "-m", "ftrun", "status", run_id]
+
+    def suspect_seen() -> tuple[int, dict] | None:
+        out = subprocess.run([*status_cmd, "--json"], capture_output=True, text=True, timeout=60,
+                             cwd=ROOT)
+        if out.returncode not in (0, 3):
+            return None
+        doc = json.loads(out.stdout)
+        suspects = [w for n in doc["nodes"] for w in n["workers"] if w["health"] == "suspect"]
+        return (out.returncode, doc) if any(w["rank"] == 2 for w in suspects) else None
+
+    code, doc = wait_for(suspect_seen, 150, "status to show rank 2 suspect", interval_s=0.2)
+    fired = _fault_marker(state_dir, run_id, 2, 3)
+    assert code == 3 and doc["health"] == "degraded", doc
+    node = next(n for n in doc["nodes"] if 2 in n["ranks"])
+    worker = next(w for w in node["workers"] if w["rank"] == 2)
+    assert worker["pid"] == fired["pid"] and worker["cause"] == "stopped", worker
+    assert "stopped" in worker["reason"] and worker["state"] == "running"
+    assert 2 in node["suspect_ranks"] and doc["summary"]["ranks_suspect"] >= 1
+    # The table, piped (no terminal): the node reads suspect, the job degraded, one line each.
+    table = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    if table.returncode == 3:  # unless ftrun killed it already (a very slow machine)
+        lines = table.stdout.splitlines()
+        row = next(ln for ln in lines if ln.split()[:1] == [str(node["group_rank"])])
+        assert "suspect (2" in row, table.stdout
+        assert any(ln.startswith(f"job {run_id}: degraded") for ln in lines), table.stdout
+        assert any(ln.startswith("suspect: rank 2 ") for ln in lines), table.stdout
+    try:
+        os.kill(fired["pid"], signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    assert _job_result(procs, nodes, 200) == baseline_hash
+    events = read_events(state_dir, run_id)
+    mine = [e for e in events if e.get("pid") == fired["pid"]]
+    assert any(e["type"] == "rank_suspect" and e["cause"] == "stopped" and e["rank"] == 2
+               for e in mine), mine
+    # Continued in time it recovers; otherwise ftrun killed it at 10 s and restarted.
+    assert any(e["type"] == "rank_cleared" for e in mine) or any(
+        e["type"] == "hang_detected" and "stopped" in e["reason"] for e in mine), mine
+
+    # Every command the demo prints at its end works on such an ended job.
+    demo = _load_demo()
+    hints = demo.hints(state_dir, run_id, ckpt)
+    text = demo.format_hints(state_dir, hints)
+    assert all(h.line() in text for h in hints)
+    for hint in hints:
+        out = subprocess.run(hint.argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, (hint.line(), out.stdout[-2000:], out.stderr[-2000:])
+        if hint.argv[:1] == ["grep"]:
+            assert '"type":"job_end"' in out.stdout
+        elif "status" in hint.argv:
+            assert run_id in out.stdout
+        elif "inspect" in hint.argv:
+            assert "step" in out.stdout.lower()
+    assert not state_dir.exists()  # the last hint removed the demo's files
 
 
 def test_live_job_status_secret_signals_and_lost_launcher(procs: Procs, state_dir: Path, tmp_path: Path) -> None:
