@@ -5,7 +5,7 @@ from __future__ import annotations
 OK = 0  # success; for `status`: the job is healthy (or finished successfully)
 FAILED = 1  # the launched job failed (workers exhausted their restarts), or an error
 USAGE = 2  # bad flags or arguments
-DEGRADED = 3  # `status`: the job runs, but a node is lost or workers are restarting
+DEGRADED = 3  # `status`: the job runs, but a node is lost, workers restart or a rank is suspect
 JOB_FAILED = 4  # `status`: the job reports failed workers and no restarts left
 UNREACHABLE = 5  # the coordinator did not answer in time
 AUTH = 6  # the coordinator refused the secret
