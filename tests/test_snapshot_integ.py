@@ -77,7 +77,10 @@ def test_crash_resumes_from_memory_bit_identical(
     events = read_events(state_dir, run_id)
     assert any(e["type"] == "restore" and e["step"] == expected for e in events)
     if mode == "hang":
-        assert any(e["type"] == "hang_detected" and e["rank"] == 1 for e in events)
+        hung = next(e for e in events if e["type"] == "hang_detected" and e["rank"] == 1)
+        # Silent past --hang-timeout/2, the rank read suspect before it was killed.
+        assert any(e["type"] == "rank_suspect" and e["pid"] == hung["pid"]
+                   and e["cause"] == "no_progress" and e["seq"] < hung["seq"] for e in events)
 
 
 def test_corrupted_snapshot_is_refused_and_an_older_one_used(
