@@ -130,6 +130,7 @@ class Fault:
     resumed_from: int | None = None  # None: the job did not restart (store-kill)
     expected: list[int] | None = None  # the steps ftrun may resume from (None: no restart)
     recomputed: int | None = None
+    corrupted_step: int | None = None  # persist-corrupt: the persisted step hit
     detail: str = ""
     problems: list[str] = field(default_factory=list)
 
@@ -553,6 +554,11 @@ class ChaosRun:
                         "a full step after the store came back")
         restarts = [e for e in job.events(t0)
                     if e["type"] == "workers_started" and e["ts"] <= done["time"]]
+        # Saves wait for the store: the longest time between two completed steps shows the
+        # stall the kill caused.
+        times = [t0] + [r["time"] for r in job.steps(t0) if r["time"] <= done["time"]]
+        stall = max(b - a for a, b in zip(times, times[1:], strict=False))
+        f.detail += f"; longest wait for a step after the kill: {stall:.2f} s"
         if restarts:
             f.problems.append(f"the store kill restarted the workers ({len(restarts)} "
                               "workers_started events)")
@@ -587,6 +593,7 @@ class ChaosRun:
             step = complete[0]
             rank_dir = job.ckpt / f"step_{step:09d}" / f"rank_{rider.rank:05d}"
             rider.fault_ts = time.time()
+            rider.corrupted_step = step
             rider.evidence = "flipped " + flip_tensor_byte(rank_dir, self.rng)
             rider.fired = True
             rider.detail = (f"newest complete step {step} corrupted; older complete: "
@@ -602,14 +609,17 @@ class ChaosRun:
         for rider in riders:
             if rider.fired:
                 self._recovered(rider, nxt, expected, slot=False)
+                step = rider.corrupted_step
+                names = (f"step {step}", f"step_{step:09d}")
+                words = ("not loadable", "skipped", "mismatch", "refus", "corrupt")
                 refusals = [ln.strip() for inv_log in job.current.logs
                             for ln in inv_log.read_text(errors="replace").splitlines()
-                            if "not loadable" in ln or "hash mismatch" in ln]
+                            if any(n in ln for n in names) and any(w in ln for w in words)]
                 if refusals:
-                    rider.detail += f"; resume said: {refusals[0][:200]}"
+                    rider.detail += f"; resume said: {refusals[0][:240]}"
                 else:
-                    rider.problems.append("the resumed job's logs never mention the corrupt "
-                                          "persisted step (no 'not loadable'/'hash mismatch')")
+                    rider.problems.append(f"the resumed job's logs never say why step {step} "
+                                          "was not used (a silent refusal)")
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _recovered(self, f: Fault, nxt: dict[str, Any], expected: list[int],
