@@ -78,9 +78,9 @@ _ftrun_command() {
                 --persist-keep --persist_keep --rdzv-backend --rdzv_backend --rdzv-conf
                 --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects
                 --role --run-path --run_path --shutdown-timeout --shutdown_timeout
-                --signals-to-handle --signals_to_handle --standalone --start-method
-                --start_method --state-dir --state_dir -t --tee --virtual-local-rank
-                --virtual_local_rank'
+                --signals-to-handle --signals_to_handle --standalone --start-fresh --start_fresh
+                --start-method --start_method --state-dir --state_dir -t --tee
+                --virtual-local-rank --virtual_local_rank'
             _ftrun_k=none ;;
         completions)
             _ftrun_opts='--help'

@@ -37,3 +37,7 @@ class IntegrityError(FtrunError):
 
 class JobNotFoundError(FtrunError):
     """No job with the given run id is known in the state directory."""
+
+
+class RestoreError(FtrunError):
+    """Snapshots exist but none can be restored; the message says why each one was refused."""

@@ -2,7 +2,8 @@
 
 ``corrupt_newest_snapshot`` flips one byte in the data of a rank's newest verified snapshot,
 exactly as a bad DIMM or a stray write would. ftrun must then refuse to load it and fall
-back to an older committed step; tests assert both.
+back to an older committed step; tests assert both. ``corrupt_persisted`` does the same to a
+step persisted on disk (bit rot, a torn copy).
 """
 
 from __future__ import annotations
@@ -56,3 +57,30 @@ def corrupt_newest_snapshot(rank: int, run_id: str | None = None,
             raise FtrunTimeoutError(f"rank {rank} has no verified snapshot to corrupt after "
                                     f"{timeout_s:g} s")
         time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class FileCorruption:
+    file: str
+    key: str  # the tensor whose stored bytes were hit
+    offset: int  # within the file
+
+
+def corrupt_persisted(persist_dir: str, step: int, rank: int) -> FileCorruption:
+    """Flip one byte in the middle of the largest tensor of persisted ``step_<S>/rank_<r>``."""
+    from ftrun.snapshot import persist
+
+    path = persist.rank_dir(persist_dir, step, rank)
+    spans = persist.storage_spans(path)
+    if not spans:
+        raise FtrunError(f"{path} stores no tensors to corrupt")
+    key, (name, start, length) = max(spans.items(), key=lambda kv: kv[1][2])
+    file = path / name
+    offset = start + length // 2
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    log.warning("fault injection: flipped byte %d of %s (tensor %s)", offset, file, key)
+    return FileCorruption(str(file), key, offset)

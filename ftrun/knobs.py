@@ -24,6 +24,10 @@ class Knob:
         env = os.environ if environ is None else environ
         return env.get(self.name, self.default)
 
+    def enabled(self, environ: dict[str, str] | None = None) -> bool:
+        """A ``bool`` knob's value: 1/true/yes/on (any case) is True."""
+        return self.get(environ).strip().lower() in ("1", "true", "yes", "on")
+
 
 STATE_DIR = Knob(
     "FTRUN_STATE_DIR", "path", "~/.ftrun",
@@ -78,8 +82,9 @@ def state_dir(override: str | None = None) -> Path:
 # Snapshots (launcher flags map onto these; the launcher passes them on to ranks and store).
 PERSIST_DIR = Knob(
     "FTRUN_PERSIST_DIR", "path", "",
-    "Where the snapshot store writes committed snapshots to disk (torch.distributed.checkpoint "
-    "format); restore falls back to it when memory holds no complete snapshot.", "any",
+    "Where the snapshot stores write committed steps to disk (torch.distributed.checkpoint "
+    "format; every node writes the same steps, chosen by the coordinator); restore falls back "
+    "to it, newest complete and verified step first, when memory holds nothing usable.", "any",
 )
 PERSIST_EVERY = Knob(
     "FTRUN_PERSIST_EVERY", "steps", "0", "Persist every N committed steps (0: only on "
@@ -89,7 +94,16 @@ PERSIST_INTERVAL = Knob(
     "FTRUN_PERSIST_INTERVAL", "seconds", "0", "Also persist when this long has passed since the "
     "last write (0: off).",
 )
-PERSIST_KEEP = Knob("FTRUN_PERSIST_KEEP", "count", "3", "Persisted checkpoints to keep.")
+PERSIST_KEEP = Knob(
+    "FTRUN_PERSIST_KEEP", "count", "3",
+    "Complete persisted steps to keep (partial ones older than the newest complete are removed).",
+)
+START_FRESH = Knob(
+    "FTRUN_START_FRESH", "bool", "0",
+    "1: when the persist dir holds steps but none can be restored (all partial or corrupt), "
+    "start from step 0 anyway instead of stopping with an error. An empty or missing persist "
+    "dir always starts fresh.", "any",
+)
 STORE = Knob(
     "FTRUN_STORE", "endpoint", "", "The node's snapshot store (ipc) for the ranks.", "worker",
 )

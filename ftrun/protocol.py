@@ -108,14 +108,30 @@ SCHEMAS: dict[str, Schema] = {
     "ack": {"re": (str, False)},
     # Snapshots. Store -> coordinator: a rank's shard of ``step`` is verified; the epoch
     # (one per restore, agreed by all ranks) starts from ``base_step``. Reply: commit_info.
+    # The store's --persist-every/--persist-interval ride on snap_epoch: the coordinator
+    # decides which committed steps every store writes (ftrun.coordinator.commits).
     "snap_epoch": {"node_id": (str, True), "epoch": (str, True), "base_step": (int, True),
-                   "world_size": (int, True)},
+                   "world_size": (int, True), "persist_every": (int, False),
+                   "persist_interval_s": (float, False)},
     "snap_verified": {"node_id": (str, True), "epoch": (str, True), "rank": (int, True),
                       "step": (int, True), "nbytes": (int, True)},
     "commit_query": {"epoch": (str, True)},
-    "commit_info": {"epoch": (str, True), "committed": (int, True), "known": (bool, True)},
+    # A store asks for a persist target now: on a signal, or (final) when it stops.
+    "persist_request": {"node_id": (str, True), "epoch": (str, True), "reason": (str, True),
+                        "final": (bool, True)},
+    # ``targets``: the epoch's recent persist targets; ``final``: its final one; ``settling``:
+    # the final target waits for a step some ranks verified already (ask again).
+    "commit_info": {"epoch": (str, True), "committed": (int, True), "known": (bool, True),
+                    "targets": (ListOf(int), False), "final": ((int, _NONE), False),
+                    "settling": (bool, False)},
+    # ``persist``: this store writes to disk; ``final``: its last write is done (it stops);
+    # ``target_done``: the newest persist target of ``epoch`` it is done with; ``writing``:
+    # the target it is writing now.
     "store_report": {"node_id": (str, True), "bytes": (int, True), "segments": (int, True),
-                     "persisted_step": ((int, _NONE), True), "ranks": (ListOf(int), True)},
+                     "persisted_step": ((int, _NONE), True), "ranks": (ListOf(int), True),
+                     "persist": (bool, False), "final": (bool, False),
+                     "epoch": ((str, _NONE), False), "target_done": (int, False),
+                     "writing": ((int, _NONE), False)},
     # Rank <-> its node's store (ipc, same secret).
     "snap_staged": {"rank": (int, True), "buffer": (int, True), "step": (int, True),
                     "epoch": (str, True)},

@@ -1,19 +1,62 @@
-"""Global snapshot commits: step S is committed once every rank's shard of S is verified.
+"""Global snapshot commits, and which committed steps go to disk.
 
-Commits are counted per *epoch*. Every (re)start of the workers begins a new epoch at
-``restore()``, where all ranks agree on one epoch id and the step they resumed from (its
-``base_step``, committed by definition). Counting per epoch keeps shards verified by a
-previous incarnation of the workers from completing a step that the current one has not
-written yet. Everything here can be rebuilt from the stores: they report again after a
-coordinator restart.
+**Commits.** Step S is committed once every rank's shard of S is verified. Commits are counted
+per *epoch*. Every (re)start of the workers begins a new epoch at ``restore()``, where all
+ranks agree on one epoch id and the step they resumed from (its ``base_step``, committed by
+definition). Counting per epoch keeps shards verified by a previous incarnation of the workers
+from completing a step that the current one has not written yet.
+
+**Persist targets.** With several nodes, every node's store must write the *same* step, or no
+step on disk is ever complete. So the step is chosen here, in one place, at the moment it
+commits: when step S commits and is due (``--persist-every``, ``--persist-interval``), S
+becomes a *target*. A signal (SIGUSR1) makes the current committed step a target; the end of
+the job (or SIGTERM) fixes one *final* target per epoch, after which nothing else is scheduled.
+
+Every commit reply carries the epoch's recent targets. That is what makes the scheme safe: a
+rank overwrites the buffer holding target S only after S+1 committed, and its store learns
+that S+1 committed from a reply that already lists S, so the store always still holds S when
+it copies it out.
+
+A scheduled target is not made while some node's store is still writing the previous one
+(the disk is behind): the step is skipped on every node alike, and the next commit after the
+write finished is due instead. Stores say what they are writing in their reports.
+
+Everything here can be rebuilt from the stores: they report again after a coordinator
+restart. The same tracker runs inside a store that has no coordinator (a one-node job).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_PENDING_STEPS = 64  # steps tracked per epoch; older incomplete ones are dropped
+MAX_TARGETS = 8  # targets listed in a reply: far more than can pass between two replies
+# The final target waits this long for a step that some ranks have verified and others not
+# yet (the end of a job: nodes stop a moment apart). A step that never completes (workers
+# killed mid-step) only delays the decision by this much.
+FINAL_SETTLE_S = 5.0
+# Persist requests by signal within this long of the last one make no new target: SIGUSR1
+# reaches every node's store at about the same time, and one write is meant.
+SIGNAL_COALESCE_S = 5.0
+
+
+@dataclass(frozen=True)
+class PersistPolicy:
+    """When a committed step is due for disk (the stores' ``--persist-*`` settings)."""
+
+    every: int = 0  # steps; 0: off
+    interval_s: float = 0.0  # seconds since the last target; 0: off
+
+    def due(self, step: int, last_step: int, since_last_s: float) -> str | None:
+        """Why ``step`` is due (None: it is not); ``last_step`` is the previous target."""
+        if self.every > 0 and step // self.every > max(last_step, 0) // self.every:
+            return f"every {self.every} steps"
+        if self.interval_s > 0 and since_last_s >= self.interval_s:
+            return f"interval {self.interval_s:g} s"
+        return None
 
 
 @dataclass
@@ -26,14 +69,54 @@ class Epoch:
     committed_at: float
     verified: dict[int, set[int]] = field(default_factory=dict)
     nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its last shard
+    targets: list[int] = field(default_factory=list)  # persist targets, oldest first
+    final: int | None = None  # the final target, once fixed
+    final_asked_mono: float | None = None  # when the first store asked for it
+
+    def pending(self) -> dict[int, int]:
+        """step -> verified ranks, for steps newer than the committed one."""
+        return {s: len(r) for s, r in self.verified.items() if s > self.committed and r}
+
+
+@dataclass(frozen=True)
+class TargetEvent:
+    """A new persist target, for the event log."""
+
+    epoch: str
+    step: int
+    reason: str
+    final: bool
+
+
+@dataclass
+class StoreState:
+    """What a node's store last reported about its writes."""
+
+    persist: bool  # it writes to disk at all
+    epoch: str | None  # the epoch of target_done
+    target_done: int  # newest target of that epoch it is done with (written or given up)
+    writing: int | None  # the target being written now
 
 
 class CommitTracker:
-    def __init__(self, max_epochs: int = 16) -> None:
+    def __init__(self, max_epochs: int = 16, clock: Callable[[], float] = time.monotonic,
+                 final_settle_s: float = FINAL_SETTLE_S,
+                 node_gone: Callable[[str], bool] = lambda _node: False) -> None:
+        self._final_settle_s = final_settle_s
+        self._node_gone = node_gone
+        self.stores: dict[str, StoreState] = {}
+        self._skip_logged: tuple[str, int] | None = None
         self._epochs: dict[str, Epoch] = {}
         self._order: list[str] = []
         self._max_epochs = max_epochs
+        self._clock = clock
         self.persisted: dict[str, int | None] = {}  # node -> newest persisted step
+        self.policy = PersistPolicy()
+        self._last_target_step = -1  # across epochs: a restart does not reset the schedule
+        self._last_target_mono: float | None = None
+        self._last_signal_mono: float | None = None
+        self.new_targets: list[TargetEvent] = []  # drained by whoever logs events
+        self.skipped: list[tuple[int, list[str]]] = []  # (step, nodes still writing): drained
 
     def begin(self, epoch: str, base_step: int, world_size: int) -> Epoch:
         ep = self._epochs.get(epoch)
@@ -44,6 +127,8 @@ class CommitTracker:
             self._order.append(epoch)
             while len(self._order) > self._max_epochs:
                 self._epochs.pop(self._order.pop(0), None)
+            if self._last_target_mono is None:
+                self._last_target_mono = self._clock()
         return ep
 
     def verified(self, epoch: str, rank: int, step: int, nbytes: int) -> Epoch | None:
@@ -60,9 +145,75 @@ class CommitTracker:
             ep.committed, ep.committed_at = step, time.time()
             for old in [s for s in ep.verified if s <= step]:
                 del ep.verified[old]
+            self._on_commit(ep, step)
         while len(ep.verified) > MAX_PENDING_STEPS:
             del ep.verified[min(ep.verified)]
         return ep
+
+    def _on_commit(self, ep: Epoch, step: int) -> None:
+        if ep.final is not None or not (self.policy.every or self.policy.interval_s):
+            return
+        last = max(self._last_target_step, ep.base_step)
+        since = self._clock() - (self._last_target_mono or 0.0)
+        reason = self.policy.due(step, last, since)
+        if reason is None:
+            return
+        writing = self.writing(ep)
+        if writing:
+            if self._skip_logged != (ep.epoch, ep.targets[-1]):
+                self._skip_logged = (ep.epoch, ep.targets[-1])
+                self.skipped.append((step, writing))
+            return
+        self._add_target(ep, step, reason, final=False)
+
+    def writing(self, ep: Epoch) -> list[str]:
+        """Nodes of the epoch whose store is not done with its newest target yet (a store
+        that reports no part in the epoch, such as a spare node's, holds nothing up)."""
+        if not ep.targets:
+            return []
+        last = ep.targets[-1]
+        return sorted(
+            node for node, st in self.stores.items()
+            if st.persist and st.epoch == ep.epoch and not self._node_gone(node)
+            and (st.writing is not None or st.target_done < last)
+        )
+
+    def _add_target(self, ep: Epoch, step: int, reason: str, *, final: bool) -> None:
+        if step not in ep.targets:
+            ep.targets.append(step)
+            del ep.targets[:-MAX_TARGETS]
+        if final:
+            ep.final = step
+        self._last_target_step = max(self._last_target_step, step)
+        self._last_target_mono = self._clock()
+        self.new_targets.append(TargetEvent(ep.epoch, step, reason, final))
+
+    def request(self, epoch: str, reason: str, *, final: bool) -> tuple[Epoch | None, bool]:
+        """A store asks for a target now: (the epoch or None if unknown, settling).
+
+        ``final`` (end of job, SIGTERM): the first request fixes the epoch's final target,
+        the committed step, after waiting up to ``final_settle_s`` for a step some ranks have
+        verified already (``settling`` is True meanwhile: ask again). Later requests get the
+        same one. Otherwise (a signal): the committed step becomes a target, unless one was
+        made by a signal less than SIGNAL_COALESCE_S ago.
+        """
+        ep = self._epochs.get(epoch)
+        if ep is None:
+            return None, False
+        now = self._clock()
+        if final:
+            if ep.final is None:
+                if ep.final_asked_mono is None:
+                    ep.final_asked_mono = now
+                if ep.pending() and now - ep.final_asked_mono < self._final_settle_s:
+                    return ep, True
+                self._add_target(ep, ep.committed, reason, final=True)
+            return ep, False
+        if ep.final is None and (self._last_signal_mono is None
+                                 or now - self._last_signal_mono >= SIGNAL_COALESCE_S):
+            self._last_signal_mono = now
+            self._add_target(ep, ep.committed, reason, final=False)
+        return ep, False
 
     def get(self, epoch: str) -> Epoch | None:
         return self._epochs.get(epoch)
@@ -85,3 +236,32 @@ class CommitTracker:
             "bytes_per_rank": {str(r): b for r, b in sorted(ep.nbytes.items())},
             "persisted_step": min(persisted) if persisted else None,
         }
+
+    # -- the store <-> coordinator messages, answered here so that a store without a
+    # coordinator runs exactly the same rules ------------------------------------------------
+    def handle(self, kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Answer snap_epoch/snap_verified/commit_query/persist_request with a commit_info
+        body; the second value is a ``restore`` event's data when an epoch began."""
+        began = None
+        settling = False
+        if kind == "snap_epoch":
+            if body.get("persist_every") is not None or body.get("persist_interval_s") is not None:
+                self.policy = PersistPolicy(int(body.get("persist_every") or 0),
+                                            float(body.get("persist_interval_s") or 0.0))
+            known = self._epochs.get(body["epoch"]) is not None
+            ep: Epoch | None = self.begin(body["epoch"], body["base_step"], body["world_size"])
+            if not known and ep is not None:
+                began = {"epoch": ep.epoch, "step": ep.base_step, "world_size": ep.world_size}
+        elif kind == "snap_verified":
+            ep = self.verified(body["epoch"], body["rank"], body["step"], body["nbytes"])
+        elif kind == "persist_request":
+            ep, settling = self.request(body["epoch"], body["reason"], final=body["final"])
+        else:
+            ep = self.get(body["epoch"])
+        if ep is None:
+            return {"epoch": body["epoch"], "committed": -1, "known": False}, began
+        reply: dict[str, Any] = {"epoch": ep.epoch, "committed": ep.committed, "known": True,
+                                 "targets": list(ep.targets), "final": ep.final}
+        if settling:
+            reply["settling"] = True
+        return reply, began

@@ -30,7 +30,7 @@ import zmq
 
 from ftrun import jobs, protocol
 from ftrun.coordinator.api import JobHealth, NodeState, RankHealth
-from ftrun.coordinator.commits import CommitTracker
+from ftrun.coordinator.commits import CommitTracker, StoreState
 from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
 
 log = logging.getLogger(__name__)
@@ -210,8 +210,10 @@ class Coordinator:
         self._started_at = time.time()
         self._warn_limiter = _RateLimiter(WARN_EVERY_S)
         self._refusals: dict[str, tuple[float, int]] = {}
-        self._commits = CommitTracker()
+        self._commits = CommitTracker(
+            node_gone=lambda node: self._node_gone(node, time.monotonic()))
         self._store_reports: dict[str, dict[str, Any]] = {}
+        self._finalizing: set[str] = set()  # nodes whose store asked for its final target
         self.counters: dict[str, int] = {"messages": 0, "auth_failures": 0, "bad_messages": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -449,12 +451,15 @@ class Coordinator:
             self._record("node_left", node.node_id,
                          {"state": body["state"], "exitcode": body["exitcode"]})
             self._reply(sock, identity, "ack", {"re": msg.id})
-        elif msg.kind in ("snap_epoch", "snap_verified", "commit_query"):
+        elif msg.kind in ("snap_epoch", "snap_verified", "commit_query", "persist_request"):
             self._reply(sock, identity, "commit_info", self._commit(msg.kind, body))
         elif msg.kind == "store_report":
             with self._lock:
                 self._store_reports[body["node_id"]] = dict(body)
                 self._commits.persisted[body["node_id"]] = body["persisted_step"]
+                self._commits.stores[body["node_id"]] = StoreState(
+                    bool(body.get("persist")), body.get("epoch"),
+                    body.get("target_done", -1), body.get("writing"))
             self._reply(sock, identity, "ack", {"re": msg.id})
         else:
             log.warning("unexpected %s message from %s; ignored", msg.kind, msg.sender)
@@ -465,21 +470,57 @@ class Coordinator:
 
     def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            if kind == "snap_epoch":
-                known = self._commits.get(body["epoch"]) is not None
-                ep = self._commits.begin(body["epoch"], body["base_step"], body["world_size"])
-                if not known:
-                    data = {"epoch": ep.epoch, "step": ep.base_step, "world_size": ep.world_size}
-            elif kind == "snap_verified":
-                ep = self._commits.verified(body["epoch"], body["rank"], body["step"],
-                                            body["nbytes"])
-            else:
-                ep = self._commits.get(body["epoch"])
-        if kind == "snap_epoch" and not known:
-            self._record("restore", body["node_id"], data)
-        if ep is None:
-            return {"epoch": body["epoch"], "committed": -1, "known": False}
-        return {"epoch": ep.epoch, "committed": ep.committed, "known": True}
+            if kind == "persist_request" and body["final"]:
+                self._finalizing.add(body["node_id"])
+            reply, began = self._commits.handle(kind, body)
+            targets, self._commits.new_targets = self._commits.new_targets, []
+            skipped, self._commits.skipped = self._commits.skipped, []
+        if began is not None:
+            self._record("restore", body["node_id"], began)
+        for step, writing in skipped:
+            log.warning("step %d is due for disk but node(s) %s still write the previous "
+                        "target: skipped, the next commit after that write is due instead",
+                        step, ", ".join(writing))
+            self._record("persist_skipped", body.get("node_id"),
+                         {"step": step, "writing": writing})
+        for t in targets:
+            log.info("persist target: step %d of epoch %s (%s%s)", t.step, t.epoch, t.reason,
+                     ", final" if t.final else "")
+            self._record("persist_target", body.get("node_id"),
+                         {"epoch": t.epoch, "step": t.step, "reason": t.reason,
+                          "final": t.final})
+        return reply
+
+    def wait_final_persists(self, timeout_s: float, start_grace_s: float,
+                            exclude: str | None = None) -> list[str]:
+        """Wait until every node whose store persists has written its final step, left, or
+        gone silent. Returns the nodes given up on.
+
+        A node whose store has asked for the final target is waited for up to ``timeout_s``
+        in all; one that has not asked yet only up to ``start_grace_s`` (it may not be
+        stopping at all). The launcher that runs the coordinator calls this before stopping
+        it: the other nodes' stores ask it which step to write as they stop.
+        """
+        t0 = time.monotonic()
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                waiting = [
+                    node for node, r in self._store_reports.items()
+                    if node != exclude and r.get("persist") and not r.get("final")
+                    and not self._node_gone(node, now)
+                ]
+                started = [n for n in waiting if n in self._finalizing]
+            if not waiting or now - t0 >= timeout_s or (
+                    not started and now - t0 >= start_grace_s):
+                return waiting
+            time.sleep(0.1)
+
+    def _node_gone(self, node_id: str, mono: float) -> bool:
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        return node.left or node.lost or mono - node.last_seen_mono > self.node_timeout_s
 
     def _touch(self, node_id: str, host: str | None, pid: int | None) -> _Node:
         now, mono = time.time(), time.monotonic()

@@ -36,6 +36,7 @@ class FtrunOptions:
     persist_every: int = 0
     persist_interval_s: float = 0.0
     persist_keep: int = 3
+    start_fresh: bool = False
 
     def __post_init__(self) -> None:
         if self.hang_timeout_s < 0:
@@ -79,14 +80,20 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--node-timeout", knobs.NODE_TIMEOUT, float,
      "Seconds of silence after which the coordinator reports a node lost."),
     ("--persist-dir", knobs.PERSIST_DIR, str,
-     "Directory where the snapshot store writes committed snapshots (torch.distributed."
-     "checkpoint format); restore falls back to it when memory holds no complete snapshot."),
+     "Directory where the snapshot stores write committed steps (torch.distributed.checkpoint "
+     "format; every node writes the same steps); restore falls back to it, newest complete "
+     "and verified step first, when memory holds nothing usable."),
     ("--persist-every", knobs.PERSIST_EVERY, int,
      "Persist every N committed steps (0: only at the end, on SIGTERM/SIGUSR1, and per "
      "--persist-interval)."),
     ("--persist-interval", knobs.PERSIST_INTERVAL, float,
      "Also persist when this many seconds passed since the last write (0: off)."),
-    ("--persist-keep", knobs.PERSIST_KEEP, int, "Persisted checkpoints to keep."),
+    ("--persist-keep", knobs.PERSIST_KEEP, int,
+     "Complete persisted steps to keep; partial ones older than the newest complete step are "
+     "removed."),
+    ("--start-fresh", knobs.START_FRESH, bool,
+     "Start from step 0 when --persist-dir holds steps but none can be restored (all partial "
+     "or corrupt); without it such a job stops with an error that lists each step and why."),
 )
 
 
@@ -122,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
         clash = taken.intersection(spellings)
         if clash:  # torch grew a flag of the same name: fail loudly, never shadow it
             raise ConfigError(f"ftrun flag {sorted(clash)} collides with a torchrun flag")
+        if typ is bool:  # a switch: no value on the command line
+            group.add_argument(*spellings, dest=_dest(flag), action="store_true",
+                               default=knob.enabled(), help=f"{help_text} [env {knob.name}=1]")
+            continue
         default = os.environ.get(knob.name) or None
         group.add_argument(
             *spellings, dest=_dest(flag), type=typ, default=default,
@@ -149,6 +160,7 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         persist_every=int(num("persist_every", knobs.PERSIST_EVERY)),
         persist_interval_s=num("persist_interval", knobs.PERSIST_INTERVAL),
         persist_keep=int(num("persist_keep", knobs.PERSIST_KEEP)),
+        start_fresh=bool(ns.start_fresh),
     )
 
 

@@ -53,6 +53,11 @@ SLURM_RDZV_PORT = 29500
 # measured to split a job into two worlds. Only applied where --rdzv-conf is silent.
 RDZV_TUNING = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3", "last_call_timeout": "5"}
 COORDINATOR_KEY = "ftrun/coordinator"
+# How long the launcher that runs the coordinator keeps it up, as it exits, for other nodes'
+# final persists: in all, and for a node that has not begun its final persist yet (a node
+# that is not stopping at all does not hold up the exit for longer than that).
+FINAL_PERSIST_WAIT_S = 120.0
+FINAL_START_GRACE_S = 10.0
 
 
 @dataclass
@@ -296,6 +301,7 @@ def run(argv: list[str]) -> int:
         knobs.STORE.name: store_url,
         knobs.SECRET.name: secret.decode(),
         knobs.PERSIST_DIR.name: opts.persist_dir or "",
+        knobs.START_FRESH.name: "1" if opts.start_fresh else "0",
         knobs.RUN_ID.name: run_id,
         knobs.JOB_DIR.name: str(jobs.job_dir(run_id, opts.state_dir)),
         knobs.NODE_ID.name: node_id,
@@ -348,6 +354,13 @@ def run(argv: list[str]) -> int:
             reporter.event("job_end", exitcode=exitcode, state=final)
             reporter.stop(final, exitcode)
         if coordinator is not None:
+            # Other nodes' stores ask the coordinator which step to write as they stop
+            # (SIGTERM reaches every node at about the same time): serve them first.
+            waiting = coordinator.wait_final_persists(FINAL_PERSIST_WAIT_S, FINAL_START_GRACE_S,
+                                                      exclude=node_id)
+            if waiting:
+                log.warning("stopping the coordinator while node(s) %s still persist",
+                            ", ".join(waiting))
             coordinator.stop()
         shutil.rmtree(node_dir, ignore_errors=True)
     return exitcode

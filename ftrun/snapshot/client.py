@@ -592,32 +592,24 @@ class Snapshotter:
         return unflatten(doc, lambda _i, entry: tensor_view(data, entry).clone())
 
     def _restore_persisted(self, distributed: bool) -> tuple[int, str]:
+        """The newest persisted step that is complete and verifies on every rank (collective;
+        ftrun.snapshot.fallback). Raises RestoreError when steps exist but none is usable."""
         root = knobs.PERSIST_DIR.get()
         if not root:
             return 0, "none"
-        from ftrun.snapshot import persist
+        from ftrun.errors import RestoreError
+        from ftrun.snapshot.fallback import gather_all, record_for_launcher, restore_from_disk
 
-        found = persist.latest_complete(root)
-        step = found[0] if found else 0
-        steps = self._agree_steps({step: 0} if step else {}, distributed)
-        if not steps:
-            return 0, "none"
-        step, saved_world = steps[0], found[1] if found else 0
-        rank = self.rank if self.rank < saved_world else 0
-        tree: dict[str, Any] | None = None
         try:
-            tree = persist.load_rank(root, step, rank)
-        except FtrunError as e:
-            log.error("persisted step %d of rank %d is not loadable: %s", step, rank, e)
-        if not self._all(tree is not None, distributed):
+            found = restore_from_disk(root, rank=self.rank, world_size=self.world_size,
+                                      gather=gather_all(distributed))
+        except RestoreError as e:
+            record_for_launcher(e)
+            raise
+        if found.step == 0:
             return 0, "none"
-        assert tree is not None
-        if saved_world != self.world_size:
-            log.warning("persisted step %d was written by %d ranks, this job has %d: loading "
-                        "rank %d's model and optimizer state", step, saved_world,
-                        self.world_size, rank)
-        self._apply(tree)
-        return step, f"disk ({root})"
+        self._apply(found.tree)
+        return found.step, f"disk ({root})"
 
     def close(self) -> None:
         self.wait()

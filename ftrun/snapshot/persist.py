@@ -14,8 +14,10 @@ counters, RNG tuples, dtypes, bytes) live only in ``ftrun-manifest.json``, from 
 :func:`load_rank` rebuilds the exact state tree, without unpickling anything of ours.
 
 A rank directory only appears, by an atomic rename, once every file in it is written and
-fsynced; a step is complete when every rank ``0..W-1`` has one and their manifests agree on W.
-Scanning and pruning never import torch; writing and loading import it (and DCP) on first use.
+fsynced; a step is complete when every rank ``0..W-1`` has one and their manifests agree on W
+and on the epoch (the incarnation of the workers that took the snapshot: a step written again
+after a restart must not mix ranks of two timelines). Scanning and pruning never import
+torch; writing and loading import it (and DCP) on first use.
 
 Leaving ftrun: :func:`to_torch_save` writes one ``torch.save`` file holding a rank's state
 tree. PyTorch's own converter also reads a *rank* directory directly (not a step directory:
@@ -135,6 +137,12 @@ def _quiet_dcp() -> Iterator[Any]:
         yield dcp
 
 
+def import_dcp() -> None:
+    """Import torch.distributed.checkpoint now (seconds), ahead of the first write."""
+    with _quiet_dcp():
+        pass
+
+
 def _dcp_save(state: dict[str, torch.Tensor], path: Path) -> None:
     with _quiet_dcp() as dcp:
         writer = dcp.FileSystemWriter(str(path), sync_files=True, thread_count=1)
@@ -156,6 +164,19 @@ def storage_files(path: PathLike) -> dict[str, str]:
         raise IntegrityError(f"{path / DCP_METADATA} is unreadable ({e}); the checkpoint "
                              "is corrupt: use another step") from e
     return {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+
+
+def storage_spans(path: PathLike) -> dict[str, tuple[str, int, int]]:
+    """DCP key -> (file relative to the rank directory, offset, length) of its stored bytes."""
+    path = Path(path)
+    try:
+        with _quiet_dcp() as dcp:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # DCP raises whatever unpickling a bad file raises
+        raise IntegrityError(f"{path / DCP_METADATA} is unreadable ({e}); the checkpoint "
+                             "is corrupt: use another step") from e
+    return {index.fqn: (info.relative_path, info.offset, info.length)
+            for index, info in metadata.storage_data.items()}
 
 
 # -- small durable-file helpers ---------------------------------------------------------------
@@ -210,7 +231,8 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
     xxh3-64 the store recorded per tensor. Every tensor is re-hashed first: corrupt bytes are
     never written (IntegrityError). The caller keeps ``data`` unchanged until this returns;
     no view into it is left behind. Idempotent: an existing ``rank_<r>`` directory is left as
-    it is. Writing goes to ``.tmp-rank_<r>-<pid>`` in the step directory, fsynced, then
+    it is, unless it holds another epoch's snapshot of the step (or is unreadable): then it
+    is replaced. Writing goes to ``.tmp-rank_<r>-<pid>`` in the step directory, fsynced, then
     renamed: a crash leaves only a temp directory, which is never taken for a checkpoint.
     """
     step, rank, _world = _check_doc(doc)
@@ -222,13 +244,19 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
             "the snapshot's hash table does not belong to its manifest"
         )
     final = rank_dir(persist_dir, step, rank)
+    replace = False
     if final.is_dir():
-        log.debug("%s exists already; leaving it", final)
-        return final
+        existing = read_rank_dir(final, step=step, rank=rank)
+        if existing.problem is None and existing.epoch == epoch_of(doc):
+            log.debug("%s exists already; leaving it", final)
+            return final
+        replace = True
+        log.info("replacing %s (%s)", final, existing.problem or
+                 f"written by epoch {existing.epoch}, this snapshot is of epoch {epoch_of(doc)}")
     view = memoryview(data).cast("B")
     try:
         _check_bytes(view, table, hashes, f"step {step} rank {rank}")
-        return _write_dir(final, doc, view, table, keys, hashes)
+        return _write_dir(final, doc, view, table, keys, hashes, replace=replace)
     finally:
         try:
             view.release()
@@ -254,8 +282,15 @@ def _check_bytes(view: memoryview, table: list[TensorEntry], hashes: list[int],
             )
 
 
+def epoch_of(doc: dict[str, Any]) -> str | None:
+    """The epoch a manifest's snapshot was taken in (None for snapshots without one)."""
+    meta = doc.get("meta")
+    epoch = meta.get("epoch") if isinstance(meta, dict) else None
+    return str(epoch) if epoch else None
+
+
 def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[TensorEntry],
-               keys: list[str], hashes: list[int]) -> Path:
+               keys: list[str], hashes: list[int], *, replace: bool = False) -> Path:
     step, rank = int(doc["step"]), int(doc["rank"])
     parent = final.parent
     try:
@@ -279,6 +314,9 @@ def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[T
         _dcp_save(state, tmp)
         state.clear()
         _fsync_tree(tmp)
+        if replace:
+            # Only this node ever writes this rank: nobody races the swap.
+            _remove_dir(final, parent.parent)
         try:
             os.rename(tmp, final)
         except OSError as e:
@@ -315,6 +353,7 @@ class RankDir:
     path: Path
     world_size: int | None  # from its manifest; None when unreadable
     problem: str | None  # why it cannot be used, naming the file (None: usable)
+    epoch: str | None = None  # the epoch that took the snapshot (manifest meta)
 
 
 @dataclass(frozen=True)
@@ -334,14 +373,45 @@ class StepDir:
 
     @property
     def complete(self) -> bool:
-        world = self.world_size
-        usable = {r.rank for r in self.ranks if r.problem is None}
-        return (world is not None and usable == set(range(world))
-                and all(r.problem is None for r in self.ranks))
+        return self.why_incomplete is None
+
+    @property
+    def why_incomplete(self) -> str | None:
+        """Why this step cannot be restored as it is on disk (None: it is complete)."""
+        if self.problems:
+            return f"corrupt: {self.problems[0]}"
+        pending = (f"; {len(self.pending)} write(s) in progress or abandoned "
+                   f"({', '.join(p.name for p in self.pending)})" if self.pending else "")
+        if not self.ranks:
+            return f"partial: no rank finished writing{pending}"
+        sizes = sorted({r.world_size for r in self.ranks if r.world_size is not None})
+        if len(sizes) != 1:
+            return f"partial: its ranks disagree on the world size ({sizes})"
+        world = sizes[0]
+        epochs = sorted({str(r.epoch) for r in self.ranks})
+        if len(epochs) != 1:
+            return (f"partial: its ranks were written by different incarnations of the job "
+                    f"(epochs {', '.join(epochs)}): never mixed")
+        missing = sorted(set(range(world)) - {r.rank for r in self.ranks})
+        if missing:
+            return (f"partial: rank(s) {_ranges(missing)} of {world} missing (a node did not "
+                    f"write its part){pending}")
+        return None
 
     @property
     def problems(self) -> list[str]:
         return [r.problem for r in self.ranks if r.problem is not None]
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for v in values:
+        if out and out[-1].split("-")[-1] == str(v - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)
 
 
 def read_manifest(path: PathLike) -> dict[str, Any]:
@@ -399,11 +469,13 @@ def read_rank_dir(path: PathLike, *, step: int | None = None, rank: int | None =
     world = int(doc["world_size"])
     if rank >= 0 and int(doc["rank"]) != rank:
         return RankDir(rank, path, world,
-                       f"{path / MANIFEST_FILE} is for rank {doc['rank']}, not {rank}")
+                       f"{path / MANIFEST_FILE} is for rank {doc['rank']}, not {rank}",
+                       epoch_of(doc))
     if step is not None and int(doc["step"]) != step:
         return RankDir(rank, path, world,
-                       f"{path / MANIFEST_FILE} is for step {doc['step']}, not {step}")
-    return RankDir(int(doc["rank"]), path, world, None)
+                       f"{path / MANIFEST_FILE} is for step {doc['step']}, not {step}",
+                       epoch_of(doc))
+    return RankDir(int(doc["rank"]), path, world, None, epoch_of(doc))
 
 
 def read_step_dir(path: PathLike) -> StepDir:
@@ -458,11 +530,14 @@ def latest_complete(persist_dir: PathLike) -> tuple[int, int] | None:
 
 
 def prune(persist_dir: PathLike, keep: int) -> list[Path]:
-    """Remove step directories older than the newest ``keep`` complete steps.
+    """Keep the newest ``keep`` complete steps; remove the other complete ones and every step
+    that is not complete but older than the newest complete one.
 
-    Steps newer than the oldest kept one stay (partial or not: a write may be in progress),
-    so the newest complete step is never removed. ``.tmp-*`` directories untouched for an
-    hour are removed too. Returns what was removed.
+    Only complete steps count towards ``keep``, so the newest complete step is never removed.
+    A step that is not complete and older than the newest complete one can never complete
+    (each store writes its targets in order): it goes. Incomplete steps newer than the newest
+    complete one stay (a write may be in progress; restore skips them). ``.tmp-*``
+    directories untouched for an hour are removed too. Returns what was removed.
     """
     if keep < 1:
         raise ConfigError(
@@ -470,11 +545,13 @@ def prune(persist_dir: PathLike, keep: int) -> list[Path]:
         )
     root = Path(persist_dir)
     removed: list[Path] = []
-    complete = complete_steps(root)
-    oldest_kept = complete[:keep][-1][0] if complete else None
+    steps = list_steps(root)
+    complete = [s.step for s in steps if s.complete]
+    kept = set(complete[:keep])
+    newest = complete[0] if complete else None
     now = time.time()
-    for s in list_steps(root):
-        if oldest_kept is not None and s.step < oldest_kept:
+    for s in steps:
+        if newest is not None and s.step not in kept and (s.complete or s.step < newest):
             _remove_dir(s.path, root)
             removed.append(s.path)
             continue

@@ -8,8 +8,11 @@ It does the work the training loop must not wait for:
 - **claims**: before a rank overwrites its older buffer it asks here; the answer is yes only
   once the step in its newer buffer is committed, so the newest committed snapshot is never
   overwritten;
-- **persist**: committed snapshots go to disk every N steps or T seconds, on SIGUSR1, and on
-  SIGTERM (job end, preemption), off the training path;
+- **persist**: committed steps go to disk every N steps or T seconds, on SIGUSR1, and at the
+  end (job end, SIGTERM, preemption), off the training path. The coordinator picks the step
+  (a *persist target*, ftrun.coordinator.commits) so that every node writes the same one;
+  the store copies its ranks' shards of a target out of shared memory before it lets any
+  rank overwrite them, and writes them in the background;
 - **adopt and clean**: segments are named after the job, so a restarted store picks them up
   (verifying whatever was staged but not yet hashed); segments of dead jobs are removed;
   on SIGTERM, the job's own segments go too.
@@ -36,6 +39,7 @@ import xxhash
 import zmq
 
 from ftrun import jobs, knobs, protocol
+from ftrun.coordinator.commits import FINAL_SETTLE_S, MAX_TARGETS, CommitTracker
 from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
 from ftrun.launcher.pdeath import set_parent_death_signal
 from ftrun.snapshot import segment as shm
@@ -46,7 +50,9 @@ log = logging.getLogger("ftrun.store")
 
 POLL_MS = 100
 REPORT_EVERY_S = 2.0
+POLL_TARGETS_S = 1.0
 COORDINATOR_TIMEOUT_S = 2.0
+WRITE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,12 @@ def verify_segment(seg: shm.Segment) -> tuple[bool, str]:
     return True, ""
 
 
+def _warm_up() -> None:
+    from ftrun.snapshot import persist
+
+    persist.import_dcp()
+
+
 class SnapshotStore:
     def __init__(self, cfg: StoreConfig, secret: bytes) -> None:
         self.cfg = cfg
@@ -94,14 +106,21 @@ class SnapshotStore:
         self._prefix = shm.job_prefix(cfg.run_id)
         self._segments: dict[str, tuple[int, shm.Segment]] = {}  # name -> (inode, seg)
         self._epoch = ""
+        self._base = -1  # the step the current epoch resumed from
         self._committed = -1
         self._world_size = 0
         self._coord = (Channel(protocol.zmq_url(cfg.coordinator), secret, cfg.run_id,
                                f"store:{cfg.node_id}") if cfg.coordinator else None)
+        # Without a coordinator this node is the whole job: the same commit and target rules
+        # run here (nothing to wait for at the end: every rank reports to this store).
+        self._local = CommitTracker(final_settle_s=0.0) if self._coord is None else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-persist")
         self._pending_write: Future[None] | None = None
+        self._writing_step: int | None = None
         self._persisted_step: int | None = None
-        self._last_persist_mono = time.monotonic()
+        self._handled: dict[int, str] = {}  # persist target -> what became of it (this epoch)
+        self._final: int | None = None  # the epoch's final target, once known
+        self._report_due = False  # tell the coordinator about targets done, at once
         self._stop = threading.Event()
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
@@ -186,14 +205,22 @@ class SnapshotStore:
         seg.set_state(shm.VERIFIED, hashes_xxh3=hx)
         log.debug("verified %s step %d (%d bytes) in %.1f ms", name, h.step, h.data_len,
                   (time.perf_counter() - t0) * 1e3)
+        if not self._world_size:
+            self._world_size = int(doc["world_size"])
         rank, _ = self._rank_of(name)
         self._report_verified(h.epoch, rank, h.step, h.data_len)
         return True, "", h.step
 
     # -- coordinator ------------------------------------------------------------------------
     def _ask(self, kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        if self._coord is None:
-            return None
+        if self._local is not None:
+            reply, _ = self._local.handle(kind, body)
+            for t in self._local.new_targets:
+                log.info("persist target: step %d (%s%s)", t.step, t.reason,
+                         ", final" if t.final else "")
+            self._local.new_targets.clear()
+            return reply
+        assert self._coord is not None
         try:
             msg = self._coord.request(kind, body, "commit_info", COORDINATOR_TIMEOUT_S)
         except (UnreachableError, FtrunError) as e:
@@ -201,33 +228,80 @@ class SnapshotStore:
             return None
         return msg.body
 
+    def _epoch_body(self, epoch: str, base_step: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"node_id": self.cfg.node_id, "epoch": epoch,
+                                "base_step": base_step, "world_size": self._world_size}
+        if self.cfg.persist_dir:
+            # The coordinator schedules targets with these (every store passes the same).
+            body["persist_every"] = self.cfg.persist_every
+            body["persist_interval_s"] = float(self.cfg.persist_interval_s)
+        return body
+
+    def _ask_epoch(self, kind: str, body: dict[str, Any], epoch: str) -> dict[str, Any] | None:
+        """``_ask`` about the current epoch; a coordinator that lost it (restarted) is taught
+        it again, with every shard verified here, and asked once more."""
+        info = self._ask(kind, body)
+        if info is not None and not info["known"] and epoch == self._epoch:
+            self._reteach()
+            info = self._ask(kind, body)
+        self._note_commit(info, epoch)
+        return info
+
+    def _reteach(self) -> None:
+        if not self._world_size:
+            return  # nothing verified here yet: nothing to teach
+        self._ask("snap_epoch", self._epoch_body(self._epoch, max(self._committed, 0)))
+        for name in self._job_segments():
+            seg = self._open(name)
+            if seg is None:
+                continue
+            h = seg.header()
+            if h.state == shm.VERIFIED and h.epoch == self._epoch:
+                self._ask("snap_verified", {"node_id": self.cfg.node_id, "epoch": h.epoch,
+                                            "rank": self._rank_of(name)[0], "step": h.step,
+                                            "nbytes": h.data_len})
+
     def _note_commit(self, info: dict[str, Any] | None, epoch: str) -> None:
-        if info and info.get("known") and info["epoch"] == epoch == self._epoch:
-            self._committed = max(self._committed, info["committed"])
+        """Take in a commit_info reply: the committed step, then the persist targets.
+
+        Targets are handled here, before the reply can let any claim through: a rank only
+        overwrites a target's buffer after the next step committed, which this very reply
+        may be the first to say.
+        """
+        if not (info and info.get("known") and info["epoch"] == epoch == self._epoch):
+            return
+        self._committed = max(self._committed, info["committed"])
+        if info.get("final") is not None:
+            self._final = info["final"]
+        for step in sorted(info.get("targets") or ()):
+            if step not in self._handled:
+                self._persist_target(step)
 
     def _report_verified(self, epoch: str, rank: int, step: int, nbytes: int) -> None:
         if not epoch:
             return
-        info = self._ask("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
-                                           "rank": rank, "step": step, "nbytes": nbytes})
-        if info is not None and not info["known"] and epoch == self._epoch:
-            # The coordinator restarted and lost the epoch: teach it again, then retry.
-            self._ask("snap_epoch", {"node_id": self.cfg.node_id, "epoch": epoch,
-                                     "base_step": max(self._committed, 0), "world_size":
-                                     self._world_size})
-            info = self._ask("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
-                                               "rank": rank, "step": step, "nbytes": nbytes})
-        self._note_commit(info, epoch)
-        self._maybe_persist()
-
+        self._ask_epoch("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
+                                          "rank": rank, "step": step, "nbytes": nbytes}, epoch)
 
     def _committed_at_least(self, epoch: str, step: int) -> bool:
         if epoch == self._epoch and self._committed >= step:
             return True
-        if self._coord is None:
-            return True  # no coordinator: this node is the whole job; local checks suffice
-        self._note_commit(self._ask("commit_query", {"epoch": epoch}), epoch)
+        self._ask_epoch("commit_query", {"epoch": epoch}, epoch)
         return epoch == self._epoch and self._committed >= step
+
+    def request_persist(self, reason: str, final: bool = False) -> dict[str, Any] | None:
+        """Ask for a persist target now (every node's store then writes that step)."""
+        if not self._epoch:
+            log.info("persist (%s): no snapshot epoch yet, nothing committed to write", reason)
+            return None
+        body = {"node_id": self.cfg.node_id, "epoch": self._epoch, "reason": reason,
+                "final": final}
+        deadline = time.monotonic() + FINAL_SETTLE_S + 2 * COORDINATOR_TIMEOUT_S
+        while True:
+            info = self._ask_epoch("persist_request", body, self._epoch)
+            if not (info and info.get("settling")) or time.monotonic() > deadline:
+                return info
+            time.sleep(0.1)
 
     # -- requests from ranks ----------------------------------------------------------------
     def handle(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
@@ -253,12 +327,15 @@ class SnapshotStore:
         if msg.kind == "snap_restored":
             if b["epoch"] != self._epoch:
                 self._epoch, self._committed = b["epoch"], b["step"]
+                self._base = b["step"]
                 self._world_size = b["world_size"]
-                self._ask("snap_epoch", {"node_id": self.cfg.node_id, "epoch": b["epoch"],
-                                         "base_step": b["step"], "world_size": b["world_size"]})
+                self._handled.clear()
+                self._final = None
+                self._report_due = True
+                self._ask("snap_epoch", self._epoch_body(b["epoch"], b["step"]))
             return "ack", {"re": msg.id}
         if msg.kind == "store_persist":
-            self.persist(reason=b["reason"], wait=True)
+            self.request_persist(b["reason"])
             return "ack", {"re": msg.id}
         raise ProtocolError(f"the store does not accept {msg.kind!r}")
 
@@ -269,51 +346,88 @@ class SnapshotStore:
             if seg is not None and seg.header().state == shm.STAGED:
                 self._verify_staged(name)
 
-    # -- persistence ------------------------------------------------------------------------
-    def _maybe_persist(self) -> None:
-        cfg = self.cfg
-        if not cfg.persist_dir or self._committed <= 0:
-            return
-        due = False
-        if cfg.persist_every > 0:
-            last = self._persisted_step or 0
-            due = self._committed // cfg.persist_every > last // cfg.persist_every
-        if cfg.persist_interval_s > 0:
-            due |= time.monotonic() - self._last_persist_mono >= cfg.persist_interval_s
-        if due and self._committed != self._persisted_step:
-            self.persist("schedule", wait=False)
-
-    def persist(self, reason: str, wait: bool) -> None:
-        """Write the newest committed step held here to disk (copy now, write in background)."""
-        cfg = self.cfg
-        if not cfg.persist_dir:
-            return
-        if self._pending_write is not None and not self._pending_write.done():
-            if not wait:
-                return  # the disk is behind; skip, the next one carries a newer step
-            self._pending_write.result(timeout=600)
-        step = self._committed
-        shards = []
+    def _verify_all(self) -> None:
         for name in self._job_segments():
             seg = self._open(name)
-            if seg is None:
+            if seg is not None and seg.header().state == shm.STAGED:
+                self._verify_staged(name)
+
+    # -- persistence ------------------------------------------------------------------------
+    def _persist_target(self, step: int) -> None:
+        """Copy this node's shards of target ``step`` out of shared memory (now, at memcpy
+        speed) and write them to disk in the background.
+
+        If the previous write is still running, the disk is behind: this target is skipped
+        here (logged), never waited for, except the final one (the job is ending, the
+        buffers no longer change).
+        """
+        if not self.cfg.persist_dir:
+            return
+        final = step == self._final
+        self._report_due = True
+        while len(self._handled) >= 4 * MAX_TARGETS:
+            del self._handled[min(self._handled)]
+        if step <= 0:
+            self._handled[step] = "nothing to write"
+            return
+        busy = self._pending_write is not None and not self._pending_write.done()
+        if busy and not final:
+            self._handled[step] = "skipped: disk behind"
+            log.warning("not persisting step %d here: the write of step %s is still running "
+                        "(the disk is behind; step %d will be partial on disk and pruned)",
+                        step, self._writing_step, step)
+            return
+        if busy:
+            assert self._pending_write is not None
+            self._pending_write.result(timeout=WRITE_TIMEOUT_S)
+        shards, missing = self._copy_step(step)
+        if missing and step == self._base and not shards:
+            # The epoch began there, restored from disk (or written before a restart).
+            self._handled[step] = "the epoch's base step"
+            log.info("persist target %d is the step this epoch resumed from; nothing newer "
+                     "to write here", step)
+            return
+        if missing:
+            self._handled[step] = f"not held: {missing}"
+            log.error("cannot persist step %d: %s; it stays partial on disk", step, missing)
+            return
+        self._handled[step] = "written"
+        log.info("persisting step %d%s: %d shard(s), copied out of shared memory", step,
+                 " (final)" if final else "", len(shards))
+        self._writing_step = step
+        self._pending_write = self._writer.submit(self._write, step, shards)
+
+    def _copy_step(self, step: int) -> tuple[list[tuple[dict[str, Any], bytes, list[int]]], str]:
+        """Copies of every local rank's verified shard of ``step``, or why they cannot be."""
+        held: dict[int, tuple[dict[str, Any], bytes, list[int]]] = {}
+        ranks: set[int] = set()
+        problems = []
+        for name in self._job_segments():
+            rank, _ = self._rank_of(name)
+            ranks.add(rank)
+            seg = self._open(name)
+            if seg is None or rank in held:
                 continue
             h = seg.header()
-            if h.state != shm.VERIFIED or h.step != step or step <= 0:
+            if h.state != shm.VERIFIED or h.step != step:
                 continue
             try:
                 doc = parse_manifest(seg.manifest_bytes(h))
-                shards.append((doc, bytes(seg.data(h)), seg.hashes(h)))
+                shard = (doc, bytes(seg.data(h)), seg.hashes(h))
             except IntegrityError as e:
-                log.error("not persisting %s: %s", name, e)
-        if not shards:
-            log.info("persist (%s): no committed step held here", reason)
-            return
-        self._last_persist_mono = time.monotonic()
-        log.info("persisting step %d (%s): %d shard(s)", step, reason, len(shards))
-        self._pending_write = self._writer.submit(self._write, step, shards)
-        if wait:
-            self._pending_write.result(timeout=600)
+                problems.append(f"rank {rank}: {e}")
+                continue
+            after = seg.header()
+            if after.state != shm.VERIFIED or after.step != step:
+                problems.append(f"rank {rank}: its buffer changed while being copied")
+                continue
+            held[rank] = shard
+        lacking = sorted(ranks - set(held))
+        if lacking and not problems:
+            problems.append(f"rank(s) {', '.join(map(str, lacking))} no longer hold it")
+        if not ranks:
+            problems.append("no snapshot buffers on this node")
+        return [held[r] for r in sorted(held)], "; ".join(problems)
 
     def _write(self, step: int, shards: list[tuple[dict[str, Any], bytes, list[int]]]) -> None:
         from ftrun.snapshot import persist
@@ -329,8 +443,35 @@ class SnapshotStore:
         except Exception:
             log.exception("persisting step %d failed", step)
             return
+        finally:
+            self._report_due = True
         self._persisted_step = step
         log.info("persisted step %d to %s in %.2f s", step, root, time.perf_counter() - t0)
+
+    def _writing(self) -> int | None:
+        """The target being written now (None: the writer is idle)."""
+        job = self._pending_write
+        return self._writing_step if job is not None and not job.done() else None
+
+    def _persist_final(self) -> None:
+        """At the end (job end, SIGTERM): write the final target every node agreed on."""
+        if not self.cfg.persist_dir or not self._epoch:
+            return
+        info = self.request_persist("end of job", final=True)
+        if info is None and self._coord is not None:
+            # Nobody to agree with: the newest step this node knows committed is the best
+            # left; another node may write a different one (that step then stays partial).
+            log.warning("coordinator unreachable: persisting step %d, the newest known "
+                        "committed here; other nodes may write another step", self._committed)
+            self._final = self._committed
+            self._persist_target(self._committed)
+        elif info is not None and info.get("settling"):
+            log.warning("no final step agreed within %.0f s; not persisting at the end",
+                        FINAL_SETTLE_S + 2 * COORDINATOR_TIMEOUT_S)
+        elif self._final is not None and self._final not in self._handled:
+            self._persist_target(self._final)
+        if self._pending_write is not None:
+            self._pending_write.result(timeout=WRITE_TIMEOUT_S)
 
     # -- loop -------------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -347,10 +488,15 @@ class SnapshotStore:
                 self._epoch = h.epoch
             if h.state == shm.STAGED:
                 self._verify_staged(name)
+            elif h.state == shm.VERIFIED and not self._world_size:
+                try:
+                    self._world_size = int(parse_manifest(seg.manifest_bytes(h))["world_size"])
+                except (IntegrityError, KeyError, ValueError):
+                    pass
         if self._job_segments():
             log.info("adopted %d segment(s) of job %s", len(self._job_segments()), self.cfg.run_id)
 
-    def report(self) -> None:
+    def report(self, final: bool = False) -> None:
         names = self._job_segments()
         total = 0
         ranks = set()
@@ -365,18 +511,29 @@ class SnapshotStore:
                 self._coord.request("store_report", {
                     "node_id": self.cfg.node_id, "bytes": total, "segments": len(names),
                     "persisted_step": self._persisted_step, "ranks": sorted(ranks),
+                    "persist": bool(self.cfg.persist_dir), "final": final,
+                    "epoch": self._epoch or None, "writing": self._writing(),
+                    "target_done": max(self._handled, default=-1),
                 }, "ack", COORDINATOR_TIMEOUT_S)
             except (UnreachableError, FtrunError) as e:
                 log.debug("store report: %s", e)
+
+    def _poll(self) -> None:
+        """Learn targets while the ranks are quiet (no verify replies to carry them)."""
+        if self.cfg.persist_dir and self._epoch and self._coord is not None:
+            self._ask_epoch("commit_query", {"epoch": self._epoch}, self._epoch)
 
     def serve(self) -> None:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.cfg.url)
+        if self.cfg.persist_dir:
+            # Import the writer's modules now (seconds), not at the first target's write.
+            self._writer.submit(_warm_up)
         self.adopt()
         log.info("snapshot store of job %s at %s", self.cfg.run_id, self.cfg.url)
-        last_report = 0.0
+        last_report = last_poll = 0.0
         try:
             while not self._stop.is_set():
                 try:
@@ -385,15 +542,21 @@ class SnapshotStore:
                         self._on_frames(sock, frames)
                     if self._persist_now.is_set():
                         self._persist_now.clear()
-                        self.persist("SIGUSR1", wait=False)
-                    if time.monotonic() - last_report >= REPORT_EVERY_S:
-                        last_report = time.monotonic()
-                        self._maybe_persist()
+                        self.request_persist("SIGUSR1")
+                    now = time.monotonic()
+                    if now - last_poll >= POLL_TARGETS_S:
+                        last_poll = now
+                        self._poll()
+                    if now - last_report >= REPORT_EVERY_S or (
+                            self._report_due and self._writing() is None):
+                        last_report = now
+                        self._report_due = False
                         self.report()
                 except Exception:  # noqa: BLE001 - the store must survive anything
                     log.exception("store loop error; continuing")
                     time.sleep(POLL_MS / 1000)
         finally:
+            # No claim is answered from here on: the buffers stay as they are.
             sock.close(0)
             self._shutdown()
 
@@ -420,10 +583,14 @@ class SnapshotStore:
     def _shutdown(self) -> None:
         if self._unlink_at_exit:
             try:
-                self.persist("end of job", wait=True)
+                # Steps the ranks staged just before stopping may still commit.
+                self._verify_all()
+                self._persist_final()
             except Exception:
                 log.exception("final persist failed")
         self._writer.shutdown(wait=True)
+        if self._unlink_at_exit:
+            self.report(final=True)
         for name in list(self._segments):
             self._forget(name)
         if self._unlink_at_exit:
