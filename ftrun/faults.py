@@ -67,20 +67,29 @@ class FileCorruption:
 
 
 def corrupt_persisted(persist_dir: str, step: int, rank: int) -> FileCorruption:
-    """Flip one byte in the middle of the largest tensor of persisted ``step_<S>/rank_<r>``."""
+    """Flip one byte of the largest tensor's data in persisted ``step_<S>/rank_<r>``."""
+    import torch
+
     from ftrun.snapshot import persist
 
     path = persist.rank_dir(persist_dir, step, rank)
     spans = persist.storage_spans(path)
-    if not spans:
-        raise FtrunError(f"{path} stores no tensors to corrupt")
-    key, (name, start, length) = max(spans.items(), key=lambda kv: kv[1][2])
-    file = path / name
-    offset = start + length // 2
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    log.warning("fault injection: flipped byte %d of %s (tensor %s)", offset, file, key)
-    return FileCorruption(str(file), key, offset)
+    tensors = persist.read_tensors(path)
+    for key, t in sorted(tensors.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        if not raw or key not in spans:
+            continue
+        name, start, length = spans[key]
+        file = path / name
+        with open(file, "r+b") as f:
+            f.seek(start)
+            stored = f.read(length)
+            at = stored.find(raw)  # the tensor's bytes inside its stored record
+            if at < 0:
+                continue
+            offset = start + at + len(raw) // 2
+            f.seek(offset)
+            f.write(bytes([stored[at + len(raw) // 2] ^ 0xFF]))
+        log.warning("fault injection: flipped byte %d of %s (tensor %s)", offset, file, key)
+        return FileCorruption(str(file), key, offset)
+    raise FtrunError(f"{path} stores no tensor whose bytes could be located to corrupt")

@@ -42,10 +42,12 @@ def stage_segment(run_id: str, rank: int, buffer: int, state: Any, *, step: int,
     return seg
 
 
-def write_plain(root: Path, state: Any, *, step: int, rank: int = 0, world_size: int = 1) -> Path:
+def write_plain(root: Path, state: Any, *, step: int, rank: int = 0, world_size: int = 1,
+                meta: dict[str, Any] | None = None) -> Path:
     """persist.write_rank from an in-memory buffer (no segment), for tests needing many steps."""
     flat = flatten(state)
-    doc = parse_manifest(manifest_blob(flat, step=step, rank=rank, world_size=world_size, meta={}))
+    doc = parse_manifest(manifest_blob(flat, step=step, rank=rank, world_size=world_size,
+                                       meta=meta or {}))
     buf = bytearray(flat.data_len)
     data = memoryview(buf)
     for entry, src in zip(flat.tensors, flat.sources, strict=True):

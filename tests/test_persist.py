@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +20,15 @@ import pytest
 import torch
 from snapshot_helpers import stage_segment, write_plain
 
-from ftrun.errors import ConfigError, IntegrityError
-from ftrun.snapshot import persist
+from ftrun.coordinator.commits import FINAL_SETTLE_S, CommitTracker, StoreState
+from ftrun.errors import ConfigError, IntegrityError, RestoreError
+from ftrun.faults import corrupt_persisted
+from ftrun.protocol import Message
+from ftrun.snapshot import fallback, persist
+from ftrun.snapshot import segment as shm
 from ftrun.snapshot.manifest import flatten, parse_manifest
-from ftrun.snapshot.segment import STAGED, VERIFIED, Segment
+from ftrun.snapshot.segment import STAGED, VERIFIED, Segment, segment_name
+from ftrun.snapshot.store import SnapshotStore, StoreConfig
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -244,3 +252,261 @@ def test_colliding_keys_are_refused(workdir: Path) -> None:
     with pytest.raises(ConfigError, match="same checkpoint key"):
         write_plain(workdir, {"model": {1: torch.ones(1), "1": torch.zeros(1)}}, step=1)
     assert not list(workdir.glob("step_*/rank_*"))
+
+
+# -- partial steps, epochs, pruning -----------------------------------------------------------
+
+
+def test_prune_counts_complete_steps_and_drops_older_partial_ones(workdir: Path) -> None:
+    for step in (10, 20, 30):
+        for rank in (0, 1):
+            write_plain(workdir, make_state(rank), step=step, rank=rank, world_size=2)
+    for step in (5, 15, 25, 35):  # a node wrote its part, the other did not (yet)
+        write_plain(workdir, make_state(), step=step, rank=0, world_size=2)
+    steps = {s.step: s for s in persist.list_steps(workdir)}
+    assert steps[15].why_incomplete.startswith("partial: rank(s) 1 of 2 missing")
+
+    removed = persist.prune(workdir, keep=2)
+    # Partial steps older than the newest complete one can never complete: gone. The
+    # partial step newer than it may still be being written: kept. keep counts complete only.
+    assert sorted(p.name for p in removed) == [
+        "step_000000005", "step_000000010", "step_000000015", "step_000000025"]
+    assert sorted(p.name for p in workdir.iterdir()) == [
+        "step_000000020", "step_000000030", "step_000000035"]
+    assert persist.prune(workdir, keep=2) == []
+    assert persist.prune(workdir, keep=1) == [workdir / "step_000000020"]
+    assert [s for s, _ in persist.complete_steps(workdir)] == [30]
+
+
+def test_a_step_never_mixes_ranks_of_two_epochs(workdir: Path) -> None:
+    # Epoch "old" wrote rank 0 of step 8 before its job died; after a restore from an older
+    # step, epoch "new" reaches step 8 again with other values.
+    write_plain(workdir, make_state(0), step=8, rank=0, world_size=2, meta={"epoch": "old"})
+    write_plain(workdir, make_state(1), step=8, rank=1, world_size=2, meta={"epoch": "new"})
+    [step8] = persist.list_steps(workdir)
+    assert not step8.complete and "different incarnations" in step8.why_incomplete
+
+    # The new epoch's rank 0 replaces the stale one (same epoch: left as it is).
+    write_plain(workdir, make_state(2), step=8, rank=0, world_size=2, meta={"epoch": "new"})
+    assert persist.complete_steps(workdir) == [(8, 2)]
+    assert_same(persist.load_rank(workdir, 8, 0)["model"], make_state(2)["model"])
+    write_plain(workdir, make_state(3), step=8, rank=0, world_size=2, meta={"epoch": "new"})
+    assert_same(persist.load_rank(workdir, 8, 0)["model"], make_state(2)["model"])
+    assert not [p for p in workdir.iterdir() if p.name.startswith(persist.TRASH_PREFIX)]
+
+
+# -- persist targets (the coordinator's choice of step) ---------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _commit(tracker: CommitTracker, epoch: str, step: int, world: int = 2) -> None:
+    for rank in range(world):
+        tracker.verified(epoch, rank, step, 10)
+
+
+def _targets(tracker: CommitTracker) -> list[tuple[int, str, bool]]:
+    out = [(t.step, t.reason, t.final) for t in tracker.new_targets]
+    tracker.new_targets.clear()
+    return out
+
+
+def test_targets_every_n_steps_from_the_base_and_across_restarts() -> None:
+    tracker = CommitTracker(clock=FakeClock())
+    tracker.handle("snap_epoch", {"node_id": "a", "epoch": "e1", "base_step": 262,
+                                  "world_size": 2, "persist_every": 50})
+    for step in range(263, 306):
+        _commit(tracker, "e1", step)
+    assert _targets(tracker) == [(300, "every 50 steps", False)]
+    reply, _ = tracker.handle("commit_query", {"epoch": "e1"})
+    assert reply["committed"] == 305 and reply["targets"] == [300] and reply["final"] is None
+    # A restart from memory at 305: the schedule goes on, nothing is written twice.
+    tracker.begin("e2", 305, 2)
+    for step in range(306, 351):
+        _commit(tracker, "e2", step)
+    assert _targets(tracker) == [(350, "every 50 steps", False)]
+
+
+def test_targets_by_interval_signal_and_one_final() -> None:
+    clock = FakeClock()
+    tracker = CommitTracker(clock=clock)
+    tracker.handle("snap_epoch", {"node_id": "a", "epoch": "e", "base_step": 0,
+                                  "world_size": 2, "persist_interval_s": 2.0})
+    _commit(tracker, "e", 1)
+    clock.now += 2.5
+    _commit(tracker, "e", 2)
+    _commit(tracker, "e", 3)
+    assert _targets(tracker) == [(2, "interval 2 s", False)]
+    # SIGUSR1 reaches both stores: one target, the committed step.
+    for node in ("a", "b"):
+        reply, _ = tracker.handle("persist_request", {"node_id": node, "epoch": "e",
+                                                      "reason": "SIGUSR1", "final": False})
+    assert _targets(tracker) == [(3, "SIGUSR1", False)] and reply["targets"] == [2, 3]
+    # The end: rank 0 verified step 4, rank 1 not yet: the final target waits (bounded) for it.
+    tracker.verified("e", 0, 4, 10)
+    reply, _ = tracker.handle("persist_request", {"node_id": "a", "epoch": "e",
+                                                  "reason": "end of job", "final": True})
+    assert reply.get("settling") and reply["final"] is None
+    tracker.verified("e", 1, 4, 10)
+    reply, _ = tracker.handle("persist_request", {"node_id": "a", "epoch": "e",
+                                                  "reason": "end of job", "final": True})
+    assert reply["final"] == 4 and not reply.get("settling")
+    reply, _ = tracker.handle("persist_request", {"node_id": "b", "epoch": "e",
+                                                  "reason": "end of job", "final": True})
+    assert reply["final"] == 4
+    assert _targets(tracker) == [(4, "end of job", True)]
+    # Nothing is scheduled after the final target; a step that never completes does not
+    # hold the final target up for longer than the settle time.
+    clock.now += 10
+    _commit(tracker, "e", 5)
+    assert _targets(tracker) == []
+    tracker.begin("f", 5, 2)
+    tracker.verified("f", 0, 6, 10)
+    reply, _ = tracker.handle("persist_request", {"node_id": "a", "epoch": "f",
+                                                  "reason": "end of job", "final": True})
+    assert reply.get("settling")
+    clock.now += FINAL_SETTLE_S
+    reply, _ = tracker.handle("persist_request", {"node_id": "a", "epoch": "f",
+                                                  "reason": "end of job", "final": True})
+    assert reply["final"] == 5
+
+
+def test_no_new_target_while_a_node_still_writes() -> None:
+    tracker = CommitTracker(clock=FakeClock())
+    tracker.handle("snap_epoch", {"node_id": "a", "epoch": "e", "base_step": 0,
+                                  "world_size": 2, "persist_every": 1})
+    tracker.stores["a"] = StoreState(True, "e", -1, None)
+    tracker.stores["b"] = StoreState(True, "e", -1, None)
+    tracker.stores["spare"] = StoreState(True, None, -1, None)  # no part in the epoch
+    _commit(tracker, "e", 1)
+    assert _targets(tracker) == [(1, "every 1 steps", False)]
+    tracker.stores["a"] = StoreState(True, "e", 1, None)
+    tracker.stores["b"] = StoreState(True, "e", 1, 1)  # still writing step 1
+    _commit(tracker, "e", 2)
+    assert _targets(tracker) == [] and tracker.skipped == [(2, ["b"])]
+    tracker.stores["b"] = StoreState(True, "e", 1, None)
+    _commit(tracker, "e", 3)
+    assert _targets(tracker) == [(3, "every 1 steps", False)]
+
+
+# -- restore from disk (collective; two ranks as threads) -------------------------------------
+
+
+def restore_as(world: int, root: Path, start_fresh: bool = False) -> list[Any]:
+    """Run fallback.restore_from_disk on ``world`` ranks at once; results or exceptions."""
+    barrier = threading.Barrier(world, timeout=60)
+    slots: list[Any] = [None] * world
+
+    def rank(r: int) -> Any:
+        def gather(obj: Any) -> list[Any]:
+            slots[r] = obj
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+
+        try:
+            return fallback.restore_from_disk(str(root), rank=r, world_size=world,
+                                              gather=gather, start_fresh=start_fresh)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            return e
+
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(rank, range(world)))
+
+
+def write_step(root: Path, step: int, world: int = 2, ranks: tuple[int, ...] | None = None) -> None:
+    for r in ranks if ranks is not None else range(world):
+        write_plain(root, make_state(r, step), step=step, rank=r, world_size=world,
+                    meta={"epoch": "e"})
+
+
+def test_restore_skips_partial_and_corrupt_steps_on_any_rank(
+        workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_step(workdir, 4)
+    write_step(workdir, 6)
+    write_step(workdir, 8)
+    write_step(workdir, 10, ranks=(0,))  # newest: partial
+    corrupt_persisted(str(workdir), 8, 1)  # rank 1's shard of step 8 has a flipped byte
+    with caplog.at_level(logging.WARNING, logger="ftrun"):
+        results = restore_as(2, workdir)
+    assert [r.step for r in results] == [6, 6]  # both ranks, the same older step
+    assert_same(results[1].tree, make_state(1, 6))
+    assert [str(f) for f in results[0].refused][0].startswith("step 10: partial: rank(s) 1 of 2")
+    assert "step 8: fails verification on rank 1: " in str(results[0].refused[1])
+    logged = caplog.text
+    assert "persisted step 10 in" in logged and "is skipped: partial" in logged
+    assert "persisted step 8 in" in logged and "fails verification on rank(s) 1" in logged
+
+
+def test_restore_refuses_to_start_fresh_silently(workdir: Path) -> None:
+    assert [r.step for r in restore_as(2, workdir / "missing")] == [0, 0]
+    write_step(workdir, 3)
+    write_step(workdir, 5, ranks=(1,))
+    corrupt_persisted(str(workdir), 3, 0)
+    (workdir / "step_000000003" / "rank_00001" / persist.HASHES_FILE).unlink()
+    errors = restore_as(2, workdir)
+    assert all(isinstance(e, RestoreError) for e in errors), errors
+    message = str(errors[0])
+    assert f"--persist-dir {workdir} holds 2 persisted step(s), but none can be restored" in message
+    assert "step 5: partial: rank(s) 0 of 2 missing" in message
+    assert "step 3: fails verification on rank 0: " in message and "rank 1: " in message
+    assert "--start-fresh" in message and "FTRUN_START_FRESH=1" in message
+    fresh = restore_as(2, workdir, start_fresh=True)
+    assert [r.step for r in fresh] == [0, 0] and len(fresh[0].refused) == 2
+    assert sorted(p.name for p in workdir.iterdir()) == ["step_000000003", "step_000000005"]
+
+
+# -- the store without a coordinator: targets are copied before a claim lets them go ----------
+
+
+def test_store_persists_each_target_before_its_buffer_is_reused(workdir: Path) -> None:
+    run_id = f"tp{uuid.uuid4().hex[:10]}"
+    cfg = StoreConfig(run_id=run_id, url="ipc:///nonexistent", coordinator=None,
+                      node_id="host/1", owner_pid=os.getpid(), persist_dir=str(workdir),
+                      persist_every=2, persist_keep=10)
+    store = SnapshotStore(cfg, b"s" * 32)
+
+    def send(kind: str, **body: Any) -> dict[str, Any]:
+        msg = Message(kind, run_id, "test", time.time(), "id", body)
+        answer = store.handle(msg)
+        assert answer is not None
+        return answer[1]
+
+    def save(step: int) -> None:
+        buffer = step % 2
+        for rank in (0, 1):
+            if step > 2:  # the buffer held step - 2: the rank must be allowed to reuse it
+                assert send("snap_claim", rank=rank, buffer=buffer, epoch="e1",
+                            need_committed=step - 1)["ok"]
+            shm.SHM_DIR.joinpath(segment_name(run_id, rank, buffer)).unlink(missing_ok=True)
+            seg = stage_segment(run_id, rank, buffer, make_state(rank, step), step=step,
+                                world_size=2, final_state=STAGED)
+            seg.set_state(STAGED, epoch="e1")  # as a rank's save() does
+            seg.close()
+            assert send("snap_staged", rank=rank, buffer=buffer, step=step, epoch="e1")["ok"]
+        if store._pending_write is not None:  # a training step longer than a write
+            store._pending_write.result(timeout=120)
+
+    try:
+        for rank in (0, 1):
+            send("snap_restored", rank=rank, epoch="e1", step=0, world_size=2)
+        for step in range(1, 6):
+            save(step)
+        assert store._committed == 5
+        # Steps 2 and 4 were due; each was copied before step+2 overwrote its buffer.
+        assert [s for s, _ in persist.complete_steps(workdir)] == [4, 2]
+        store._persist_final()  # what SIGTERM or the end of the job does
+        assert [s for s, _ in persist.complete_steps(workdir)] == [5, 4, 2]
+        assert_same(persist.load_rank(workdir, 2, 1), make_state(1, 2))
+        assert_same(persist.load_rank(workdir, 4, 1), make_state(1, 4))
+    finally:
+        store._writer.shutdown(wait=True)
+        for path in shm.list_segments(shm.job_prefix(run_id)):
+            path.unlink(missing_ok=True)

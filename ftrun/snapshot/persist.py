@@ -616,6 +616,13 @@ def _load_flat(path: Path, table: list[TensorEntry], keys: list[str]) -> dict[st
     return state
 
 
+def read_tensors(path: PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a rank directory by its DCP key, as stored (not verified)."""
+    path = Path(path)
+    table = entries(read_manifest(path))
+    return _load_flat(path, table, dcp_keys(table))
+
+
 def load_dir(path: PathLike, *, verify: bool = True) -> Any:
     """The state tree of one rank directory (see :func:`load_rank`)."""
     path = Path(path)
