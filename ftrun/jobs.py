@@ -7,7 +7,8 @@ Layout, all private to the user (directories 0700, files 0600)::
     <state dir>/jobs/<run id>/events.jsonl the coordinator's structured event log
 
 On a cluster with a shared home every node and ``ftrun status`` find the same secret here.
-Without one, set ``FTRUN_SECRET`` in the job script (the sbatch examples do).
+Without one, set ``FTRUN_SECRET`` in the job script (the sbatch examples do); the launcher
+that runs the coordinator then writes it here too, for ``ftrun status``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,18 @@ def load_secret(run_id: str, state: str | None = None, create: bool = True) -> b
     if len(secret) < 16:
         raise ConfigError(f"{path} holds a secret shorter than 16 bytes; delete it to regenerate")
     return secret
+
+
+def write_secret(run_id: str, secret: bytes, state: str | None = None) -> Path:
+    """Record the job's secret in its secret file (0600), replacing an older one.
+
+    The launcher that runs the coordinator calls this when the secret came from FTRUN_SECRET,
+    so that ``ftrun status RUN_ID`` works wherever the job's state directory is visible, as it
+    does for a job whose launchers created the file themselves.
+    """
+    path = job_dir(run_id, state) / "secret"
+    _write_private_atomic(path, secret)
+    return path
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,21 @@ def test_batch_script_without_step_changes_nothing(caplog: pytest.LogCaptureFixt
     assert "srun" in caplog.text
 
 
+def test_under_slurm_only_node_0_hosts_the_store() -> None:
+    # Both nodes' host resolves to this machine, so torch's rule would let node 1 bind too.
+    env = {**SLURM, "SLURM_STEP_NODELIST": "localhost,localhost"}
+    args, explicit = _args(["--nproc-per-node", "1", "train.py"])
+    assert launch.apply_slurm(args, explicit, env)
+    plan = launch.plan_rendezvous(args, explicit, external=False, node0_hosts=True)
+    assert plan is not None and not plan.is_host and plan.store is None
+    assert launch._parse_conf(args.rdzv_conf)["is_host"] == "0"
+
+
+def test_slurm_endpoint_given_by_the_user_keeps_torchs_rule() -> None:
+    args, explicit = _args(["--rdzv-endpoint", "203.0.113.9:29400", "train.py"])
+    assert not launch.apply_slurm(args, explicit, SLURM)
+
+
 def test_standalone_binds_the_store_here() -> None:
     args, explicit = _args(["--standalone", "train.py"])
     plan = launch.plan_rendezvous(args, explicit, external=False)

@@ -7,9 +7,13 @@ Order of business on every node:
 2. Decide, before any rendezvous, which launcher hosts the rendezvous TCPStore. That launcher
    also runs the job's coordinator, so both live in one predictable place:
    - ``--coordinator HOST:PORT`` given: a standalone ``ftrun coordinator`` hosts both;
-   - under Slurm: node 0 (the first host of the nodelist);
+   - under Slurm, with the endpoint taken from Slurm: node 0 (``SLURM_NODEID=0``, the first
+     host of the nodelist), whatever the host names resolve to;
    - ``--standalone`` or a single node: this launcher;
    - otherwise torch's rule: the launcher on the ``--rdzv-endpoint`` host that binds first.
+   Under torch's rule a launcher that finds the port taken (by another launcher or a
+   standalone ``ftrun coordinator`` on its host) uses the store there; under Slurm or with
+   ``is_host=1`` a taken port is an error.
    The coordinator's endpoint is published in that store, where every launcher finds it.
 3. Tune the c10d rendezvous' dead-node detection (unless ``--rdzv-conf`` sets it), turn off
    torch's shared rendezvous store (restarted ranks read stale gloo addresses through it),
@@ -92,17 +96,20 @@ def _split_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
         raise ConfigError(f"rendezvous endpoint {endpoint!r} has a bad port; use HOST:PORT") from None
 
 
-def apply_slurm(args: argparse.Namespace, explicit: set[str], environ: dict[str, str]) -> None:
-    """Fill nnodes, node rank, rendezvous id and endpoint from SLURM_* where not given."""
+def apply_slurm(args: argparse.Namespace, explicit: set[str], environ: dict[str, str]) -> bool:
+    """Fill nnodes, node rank, rendezvous id and endpoint from SLURM_* where not given.
+
+    Returns whether the rendezvous endpoint came from Slurm: then node 0 hosts the store.
+    """
     derived = slurm.derive(environ)
     if derived is None:
-        return
+        return False
     for warning in derived.warnings:
         log.warning("%s", warning)
     if not derived.in_step:
-        return
+        return False
     if "standalone" in explicit and args.standalone:
-        return
+        return False
     if "nnodes" not in explicit:
         args.nnodes = derived.nnodes
     if "node_rank" not in explicit:
@@ -111,12 +118,14 @@ def apply_slurm(args: argparse.Namespace, explicit: set[str], environ: dict[str,
         args.rdzv_id = derived.rdzv_id
     if "rdzv_backend" not in explicit:
         args.rdzv_backend = "c10d"
-    if "rdzv_endpoint" not in explicit and args.rdzv_backend == "c10d":
+    endpoint_from_slurm = "rdzv_endpoint" not in explicit and args.rdzv_backend == "c10d"
+    if endpoint_from_slurm:
         args.rdzv_endpoint = f"{derived.rdzv_host}:{SLURM_RDZV_PORT}"
     log.info(
         "Slurm job %s: nnodes=%s node_rank=%s rdzv_id=%s rdzv_endpoint=%s",
         derived.job_id, args.nnodes, derived.node_rank, args.rdzv_id, args.rdzv_endpoint,
     )
+    return endpoint_from_slurm
 
 
 def check_script(args: argparse.Namespace) -> None:
@@ -145,8 +154,14 @@ def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
     )
 
 
-def plan_rendezvous(args: argparse.Namespace, explicit: set[str], external: bool) -> RendezvousPlan | None:
-    """Decide who hosts the rendezvous store (and so the coordinator). Mutates ``args``."""
+def plan_rendezvous(
+    args: argparse.Namespace, explicit: set[str], external: bool, node0_hosts: bool = False,
+) -> RendezvousPlan | None:
+    """Decide who hosts the rendezvous store (and so the coordinator). Mutates ``args``.
+
+    ``node0_hosts``: the endpoint is node 0's host (Slurm's first host), so the launcher of
+    node rank 0 hosts, and no other.
+    """
     _, max_nodes = (int(x) for x in (args.nnodes.split(":") * 2)[:2])
     single = args.standalone or (
         args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
@@ -181,10 +196,12 @@ def plan_rendezvous(args: argparse.Namespace, explicit: set[str], external: bool
         is_host = conf["is_host"].lower() in ("1", "true", "yes", "y")
     elif external:
         is_host = False
+    elif node0_hosts:
+        # Decided by rank, not by resolving host names: several nodes may share a host (or
+        # its name may resolve oddly), and the first to bind would win under torch's rule.
+        is_host = args.node_rank == 0
     else:
-        # torch's own rule: the endpoint's host, first launcher there to bind. Under Slurm
-        # the endpoint is the first host of the nodelist, so that is node 0 (unless a
-        # standalone `ftrun coordinator` already holds the port).
+        # torch's own rule: the launcher on the endpoint's host that binds first.
         from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
         is_host = _matches_machine_hostname(host)
@@ -193,7 +210,8 @@ def plan_rendezvous(args: argparse.Namespace, explicit: set[str], external: bool
         try:
             store = _tcp_store(host, port, True, join_timeout)
         except Exception as e:
-            if explicit_host:
+            # Under Slurm the port is the fixed default: a taken one is another job's.
+            if explicit_host or node0_hosts:
                 raise ConfigError(
                     f"cannot host the rendezvous store on {host}:{port}: {e}. Is another job "
                     "using that port? Pick another with --rdzv-endpoint."
@@ -260,9 +278,10 @@ def run(argv: list[str]) -> int:
     args = parser.parse_args(argv)  # exits 2 on bad flags, exactly as torchrun
     opts = ftrun_options(args)
     explicit = explicit_dests(parser, argv)
-    apply_slurm(args, explicit, dict(os.environ))
+    node0_hosts = apply_slurm(args, explicit, dict(os.environ))
     check_script(args)
-    plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None)
+    plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None,
+                           node0_hosts=node0_hosts)
     run_id = args.rdzv_id
     host = socket.gethostname()
     node_id = f"{host}/{os.getpid()}"
@@ -281,6 +300,10 @@ def run(argv: list[str]) -> int:
         if plan.store is None:
             plan.store = _tcp_store(plan.host, plan.port, True, 60)
         publish_endpoint(plan.store, endpoint)
+        if knobs.SECRET.get():
+            # For `ftrun status` from any shell that sees the state directory (a requeued
+            # job's new secret replaces the old one).
+            jobs.write_secret(run_id, secret, opts.state_dir)
         jobs.write_job_file(
             jobs.JobFile(run_id=run_id, endpoint=endpoint, host=host, pid=os.getpid(),
                          started_at=time.time(), rdzv_endpoint=f"{plan.host}:{plan.port}"),
