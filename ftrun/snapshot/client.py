@@ -35,11 +35,12 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import xxhash
 
 from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 CLAIM_TIMEOUT_S = 60.0
 RNG_TIMEOUT_S = 600.0
 RNG_KEY = "/rng/"
+HASH_GROUP_BYTES = 64 << 20  # copied, then hashed while the next group is copied
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 STORE_TIMEOUT_S = 5.0
 
 
@@ -152,6 +155,21 @@ def _check_stateful(state: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(state)
 
 
+def _groups(entries: list[Any], limit: int, keep: Callable[[Any], bool]) -> list[list[int]]:
+    """Indices of the kept ``entries``, in order, in groups of about ``limit`` bytes."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, e in enumerate(entries):
+        if not keep(e):
+            continue
+        if groups[-1] and size + e.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += e.nbytes
+    return [g for g in groups if g]
+
+
 class Snapshotter:
     """Per-step in-memory snapshots of one rank's training state. See the module docstring."""
 
@@ -183,6 +201,8 @@ class Snapshotter:
         self._epoch = ""
         self._pending: Future[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-snap")
+        self._hasher = ThreadPoolExecutor(max_workers=HASH_THREADS,
+                                          thread_name_prefix="ftrun-hash")
         self._copy_stream: Any = None
         self._registered: set[int] = set()
         self._lock = threading.Lock()
@@ -321,6 +341,7 @@ class Snapshotter:
         # where a restored run picks up, whatever the script does in between (see _on_forward).
         self._rng_due = state["rng"]
         self._rng_taken.clear()
+        self._copied.clear()
         flat = flatten(state)
         blob = manifest_blob(flat, step=step, rank=self.rank, world_size=self.world_size,
                              meta={"epoch": self._epoch, "time": time.time()})
@@ -418,34 +439,58 @@ class Snapshotter:
             return
         seg = self._segments[target]
         assert seg is not None
-        h = seg.set_state(shm.WRITING, step=step, epoch=self._epoch, data_len=flat.data_len)
+        h = seg.set_state(shm.WRITING, step=step, epoch=self._epoch, data_len=flat.data_len,
+                          hashes_xxh3=0)
         data = seg.data(h)
+        hashes = [0] * len(flat.tensors)
+
+        def copy(i: int, non_blocking: bool = False) -> None:
+            entry = flat.tensors[i]
+            tensor_view(data, entry).copy_(flat.sources[i].reshape(entry.shape),
+                                           non_blocking=non_blocking)
+
+        def digest(indices: list[int]) -> None:
+            for i in indices:
+                e = flat.tensors[i]
+                hashes[i] = xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes])
+
+        # Each group is hashed (on the hashing threads, which run without the GIL) while the
+        # next one is copied: the hash covers exactly the bytes this rank wrote.
+        groups = _groups(flat.tensors, HASH_GROUP_BYTES, lambda e: not e.key.startswith(RNG_KEY))
+        hashing = []
         if cuda:
             self._register(seg)
+            events = []
             with torch.cuda.stream(self._copy_stream):
-                for entry, src in zip(flat.tensors, flat.sources, strict=True):
-                    if not entry.key.startswith(RNG_KEY):  # RNG states are on the host
-                        tensor_view(data, entry).copy_(src.reshape(entry.shape),
-                                                       non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-            event.synchronize()
+                for group in groups:
+                    for i in group:
+                        copy(i, non_blocking=True)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self._copy_stream)
+            for group, event in zip(groups, events, strict=True):
+                event.synchronize()
+                hashing.append(self._hasher.submit(digest, group))
         else:
-            for entry, src in zip(flat.tensors, flat.sources, strict=True):
-                if not entry.key.startswith(RNG_KEY):
-                    tensor_view(data, entry).copy_(src.reshape(entry.shape))
+            for group in groups:
+                for i in group:
+                    copy(i)
+                hashing.append(self._hasher.submit(digest, group))
+        for job in hashing:
+            job.result()
         self._copied.set()
         if not self._rng_taken.wait(timeout=RNG_TIMEOUT_S):
             self.skipped_saves += 1
             log.warning("skipping the snapshot of step %d: no forward pass and no wait() within "
                         "%.0f s to take its RNG states", step, RNG_TIMEOUT_S)
             return
-        for entry, src in zip(flat.tensors, flat.sources, strict=True):
-            if entry.key.startswith(RNG_KEY):
-                tensor_view(data, entry).copy_(src.reshape(entry.shape))
+        late = [i for i, e in enumerate(flat.tensors) if e.key.startswith(RNG_KEY)]
+        for i in late:
+            copy(i)
+        digest(late)
+        hx = seg.write_hashes(hashes)
         xh = seg.write_manifest(blob)
         seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh,
-                      staged_at=time.time())
+                      hashes_xxh3=hx, staged_at=time.time())
         self._newest = (target, step)
         assert self._chan is not None
         self._chan.send("snap_staged", {"rank": self.rank, "buffer": target, "step": step,
@@ -614,6 +659,7 @@ class Snapshotter:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+        self._hasher.shutdown(wait=True)
         for ptr in self._registered:  # unpin before the mappings go away
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self._registered.clear()
