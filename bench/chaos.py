@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -154,10 +155,12 @@ def build_schedule(form: Form, seed: int) -> tuple[list[Fault], int]:
     rng = random.Random(seed)
     kinds = list(KINDS)
     while len(kinds) < form.faults:
+        sigterms = kinds.count(SIGTERM)
         choices = [k for k in KINDS
-                   if not (k == SIGTERM and kinds.count(SIGTERM) >= form.max_sigterms)
+                   if not (k == SIGTERM and sigterms >= form.max_sigterms)
+                   # one per sigterm, and one sigterm (if there are two) stays plain
                    and not (k == PERSIST_CORRUPT
-                            and kinds.count(PERSIST_CORRUPT) >= kinds.count(SIGTERM))]
+                            and kinds.count(PERSIST_CORRUPT) >= max(1, sigterms - 1))]
         kinds.append(rng.choice(choices))
     slots = [k for k in kinds if k != PERSIST_CORRUPT]
     rng.shuffle(slots)
@@ -240,6 +243,7 @@ def flip_tensor_byte(rank_dir: Path, rng: random.Random) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist load
     reader = dcp.FileSystemReader(str(rank_dir))
     meta = reader.read_metadata()
     keys = sorted(k for k, v in meta.state_dict_metadata.items()
