@@ -193,10 +193,16 @@ class SnapshotStore:
         t0 = time.perf_counter()
         try:
             doc = parse_manifest(seg.manifest_bytes(h))
-            hashes = hash_tensors(seg, doc)
+            if h.hashes_xxh3:
+                # The rank hashed what it wrote, while it wrote it; the table is checked
+                # against its own hash here, and the data against the table on every later
+                # hop (restore, persist, inspect --verify).
+                seg.hashes(h)
+                hx = h.hashes_xxh3
+            else:  # a rank of an older ftrun: hash here
+                hx = seg.write_hashes(hash_tensors(seg, doc))
         except IntegrityError as e:
             return False, str(e), h.step
-        hx = seg.write_hashes(hashes)
         # The rank may have begun overwriting meanwhile (it never does without a claim, but
         # check): only mark verified what is still the staged step.
         now = seg.header()
