@@ -1,0 +1,217 @@
+"""examples/slurm/*.sbatch, submitted as written to a real Slurm (Debian's slurm-wlm) on this host.
+
+Three nodes, each its own slurmd, one ftrun launcher per node through srun. The scripts take
+small settings from the environment and the training script's arguments from sbatch's:
+
+- basic: COMPLETED, persisted by default under the submit directory, and bit-identical to a
+  plain (non-Slurm) ftrun run of the same world size;
+- requeue: SIGUSR1 to the batch shell (what --signal=B:USR1@120 sends before the time limit),
+  the job requeues itself, the rerun resumes from a persisted step, ends COMPLETED and
+  bit-identical to the fault-free run; `ftrun status JOBID` works from outside the job with
+  no FTRUN_SECRET in the environment;
+- spares: one node's launcher killed, the job trains on without it (world size 2), node 0
+  hosted the rendezvous store and coordinator, and Slurm reports the job COMPLETED.
+
+Skips where the daemons cannot run (packages missing, not root); FTRUN_REQUIRE_SLURM=1 turns
+the skip into a failure, as CI sets it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TRAIN, Procs, pid_alive, wait_for
+from slurm_cluster import SlurmCluster, exclusive, launcher_pid_slurm_node, unavailable
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = ROOT / "examples" / "slurm"
+FTRUN = str(Path(sys.executable).with_name("ftrun"))
+STEPS = 40
+MODEL = ("--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "16", "--vocab", "64",
+         "--batch", "6")
+# Slow steps (a sleep, so no CPU) leave the signal and the kill time to land mid-training.
+SLOW = ("--step-sleep", "0.2")
+# sbatch options that replace the scripts' GPU and CPU requests for this CPU-only cluster.
+SMALL = ("--nodes=3", "--gpus-per-node=0", "--cpus-per-task=1")
+
+
+@pytest.fixture(scope="module")
+def slurm_ok() -> None:
+    reason = unavailable()
+    if reason:
+        if os.environ.get("FTRUN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"FTRUN_REQUIRE_SLURM=1 but {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm_ok: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with exclusive(timeout_s=600):
+        c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+        try:
+            c.start()
+            yield c
+        finally:
+            c.stop()
+            _remove_leftover_segments()
+
+
+class PlainRun:
+    """A plain (non-Slurm) ftrun run of the same world size (3) and training flags, started
+    at once and waited for when its result is first needed."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.procs = Procs(tmp)
+        self.result = tmp / "result.json"
+        self.proc = self.procs.ftrun(
+            "--standalone", "--nproc-per-node", "3", TRAIN, "--steps", str(STEPS), *MODEL,
+            "--result", str(self.result), env={"FTRUN_STATE_DIR": str(tmp / "state")},
+            name="plain",
+        )
+
+    def params_xxh3(self) -> str:
+        code = self.procs.wait(self.proc, 180)
+        assert code == 0, self.procs.output(self.proc)[-3000:]
+        return json.loads(self.result.read_text())["params_xxh3"]
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_ok: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlainRun]:
+    """The fault-free reference; it runs while the cluster starts and the first job runs."""
+    run = PlainRun(tmp_path_factory.mktemp("plain"))
+    try:
+        yield run
+    finally:
+        run.procs.cleanup()
+
+
+def _remove_leftover_segments() -> None:
+    from ftrun.snapshot.segment import clean_leftovers
+
+    clean_leftovers()
+
+
+def _submit(cluster: SlurmCluster, work: Path, script: str, *train_args: str,
+            **env: str) -> int:
+    work.mkdir()
+    job_env = cluster.env(GPUS="1", STEPS=str(STEPS), TRAIN=TRAIN,
+                          FTRUN_STATE_DIR=str(work / "state"), **env)
+    return cluster.sbatch(EXAMPLES / script, *MODEL, "--result", str(work / "result.json"),
+                          *train_args, options=SMALL, cwd=work, env=job_env)
+
+
+def _output(work: Path, name: str, job_id: int) -> str:
+    return (work / f"ftrun-{name}-{job_id}.out").read_text(errors="replace")
+
+
+def _steps_done(log: Path) -> int:
+    try:
+        lines = log.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(ln)["step"] for ln in lines if ln.endswith("}")), default=0)
+
+
+def _status(work: Path, job_id: int, **env: str) -> subprocess.CompletedProcess[str]:
+    """`ftrun status JOBID --json` as from a login shell: outside the job, no Slurm variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FTRUN_"))}
+    return subprocess.run([FTRUN, "status", str(job_id), "--json"], text=True,
+                          capture_output=True, timeout=60,
+                          env={**clean, "FTRUN_STATE_DIR": str(work / "state"), **env})
+
+
+def _complete_steps(persist_dir: Path, world_size: int) -> list[int]:
+    return sorted(
+        int(d.name.removeprefix("step_")) for d in persist_dir.glob("step_*")
+        if all((d / f"rank_{r:05d}").is_dir() for r in range(world_size))
+    )
+
+
+def test_basic_completes_bit_identical_and_persists(reference: PlainRun, cluster: SlurmCluster,
+                                                    tmp_path: Path) -> None:
+    work = tmp_path / "basic"
+    job_id = _submit(cluster, work, "basic.sbatch")
+    fields = cluster.wait_done(job_id, 150)
+    out = _output(work, "basic", job_id)
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    result = json.loads((work / "result.json").read_text())
+    assert result["world_size"] == 3 and result["resumed_from"] == []
+    assert result["params_xxh3"] == reference.params_xxh3()
+    # Persisted by default, under the submit directory.
+    assert STEPS in _complete_steps(work / "checkpoints" / str(job_id), 3), out[-4000:]
+
+
+def test_requeue_resumes_from_the_persisted_step(reference: PlainRun, cluster: SlurmCluster,
+                                                 tmp_path: Path) -> None:
+    work = tmp_path / "requeue"
+    steps_log = work / "steps.jsonl"
+    job_id = _submit(cluster, work, "requeue.sbatch", *SLOW, "--step-log", str(steps_log),
+                     SAVE_GRACE="1", PERSIST_EVERY="5", FTRUN_PERSIST_KEEP="1000")
+    wait_for(lambda: _steps_done(steps_log) >= 6, 120, "6 steps of the first run", 0.2)
+
+    # From outside the job, with no FTRUN_SECRET: the job's secret file is found.
+    status = _status(work, job_id)
+    assert status.returncode == 0, status.stdout + status.stderr
+    doc = json.loads(status.stdout)
+    assert len(doc["nodes"]) == 3 and doc["health"] == "healthy"
+
+    # What --signal=B:USR1@120 does shortly before the time limit.
+    cluster.cmd("scancel", "--signal=USR1", "--batch", str(job_id))
+    fields = cluster.wait_done(job_id, 200)
+    out = _output(work, "requeue", job_id)
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    assert int(fields["Restarts"]) == 1, out[-4000:]
+    assert "SIGUSR1: time limit near" in out and f"requeueing job {job_id}" in out
+    assert "restart count 1" in out
+
+    result = json.loads((work / "result.json").read_text())
+    assert len(result["resumed_from"]) == 1, out[-4000:]
+    resumed = result["resumed_from"][0]
+    assert resumed >= 6, f"resumed from step {resumed}, signalled after step 6\n{out[-4000:]}"
+    assert f"rank 0 resumed from step {resumed}" in out
+    assert resumed in _complete_steps(work / "checkpoints" / str(job_id), 3)
+    assert result["params_xxh3"] == reference.params_xxh3()
+
+
+def test_spares_lose_a_node_and_complete(cluster: SlurmCluster, tmp_path: Path) -> None:
+    work = tmp_path / "spares"
+    steps_log = work / "steps.jsonl"
+    secret = os.urandom(16).hex()
+    # The secret exported before sbatch is the job's (the documented recipe).
+    job_id = _submit(cluster, work, "spares.sbatch", *SLOW, "--step-log", str(steps_log),
+                     FTRUN_SECRET=secret, PERSIST_EVERY="3")
+    persist_dir = work / "checkpoints" / str(job_id)
+    # Lose the node once a step is on disk: the survivors resume from there (with nothing
+    # complete on disk they would stop with an error rather than start again from step 0).
+    wait_for(lambda: _steps_done(steps_log) >= 7 and _complete_steps(persist_dir, 3), 120,
+             "7 steps and a complete persisted step", 0.2)
+
+    status = _status(work, job_id, FTRUN_SECRET=secret)
+    assert status.returncode == 0, status.stdout + status.stderr
+    doc = json.loads(status.stdout)
+    job = json.loads((work / "state" / "jobs" / str(job_id) / "job.json").read_text())
+    # Node 0 (the first host of the nodelist) hosts the rendezvous store and coordinator.
+    assert launcher_pid_slurm_node(job["pid"]) == 0
+    victims = [n["pid"] for n in doc["nodes"] if n["pid"] != job["pid"]]
+    assert len(victims) == 2, doc["nodes"]
+    os.kill(victims[0], signal.SIGKILL)
+    wait_for(lambda: not pid_alive(victims[0]), 10, "the killed launcher to be gone")
+
+    fields = cluster.wait_done(job_id, 200)
+    out = _output(work, "spares", job_id)
+    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    assert "node 0's launcher: 0" in out, out[-4000:]
+    assert "srun exited with status 0" not in out, "the lost node's task did not fail"
+    result = json.loads((work / "result.json").read_text())
+    assert result["world_size"] == 2, out[-4000:]
+    assert result["step"] == STEPS
+    # Training went on from a step persisted before the loss, not from step 0.
+    assert len(result["resumed_from"]) == 1 and result["resumed_from"][0] >= 3, out[-4000:]
