@@ -479,6 +479,17 @@ class SnapshotStore:
         if self._pending_write is not None:
             self._pending_write.result(timeout=WRITE_TIMEOUT_S)
 
+    def _held_steps(self) -> dict[int, list[int]]:
+        """rank -> the steps its buffers hold verified, for this node's ranks."""
+        held: dict[int, list[int]] = {}
+        for name in self._job_segments():
+            rank, _ = self._rank_of(name)
+            seg = self._open(name)
+            steps = held.setdefault(rank, [])
+            if seg is not None and seg.header().state == shm.VERIFIED:
+                steps.append(seg.header().step)
+        return {r: sorted(held[r]) for r in sorted(held)}
+
     # -- loop -------------------------------------------------------------------------------
     def adopt(self) -> None:
         removed = shm.clean_leftovers(keep_prefix=self._prefix)
@@ -591,6 +602,10 @@ class SnapshotStore:
             try:
                 # Steps the ranks staged just before stopping may still commit.
                 self._verify_all()
+                held = self._held_steps()
+                log.info("stopping; verified steps held here: %s", " ".join(
+                    f"rank{r}={','.join(map(str, steps)) or '-'}" for r, steps in held.items())
+                    or "none")
                 self._persist_final()
             except Exception:
                 log.exception("final persist failed")
