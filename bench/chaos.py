@@ -406,8 +406,7 @@ class Job:
                 out[pids.index(e["pid"])] = e["node"]
         return out
 
-    def wait(self, cond: Callable[[], T | None], what: str, timeout_s: float | None = None,
-             may_exit: bool = False) -> T:
+    def wait(self, cond: Callable[[], T | None], what: str, timeout_s: float | None = None) -> T:
         """Poll ``cond`` until it returns something not None; the job must stay up meanwhile."""
         timeout_s = self.cfg.slot_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -415,7 +414,7 @@ class Job:
             value = cond()
             if value is not None:
                 return value
-            if not may_exit and not self.current.running():
+            if not self.current.running():
                 raise ChaosError(f"the job ended (exit codes {self.current.codes()}) while "
                                  f"waiting for {what}\n{self.current.tail()}")
             if time.monotonic() > deadline:
@@ -462,7 +461,8 @@ class ChaosRun:
                     riders.append(self.faults[i])
                     self.faults[i].incarnation = f.incarnation
                 self.sigterm(f, riders)
-            print(f"[chaos] {line_of(f)}", file=sys.stderr, flush=True)
+            for done in (f, *(self.faults[j] for j in range(f.index, i + 1))):
+                print(f"[chaos] {line_of(done)}", file=sys.stderr, flush=True)
             i += 1
         job.finish(self.job.cfg.slot_timeout_s + self.job.cfg.steps * 5)
 
