@@ -121,6 +121,7 @@ class SnapshotStore:
         self._handled: dict[int, str] = {}  # persist target -> what became of it (this epoch)
         self._final: int | None = None  # the epoch's final target, once known
         self._report_due = False  # tell the coordinator about targets done, at once
+        self._restarted = True  # until the first reply: older targets were handled before
         self._stop = threading.Event()
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
@@ -279,7 +280,14 @@ class SnapshotStore:
         self._committed = max(self._committed, info["committed"])
         if info.get("final") is not None:
             self._final = info["final"]
-        for step in sorted(info.get("targets") or ()):
+        targets = sorted(info.get("targets") or ())
+        if self._restarted:
+            # A store restarted mid-epoch: the older targets were written (or given up) by
+            # the store before it, and their buffers are gone by now.
+            self._restarted = False
+            for step in targets[:-1]:
+                self._handled.setdefault(step, "before this store started")
+        for step in targets:
             if step not in self._handled:
                 self._persist_target(step)
 
@@ -337,6 +345,7 @@ class SnapshotStore:
                 self._world_size = b["world_size"]
                 self._handled.clear()
                 self._final = None
+                self._restarted = False
                 self._report_due = True
                 self._ask("snap_epoch", self._epoch_body(b["epoch"], b["step"]))
             return "ack", {"re": msg.id}
@@ -559,7 +568,10 @@ class SnapshotStore:
                         self._on_frames(sock, frames)
                     if self._persist_now.is_set():
                         self._persist_now.clear()
-                        self.request_persist("SIGUSR1")
+                        if self.cfg.persist_dir:
+                            self.request_persist("SIGUSR1")
+                        else:
+                            log.info("SIGUSR1: no --persist-dir, nothing to write")
                     now = time.monotonic()
                     if now - last_poll >= POLL_TARGETS_S:
                         last_poll = now
