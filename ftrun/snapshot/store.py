@@ -288,7 +288,7 @@ class SnapshotStore:
             for step in targets[:-1]:
                 self._handled.setdefault(step, "before this store started")
         for step in targets:
-            if step not in self._handled:
+            if self._due(step):
                 self._persist_target(step)
 
     def _report_verified(self, epoch: str, rank: int, step: int, nbytes: int) -> None:
@@ -412,6 +412,12 @@ class SnapshotStore:
         self._writing_step = step
         self._pending_write = self._writer.submit(self._write, step, shards)
 
+    def _due(self, step: int) -> bool:
+        """Whether target ``step`` still needs handling here: never handled, or skipped
+        while the disk was behind and now the final target (which is waited for)."""
+        outcome = self._handled.get(step)
+        return outcome is None or (step == self._final and outcome.startswith("skipped"))
+
     def _copy_step(self, step: int) -> tuple[list[tuple[dict[str, Any], bytes, list[int]]], str]:
         """Copies of every local rank's verified shard of ``step``, or why they cannot be."""
         held: dict[int, tuple[dict[str, Any], bytes, list[int]]] = {}
@@ -483,7 +489,7 @@ class SnapshotStore:
         elif info is not None and info.get("settling"):
             log.warning("no final step agreed within %.0f s; not persisting at the end",
                         FINAL_SETTLE_S + 2 * COORDINATOR_TIMEOUT_S)
-        elif self._final is not None and self._final not in self._handled:
+        elif self._final is not None and self._due(self._final):
             self._persist_target(self._final)
         if self._pending_write is not None:
             self._pending_write.result(timeout=WRITE_TIMEOUT_S)
