@@ -42,6 +42,8 @@ _ftrun_kind() {
         'launch --role') _ftrun_k='files' ;;
         'launch --shutdown-timeout' | 'launch --shutdown_timeout') _ftrun_k='files' ;;
         'launch --signals-to-handle' | 'launch --signals_to_handle') _ftrun_k='files' ;;
+        'launch --snapshot-every' | 'launch --snapshot_every') _ftrun_k='files' ;;
+        'launch --snapshot-wait' | 'launch --snapshot_wait') _ftrun_k='files' ;;
         'launch --start-method' | 'launch --start_method') _ftrun_k='choices spawn fork forkserver' ;;
         'launch --state-dir' | 'launch --state_dir') _ftrun_k='dirs' ;;
         'launch -t' | 'launch --tee') _ftrun_k='files' ;;
@@ -78,7 +80,8 @@ _ftrun_command() {
                 --persist-keep --persist_keep --rdzv-backend --rdzv_backend --rdzv-conf
                 --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects
                 --role --run-path --run_path --shutdown-timeout --shutdown_timeout
-                --signals-to-handle --signals_to_handle --standalone --start-fresh --start_fresh
+                --signals-to-handle --signals_to_handle --snapshot-every --snapshot_every
+                --snapshot-wait --snapshot_wait --standalone --start-fresh --start_fresh
                 --start-method --start_method --state-dir --state_dir -t --tee
                 --virtual-local-rank --virtual_local_rank'
             _ftrun_k=none ;;

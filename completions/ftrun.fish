@@ -32,12 +32,13 @@ function __ftrun_takes_value --argument-names context flag
             'launch --rdzv_endpoint' 'launch --rdzv-id' 'launch --rdzv_id' 'launch -r' \
             'launch --redirects' 'launch --role' 'launch --shutdown-timeout' \
             'launch --shutdown_timeout' 'launch --signals-to-handle' \
-            'launch --signals_to_handle' 'launch --start-method' 'launch --start_method' \
-            'launch --state-dir' 'launch --state_dir' 'launch -t' 'launch --tee' \
-            'coordinator --bind-host' 'coordinator --node-timeout' 'coordinator --rdzv-endpoint' \
-            'coordinator --rdzv-id' 'coordinator --state-dir' 'inspect --state-dir' \
-            'inspect --step' 'status --endpoint' 'status --interval' 'status --state-dir' \
-            'status --timeout'
+            'launch --signals_to_handle' 'launch --snapshot-every' 'launch --snapshot_every' \
+            'launch --snapshot-wait' 'launch --snapshot_wait' 'launch --start-method' \
+            'launch --start_method' 'launch --state-dir' 'launch --state_dir' 'launch -t' \
+            'launch --tee' 'coordinator --bind-host' 'coordinator --node-timeout' \
+            'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' 'coordinator --state-dir' \
+            'inspect --state-dir' 'inspect --step' 'status --endpoint' 'status --interval' \
+            'status --state-dir' 'status --timeout'
             return 0
     end
     return 1
@@ -158,6 +159,8 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'role' -r -d 'User-defined rol
 complete -c ftrun -n '__ftrun_is first launch' -l 'run-path' -l 'run_path' -d 'Run the training script with runpy.run_path in the same interpreter.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'shutdown-timeout' -l 'shutdown_timeout' -r -d 'Time in seconds to wait for graceful shutdown of worker processes before sending SIGKILL.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'signals-to-handle' -l 'signals_to_handle' -r -d 'Comma-separated list of signals to handle and forward to subprocesses.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'snapshot-every' -l 'snapshot_every' -r -d 'Snapshot every K-th step, or \'auto\': as often as keeps the measured slowdown at or below 3%.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'snapshot-wait' -l 'snapshot_wait' -r -d 'Seconds optimizer.step() may wait for the store to release a snapshot buffer...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'standalone' -d 'Start a local standalone rendezvous backend that is represented by a C10d TCP store on a free port.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'start-fresh' -l 'start_fresh' -d 'Start from step 0 when --persist-dir holds steps but none can be restored...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'start-method' -l 'start_method' -x -a 'spawn fork forkserver' -d 'Multiprocessing start method to use when creating workers.'

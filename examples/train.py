@@ -315,6 +315,15 @@ def write_json_atomic(path: str, data: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _every(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 steps or 'auto'")
+    return value
+
+
 def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="train.py",
@@ -366,11 +375,12 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
     )
     p.add_argument(
         "--snapshot-every",
-        type=int,
-        default=1,
+        type=_every,
+        default=None,
         metavar="K",
-        help="snapshot the training state every K steps with ftrun.Snapshotter (default 1; "
-        "0 turns snapshots off; outside ftrun they are off anyway)",
+        help="snapshot the training state every K steps with ftrun.Snapshotter, or 'auto' "
+        "(as often as keeps the slowdown at or below 3%%) (default: ftrun's --snapshot-every, "
+        "1 unless set; 0 turns snapshots off; outside ftrun they are off anyway)",
     )
     p.add_argument(
         "--torch-save-dir",
@@ -460,7 +470,7 @@ def train(
     resumed_from: list[int] = []
     start = 0
     snap = None
-    if args.snapshot_every > 0 and _Snapshotter is not None:
+    if args.snapshot_every != 0 and _Snapshotter is not None:
         snap = _Snapshotter(train_model, optimizer, every=args.snapshot_every)
         start = snap.restore()
         if start > 0:

@@ -37,8 +37,21 @@ class FtrunOptions:
     persist_interval_s: float = 0.0
     persist_keep: int = 3
     start_fresh: bool = False
+    snapshot_every: str = "1"
+    snapshot_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
+        every = self.snapshot_every.strip().lower()
+        if every != "auto" and not (every.isdigit() and int(every) >= 1):
+            raise ConfigError(
+                f"--snapshot-every must be a number of steps >= 1 or 'auto', got "
+                f"{self.snapshot_every!r}"
+            )
+        if not self.snapshot_wait_s > 0:
+            raise ConfigError(
+                f"--snapshot-wait must be > 0 seconds, got {self.snapshot_wait_s}: ranks that "
+                "skip snapshots independently could stop committing altogether"
+            )
         if self.hang_timeout_s < 0:
             raise ConfigError(
                 f"--hang-timeout must be >= 0 seconds (0 turns it off), got {self.hang_timeout_s}"
@@ -91,6 +104,12 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--persist-keep", knobs.PERSIST_KEEP, int,
      "Complete persisted steps to keep; partial ones older than the newest complete step are "
      "removed."),
+    ("--snapshot-every", knobs.SNAPSHOT_EVERY, str,
+     "Snapshot every K-th step, or 'auto': as often as keeps the measured slowdown at or "
+     "below 3%. Snapshotter(every=...) in the script overrides it."),
+    ("--snapshot-wait", knobs.SNAPSHOT_WAIT, float,
+     "Seconds optimizer.step() may wait for the store to release a snapshot buffer (the "
+     "previous snapshot not yet committed) before that snapshot is skipped."),
     ("--start-fresh", knobs.START_FRESH, bool,
      "Start from step 0 when --persist-dir holds steps but none can be restored (all partial "
      "or corrupt); without it such a job stops with an error that lists each step and why."),
@@ -161,6 +180,8 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         persist_interval_s=num("persist_interval", knobs.PERSIST_INTERVAL),
         persist_keep=int(num("persist_keep", knobs.PERSIST_KEEP)),
         start_fresh=bool(ns.start_fresh),
+        snapshot_every=str(ns.snapshot_every or knobs.SNAPSHOT_EVERY.default),
+        snapshot_wait_s=num("snapshot_wait", knobs.SNAPSHOT_WAIT),
     )
 
 

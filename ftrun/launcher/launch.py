@@ -325,6 +325,8 @@ def run(argv: list[str]) -> int:
         knobs.SECRET.name: secret.decode(),
         knobs.PERSIST_DIR.name: opts.persist_dir or "",
         knobs.START_FRESH.name: "1" if opts.start_fresh else "0",
+        knobs.SNAPSHOT_EVERY.name: opts.snapshot_every,
+        knobs.SNAPSHOT_WAIT.name: str(opts.snapshot_wait_s),
         knobs.RUN_ID.name: run_id,
         knobs.JOB_DIR.name: str(jobs.job_dir(run_id, opts.state_dir)),
         knobs.NODE_ID.name: node_id,

@@ -32,9 +32,11 @@ import logging
 import math
 import os
 import random
+import statistics
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 CLAIM_TIMEOUT_S = 60.0
 RNG_TIMEOUT_S = 600.0
 RNG_KEY = "/rng/"
+SKIP_LOG_INTERVAL_S = 30.0
 HASH_GROUP_BYTES = 64 << 20  # copied, then hashed while the next group is copied
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 STORE_TIMEOUT_S = 5.0
@@ -155,6 +158,119 @@ def _check_stateful(state: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(state)
 
 
+class _SaveJob:
+    """One save() in flight: the copy thread starts it, or wait() gives it up first."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.future: Future[None] | None = None
+        self.given_up = False
+        self.started = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> bool:
+        """Copy thread, once its buffer is granted: False if wait() gave the save up."""
+        with self._lock:
+            if not self.given_up:
+                self.started.set()
+            return not self.given_up
+
+    def give_up(self) -> bool:
+        """Training thread: True if the copy had not started (and now never will)."""
+        with self._lock:
+            self.given_up = not self.started.is_set()
+            return self.given_up
+
+
+def _seconds(knob: knobs.Knob) -> float:
+    raw = knob.get()
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{knob.name} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+class Cadence:
+    """Which steps get a snapshot: every K-th step, K fixed, or chosen online ("auto").
+
+    Under "auto" each rank times its steps (from one save() call to the next) and keeps the
+    durations of steps that overlapped a snapshot's copy apart from the others. A snapshot
+    costs the difference of their medians; K is the smallest interval whose cost stays at
+    or below ``TARGET`` of the step time. Every ``AGREE_EVERY`` steps the ranks agree on the
+    largest K any of them wants (a one-integer all_reduce), so all snapshot the same steps.
+    Until both kinds of step have been seen, K is ``WARMUP_K``.
+    """
+
+    TARGET = 0.03
+    AGREE_EVERY = 32
+    WARMUP_K = 2
+    MAX_K = 10_000
+    WINDOW = 32
+
+    def __init__(self, every: int | str) -> None:
+        text = str(every).strip().lower()
+        self.auto = text == "auto"
+        if self.auto:
+            self.k = self.WARMUP_K
+        else:
+            try:
+                self.k = int(text)
+            except ValueError:
+                self.k = 0
+            if self.k < 1:
+                raise ConfigError(f"the snapshot interval must be a number of steps >= 1 or "
+                                  f"'auto', got {every!r} (Snapshotter(every=...), "
+                                  f"--snapshot-every, {knobs.SNAPSHOT_EVERY.name})")
+        self._with_copy: deque[float] = deque(maxlen=self.WINDOW)
+        self._plain: deque[float] = deque(maxlen=self.WINDOW)
+        self._last_due = False
+
+    def due(self, step: int) -> bool:
+        return step % self.k == 0
+
+    def mark(self, due: bool) -> None:
+        self._last_due = due
+
+    def observe(self, step_s: float) -> None:
+        """The step that just ended took ``step_s``; it overlapped a copy if the last was due."""
+        (self._with_copy if self._last_due else self._plain).append(step_s)
+
+    def cost(self) -> tuple[float, float] | None:
+        """(seconds a snapshot adds to its step, seconds of a step without one), once known."""
+        if len(self._with_copy) < 3 or len(self._plain) < 3:
+            return None
+        plain = statistics.median(self._plain)
+        return max(0.0, statistics.median(self._with_copy) - plain), plain
+
+    def wanted(self) -> int:
+        """The interval this rank would pick."""
+        known = self.cost()
+        if known is None:
+            return self.k if self.k > 1 else self.WARMUP_K
+        cost, plain = known
+        if plain <= 0:
+            return self.k
+        return max(1, min(self.MAX_K, math.ceil(cost / (self.TARGET * plain))))
+
+    def agree(self, step: int) -> None:
+        import torch.distributed as dist
+
+        want = self.wanted()
+        if dist.is_available() and dist.is_initialized():
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend() == "nccl" else torch.device("cpu"))
+            t = torch.tensor([want], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            want = int(t.item())
+        if want != self.k:
+            log.info("snapshot interval: every %d step(s) from step %d (was %d)", want, step,
+                     self.k)
+        self.k = want
+
+
 def _groups(entries: list[Any], limit: int, keep: Callable[[Any], bool]) -> list[list[int]]:
     """Indices of the kept ``entries``, in order, in groups of about ``limit`` bytes."""
     groups: list[list[int]] = [[]]
@@ -174,10 +290,9 @@ class Snapshotter:
     """Per-step in-memory snapshots of one rank's training state. See the module docstring."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 *, state: Mapping[str, Any] | None = None, every: int = 1,
+                 *, state: Mapping[str, Any] | None = None, every: int | str | None = None,
                  async_copy: bool = True) -> None:
-        if every < 1:
-            raise ConfigError(f"every must be >= 1 step, got {every}")
+        self.cadence = Cadence(knobs.SNAPSHOT_EVERY.get() if every is None else every)
         self.model = model
         self.optimizer = optimizer
         self.stateful = _check_stateful(state)
@@ -186,7 +301,7 @@ class Snapshotter:
         self._rng_taken = threading.Event()
         self._copied = threading.Event()
         self._rng_restored: dict[str, Any] | None = None  # to apply at the next forward
-        self.every = every
+        self._wait_s = _seconds(knobs.SNAPSHOT_WAIT)
         self.extra: Any = None
         self.resumed_from: int = 0
         self.source = "none"  # where restore() found its step: "memory", "disk (...)", "none"
@@ -199,7 +314,10 @@ class Snapshotter:
         self._segments: list[shm.Segment | None] = [None, None]
         self._newest: tuple[int, int] | None = None  # (buffer, step) of the newest good snapshot
         self._epoch = ""
-        self._pending: Future[None] | None = None
+        self._pending: _SaveJob | None = None
+        self._last_save_call: float | None = None
+        self._unsaved: tuple[int, Any] | None = None  # (step, extra) of a save() not taken
+        self._skip_logged = -SKIP_LOG_INTERVAL_S
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-snap")
         self._hasher = ThreadPoolExecutor(max_workers=HASH_THREADS,
                                           thread_name_prefix="ftrun-hash")
@@ -219,7 +337,7 @@ class Snapshotter:
                              on_other=self._on_store_message)
         self._owner = int(os.environ.get("FTRUN_LAUNCHER_PID", os.getppid()))
         if optimizer is not None:
-            optimizer.register_step_pre_hook(lambda *_: self.wait())
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
         inner = getattr(model, "module", None)
         for module in (model, inner) if isinstance(inner, torch.nn.Module) else (model,):
             module.register_forward_pre_hook(self._on_forward)
@@ -322,10 +440,23 @@ class Snapshotter:
         return out
 
     # -- save -------------------------------------------------------------------------------
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self.wait()
+        self._unsaved = None  # the parameters change now: that step can no longer be taken
+
     def save(self, step: int, extra: Any = None) -> bool:
         """Snapshot the state after ``step``. Returns False when this call took no snapshot."""
-        if not self.enabled or step % self.every:
+        if not self.enabled:
             return False
+        if not self._due(step):
+            # close() takes it if training ends here (an interval that does not divide the
+            # number of steps would otherwise leave the last steps out).
+            self._unsaved = (step, extra) if self.optimizer is not None else None
+            return False
+        self._unsaved = None
+        return self._snapshot(step, extra)
+
+    def _snapshot(self, step: int, extra: Any) -> bool:
         if not self._epoch:
             # restore() was skipped: start counting commits without loading anything. Every
             # rank reaches its first save together, so this collective lines up.
@@ -356,33 +487,68 @@ class Snapshotter:
         self._ensure_segments(max(len(blob) * 2, 1 << 16), len(flat.tensors), flat.data_len)
         target = 0 if self._newest is None else 1 - self._newest[0]
         need = -1 if self._newest is None else self._newest[1]
-        job = self._pool.submit(self._write, target, need, step, flat, blob, cuda)
+        job = _SaveJob(step)
+        job.future = self._pool.submit(self._write, job, target, need, flat, blob, cuda)
         self._pending = job
         if not self._async:
             self._copied.wait(timeout=600.0)
         log.debug("save(%d) returned after %.1f ms", step, (time.perf_counter() - t0) * 1e3)
         return True
 
+    @property
+    def every(self) -> int:
+        """The current snapshot interval in steps (chosen online under ``every="auto"``)."""
+        return self.cadence.k
+
+    def _due(self, step: int) -> bool:
+        now = time.perf_counter()
+        if self._last_save_call is not None:
+            self.cadence.observe(now - self._last_save_call)
+        self._last_save_call = now
+        if self.cadence.auto and step % Cadence.AGREE_EVERY == 0:
+            self.cadence.agree(step)
+        due = self.cadence.due(step)
+        self.cadence.mark(due)
+        return due
+
     def wait(self, timeout_s: float = 600.0) -> None:
-        """Block until the snapshot in flight is staged (called before optimizer.step())."""
+        """Block until the snapshot in flight is copied (called before optimizer.step()).
+
+        A snapshot whose buffer the store has not released (the step before it is not
+        committed yet) within ``FTRUN_SNAPSHOT_WAIT`` is given up here and counted as skipped,
+        and the step goes on.
+        """
         self._take_rng()
-        job = self._pending
-        if job is None:
+        job, self._pending = self._pending, None
+        if job is None or job.future is None:
+            return
+        # The buffer comes once the previous snapshot is committed: normally within
+        # milliseconds. A store that is gone or stuck costs this snapshot, not the job.
+        job.started.wait(self._wait_s)
+        if job.give_up():
+            self._skipped(job.step, "the store had not released its buffer in time (the "
+                          "previous snapshot was not committed yet)")
             return
         try:
-            job.result(timeout=timeout_s)
+            job.future.result(timeout=timeout_s)
         except FtrunError as e:
             log.error("snapshot failed: %s", e)
-        finally:
-            self._pending = None
 
-    def _claim(self, target: int, need: int) -> bool:
+    def _skipped(self, step: int, why: str) -> None:
+        self.skipped_saves += 1
+        now = time.monotonic()
+        if now - self._skip_logged >= SKIP_LOG_INTERVAL_S:
+            self._skip_logged = now
+            log.warning("skipped the snapshot of step %d: %s (%d skipped so far; training does "
+                        "not wait for snapshots)", step, why, self.skipped_saves)
+
+    def _claim(self, job: _SaveJob, target: int, need: int) -> bool:
         assert self._chan is not None
         if need < 0:
-            return True
+            return job.start()
         deadline = time.monotonic() + CLAIM_TIMEOUT_S
         delay = 0.001
-        while True:
+        while not job.given_up:
             try:
                 reply = self._chan.request("snap_claim", {
                     "rank": self.rank, "buffer": target, "epoch": self._epoch,
@@ -392,11 +558,12 @@ class Snapshotter:
                 return False
             self.committed = max(self.committed, reply.body["committed"])
             if reply.body["ok"]:
-                return True
+                return job.start()
             if time.monotonic() > deadline:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        return False
 
     def _ensure_segments(self, manifest_cap: int, n_tensors: int, data_len: int) -> None:
         """Create (or grow) both buffers so they can hold a snapshot of this size."""
@@ -429,13 +596,14 @@ class Snapshotter:
             self._segments[buffer] = shm.Segment.create(name, manifest_cap, n_tensors,
                                                         data_len, self._owner)
 
-    def _write(self, target: int, need: int, step: int, flat: Any, blob: bytes,
+    def _write(self, job: _SaveJob, target: int, need: int, flat: Any, blob: bytes,
                cuda: bool) -> None:
-        if not self._claim(target, need):
+        step = job.step
+        if not self._claim(job, target, need):
             self._copied.set()
-            self.skipped_saves += 1
-            log.warning("skipping the snapshot of step %d: step %d is not committed yet, and "
-                        "its buffer must not be overwritten before", step, need)
+            if not job.given_up:  # else wait() counted it already
+                self._skipped(step, f"step {need} was not committed within "
+                                    f"{CLAIM_TIMEOUT_S:.0f} s")
             return
         seg = self._segments[target]
         assert seg is not None
@@ -479,9 +647,8 @@ class Snapshotter:
             job.result()
         self._copied.set()
         if not self._rng_taken.wait(timeout=RNG_TIMEOUT_S):
-            self.skipped_saves += 1
-            log.warning("skipping the snapshot of step %d: no forward pass and no wait() within "
-                        "%.0f s to take its RNG states", step, RNG_TIMEOUT_S)
+            self._skipped(step, f"no forward pass and no wait() within {RNG_TIMEOUT_S:.0f} s "
+                                "to take its RNG states")
             return
         late = [i for i, e in enumerate(flat.tensors) if e.key.startswith(RNG_KEY)]
         for i in late:
@@ -657,6 +824,15 @@ class Snapshotter:
         return found.step, f"disk ({root})"
 
     def close(self) -> None:
+        """Take the last step if the interval skipped it, wait for the copy, release buffers.
+
+        Every rank calls it after training (the last snapshot is committed across ranks).
+        """
+        if self.enabled and self._unsaved is not None:
+            step, extra = self._unsaved
+            self._unsaved = None
+            log.debug("close(): taking step %d, which the snapshot interval skipped", step)
+            self._snapshot(step, extra)
         self.wait()
         self._pool.shutdown(wait=True)
         self._hasher.shutdown(wait=True)

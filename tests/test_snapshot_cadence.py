@@ -1,0 +1,67 @@
+"""Which steps get a snapshot: fixed intervals, and "auto" from measured step times."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import TRAIN, Procs
+
+from ftrun.errors import ConfigError
+from ftrun.snapshot.client import Cadence
+
+
+def test_fixed_interval() -> None:
+    c = Cadence(3)
+    assert [s for s in range(1, 10) if c.due(s)] == [3, 6, 9]
+    assert Cadence("1").k == 1 and not Cadence("4").auto
+    for bad in (0, "-2", "often", ""):
+        with pytest.raises(ConfigError, match="'auto'"):
+            Cadence(bad)
+
+
+def feed(c: Cadence, steps: int, plain_s: float, copy_s: float) -> None:
+    """Run ``steps`` steps: a step after a snapshot takes ``plain_s + copy_s``."""
+    for step in range(1, steps + 1):
+        c.observe(plain_s + (copy_s if c._last_due else 0.0))
+        c.mark(c.due(step))
+
+
+def test_auto_warms_up_then_keeps_the_slowdown_under_three_percent() -> None:
+    c = Cadence("auto")
+    assert c.auto and c.k == Cadence.WARMUP_K and c.cost() is None
+    feed(c, 12, plain_s=0.100, copy_s=0.015)  # a snapshot costs 15% of a step
+    cost, plain = c.cost()
+    assert cost == pytest.approx(0.015) and plain == pytest.approx(0.100)
+    k = c.wanted()
+    assert k == 5  # 15% / 5 = 3%
+    assert cost / (k * plain) <= Cadence.TARGET
+
+
+def test_auto_snapshots_every_step_when_the_copy_is_hidden() -> None:
+    c = Cadence("auto")
+    feed(c, 12, plain_s=0.2, copy_s=0.0)
+    assert c.wanted() == 1
+    c.agree(32)  # not distributed: takes its own choice
+    assert c.k == 1
+
+
+def test_auto_caps_the_interval() -> None:
+    c = Cadence("auto")
+    feed(c, 12, plain_s=0.001, copy_s=100.0)
+    assert c.wanted() == Cadence.MAX_K
+
+
+@pytest.mark.integration
+def test_launcher_interval_and_the_last_step_taken_at_close(
+        procs: Procs, state_dir: Path, tmp_path: Path) -> None:
+    """--snapshot-every 4 reaches the ranks; close() takes step 10, which 4 does not divide."""
+    persist = tmp_path / "persist"
+    proc = procs.ftrun("--standalone", "--rdzv-id", f"cad-{uuid.uuid4().hex[:8]}",
+                       "--nproc-per-node", "2", "--snapshot-every", "4", "--persist-dir",
+                       str(persist), "--persist-every", "1", "--persist-keep", "10", TRAIN,
+                       "--steps", "10", "--layers", "1", "--dim", "32")
+    assert procs.wait(proc, 240) == 0, procs.output(proc)[-4000:]
+    steps = sorted(int(p.name.split("_")[1]) for p in persist.iterdir() if p.name.startswith("step_"))
+    assert steps[-1] == 10 and set(steps) <= {4, 8, 10}, steps

@@ -1,0 +1,66 @@
+"""A stalled snapshot store costs snapshots, not the job: each step waits at most
+--snapshot-wait for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import TRAIN, Procs, read_events, result_line, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_stopped_store_skips_snapshots_and_training_goes_on(
+        procs: Procs, state_dir: Path, tmp_path: Path) -> None:
+    from ftrun import jobs
+    from ftrun.coordinator.client import request
+
+    steps = tmp_path / "steps.jsonl"
+    run_id = f"stall-{uuid.uuid4().hex[:8]}"
+    common = ("--standalone", "--nproc-per-node", "2", "--max-restarts", "0", TRAIN,
+              "--steps", "14", "--layers", "1", "--dim", "32")
+    # A step may wait up to --snapshot-wait for the store, then the snapshot is skipped.
+    proc = procs.ftrun("--rdzv-id", run_id, "--snapshot-wait", "0.5", *common,
+                       "--step-sleep", "0.3", "--step-log", str(steps))
+    started = wait_for(lambda: [e for e in read_events(state_dir, run_id)
+                                if e["type"] == "store_started"], 60, "the store to start")
+    store_pid = started[0]["pid"]
+    secret = jobs.load_secret(run_id, create=False)
+    endpoint = jobs.read_job_file(run_id).endpoint
+
+    def committed() -> int | None:
+        doc = request(endpoint, secret, run_id, "status_request", {}, timeout_s=5).body["doc"]
+        step = (doc.get("snapshots") or {}).get("committed_step")
+        return step if step and step >= 2 else None
+
+    wait_for(committed, 120, "a committed snapshot", interval_s=0.2)
+
+    def done_steps() -> list[int]:
+        if not steps.exists():
+            return []
+        return [json.loads(line)["step"] for line in steps.read_text().splitlines() if line]
+
+    os.kill(store_pid, signal.SIGSTOP)
+    try:
+        at_stop = len(done_steps())
+        # Without a store nothing commits; if saves waited for it, no step would complete.
+        wait_for(lambda: len(done_steps()) >= at_stop + 4, 60,
+                 "four steps to complete while the store is stopped")
+    finally:
+        os.kill(store_pid, signal.SIGCONT)
+    code = procs.wait(proc, 240)
+    out = procs.output(proc)
+    assert code == 0, out[-4000:]
+    assert "skipped the snapshot of step" in out, out[-4000:]
+
+    # Skipped snapshots change nothing in training: same weights as a run without snapshots.
+    plain = procs.ftrun("--rdzv-id", f"{run_id}-plain", *common, "--snapshot-every", "0",
+                        name="plain")
+    assert procs.wait(plain, 240) == 0, procs.output(plain)[-4000:]
+    assert result_line(out).split("params_xxh3=")[1] == \
+        result_line(procs.output(plain)).split("params_xxh3=")[1]
