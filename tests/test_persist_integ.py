@@ -117,7 +117,9 @@ def test_every_n_steps_and_the_end_of_the_job_write_complete_steps(first_job: di
     assert final["step"] == newest_committed(first_job["out"])
     on_disk = check_all_complete(first_job["ckpt"])
     assert on_disk == sorted({t["step"] for t in made}, reverse=True)
-    assert first_job["out"].count(f"persisting step {final['step']} (final)") == 2  # per node
+    # Written once by each node (as the final target, or already as a scheduled one).
+    assert len(re.findall(rf"persisting step {final['step']}( \(final\))?:",
+                          first_job["out"])) == 2
 
 
 def test_interval_sigusr1_and_sigterm_then_the_requeued_job_resumes_from_the_final_step(
@@ -130,8 +132,10 @@ def test_interval_sigusr1_and_sigterm_then_the_requeued_job_resumes_from_the_fin
              "a persist target by interval")
     # A signal to one launcher: every node writes the step it picked.
     nodes[1].send_signal(signal.SIGUSR1)
-    wait_for(lambda: any(t["reason"] == "SIGUSR1" for t in made()), 60,
-             "a persist target by SIGUSR1")
+    signalled = wait_for(lambda: [t for t in made() if t["reason"] == "SIGUSR1"], 60,
+                         "a persist target by SIGUSR1")[0]
+    wait_for(lambda: any(t["step"] > signalled["step"] for t in made()), 60,
+             "a later persist target")
     # Slurm preemption: every launcher gets SIGTERM at about the same time.
     for node in nodes:
         node.send_signal(signal.SIGTERM)
@@ -144,8 +148,7 @@ def test_interval_sigusr1_and_sigterm_then_the_requeued_job_resumes_from_the_fin
     final = made()[-1]
     assert final["final"] and final["reason"] == "end of job"
     assert final["step"] == newest_committed(outputs(procs, nodes))
-    signalled = next(t for t in made() if t["reason"] == "SIGUSR1")
-    assert final["step"] >= signalled["step"] > 0
+    assert final["step"] > signalled["step"] > 0
     on_disk = check_all_complete(ckpt)
     assert on_disk == sorted({t["step"] for t in made() if t["step"] > 0}, reverse=True)
     assert on_disk[0] == final["step"]
