@@ -319,8 +319,9 @@ class Job:
         self.state = self.work / "state"
         self.shm = Path("/dev/shm") / f"ftrun-chaos-{os.getpid()}-{name}"
         self.shm.mkdir(mode=0o700)
+        # A snapshot every step: what expected_resume() assumes.
         train = [str(code / "examples" / "train.py"), "--steps", str(cfg.steps), *MODEL,
-                 "--step-sleep", str(cfg.step_sleep_s), "--step-log", str(self.steplog),
+                 "--snapshot-every", "1", "--step-sleep", str(cfg.step_sleep_s), "--step-log", str(self.steplog),
                  "--fault-dir", str(self.faults_dir), "--result", str(self.result)]
         if schedule is not None:
             plan = [{"step": f.step, "rank": f.rank, "mode": f.kind}
@@ -691,7 +692,8 @@ def render(doc: dict[str, Any], faults: list[Fault]) -> str:
         f"- Date (UTC): {doc['date']}",
         f"- Host: {doc['host']}",
         f"- Code: commit {doc['code']}",
-        f"- Job: `examples/train.py --steps {cfg['steps']} {' '.join(MODEL)} --step-sleep "
+        f"- Job: `examples/train.py --steps {cfg['steps']} {' '.join(MODEL)} "
+        f"--snapshot-every 1 --step-sleep "
         f"{cfg['step_sleep_s']:g}` on {NODES} launchers × {NPROC} ranks on localhost (gloo, "
         f"c10d rendezvous), `--hang-timeout {cfg['hang_timeout_s']:g} --persist-every "
         f"{cfg['persist_every']} --max-restarts 100`; seed {cfg['seed']}, {cfg['form']} form: "
@@ -743,8 +745,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.1,
                    help="train.py --step-sleep, seconds (default 0.1)")
     p.add_argument("--hang-timeout", type=float, default=10.0,
-                   help="ftrun --hang-timeout, seconds (default 10: a store kill stalls "
-                   "snapshot saves for about 5 s)")
+                   help="ftrun --hang-timeout, seconds (default 10: a store kill can stall "
+                   "a snapshot save for up to 5 s, the rank's request timeout)")
     p.add_argument("--persist-every", type=int, default=2,
                    help="ftrun --persist-every (default 2)")
     p.add_argument("--slot-timeout", type=float, default=180.0,
