@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -22,10 +23,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from conftest import free_port, pid_alive, wait_for
+from conftest import free_port, wait_for
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "squeue", "srun")
@@ -250,23 +251,32 @@ PartitionName=ci Nodes={self.nodelist} Default=YES MaxTime=INFINITE State=UP
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Cancel the jobs, end every daemon and job process, undo /etc/hosts. Never raises
-        before everything has been tried."""
-        errors: list[str] = []
+        """Cancel the jobs, end every daemon and job process, undo /etc/hosts, remove the
+        cluster's directory. Every step runs even when an earlier one failed; the failures
+        are raised together at the end."""
+        steps: list[tuple[str, Callable[[], None]]] = []
         if self.job_ids and self.daemons:
-            self.cmd("scancel", *map(str, self.job_ids), check=False)
-            try:
-                wait_for(lambda: not self.cmd("squeue", "-h", check=False).stdout.strip(), 60,
-                         "cancelled jobs to leave the queue", 0.5)
-            except (AssertionError, subprocess.TimeoutExpired) as e:
-                errors.append(str(e))
-        for program, proc in reversed(self.daemons):
-            _end(proc, program, errors)
-        self._kill_job_leftovers()
+            steps.append(("cancelling the jobs", self._cancel_jobs))
+        steps += [(f"stopping {program} (pid {proc.pid})", functools.partial(_end, proc))
+                  for program, proc in reversed(self.daemons)]
+        steps.append(("ending what the jobs left running", self._kill_job_leftovers))
         if self._hosts_added:
-            self._remove_hosts()
+            steps.append((f"removing the test's line from {HOSTS_FILE}", self._remove_hosts))
+        # Config, munge key, controller state, spool and logs (failures quote the logs).
+        steps.append((f"removing {self.root}", lambda: shutil.rmtree(self.root)))
+        errors = []
+        for what, step in steps:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - reported below, after every step ran
+                errors.append(f"{what}: {type(e).__name__}: {e}")
         if errors:
             raise AssertionError("stopping the Slurm cluster: " + "; ".join(errors))
+
+    def _cancel_jobs(self) -> None:
+        self.cmd("scancel", *map(str, self.job_ids), check=False)
+        wait_for(lambda: not self.cmd("squeue", "-h", check=False).stdout.strip(), 60,
+                 "cancelled jobs to leave the queue", 0.5)
 
     def _kill_job_leftovers(self) -> None:
         """Processes the jobs started that outlived slurmd (they carry our SLURM_CONF)."""
@@ -283,17 +293,17 @@ PartitionName=ci Nodes={self.nodelist} Default=YES MaxTime=INFINITE State=UP
                     os.kill(int(entry.name), signal.SIGKILL)
 
 
-def _end(proc: subprocess.Popen[bytes], program: str, errors: list[str]) -> None:
-    """SIGTERM, then SIGKILL after 15 s; reap."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            errors.append(f"{program} (pid {proc.pid}) ignored SIGTERM for 15 s")
-            proc.kill()
-            proc.wait(timeout=15)
-    assert not pid_alive(proc.pid)
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 15 s; reap. Raises when SIGTERM was not enough."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
+        raise AssertionError("ignored SIGTERM for 15 s; killed") from None
 
 
 def launcher_pid_slurm_node(pid: int) -> int | None:

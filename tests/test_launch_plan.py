@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from ftrun.errors import ConfigError
@@ -49,6 +51,19 @@ def test_under_slurm_only_node_0_hosts_the_store() -> None:
     plan = launch.plan_rendezvous(args, explicit, external=False, node0_hosts=True)
     assert plan is not None and not plan.is_host and plan.store is None
     assert launch._parse_conf(args.rdzv_conf)["is_host"] == "0"
+
+
+def test_under_slurm_node_0_refuses_a_taken_port() -> None:
+    # Another job's store on node 0's port: joining it would tie the two jobs together.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {**SLURM, "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "localhost,localhost"}
+        args, explicit = _args(["train.py"])
+        assert launch.apply_slurm(args, explicit, env)
+        args.rdzv_endpoint = f"localhost:{taken.getsockname()[1]}"
+        with pytest.raises(ConfigError, match="Is another job using that port"):
+            launch.plan_rendezvous(args, explicit, external=False, node0_hosts=True)
 
 
 def test_slurm_endpoint_given_by_the_user_keeps_torchs_rule() -> None:

@@ -54,7 +54,7 @@ def slurm_ok() -> None:
 
 @pytest.fixture(scope="module")
 def cluster(slurm_ok: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    with exclusive(timeout_s=600):
+    with exclusive(timeout_s=200):
         c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
         try:
             c.start()
