@@ -124,3 +124,42 @@ def ddp_will_rebuild(ddp: Any) -> bool:
     """Whether ``ddp`` has yet to rebuild its buckets (it never does with unused-parameter
     search, unless its graph is static)."""
     return not ddp._has_rebuilt_buckets and (ddp.static_graph or not ddp.find_unused_parameters)
+
+
+def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> bool:
+    """Load a ``get_optimizer_state_dict`` dict (keyed by parameter FQN) straight into
+    ``optimizer.load_state_dict``; False (nothing loaded) where torch's own path is needed.
+
+    ``set_optimizer_state_dict`` first runs a step with zero gradients on an optimizer without
+    state, to learn what its state looks like: on a restarted rank that is most of a restore
+    (2.6 of 3.4 s for 1.2 GB of AdamW state). Plain tensors need none of it: the FQNs map to
+    the optimizer's parameter indices, which is what ``load_state_dict`` takes. Sharded
+    (DTensor) parameters, and anything that does not match one to one, go torch's way.
+    """
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    fqn_of: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        if type(param).__name__ == "DTensor" or type(param).__name__ == "FlatParameter":
+            return False
+        fqns = _get_fqns(model, name)
+        if len(fqns) != 1:
+            return False
+        fqn_of[id(param)] = next(iter(fqns))
+    saved_groups = state.get("param_groups")
+    saved_state = state.get("state", {})
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
+        return False
+    groups, native_state, index = [], {}, 0
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        fqns = [fqn_of.get(id(p)) for p in group["params"]]
+        if None in fqns or list(saved.get("params", [])) != fqns:
+            return False
+        ids = list(range(index, index + len(fqns)))
+        index += len(fqns)
+        for i, fqn in zip(ids, fqns, strict=True):
+            if fqn in saved_state:
+                native_state[i] = saved_state[fqn]
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": native_state, "param_groups": groups})
+    return True

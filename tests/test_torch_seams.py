@@ -121,3 +121,43 @@ def test_will_rebuild_follows_ddp_arguments(group: object) -> None:
     _torch.ddp_layout(plain)
     assert not _torch.ddp_will_rebuild(plain)
     assert not _torch.ddp_will_rebuild(DistributedDataParallel(model(), find_unused_parameters=True))
+
+
+def test_get_fqns_signature() -> None:
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    assert params(_get_fqns)[:2] == ["model", "name"]
+
+
+def test_optimizer_state_loads_like_torchs_own_path(group: object) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def trained() -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+        ddp = DistributedDataParallel(model())
+        opt = torch.optim.AdamW([{"params": list(ddp.parameters())[:2], "lr": 1e-3},
+                                 {"params": list(ddp.parameters())[2:], "lr": 5e-4}])
+        return ddp, opt
+
+    ddp, opt = trained()
+    for _ in range(2):
+        step(ddp)
+        opt.step()
+        opt.zero_grad()
+    saved = get_optimizer_state_dict(ddp, opt)
+
+    fast_model, fast_opt = trained()
+    assert _torch.load_optimizer_state(fast_model, fast_opt, saved)
+    slow_model, slow_opt = trained()
+    set_optimizer_state_dict(slow_model, slow_opt, saved)
+    a, b = fast_opt.state_dict(), slow_opt.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i, entry in a["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, b["state"][i][key]), (i, key)
+
+    other = torch.optim.AdamW(fast_model.parameters())  # one group, not two: torch's way
+    assert not _torch.load_optimizer_state(fast_model, other, saved)

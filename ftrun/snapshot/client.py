@@ -390,17 +390,22 @@ class Snapshotter:
     def _apply(self, tree: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
         # Snapshots hold each DTensor's local shard; give them back their placements.
-        current = self._state_dicts()
-        model_sd = _as_current(tree["model"], current["model"])
+        model_sd = _as_current(tree["model"], get_model_state_dict(self.model))
         set_model_state_dict(self.model, model_sd, options=StateDictOptions(strict=True))
-        if self.optimizer is not None and "optim" in tree:
-            optim_sd = _as_current(tree["optim"], current.get("optim"))
-            set_optimizer_state_dict(self.model, self.optimizer, optim_sd)
+        if self.optimizer is not None and "optim" in tree and \
+                not _torch.load_optimizer_state(self.model, self.optimizer, tree["optim"]):
+            # Sharded (DTensor) state: torch's own path, which first materialises the
+            # optimizer's state with a throw-away step to learn the placements.
+            current = get_optimizer_state_dict(self.model, self.optimizer)
+            set_optimizer_state_dict(self.model, self.optimizer,
+                                     _as_current(tree["optim"], current))
         saved = tree.get("stateful") or {}
         missing = sorted(set(self.stateful) - set(saved))
         if missing:
