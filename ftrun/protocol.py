@@ -131,10 +131,12 @@ SCHEMAS: dict[str, Schema] = {
                      "persisted_step": ((int, _NONE), True), "ranks": (ListOf(int), True),
                      "persist": (bool, False), "final": (bool, False),
                      "epoch": ((str, _NONE), False), "target_done": (int, False),
-                     "writing": ((int, _NONE), False)},
+                     "writing": ((int, _NONE), False), "skipped": (int, False),
+                     "every": ((int, _NONE), False)},
     # Rank <-> its node's store (ipc, same secret).
+    # ``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now.
     "snap_staged": {"rank": (int, True), "buffer": (int, True), "step": (int, True),
-                    "epoch": (str, True)},
+                    "epoch": (str, True), "skipped": (int, False), "every": (int, False)},
     "snap_done": {"rank": (int, True), "buffer": (int, True), "step": (int, True),
                   "ok": (bool, True), "committed": (int, True), "reason": (str, False)},
     "snap_claim": {"rank": (int, True), "buffer": (int, True), "epoch": (str, True),

@@ -65,3 +65,12 @@ def test_launcher_interval_and_the_last_step_taken_at_close(
     assert procs.wait(proc, 240) == 0, procs.output(proc)[-4000:]
     steps = sorted(int(p.name.split("_")[1]) for p in persist.iterdir() if p.name.startswith("step_"))
     assert steps[-1] == 10 and set(steps) <= {4, 8, 10}, steps
+
+
+def test_status_names_the_interval_and_what_skips_cost() -> None:
+    from ftrun.cli.status import _cadence_text
+
+    assert _cadence_text({}) == ""
+    assert _cadence_text({"every": 1, "effective_every": 1.0}) == " | every 1 step(s)"
+    assert _cadence_text({"every": 2, "effective_every": 3.5}) == \
+        " | every 2 step(s), effective 3.5"

@@ -53,6 +53,13 @@ def test_a_stopped_store_skips_snapshots_and_training_goes_on(
                  "four steps to complete while the store is stopped")
     finally:
         os.kill(store_pid, signal.SIGCONT)
+    # The skips reach ftrun status with the next snapshot the store takes in.
+    def skipped() -> int:
+        snaps = request(endpoint, secret, run_id, "status_request", {},
+                        timeout_s=5).body["doc"].get("snapshots") or {}
+        return int(snaps.get("skipped") or 0) if snaps.get("every") == 1 else 0
+
+    wait_for(skipped, 60, "ftrun status to count the skipped snapshots", interval_s=0.2)
     code = procs.wait(proc, 240)
     out = procs.output(proc)
     assert code == 0, out[-4000:]

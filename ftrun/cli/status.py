@@ -253,8 +253,20 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
          f" in memory on {len(stores)} node(s)", ""),
         (f" | persisted step {persisted}" if persisted is not None else " | nothing persisted",
          ""),
+        (_cadence_text(snaps), ""),
+        (f" | {snaps['skipped']} skipped" if snaps.get("skipped") else "", "bold yellow"),
     )
     return Group(table, line, *details, snap_line)
+
+
+def _cadence_text(snaps: dict[str, Any]) -> str:
+    every, effective = snaps.get("every"), snaps.get("effective_every")
+    if every is None:
+        return ""
+    text = f" | every {every} step(s)"
+    if effective is not None and effective != every:
+        text += f", effective {effective:g}"
+    return text
 
 
 def _bytes_text(n: int | None) -> Text:

@@ -71,6 +71,7 @@ class Epoch:
     nbytes: dict[int, int] = field(default_factory=dict)  # rank -> bytes of its last shard
     targets: list[int] = field(default_factory=list)  # persist targets, oldest first
     final: int | None = None  # the final target, once fixed
+    commits: int = 0  # steps committed in this epoch
     final_asked_mono: float | None = None  # when the first store asked for it
 
     def pending(self) -> dict[int, int]:
@@ -143,6 +144,7 @@ class CommitTracker:
         ranks.add(rank)
         if len(ranks) >= ep.world_size:
             ep.committed, ep.committed_at = step, time.time()
+            ep.commits += 1
             for old in [s for s in ep.verified if s <= step]:
                 del ep.verified[old]
             self._on_commit(ep, step)
@@ -235,6 +237,9 @@ class CommitTracker:
             "pending_steps": sorted(ep.verified),
             "bytes_per_rank": {str(r): b for r, b in sorted(ep.nbytes.items())},
             "persisted_step": min(persisted) if persisted else None,
+            # Steps per committed snapshot in this epoch: the interval, plus what skips cost.
+            "effective_every": (round((ep.committed - ep.base_step) / ep.commits, 1)
+                                if ep.commits else None),
         }
 
     # -- the store <-> coordinator messages, answered here so that a store without a

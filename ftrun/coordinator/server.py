@@ -644,12 +644,17 @@ class Coordinator:
         with self._lock:
             summary = self._commits.summary()
             stores = {n: {"bytes": r["bytes"], "segments": r["segments"],
-                          "persisted_step": r["persisted_step"], "ranks": r["ranks"]}
+                          "persisted_step": r["persisted_step"], "ranks": r["ranks"],
+                          "skipped": r.get("skipped", 0), "every": r.get("every")}
                       for n, r in self._store_reports.items()}
         if summary is None and not stores:
             return None
         out: dict[str, Any] = dict(summary or {})
         out["stores"] = stores
+        # Snapshots the ranks gave up (the store had not released a buffer in time), and the
+        # interval they snapshot at (the largest any node reports).
+        out["skipped"] = sum(s["skipped"] for s in stores.values())
+        out["every"] = max((s["every"] for s in stores.values() if s["every"]), default=None)
         return out
 
     def _node_doc(self, node: _Node, mono: float) -> dict[str, Any]:

@@ -666,7 +666,8 @@ class Snapshotter:
         self._newest = (target, step)
         assert self._chan is not None
         self._chan.send("snap_staged", {"rank": self.rank, "buffer": target, "step": step,
-                                        "epoch": self._epoch})
+                                        "epoch": self._epoch, "skipped": self.skipped_saves,
+                                        "every": self.cadence.k})
 
     def _register(self, seg: shm.Segment) -> None:
         """Pin the segment's pages for the GPU so device-to-host copies are asynchronous DMA."""

@@ -119,6 +119,7 @@ class SnapshotStore:
         self._writing_step: int | None = None
         self._persisted_step: int | None = None
         self._handled: dict[int, str] = {}  # persist target -> what became of it (this epoch)
+        self._cadence: dict[int, tuple[int, int]] = {}  # rank -> (snapshots skipped, interval)
         self._final: int | None = None  # the epoch's final target, once known
         self._report_due = False  # tell the coordinator about targets done, at once
         self._restarted = True  # until the first reply: older targets were handled before
@@ -321,6 +322,8 @@ class SnapshotStore:
     def handle(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         b = msg.body
         if msg.kind == "snap_staged":
+            if "every" in b:
+                self._cadence[b["rank"]] = (b.get("skipped", 0), b["every"])
             name = shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])
             ok, reason, _ = self._verify_staged(name, b["step"])
             if not ok:
@@ -546,6 +549,8 @@ class SnapshotStore:
                     "persist": bool(self.cfg.persist_dir), "final": final,
                     "epoch": self._epoch or None, "writing": self._writing(),
                     "target_done": max(self._handled, default=-1),
+                    "skipped": sum(s for s, _ in self._cadence.values()),
+                    "every": max((k for _, k in self._cadence.values()), default=None),
                 }, "ack", COORDINATOR_TIMEOUT_S)
             except (UnreachableError, FtrunError) as e:
                 log.debug("store report: %s", e)
