@@ -112,6 +112,13 @@ def _output(work: Path, name: str, job_id: int) -> str:
     return (work / f"ftrun-{name}-{job_id}.out").read_text(errors="replace")
 
 
+def _why(work: Path, out: str, job_id: int) -> str:
+    """What to read when an assertion about a job fails: its log and event log, last parts."""
+    events = work / "state" / "jobs" / str(job_id) / "events.jsonl"
+    tail = events.read_text().splitlines()[-40:] if events.exists() else ["(no event log)"]
+    return f"--- job output (end)\n{out[-6000:]}\n--- events (end)\n" + "\n".join(tail)
+
+
 def _steps_done(log: Path) -> int:
     try:
         lines = log.read_text().splitlines()
@@ -141,12 +148,12 @@ def test_basic_completes_bit_identical_and_persists(reference: PlainRun, cluster
     job_id = _submit(cluster, work, "basic.sbatch")
     fields = cluster.wait_done(job_id, 150)
     out = _output(work, "basic", job_id)
-    assert fields["JobState"] == "COMPLETED", out[-4000:]
+    assert fields["JobState"] == "COMPLETED", _why(work, out, job_id)
     result = json.loads((work / "result.json").read_text())
     assert result["world_size"] == 3 and result["resumed_from"] == []
     assert result["params_xxh3"] == reference.params_xxh3()
     # Persisted by default, under the submit directory.
-    assert _complete_steps(work / "checkpoints" / str(job_id), 3), out[-4000:]
+    assert _complete_steps(work / "checkpoints" / str(job_id), 3), _why(work, out, job_id)
 
 
 def test_requeue_resumes_from_the_persisted_step(reference: PlainRun, cluster: SlurmCluster,
@@ -167,15 +174,16 @@ def test_requeue_resumes_from_the_persisted_step(reference: PlainRun, cluster: S
     cluster.cmd("scancel", "--signal=USR1", "--batch", str(job_id))
     fields = cluster.wait_done(job_id, 200)
     out = _output(work, "requeue", job_id)
-    assert fields["JobState"] == "COMPLETED", out[-4000:]
-    assert int(fields["Restarts"]) == 1, out[-4000:]
+    assert fields["JobState"] == "COMPLETED", _why(work, out, job_id)
+    assert int(fields["Restarts"]) == 1, _why(work, out, job_id)
     assert "SIGUSR1: time limit near" in out and f"requeueing job {job_id}" in out
     assert "restart count 1" in out
 
     result = json.loads((work / "result.json").read_text())
-    assert len(result["resumed_from"]) == 1, out[-4000:]
+    assert len(result["resumed_from"]) == 1, _why(work, out, job_id)
     resumed = result["resumed_from"][0]
-    assert resumed >= 6, f"resumed from step {resumed}, signalled after step 6\n{out[-4000:]}"
+    assert resumed >= 6, (f"resumed from step {resumed}, signalled after step 6\n"
+                          f"{_why(work, out, job_id)}")
     assert f"rank 0 resumed from step {resumed}" in out
     assert resumed in _complete_steps(work / "checkpoints" / str(job_id), 3)
     assert result["params_xxh3"] == reference.params_xxh3()
@@ -207,11 +215,12 @@ def test_spares_lose_a_node_and_complete(cluster: SlurmCluster, tmp_path: Path) 
 
     fields = cluster.wait_done(job_id, 200)
     out = _output(work, "spares", job_id)
-    assert fields["JobState"] == "COMPLETED", out[-4000:]
-    assert "node 0's launcher: 0" in out, out[-4000:]
-    assert "srun exited with status 0" not in out, "the lost node's task did not fail"
+    assert fields["JobState"] == "COMPLETED", _why(work, out, job_id)
+    assert "node 0's launcher: 0" in out, _why(work, out, job_id)
+    assert "srun exited with status 0" not in out, _why(work, out, job_id)
     result = json.loads((work / "result.json").read_text())
-    assert result["world_size"] == 2, out[-4000:]
+    assert result["world_size"] == 2, _why(work, out, job_id)
     assert result["step"] == STEPS
     # Training went on from a step persisted before the loss, not from step 0.
-    assert len(result["resumed_from"]) == 1 and result["resumed_from"][0] >= 3, out[-4000:]
+    assert len(result["resumed_from"]) == 1 and result["resumed_from"][0] >= 3, \
+        _why(work, out, job_id)
