@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 CLAIM_TIMEOUT_S = 60.0
 RNG_TIMEOUT_S = 600.0
+CLAIM_ATTEMPT_S = 0.5
 RNG_KEY = "/rng/"
 SKIP_LOG_INTERVAL_S = 30.0
 HASH_GROUP_BYTES = 64 << 20  # copied, then hashed while the next group is copied
@@ -166,6 +167,8 @@ class _SaveJob:
         self.future: Future[None] | None = None
         self.given_up = False
         self.started = threading.Event()
+        self.settled = threading.Event()  # started, or the copy thread gave up
+        self._counted = False
         self._lock = threading.Lock()
 
     def start(self) -> bool:
@@ -173,6 +176,7 @@ class _SaveJob:
         with self._lock:
             if not self.given_up:
                 self.started.set()
+            self.settled.set()
             return not self.given_up
 
     def give_up(self) -> bool:
@@ -180,6 +184,12 @@ class _SaveJob:
         with self._lock:
             self.given_up = not self.started.is_set()
             return self.given_up
+
+    def count_skip(self) -> bool:
+        """True for the first of the two threads to count this save as skipped."""
+        with self._lock:
+            first, self._counted = not self._counted, True
+            return first
 
 
 def _seconds(knob: knobs.Knob) -> float:
@@ -529,10 +539,11 @@ class Snapshotter:
             return
         # The buffer comes once the previous snapshot is committed: normally within
         # milliseconds. A store that is gone or stuck costs this snapshot, not the job.
-        job.started.wait(self._wait_s)
+        job.settled.wait(self._wait_s)
         if job.give_up():
-            self._skipped(job.step, "the store had not released its buffer in time (the "
-                          "previous snapshot was not committed yet)")
+            if job.count_skip():
+                self._skipped(job.step, "the store had not released its buffer in time (the "
+                              "previous snapshot was not committed yet)")
             return
         try:
             job.future.result(timeout=timeout_s)
@@ -555,9 +566,12 @@ class Snapshotter:
         delay = 0.001
         while not job.given_up:
             try:
+                # Short attempts: a store killed and restarted by its launcher answers a
+                # resent claim at once, instead of after one long timeout.
                 reply = self._chan.request("snap_claim", {
                     "rank": self.rank, "buffer": target, "epoch": self._epoch,
-                    "need_committed": need}, "snap_claim_reply", STORE_TIMEOUT_S, attempts=3)
+                    "need_committed": need}, "snap_claim_reply", CLAIM_ATTEMPT_S,
+                    attempts=int(3 * STORE_TIMEOUT_S / CLAIM_ATTEMPT_S))
             except UnreachableError as e:
                 log.warning("store unreachable (%s); keeping older snapshot", e)
                 return False
@@ -604,11 +618,15 @@ class Snapshotter:
     def _write(self, job: _SaveJob, target: int, need: int, flat: Any, blob: bytes,
                cuda: bool) -> None:
         step = job.step
-        if not self._claim(job, target, need):
+        try:
+            claimed = self._claim(job, target, need)
+        finally:
+            job.settled.set()
+        if not claimed:
             self._copied.set()
-            if not job.given_up:  # else wait() counted it already
-                self._skipped(step, f"step {need} was not committed within "
-                                    f"{CLAIM_TIMEOUT_S:.0f} s")
+            if job.count_skip():
+                self._skipped(step, f"the store did not release a buffer (step {need} not "
+                                    "committed, or the store unreachable)")
             return
         seg = self._segments[target]
         assert seg is not None
