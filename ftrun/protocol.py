@@ -134,13 +134,15 @@ SCHEMAS: dict[str, Schema] = {
                      "writing": ((int, _NONE), False), "skipped": (int, False),
                      "every": ((int, _NONE), False)},
     # Rank <-> its node's store (ipc, same secret).
-    # ``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now.
+    # ``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now;
+    # ``base``: the step its epoch resumed from (a restarted store learns the epoch from it).
     "snap_staged": {"rank": (int, True), "buffer": (int, True), "step": (int, True),
-                    "epoch": (str, True), "skipped": (int, False), "every": (int, False)},
+                    "epoch": (str, True), "skipped": (int, False), "every": (int, False),
+                    "base": (int, False)},
     "snap_done": {"rank": (int, True), "buffer": (int, True), "step": (int, True),
                   "ok": (bool, True), "committed": (int, True), "reason": (str, False)},
     "snap_claim": {"rank": (int, True), "buffer": (int, True), "epoch": (str, True),
-                   "need_committed": (int, True)},
+                   "need_committed": (int, True), "base": (int, False)},
     "snap_claim_reply": {"ok": (bool, True), "committed": (int, True)},
     "snap_flush": {"rank": (int, True)},
     "snap_restored": {"rank": (int, True), "epoch": (str, True), "step": (int, True),

@@ -137,7 +137,7 @@ def test_snapshotter_outside_ftrun_is_a_logged_no_op(
     assert snap.restore(extra={"a": 1}) == 0 and snap.extra == {"a": 1}
     assert snap.save(1) is False
     snap.close()
-    with pytest.raises(ConfigError, match="every must be >= 1"):
+    with pytest.raises(ConfigError, match="interval must be a number of steps >= 1"):
         Snapshotter(model, opt, every=0)
 
 

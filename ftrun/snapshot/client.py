@@ -326,6 +326,7 @@ class Snapshotter:
         self._epoch = ""
         self._pending: _SaveJob | None = None
         self._last_save_call: float | None = None
+        self._epoch_base = 0  # the step the current epoch resumed from
         self._unsaved: tuple[int, Any] | None = None  # (step, extra) of a save() not taken
         self._skip_logged = -SKIP_LOG_INTERVAL_S
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-snap")
@@ -570,7 +571,8 @@ class Snapshotter:
                 # resent claim at once, instead of after one long timeout.
                 reply = self._chan.request("snap_claim", {
                     "rank": self.rank, "buffer": target, "epoch": self._epoch,
-                    "need_committed": need}, "snap_claim_reply", CLAIM_ATTEMPT_S,
+                    "need_committed": need, "base": self._epoch_base}, "snap_claim_reply",
+                    CLAIM_ATTEMPT_S,
                     attempts=int(3 * STORE_TIMEOUT_S / CLAIM_ATTEMPT_S))
             except UnreachableError as e:
                 log.warning("store unreachable (%s); keeping older snapshot", e)
@@ -685,7 +687,7 @@ class Snapshotter:
         assert self._chan is not None
         self._chan.send("snap_staged", {"rank": self.rank, "buffer": target, "step": step,
                                         "epoch": self._epoch, "skipped": self.skipped_saves,
-                                        "every": self.cadence.k})
+                                        "every": self.cadence.k, "base": self._epoch_base})
 
     def _register(self, seg: shm.Segment) -> None:
         """Pin the segment's pages for the GPU so device-to-host copies are asynchronous DMA."""
@@ -748,6 +750,7 @@ class Snapshotter:
         """Agree on a new epoch id and announce it; commits are counted per epoch."""
         assert self._chan is not None
         self._epoch = self._agree_epoch(distributed)
+        self._epoch_base = base_step
         try:
             self._chan.request("snap_restored", {"rank": self.rank, "epoch": self._epoch,
                                                  "step": base_step,

@@ -321,6 +321,9 @@ class SnapshotStore:
     # -- requests from ranks ----------------------------------------------------------------
     def handle(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         b = msg.body
+        if msg.kind in ("snap_staged", "snap_claim") and b["epoch"] != self._epoch and \
+                "base" in b:
+            self._follow_epoch(b["epoch"], b["base"])
         if msg.kind == "snap_staged":
             if "every" in b:
                 self._cadence[b["rank"]] = (b.get("skipped", 0), b["every"])
@@ -343,19 +346,31 @@ class SnapshotStore:
             return "ack", {"re": msg.id}
         if msg.kind == "snap_restored":
             if b["epoch"] != self._epoch:
-                self._epoch, self._committed = b["epoch"], b["step"]
-                self._base = b["step"]
+                self._begin_epoch(b["epoch"], b["step"], restarted=False)
                 self._world_size = b["world_size"]
-                self._handled.clear()
-                self._final = None
-                self._restarted = False
-                self._report_due = True
                 self._ask("snap_epoch", self._epoch_body(b["epoch"], b["step"]))
             return "ack", {"re": msg.id}
         if msg.kind == "store_persist":
             self.request_persist(b["reason"])
             return "ack", {"re": msg.id}
         raise ProtocolError(f"the store does not accept {msg.kind!r}")
+
+    def _begin_epoch(self, epoch: str, base: int, restarted: bool) -> None:
+        self._epoch, self._committed, self._base = epoch, base, base
+        self._handled.clear()
+        self._final = None
+        self._restarted = restarted
+        self._report_due = True
+
+    def _follow_epoch(self, epoch: str, base: int) -> None:
+        """A rank speaks of an epoch this store never heard begin: the store was restarted
+        after the workers' restore (it guessed its epoch from old segments). The ranks' epoch
+        is the current one; take it, with the step it resumed from, and teach it onwards."""
+        log.info("following the ranks into snapshot epoch %s (resumed from step %d; this store "
+                 "had %s)", epoch, base, self._epoch or "none")
+        self._begin_epoch(epoch, base, restarted=True)
+        self._reteach()
+        self._ask_epoch("commit_query", {"epoch": epoch}, epoch)
 
     def _verify_rank(self, rank: int) -> None:
         for buffer in (0, 1):
