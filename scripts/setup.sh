@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install ftrun with its test tools. Idempotent; safe to re-run.
 # torch is pinned first, at the version ftrun is tested with, so that ftrun's own
-# `torch>=2.13` requirement installs nothing more. On the project's machines pip resolves
+# `torch>=2.11` requirement installs nothing more. On the project's machines pip resolves
 # torch==2.13.0 to a local CPU build; elsewhere set PIP_INDEX_URL or PIP_EXTRA_INDEX_URL to
 # a CPU wheel index if you do not want the CUDA build.
 set -euo pipefail

@@ -161,3 +161,15 @@ def test_optimizer_state_loads_like_torchs_own_path(group: object) -> None:
 
     other = torch.optim.AdamW(fast_model.parameters())  # one group, not two: torch's way
     assert not _torch.load_optimizer_state(fast_model, other, saved)
+
+
+def test_elastic_agent_methods_ftrun_overrides() -> None:
+    """FtrunAgent (ftrun/launcher/agent.py) overrides these and calls torch's own."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent  # launch.py swaps it in there
+    for name in ("_rendezvous", "_start_workers", "_monitor_workers", "_restart_workers"):
+        assert params(getattr(LocalElasticAgent, name)) == ["self", "worker_group"], name
+    assert params(LocalElasticAgent._set_local_rank_env) == [
+        "self", "worker_env", "local_rank", "spec"]
