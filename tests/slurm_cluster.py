@@ -256,7 +256,7 @@ PartitionName=ci Nodes={self.nodelist} Default=YES MaxTime=INFINITE State=UP
         are raised together at the end."""
         steps: list[tuple[str, Callable[[], None]]] = []
         if self.job_ids and self.daemons:
-            steps.append(("cancelling the jobs", self._cancel_jobs))
+            steps.append(("cancelling the jobs", self.cancel_all))
         steps += [(f"stopping {program} (pid {proc.pid})", functools.partial(_end, proc))
                   for program, proc in reversed(self.daemons)]
         steps.append(("ending what the jobs left running", self._kill_job_leftovers))
@@ -273,7 +273,10 @@ PartitionName=ci Nodes={self.nodelist} Default=YES MaxTime=INFINITE State=UP
         if errors:
             raise AssertionError("stopping the Slurm cluster: " + "; ".join(errors))
 
-    def _cancel_jobs(self) -> None:
+    def cancel_all(self) -> None:
+        """Cancel every job submitted here; wait until the queue is empty."""
+        if not self.job_ids:
+            return
         self.cmd("scancel", *map(str, self.job_ids), check=False)
         wait_for(lambda: not self.cmd("squeue", "-h", check=False).stdout.strip(), 60,
                  "cancelled jobs to leave the queue", 0.5)

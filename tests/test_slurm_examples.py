@@ -64,6 +64,14 @@ def cluster(slurm_ok: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             _remove_leftover_segments()
 
 
+@pytest.fixture(autouse=True)
+def empty_queue_after(cluster: SlurmCluster) -> Iterator[None]:
+    """A test that failed half-way leaves no job running into the next one (they would
+    share node 0's rendezvous port)."""
+    yield
+    cluster.cancel_all()
+
+
 class PlainRun:
     """A plain (non-Slurm) ftrun run of the same world size (3) and training flags, started
     at once and waited for when its result is first needed."""
