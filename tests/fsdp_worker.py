@@ -6,6 +6,7 @@ marker in $FTRUN_JOB_DIR). Rank 0 prints ``fsdp: start=S hash=H`` over the full 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -50,6 +51,11 @@ def main() -> None:
         for key in sorted(full):
             h.update(full[key].numpy().tobytes())
         print(f"fsdp: start={start} hash={h.hexdigest()}", flush=True)
+    # As examples/train.py does: free everything that holds the process group (FSDP's
+    # DTensors, the snapshotter's hooks) before the group is torn down, or gloo's teardown
+    # can fail at exit.
+    del model, optimizer, snap, full
+    gc.collect()
     dist.destroy_process_group()
 
 
