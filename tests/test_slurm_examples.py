@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 
 EXAMPLES = ROOT / "examples" / "slurm"
 FTRUN = str(Path(sys.executable).with_name("ftrun"))
-STEPS = 40
+STEPS = 30
 MODEL = ("--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "16", "--vocab", "64",
          "--batch", "6")
 # Slow steps (a sleep, so no CPU) leave the signal and the kill time to land mid-training.
