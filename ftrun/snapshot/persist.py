@@ -156,14 +156,7 @@ def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
 
 def storage_files(path: PathLike) -> dict[str, str]:
     """DCP key -> the file (relative to the rank directory) holding that tensor's bytes."""
-    path = Path(path)
-    try:
-        with _quiet_dcp() as dcp:
-            metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # DCP raises whatever unpickling a bad file raises
-        raise IntegrityError(f"{path / DCP_METADATA} is unreadable ({e}); the checkpoint "
-                             "is corrupt: use another step") from e
-    return {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    return {key: span[0] for key, span in storage_spans(path).items()}
 
 
 def storage_spans(path: PathLike) -> dict[str, tuple[str, int, int]]:
