@@ -124,7 +124,7 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
-def _pids_with_token(token: bytes) -> list[int]:
+def pids_with_token(token: bytes) -> list[int]:
     """Processes of this user whose environment contains ``token``."""
     pids = []
     for entry in os.listdir("/proc"):
@@ -195,7 +195,7 @@ class Launchers:
         found = 0
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            pids = [pid for pid in _pids_with_token(token) if pid_alive(pid)]
+            pids = [pid for pid in pids_with_token(token) if pid_alive(pid)]
             if not pids:
                 break
             found = max(found, len(pids))

@@ -60,6 +60,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _jobs import pids_with_token  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 # Copied into the work directory at start, so every run measures the same code even while the
 # tree is being edited: the ftrun package, the job and the step-timing driver.
@@ -209,21 +212,6 @@ def job_env(variant: Variant, job_dir: Path, steplog: Path, code: Path) -> dict[
     return env
 
 
-def _pids_with_env(token: bytes) -> list[int]:
-    """Processes of this user whose environment contains ``token``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if token in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
 def kill_job(procs: Sequence[subprocess.Popen[bytes]], token: bytes) -> int:
     """SIGKILL the launchers' process groups and every process carrying ``token``.
 
@@ -240,7 +228,7 @@ def kill_job(procs: Sequence[subprocess.Popen[bytes]], token: bytes) -> int:
     found = 0
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        pids = [pid for pid in _pids_with_env(token) if not _is_zombie(pid)]
+        pids = [pid for pid in pids_with_token(token) if not _is_zombie(pid)]
         if not pids:
             break
         found = max(found, len(pids))
