@@ -14,11 +14,11 @@ __all__ = ["Snapshotter", "progress", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "progress":
-        from ftrun.worker.progress import progress
+        from ftrun.rank.progress import progress
 
         return progress
     if name == "Snapshotter":
-        from ftrun.snapshot.client import Snapshotter
+        from ftrun.rank.snapshotter import Snapshotter
 
         return Snapshotter
     raise AttributeError(f"module 'ftrun' has no attribute {name!r}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ftrun.errors import ConfigError
-from ftrun.snapshot import client
+from ftrun.rank import snapshotter as client
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 
 

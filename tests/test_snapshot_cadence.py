@@ -9,7 +9,7 @@ import pytest
 from conftest import TRAIN, Procs
 
 from ftrun.errors import ConfigError
-from ftrun.snapshot.client import Cadence
+from ftrun.rank.snapshotter import Cadence
 
 
 def test_fixed_interval() -> None:

@@ -126,7 +126,7 @@ def test_commits_need_every_rank_and_stay_in_their_epoch() -> None:
 def test_snapshotter_outside_ftrun_is_a_logged_no_op(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ftrun.snapshot.client import Snapshotter
+    from ftrun.rank.snapshotter import Snapshotter
 
     monkeypatch.delenv("FTRUN_STORE", raising=False)
     model = torch.nn.Linear(3, 2)

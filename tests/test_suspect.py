@@ -9,7 +9,7 @@ import pytest
 from ftrun.coordinator.api import JobHealth, RankHealth, SuspectCause
 from ftrun.errors import ConfigError
 from ftrun.launcher.suspect import RankWatch, SuspectRule
-from ftrun.worker.progress import DONE, Progress
+from ftrun.rank.progress import DONE, Progress
 
 S = 1_000_000_000  # ns per second
 

@@ -39,7 +39,7 @@ from ftrun.coordinator.api import NodeState
 from ftrun.launcher.pdeath import tie_entrypoint
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
-from ftrun.worker.progress import create_progress_file, read_progress
+from ftrun.rank.progress import create_progress_file, read_progress
 
 log = logging.getLogger(__name__)
 

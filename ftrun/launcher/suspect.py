@@ -32,7 +32,7 @@ from typing import Any
 
 from ftrun.coordinator.api import RankHealth, SuspectCause
 from ftrun.errors import ConfigError
-from ftrun.worker.progress import Progress
+from ftrun.rank.progress import Progress
 
 FACTOR = 5.0
 MIN_S = 10.0

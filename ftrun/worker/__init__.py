@@ -1,1 +1,0 @@
-"""What runs inside the ranks: progress reports (and, later, the snapshot client)."""
