@@ -111,10 +111,10 @@ SNAPSHOT_EVERY = Knob(
     "any",
 )
 SNAPSHOT_WAIT = Knob(
-    "FTRUN_SNAPSHOT_WAIT", "seconds", "60",
+    "FTRUN_SNAPSHOT_WAIT", "seconds", "0",
     "How long optimizer.step() may wait for the store to release a snapshot buffer (the "
-    "previous snapshot is not committed yet) before that snapshot is skipped (> 0: every rank "
-    "must keep snapshotting the same steps).", "any",
+    "previous snapshot is not committed yet) before that snapshot is skipped. 0: never; a "
+    "buffer not released by the next optimizer.step() costs that snapshot, not time.", "any",
 )
 STORE = Knob(
     "FTRUN_STORE", "endpoint", "", "The node's snapshot store (ipc) for the ranks.", "worker",

@@ -106,7 +106,8 @@ SCHEMAS: dict[str, Schema] = {
     "events_reply": {"events": (ListOf(dict), True), "more": (bool, False)},
     "error": {"message": (str, True), "error": (str, False)},
     "ack": {"re": (str, False)},
-    # Snapshots. Store -> coordinator: a rank's shard of ``step`` is verified; the epoch
+    # Snapshots. Store -> coordinator: a rank's shard of ``step`` is verified (``ok`` false:
+    # it failed verification, so the step can never commit); the epoch
     # (one per restore, agreed by all ranks) starts from ``base_step``. Reply: commit_info.
     # The store's --persist-every/--persist-interval ride on snap_epoch: the coordinator
     # decides which committed steps every store writes (ftrun.coordinator.commits).
@@ -114,16 +115,17 @@ SCHEMAS: dict[str, Schema] = {
                    "world_size": (int, True), "persist_every": (int, False),
                    "persist_interval_s": (float, False)},
     "snap_verified": {"node_id": (str, True), "epoch": (str, True), "rank": (int, True),
-                      "step": (int, True), "nbytes": (int, True)},
+                      "step": (int, True), "nbytes": (int, True), "ok": (bool, False)},
     "commit_query": {"epoch": (str, True)},
     # A store asks for a persist target now: on a signal, or (final) when it stops.
     "persist_request": {"node_id": (str, True), "epoch": (str, True), "reason": (str, True),
                         "final": (bool, True)},
+    # ``dead``: uncommitted steps that can never commit (ftrun.coordinator.commits);
     # ``targets``: the epoch's recent persist targets; ``final``: its final one; ``settling``:
     # the final target waits for a step some ranks verified already (ask again).
     "commit_info": {"epoch": (str, True), "committed": (int, True), "known": (bool, True),
                     "targets": (ListOf(int), False), "final": ((int, _NONE), False),
-                    "settling": (bool, False)},
+                    "settling": (bool, False), "dead": (ListOf(int), False)},
     # ``persist``: this store writes to disk; ``final``: its last write is done (it stops);
     # ``target_done``: the newest persist target of ``epoch`` it is done with; ``writing``:
     # the target it is writing now.
@@ -143,7 +145,9 @@ SCHEMAS: dict[str, Schema] = {
                   "ok": (bool, True), "committed": (int, True), "reason": (str, False)},
     "snap_claim": {"rank": (int, True), "buffer": (int, True), "epoch": (str, True),
                    "need_committed": (int, True), "base": (int, False)},
-    "snap_claim_reply": {"ok": (bool, True), "committed": (int, True)},
+    # ``buffer``: write into this buffer instead of the one asked for (the rank's newest
+    # shard is of a dead step; its older buffer holds the last committed one).
+    "snap_claim_reply": {"ok": (bool, True), "committed": (int, True), "buffer": (int, False)},
     "snap_flush": {"rank": (int, True)},
     "snap_restored": {"rank": (int, True), "epoch": (str, True), "step": (int, True),
                       "world_size": (int, True)},

@@ -21,6 +21,14 @@ A scheduled target is not made while some node's store is still writing the prev
 (the disk is behind): the step is skipped on every node alike, and the next commit after the
 write finished is due instead. Stores say what they are writing in their reports.
 
+**Dead steps.** Ranks never wait for the store: a rank whose buffer was not released in time
+skips that snapshot, and the others may not have. A step that one rank skipped can never
+commit, and its shards would hold the other ranks' buffers forever (a rank overwrites its
+older buffer only once its newest step committed). So a step is *dead* once a rank verified a
+later step without it (ranks stage steps in order), or a rank's shard of it failed
+verification. Replies list the epoch's dead steps; a store then lets a rank whose newest shard
+is dead overwrite that shard instead, and its older buffer, the last committed step, stays.
+
 Everything here can be rebuilt from the stores: they report again after a coordinator
 restart. The same tracker runs inside a store that has no coordinator (a one-node job).
 """
@@ -73,10 +81,40 @@ class Epoch:
     final: int | None = None  # the final target, once fixed
     commits: int = 0  # steps committed in this epoch
     final_asked_mono: float | None = None  # when the first store asked for it
+    newest: dict[int, int] = field(default_factory=dict)  # rank -> newest step it verified
+    newest_any: int = -1  # max(newest.values())
+    dead: set[int] = field(default_factory=set)  # uncommitted steps that can never commit
 
     def pending(self) -> dict[int, int]:
-        """step -> verified ranks, for steps newer than the committed one."""
-        return {s: len(r) for s, r in self.verified.items() if s > self.committed and r}
+        """step -> verified ranks, for steps newer than the committed one that can still
+        commit."""
+        return {s: len(r) for s, r in self.verified.items()
+                if s > self.committed and r and s not in self.dead}
+
+    def live_dead(self) -> list[int]:
+        """The dead steps newer than the committed one, oldest first."""
+        return sorted(s for s in self.dead if s > self.committed)
+
+    def mark_dead(self, step: int) -> None:
+        if step > self.committed:
+            self.dead.add(step)
+            self.verified.pop(step, None)
+            while len(self.dead) > MAX_PENDING_STEPS:
+                self.dead.discard(min(self.dead))
+
+    def note_verified(self, rank: int, step: int) -> None:
+        """Steps that ``rank`` passed over on its way to ``step`` are dead, and so is
+        ``step`` if another rank already went past it without it."""
+        before = self.newest.get(rank, self.base_step)
+        for s in [s for s in self.verified if before < s < step and rank not in self.verified[s]]:
+            self.mark_dead(s)
+        if step < self.newest_any and any(
+                n > step and r != rank and r not in self.verified.get(step, ())
+                for r, n in self.newest.items()):
+            self.mark_dead(step)
+        if step > before:
+            self.newest[rank] = step
+            self.newest_any = max(self.newest_any, step)
 
 
 @dataclass(frozen=True)
@@ -140,6 +178,9 @@ class CommitTracker:
         ep.nbytes[rank] = nbytes
         if step <= ep.committed:
             return ep
+        ep.note_verified(rank, step)
+        if step in ep.dead:
+            return ep
         ranks = ep.verified.setdefault(step, set())
         ranks.add(rank)
         if len(ranks) >= ep.world_size:
@@ -147,9 +188,18 @@ class CommitTracker:
             ep.commits += 1
             for old in [s for s in ep.verified if s <= step]:
                 del ep.verified[old]
+            ep.dead = {s for s in ep.dead if s > step}
             self._on_commit(ep, step)
         while len(ep.verified) > MAX_PENDING_STEPS:
             del ep.verified[min(ep.verified)]
+        return ep
+
+    def failed(self, epoch: str, rank: int, step: int) -> Epoch | None:
+        """A rank's shard of ``step`` failed verification: the step can never commit."""
+        ep = self._epochs.get(epoch)
+        if ep is not None:
+            ep.note_verified(rank, step)
+            ep.mark_dead(step)
         return ep
 
     def _on_commit(self, ep: Epoch, step: int) -> None:
@@ -235,6 +285,7 @@ class CommitTracker:
             "committed_step": ep.committed if ep.committed > 0 else None,
             "committed_age_s": round(time.time() - ep.committed_at, 3) if ep.committed > 0 else None,
             "pending_steps": sorted(ep.verified),
+            "dead_steps": ep.live_dead(),
             "bytes_per_rank": {str(r): b for r, b in sorted(ep.nbytes.items())},
             "persisted_step": min(persisted) if persisted else None,
             # Steps per committed snapshot in this epoch: the interval, plus what skips cost.
@@ -257,6 +308,8 @@ class CommitTracker:
             ep: Epoch | None = self.begin(body["epoch"], body["base_step"], body["world_size"])
             if not known and ep is not None:
                 began = {"epoch": ep.epoch, "step": ep.base_step, "world_size": ep.world_size}
+        elif kind == "snap_verified" and not body.get("ok", True):
+            ep = self.failed(body["epoch"], body["rank"], body["step"])
         elif kind == "snap_verified":
             ep = self.verified(body["epoch"], body["rank"], body["step"], body["nbytes"])
         elif kind == "persist_request":
@@ -267,6 +320,9 @@ class CommitTracker:
             return {"epoch": body["epoch"], "committed": -1, "known": False}, began
         reply: dict[str, Any] = {"epoch": ep.epoch, "committed": ep.committed, "known": True,
                                  "targets": list(ep.targets), "final": ep.final}
+        dead = ep.live_dead()
+        if dead:
+            reply["dead"] = dead
         if settling:
             reply["settling"] = True
         return reply, began

@@ -9,6 +9,7 @@ also reads an ``FTRUN_*`` variable (flag > environment > default).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class FtrunOptions:
     persist_keep: int = 3
     start_fresh: bool = False
     snapshot_every: str = "1"
-    snapshot_wait_s: float = 60.0
+    snapshot_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         every = self.snapshot_every.strip().lower()
@@ -47,10 +48,10 @@ class FtrunOptions:
                 f"--snapshot-every must be a number of steps >= 1 or 'auto', got "
                 f"{self.snapshot_every!r}"
             )
-        if not self.snapshot_wait_s > 0:
+        if not (self.snapshot_wait_s >= 0 and math.isfinite(self.snapshot_wait_s)):
             raise ConfigError(
-                f"--snapshot-wait must be > 0 seconds, got {self.snapshot_wait_s}: ranks that "
-                "skip snapshots independently could stop committing altogether"
+                f"--snapshot-wait must be a number of seconds >= 0 (0: never wait), got "
+                f"{self.snapshot_wait_s}"
             )
         if self.hang_timeout_s < 0:
             raise ConfigError(
@@ -109,7 +110,8 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "below 3%. Snapshotter(every=...) in the script overrides it."),
     ("--snapshot-wait", knobs.SNAPSHOT_WAIT, float,
      "Seconds optimizer.step() may wait for the store to release a snapshot buffer (the "
-     "previous snapshot not yet committed) before that snapshot is skipped."),
+     "previous snapshot not yet committed) before that snapshot is skipped; 0 (the default): "
+     "never wait, skip it (counted in ftrun status)."),
     ("--start-fresh", knobs.START_FRESH, bool,
      "Start from step 0 when --persist-dir holds steps but none can be restored (all partial "
      "or corrupt); without it such a job stops with an error that lists each step and why."),

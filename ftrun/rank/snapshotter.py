@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 CLAIM_TIMEOUT_S = 60.0
 RNG_TIMEOUT_S = 600.0
 CLAIM_ATTEMPT_S = 0.5
+CLOSE_CLAIM_WAIT_S = 10.0  # close(): how long the last snapshot may wait for its buffer
 RNG_KEY = "/rng/"
 SKIP_LOG_INTERVAL_S = 30.0
 HASH_GROUP_BYTES = 64 << 20  # copied, then hashed while the next group is copied
@@ -198,8 +199,9 @@ def _seconds(knob: knobs.Knob) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{knob.name} must be a number of seconds > 0, got {raw!r}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"{knob.name} must be a number of seconds >= 0 (0: never wait), "
+                          f"got {raw!r}")
     return value
 
 
@@ -527,12 +529,12 @@ class Snapshotter:
         self.cadence.mark(due)
         return due
 
-    def wait(self, timeout_s: float = 600.0) -> None:
+    def wait(self, timeout_s: float = 600.0, claim_wait_s: float | None = None) -> None:
         """Block until the snapshot in flight is copied (called before optimizer.step()).
 
-        A snapshot whose buffer the store has not released (the step before it is not
-        committed yet) within ``FTRUN_SNAPSHOT_WAIT`` is given up here and counted as skipped,
-        and the step goes on.
+        A snapshot whose buffer the store has not released yet (the step before it is not
+        committed) is given up here and counted as skipped, and the step goes on: training
+        never waits for the store (``FTRUN_SNAPSHOT_WAIT`` allows a wait, default 0).
         """
         self._take_rng()
         job, self._pending = self._pending, None
@@ -540,7 +542,7 @@ class Snapshotter:
             return
         # The buffer comes once the previous snapshot is committed: normally within
         # milliseconds. A store that is gone or stuck costs this snapshot, not the job.
-        job.settled.wait(self._wait_s)
+        job.settled.wait(self._wait_s if claim_wait_s is None else claim_wait_s)
         if job.give_up():
             if job.count_skip():
                 self._skipped(job.step, "the store had not released its buffer in time (the "
@@ -559,10 +561,12 @@ class Snapshotter:
             log.warning("skipped the snapshot of step %d: %s (%d skipped so far; training does "
                         "not wait for snapshots)", step, why, self.skipped_saves)
 
-    def _claim(self, job: _SaveJob, target: int, need: int) -> bool:
+    def _claim(self, job: _SaveJob, target: int, need: int) -> int | None:
+        """The buffer to write ``job`` into (``target``, or the newest one when its step can
+        never commit), once the store grants it; None: give the snapshot up."""
         assert self._chan is not None
         if need < 0:
-            return job.start()
+            return target if job.start() else None
         deadline = time.monotonic() + CLAIM_TIMEOUT_S
         delay = 0.001
         while not job.given_up:
@@ -576,15 +580,19 @@ class Snapshotter:
                     attempts=int(3 * STORE_TIMEOUT_S / CLAIM_ATTEMPT_S))
             except UnreachableError as e:
                 log.warning("store unreachable (%s); keeping older snapshot", e)
-                return False
+                return None
             self.committed = max(self.committed, reply.body["committed"])
             if reply.body["ok"]:
-                return job.start()
+                buffer = reply.body.get("buffer", target)
+                if buffer != target:
+                    log.debug("step %d can never commit (a rank skipped it): step %d "
+                              "overwrites it", need, job.step)
+                return buffer if job.start() else None
             if time.monotonic() > deadline:
-                return False
+                return None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
-        return False
+        return None
 
     def _ensure_segments(self, manifest_cap: int, n_tensors: int, data_len: int) -> None:
         """Create (or grow) both buffers so they can hold a snapshot of this size."""
@@ -624,12 +632,13 @@ class Snapshotter:
             claimed = self._claim(job, target, need)
         finally:
             job.settled.set()
-        if not claimed:
+        if claimed is None:
             self._copied.set()
             if job.count_skip():
                 self._skipped(step, f"the store did not release a buffer (step {need} not "
                                     "committed, or the store unreachable)")
             return
+        target = claimed
         seg = self._segments[target]
         assert seg is not None
         h = seg.set_state(shm.WRITING, step=step, epoch=self._epoch, data_len=flat.data_len,
@@ -860,7 +869,9 @@ class Snapshotter:
             self._unsaved = None
             log.debug("close(): taking step %d, which the snapshot interval skipped", step)
             self._snapshot(step, extra)
-        self.wait()
+        # Training is over: nothing changes the state under the copy any more, so the last
+        # snapshot may wait a little for its buffer (the others' copies of the step before).
+        self.wait(claim_wait_s=max(self._wait_s, CLOSE_CLAIM_WAIT_S))
         self._pool.shutdown(wait=True)
         self._hasher.shutdown(wait=True)
         for ptr in self._registered:  # unpin before the mappings go away

@@ -108,6 +108,7 @@ class SnapshotStore:
         self._epoch = ""
         self._base = -1  # the step the current epoch resumed from
         self._committed = -1
+        self._dead: set[int] = set()  # uncommitted steps of the epoch that can never commit
         self._world_size = 0
         self._coord = (Channel(protocol.zmq_url(cfg.coordinator), secret, cfg.run_id,
                                f"store:{cfg.node_id}") if cfg.coordinator else None)
@@ -204,6 +205,12 @@ class SnapshotStore:
             else:  # a rank of an older ftrun: hash here
                 hx = seg.write_hashes(hash_tensors(seg, doc))
         except IntegrityError as e:
+            # That shard can never be part of a commit: say so, so that the step counts as
+            # dead and no rank's buffer waits for it.
+            if h.epoch:
+                self._ask_epoch("snap_verified", {
+                    "node_id": self.cfg.node_id, "epoch": h.epoch, "rank": self._rank_of(name)[0],
+                    "step": h.step, "nbytes": h.data_len, "ok": False}, h.epoch)
             return False, str(e), h.step
         # The rank may have begun overwriting meanwhile (it never does without a claim, but
         # check): only mark verified what is still the staged step.
@@ -259,15 +266,19 @@ class SnapshotStore:
         if not self._world_size:
             return  # nothing verified here yet: nothing to teach
         self._ask("snap_epoch", self._epoch_body(self._epoch, max(self._committed, 0)))
+        held = []
         for name in self._job_segments():
             seg = self._open(name)
             if seg is None:
                 continue
             h = seg.header()
             if h.state == shm.VERIFIED and h.epoch == self._epoch:
-                self._ask("snap_verified", {"node_id": self.cfg.node_id, "epoch": h.epoch,
-                                            "rank": self._rank_of(name)[0], "step": h.step,
-                                            "nbytes": h.data_len})
+                held.append((h.step, self._rank_of(name)[0], h.data_len))
+        # Oldest first, as they were verified: a rank's newer shard reported before its older
+        # one would make the older step look passed over (dead).
+        for step, rank, nbytes in sorted(held):
+            self._ask("snap_verified", {"node_id": self.cfg.node_id, "epoch": self._epoch,
+                                        "rank": rank, "step": step, "nbytes": nbytes})
 
     def _note_commit(self, info: dict[str, Any] | None, epoch: str) -> None:
         """Take in a commit_info reply: the committed step, then the persist targets.
@@ -279,6 +290,7 @@ class SnapshotStore:
         if not (info and info.get("known") and info["epoch"] == epoch == self._epoch):
             return
         self._committed = max(self._committed, info["committed"])
+        self._dead = set(info.get("dead") or ())
         if info.get("final") is not None:
             self._final = info["final"]
         targets = sorted(info.get("targets") or ())
@@ -298,11 +310,20 @@ class SnapshotStore:
         self._ask_epoch("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
                                           "rank": rank, "step": step, "nbytes": nbytes}, epoch)
 
-    def _committed_at_least(self, epoch: str, step: int) -> bool:
-        if epoch == self._epoch and self._committed >= step:
-            return True
-        self._ask_epoch("commit_query", {"epoch": epoch}, epoch)
-        return epoch == self._epoch and self._committed >= step
+    def _claim(self, epoch: str, need: int) -> str | None:
+        """Whether a rank whose newest shard is step ``need`` may write its next snapshot:
+        "older" (``need`` committed: overwrite the older buffer), "newest" (``need`` is dead:
+        overwrite that shard, the older buffer keeps the last committed step) or None."""
+        for ask in (False, True):
+            if ask:
+                self._ask_epoch("commit_query", {"epoch": epoch}, epoch)
+            if epoch != self._epoch:
+                return None
+            if self._committed >= need:
+                return "older"
+            if need in self._dead:
+                return "newest"
+        return None
 
     def request_persist(self, reason: str, final: bool = False) -> dict[str, Any] | None:
         """Ask for a persist target now (every node's store then writes that step)."""
@@ -339,8 +360,11 @@ class SnapshotStore:
         if msg.kind == "snap_claim":
             # Everything staged is verified first: a claim must never race the hashing.
             self._verify_rank(b["rank"])
-            ok = self._committed_at_least(b["epoch"], b["need_committed"])
-            return "snap_claim_reply", {"ok": ok, "committed": self._committed}
+            which = self._claim(b["epoch"], b["need_committed"])
+            reply = {"ok": which is not None, "committed": self._committed}
+            if which == "newest":
+                reply["buffer"] = 1 - b["buffer"]
+            return "snap_claim_reply", reply
         if msg.kind == "snap_flush":
             self._verify_rank(b["rank"])
             return "ack", {"re": msg.id}
@@ -357,6 +381,7 @@ class SnapshotStore:
 
     def _begin_epoch(self, epoch: str, base: int, restarted: bool) -> None:
         self._epoch, self._committed, self._base = epoch, base, base
+        self._dead = set()
         self._handled.clear()
         self._final = None
         self._restarted = restarted
