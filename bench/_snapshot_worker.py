@@ -346,7 +346,7 @@ def measure_restore(args: argparse.Namespace, model: nn.Module, opt: torch.optim
                     snap: Any) -> int:
     """First restart (a fresh process): time ``snap.restore()``; then write the same state with
     ``torch.save`` for the second restart to load, and crash again."""
-    from ftrun.snapshot.store import verify_segment
+    from ftrun.snapshot.verify import check as verify_segment
 
     out: dict[str, Any] = {"pid": os.getpid(), "loadavg_start": os.getloadavg()}
     parts: dict[str, float] = {}

@@ -46,6 +46,7 @@ _ftrun_kind() {
         'launch --snapshot-wait' | 'launch --snapshot_wait') _ftrun_k='files' ;;
         'launch --start-method' | 'launch --start_method') _ftrun_k='choices spawn fork forkserver' ;;
         'launch --state-dir' | 'launch --state_dir') _ftrun_k='dirs' ;;
+        'launch --store-threads' | 'launch --store_threads') _ftrun_k='files' ;;
         'launch -t' | 'launch --tee') _ftrun_k='files' ;;
         'coordinator --bind-host') _ftrun_k='files' ;;
         'coordinator --node-timeout') _ftrun_k='files' ;;
@@ -82,8 +83,8 @@ _ftrun_command() {
                 --role --run-path --run_path --shutdown-timeout --shutdown_timeout
                 --signals-to-handle --signals_to_handle --snapshot-every --snapshot_every
                 --snapshot-wait --snapshot_wait --standalone --start-fresh --start_fresh
-                --start-method --start_method --state-dir --state_dir -t --tee
-                --virtual-local-rank --virtual_local_rank'
+                --start-method --start_method --state-dir --state_dir --store-threads
+                --store_threads -t --tee --virtual-local-rank --virtual_local_rank'
             _ftrun_k=none ;;
         completions)
             _ftrun_opts='--help'

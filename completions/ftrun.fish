@@ -34,11 +34,12 @@ function __ftrun_takes_value --argument-names context flag
             'launch --shutdown_timeout' 'launch --signals-to-handle' \
             'launch --signals_to_handle' 'launch --snapshot-every' 'launch --snapshot_every' \
             'launch --snapshot-wait' 'launch --snapshot_wait' 'launch --start-method' \
-            'launch --start_method' 'launch --state-dir' 'launch --state_dir' 'launch -t' \
-            'launch --tee' 'coordinator --bind-host' 'coordinator --node-timeout' \
-            'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' 'coordinator --state-dir' \
-            'inspect --state-dir' 'inspect --step' 'status --endpoint' 'status --interval' \
-            'status --state-dir' 'status --timeout'
+            'launch --start_method' 'launch --state-dir' 'launch --state_dir' \
+            'launch --store-threads' 'launch --store_threads' 'launch -t' 'launch --tee' \
+            'coordinator --bind-host' 'coordinator --node-timeout' 'coordinator --rdzv-endpoint' \
+            'coordinator --rdzv-id' 'coordinator --state-dir' 'inspect --state-dir' \
+            'inspect --step' 'status --endpoint' 'status --interval' 'status --state-dir' \
+            'status --timeout'
             return 0
     end
     return 1
@@ -165,6 +166,7 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'standalone' -d 'Start a local
 complete -c ftrun -n '__ftrun_is first launch' -l 'start-fresh' -l 'start_fresh' -d 'Start from step 0 when --persist-dir holds steps but none can be restored...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'start-method' -l 'start_method' -x -a 'spawn fork forkserver' -d 'Multiprocessing start method to use when creating workers.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'state-dir' -l 'state_dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory for job files (secret, coordinator endpoint, event log). [env FTRUN_STATE_DIR]'
+complete -c ftrun -n '__ftrun_is first launch' -l 'store-threads' -l 'store_threads' -r -d 'Threads each node\'s snapshot store uses to verify chunks...'
 complete -c ftrun -n '__ftrun_is first launch' -s 't' -l 'tee' -r -d 'Tee std streams into a log file and also to console (see --redirects for format).'
 complete -c ftrun -n '__ftrun_is first launch' -l 'virtual-local-rank' -l 'virtual_local_rank' -d 'Enable virtual local rank mode for workers.'
 complete -c ftrun -n '__ftrun_is first launch script' -F

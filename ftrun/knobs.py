@@ -116,6 +116,11 @@ SNAPSHOT_WAIT = Knob(
     "previous snapshot is not committed yet) before that snapshot is skipped. 0: never; a "
     "buffer not released by the next optimizer.step() costs that snapshot, not time.", "any",
 )
+STORE_THREADS = Knob(
+    "FTRUN_STORE_THREADS", "count", "0",
+    "Threads each node's snapshot store uses to verify chunks (xxh3 runs without the GIL); "
+    "0: one per 8 CPUs, at least 2 and at most 8.",
+)
 STORE = Knob(
     "FTRUN_STORE", "endpoint", "", "The node's snapshot store (ipc) for the ranks.", "worker",
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 import xxhash
 
-from ftrun.snapshot import persist
+from ftrun.snapshot import persist, verify
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view
 from ftrun.snapshot.segment import STAGED, VERIFIED, WRITING, Segment, segment_name
 
@@ -27,8 +27,7 @@ def stage_segment(run_id: str, rank: int, buffer: int, state: Any, *, step: int,
             for entry, src in zip(flat.tensors, flat.sources, strict=True):
                 if entry.nbytes:
                     tensor_view(data, entry).copy_(src)
-            hashes = [xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes])
-                      for e in flat.tensors]
+            hashes = verify.hash_chunks(data, seg.header().chunk_size)
         if final_state == WRITING:
             seg.set_state(WRITING, step=step)
             return seg

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TRAIN, Procs, free_port, pid_alive, read_events, result_line, wait_for
 
-pytestmark = pytest.mark.integration
+# These tests check exact steps (resumed from, persisted): no snapshot may be skipped.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
 STEPS = "6"
 

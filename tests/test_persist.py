@@ -24,7 +24,7 @@ from ftrun.coordinator.commits import FINAL_SETTLE_S, CommitTracker, StoreState
 from ftrun.errors import ConfigError, IntegrityError, RestoreError
 from ftrun.faults import corrupt_persisted
 from ftrun.protocol import Message
-from ftrun.snapshot import fallback, persist
+from ftrun.snapshot import fallback, persist, verify
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot.manifest import flatten, parse_manifest
 from ftrun.snapshot.segment import STAGED, VERIFIED, Segment, segment_name
@@ -107,7 +107,7 @@ def workdir() -> Iterator[Path]:
 def persist_from(seg: Segment, root: Path) -> Path:
     doc = parse_manifest(seg.manifest_bytes())
     with seg.data() as data:
-        return persist.write_rank(root, doc, data, seg.hashes())
+        return persist.write_rank(root, doc, data, verify.tensor_hashes(doc, data))
 
 
 # -- tests ------------------------------------------------------------------------------------
@@ -145,7 +145,8 @@ def test_layout_plain_dcp_load_and_load_rank(segments: SegmentFactory, workdir: 
 def test_write_rank_refuses_corrupt_bytes(segments: SegmentFactory, workdir: Path) -> None:
     seg = segments(0, make_state(), step=3)
     doc = parse_manifest(seg.manifest_bytes())
-    hashes = seg.hashes()
+    with seg.data() as data:
+        hashes = verify.tensor_hashes(doc, data)
     hashes[1] ^= 1
     with seg.data() as data, pytest.raises(IntegrityError, match="refusing to persist"):
         persist.write_rank(workdir, doc, data, hashes)

@@ -25,7 +25,8 @@ from ftrun.faults import corrupt_persisted
 from ftrun.snapshot import persist
 from ftrun.snapshot import segment as shm
 
-pytestmark = pytest.mark.integration
+# These tests check exact steps (resumed from, persisted): no snapshot may be skipped.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
 STEPS = "10"
 MODEL = ("--layers", "1", "--dim", "16")

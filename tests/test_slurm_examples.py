@@ -30,7 +30,8 @@ import pytest
 from conftest import ROOT, TRAIN, Procs, pid_alive, wait_for
 from slurm_cluster import SlurmCluster, exclusive, launcher_pid_slurm_node, unavailable
 
-pytestmark = pytest.mark.integration
+# These tests check exact steps (resumed from, persisted): no snapshot may be skipped.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
 EXAMPLES = ROOT / "examples" / "slurm"
 FTRUN = str(Path(sys.executable).with_name("ftrun"))

@@ -14,7 +14,8 @@ import pytest
 import xxhash
 from conftest import TRAIN, Procs, read_events, result_line, wait_for
 
-pytestmark = pytest.mark.integration
+# These tests check exact steps (resumed from, persisted): no snapshot may be skipped.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
 STEPS = 8
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import stat
+import struct
 import subprocess
 import sys
 import uuid
@@ -26,7 +27,7 @@ from ftrun.snapshot.manifest import (
     tensor_view,
     unflatten,
 )
-from ftrun.snapshot.store import verify_segment
+from ftrun.snapshot.verify import check as verify_segment
 
 
 @pytest.fixture
@@ -95,14 +96,22 @@ def test_leftovers_of_dead_owners_are_removed_and_live_ones_kept(run_id: str) ->
     try:
         gone = stage_segment(other, 0, 0, {"w": torch.ones(4)}, step=1, owner_pid=dead.pid)
         live = stage_segment(run_id, 0, 0, {"w": torch.ones(4)}, step=1)
+        # A segment of another ftrun release (its layout cannot be read here) is left alone,
+        # whoever owns it: it may be a live job's on a shared host.
+        foreign = stage_segment(f"{run_id}-v", 0, 0, {"w": torch.ones(4)}, step=1,
+                                owner_pid=dead.pid)
+        struct.pack_into("<I", foreign.mm, 8, shm.VERSION + 1)
         removed = shm.clean_leftovers()
         assert gone.name in removed and live.name not in removed
         assert live.path.exists() and not gone.path.exists()
+        assert foreign.path.exists() and foreign.name not in removed
+        foreign.unlink()
         gone.close()
         live.close()
     finally:
-        for path in shm.list_segments(shm.job_prefix(other)):
-            path.unlink(missing_ok=True)
+        for prefix in (other, f"{run_id}-v"):
+            for path in shm.list_segments(shm.job_prefix(prefix)):
+                path.unlink(missing_ok=True)
 
 
 def test_commits_need_every_rank_and_stay_in_their_epoch() -> None:

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Procs, free_port
 
-pytestmark = pytest.mark.integration
+# Each case checks the step it resumes from (mid-epoch, at an epoch boundary): no snapshot
+# may be skipped. The default (never wait, skip) runs bit-identical in tests/test_chaos.py.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
 SCRIPT = str(ROOT / "examples" / "user_ddp.py")
 # 256 samples / 4 ranks / batch 8 = 8 steps per epoch, 2 epochs.

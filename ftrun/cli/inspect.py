@@ -40,7 +40,7 @@ from ftrun import jobs, knobs
 from ftrun.cli import exit_codes
 from ftrun.coordinator.client import request
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
-from ftrun.snapshot import persist, segment
+from ftrun.snapshot import persist, segment, verify
 from ftrun.snapshot.manifest import entries, parse_manifest
 from ftrun.snapshot.segment import (
     STAGED,
@@ -258,20 +258,17 @@ class _SegInfo:
 
 
 def _segment_contents(seg: Segment, h: Header) -> tuple[dict[str, Any] | None, list[int] | None]:
-    """(manifest, hash table) of a segment as far as its state has them."""
+    """(manifest, chunk hash table) of a segment as far as its state has them."""
     if h.state not in (STAGED, VERIFIED):
         return None, None
     doc = parse_manifest(seg.manifest_bytes(h))
     try:
-        n_tensors = len(entries(doc))
+        entries(doc)
     except (KeyError, TypeError, ValueError) as e:
         raise IntegrityError(f"manifest has a malformed tensor table ({e!r})") from e
     if h.state != VERIFIED:
         return doc, None
-    hashes = seg.hashes(h)
-    if len(hashes) != n_tensors:
-        raise IntegrityError(f"{len(hashes)} hashes for {n_tensors} tensors")
-    return doc, hashes
+    return doc, seg.hashes(h)
 
 
 def _read_segment(path: Path, rank: int, buffer: int) -> _SegInfo:
@@ -375,10 +372,13 @@ def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None)
     for rank in sorted(picked):
         i = picked[rank]
         assert i.doc is not None and i.header is not None
-        hashes: list[int | None] = list(i.hashes) if i.hashes else [None] * len(i.doc["tensors"])
+        # Live snapshots are hashed per fixed-size chunk of the data region, not per tensor.
         ranks.append({"rank": rank, "buffer": i.buffer, "segment": i.name,
                       "state": i.header.state_name, "world_size": i.doc.get("world_size"),
-                      "meta": i.doc.get("meta"), "tensors": _tensor_rows(i.doc, hashes)})
+                      "meta": i.doc.get("meta"),
+                      "chunks": {"size": i.header.chunk_size, "count": i.header.n_chunks,
+                                 "hashed": i.hashes is not None},
+                      "tensors": _tensor_rows(i.doc, [None] * len(i.doc["tensors"]))})
 
     verified = None
     if verify and picked:
@@ -411,7 +411,7 @@ def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None)
 
 
 def _verify_segment(info: _SegInfo, out: dict[str, Any], advance: Callable[[int], None]) -> None:
-    """Re-hash a segment's tensors against its hash table (skipped when not verified yet)."""
+    """Re-hash a segment's chunks against its hash table (skipped when not verified yet)."""
     assert info.doc is not None and info.header is not None
     table = entries(info.doc)
     if info.hashes is None:
@@ -429,20 +429,24 @@ def _verify_segment(info: _SegInfo, out: dict[str, Any], advance: Callable[[int]
     try:
         h = seg.header()
         with seg.data(h) as data:
-            for entry, expected in zip(table, info.hashes, strict=True):
-                with data[entry.offset:entry.offset + entry.nbytes] as part:
+            for c, ((lo, hi), expected) in enumerate(zip(
+                    verify.chunk_ranges(h.data_len, h.chunk_size), info.hashes, strict=True)):
+                with data[lo:hi] as part:
                     actual = xxhash.xxh3_64_intdigest(part)
-                out["tensors"] += 1
-                out["bytes"] += entry.nbytes
-                advance(entry.nbytes)
+                advance(hi - lo)
                 if actual != expected:
+                    keys = verify.tensors_in(info.doc, lo, hi) or ["(padding)"]
                     mismatches.append({
-                        "rank": info.rank, "key": entry.key, "file": info.name,
+                        "rank": info.rank, "key": keys[0], "keys": keys, "chunk": c,
+                        "bytes": [lo, hi], "file": info.name,
                         "expected": persist.xxh3_hex(expected),
                         "actual": persist.xxh3_hex(actual),
-                        "reason": f"hashes to {persist.xxh3_hex(actual)}, recorded "
+                        "reason": f"chunk {c} (bytes {lo}-{hi}) hashes to "
+                                  f"{persist.xxh3_hex(actual)}, recorded "
                                   f"{persist.xxh3_hex(expected)}",
                     })
+        out["tensors"] += len(table)
+        out["bytes"] += sum(e.nbytes for e in table)
         if seg.header() != info.header or h != info.header:
             out["skipped"].append({"rank": info.rank, "segment": info.name,
                                    "reason": "rewritten by its rank while verifying; run again"})

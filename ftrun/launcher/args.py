@@ -40,6 +40,7 @@ class FtrunOptions:
     start_fresh: bool = False
     snapshot_every: str = "1"
     snapshot_wait_s: float = 0.0
+    store_threads: int = 0
 
     def __post_init__(self) -> None:
         every = self.snapshot_every.strip().lower()
@@ -71,6 +72,11 @@ class FtrunOptions:
                 f"--persist-every ({self.persist_every}) and --persist-interval "
                 f"({self.persist_interval_s}) must be >= 0 and --persist-keep "
                 f"({self.persist_keep}) >= 1"
+            )
+        if self.store_threads < 0:
+            raise ConfigError(
+                f"--store-threads must be >= 0 (0: the default for this host), got "
+                f"{self.store_threads}"
             )
         if self.coordinator is not None and ":" not in self.coordinator:
             raise ConfigError(
@@ -112,6 +118,9 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "Seconds optimizer.step() may wait for the store to release a snapshot buffer (the "
      "previous snapshot not yet committed) before that snapshot is skipped; 0 (the default): "
      "never wait, skip it (counted in ftrun status)."),
+    ("--store-threads", knobs.STORE_THREADS, int,
+     "Threads each node's snapshot store uses to verify chunks (0: one per 8 CPUs, at least "
+     "2, at most 8)."),
     ("--start-fresh", knobs.START_FRESH, bool,
      "Start from step 0 when --persist-dir holds steps but none can be restored (all partial "
      "or corrupt); without it such a job stops with an error that lists each step and why."),
@@ -184,6 +193,7 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         start_fresh=bool(ns.start_fresh),
         snapshot_every=str(ns.snapshot_every or knobs.SNAPSHOT_EVERY.default),
         snapshot_wait_s=num("snapshot_wait", knobs.SNAPSHOT_WAIT),
+        store_threads=int(num("store_threads", knobs.STORE_THREADS)),
     )
 
 

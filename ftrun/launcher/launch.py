@@ -352,7 +352,8 @@ def run(argv: list[str]) -> int:
         StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
                     owner_pid=os.getpid(), persist_dir=opts.persist_dir,
                     persist_every=opts.persist_every,
-                    persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep),
+                    persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep,
+                    threads=opts.store_threads),
         env={knobs.SECRET.name: secret.decode()},
     )
     ctx.store.start()

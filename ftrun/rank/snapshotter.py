@@ -42,13 +42,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import xxhash
 
 from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
 from ftrun.snapshot import segment as shm
+from ftrun.snapshot import verify
 from ftrun.snapshot.channel import Channel
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
+from ftrun.snapshot.verify import ChunkHasher
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ CLAIM_ATTEMPT_S = 0.5
 CLOSE_CLAIM_WAIT_S = 10.0  # close(): how long the last snapshot may wait for its buffer
 RNG_KEY = "/rng/"
 SKIP_LOG_INTERVAL_S = 30.0
-HASH_GROUP_BYTES = 64 << 20  # copied, then hashed while the next group is copied
+COPY_GROUP_BYTES = 64 << 20  # GPU: one event per group; its chunks are hashed once it lands
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 STORE_TIMEOUT_S = 5.0
 
@@ -602,11 +603,13 @@ class Snapshotter:
                 stale.append(buffer)
                 continue
             h = seg.header()
-            if h.manifest_cap < manifest_cap or h.n_tensors != n_tensors or h.data_len < data_len:
+            if h.manifest_cap < manifest_cap or h.n_tensors != n_tensors \
+                    or h.capacity - h.data_off < data_len \
+                    or h.hash_slots < shm.chunk_count(data_len, h.chunk_size):
                 stale.append(buffer)
         if not stale:
             return
-        _, _, capacity = shm.layout_for(manifest_cap, n_tensors, data_len)
+        _, _, capacity = shm.layout_for(manifest_cap, data_len)
         shm.check_capacity(capacity * len(stale), f"rank {self.rank}'s snapshot buffers")
         self.wait()
         for buffer in stale:
@@ -644,23 +647,21 @@ class Snapshotter:
         h = seg.set_state(shm.WRITING, step=step, epoch=self._epoch, data_len=flat.data_len,
                           hashes_xxh3=0)
         data = seg.data(h)
-        hashes = [0] * len(flat.tensors)
+        # Each fixed-size chunk is hashed (on the hashing threads, which run without the GIL)
+        # as soon as every tensor in it is copied, while the copy goes on: the hashes cover
+        # exactly the bytes this rank wrote.
+        hasher = ChunkHasher(data, [(e.offset, e.nbytes) for e in flat.tensors],
+                             h.chunk_size, self._hasher)
 
         def copy(i: int, non_blocking: bool = False) -> None:
             entry = flat.tensors[i]
             tensor_view(data, entry).copy_(flat.sources[i].reshape(entry.shape),
                                            non_blocking=non_blocking)
 
-        def digest(indices: list[int]) -> None:
-            for i in indices:
-                e = flat.tensors[i]
-                hashes[i] = xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes])
-
-        # Each group is hashed (on the hashing threads, which run without the GIL) while the
-        # next one is copied: the hash covers exactly the bytes this rank wrote.
-        groups = _groups(flat.tensors, HASH_GROUP_BYTES, lambda e: not e.key.startswith(RNG_KEY))
-        hashing = []
+        groups = _groups(flat.tensors, COPY_GROUP_BYTES, lambda e: not e.key.startswith(RNG_KEY))
         if cuda:
+            # Device-to-host copies in groups on the side stream, into registered (pinned)
+            # pages; each group is hashed once its event says it landed.
             self._register(seg)
             events = []
             with torch.cuda.stream(self._copy_stream):
@@ -671,14 +672,13 @@ class Snapshotter:
                     events[-1].record(self._copy_stream)
             for group, event in zip(groups, events, strict=True):
                 event.synchronize()
-                hashing.append(self._hasher.submit(digest, group))
+                for i in group:
+                    hasher.copied(i)
         else:
             for group in groups:
                 for i in group:
                     copy(i)
-                hashing.append(self._hasher.submit(digest, group))
-        for job in hashing:
-            job.result()
+                    hasher.copied(i)
         self._copied.set()
         if not self._rng_taken.wait(timeout=RNG_TIMEOUT_S):
             self._skipped(step, f"no forward pass and no wait() within {RNG_TIMEOUT_S:.0f} s "
@@ -687,8 +687,8 @@ class Snapshotter:
         late = [i for i, e in enumerate(flat.tensors) if e.key.startswith(RNG_KEY)]
         for i in late:
             copy(i)
-        digest(late)
-        hx = seg.write_hashes(hashes)
+            hasher.copied(i)
+        hx = seg.write_hashes(hasher.finish())
         xh = seg.write_manifest(blob)
         seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh,
                       hashes_xxh3=hx, staged_at=time.time())
@@ -821,12 +821,10 @@ class Snapshotter:
         return epoch[0]
 
     def _load_memory(self, buffer: int, step: int) -> dict[str, Any] | None:
-        from ftrun.snapshot.store import verify_segment
-
         seg = self._segments[buffer]
         if seg is None:
             return None
-        ok, reason = verify_segment(seg)
+        ok, reason = verify.check(seg, self._hasher)
         if not ok:
             log.error("rank %d: snapshot of step %d in buffer %d is not loadable (%s); it will "
                       "not be used", self.rank, step, buffer, reason)

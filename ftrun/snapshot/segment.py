@@ -6,11 +6,14 @@ node's store: whoever comes next opens them by name. Layout::
 
     [0, 4096)             header: magic, version, state, step, epoch, sizes, owner, hashes' hash
     [4096, 4096+M)        manifest JSON (written by the rank when it stages)
-    [.., ..+8*T)          xxh3-64 of every tensor, by index (written by the store)
+    [.., ..+8*C)          xxh3-64 of every fixed-size chunk of the data region, in order
     [data_off, ..)        tensor bytes, each 64-byte aligned
 
-States: EMPTY -> WRITING (rank copying) -> STAGED (copy complete, manifest written)
--> VERIFIED (store hashed every tensor). A segment found in WRITING is torn: never loaded.
+The chunk hashes are taken by the rank as it copies (ftrun.snapshot.verify), so they cover
+exactly what it wrote; every later reader checks against them. States: EMPTY -> WRITING
+(rank copying) -> STAGED (copy complete, manifest and chunk hashes written) -> VERIFIED (the
+store checked the table and told the coordinator). A segment found in WRITING is torn:
+never loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from ftrun.errors import ConfigError, IntegrityError
 
 SHM_DIR = Path(knobs.SHM_DIR.get())
 MAGIC = b"FTRUNSN1"
-VERSION = 1
+VERSION = 2
+CHUNK_BYTES = 4 << 20  # the unit of hashing and verification (recorded per segment)
 HEADER_SIZE = 4096
 ALIGN = 64
 PAGE = mmap.PAGESIZE
@@ -40,8 +44,9 @@ EMPTY, WRITING, STAGED, VERIFIED = 0, 1, 2, 3
 STATE_NAMES = {EMPTY: "empty", WRITING: "writing", STAGED: "staged", VERIFIED: "verified"}
 
 # magic, version, state, step, epoch(16s), manifest_len, manifest_cap, n_tensors, hash_off,
-# data_off, data_len, capacity, manifest_xxh3, hashes_xxh3, owner_pid, owner_start, staged_at
-_HEADER = struct.Struct("<8sIIq16sQQQQQQQQQQQd")
+# data_off, data_len, capacity, manifest_xxh3, hashes_xxh3, owner_pid, owner_start, staged_at,
+# chunk_size, hash_slots
+_HEADER = struct.Struct("<8sIIq16sQQQQQQQQQQQdQQ")
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -90,16 +95,28 @@ class Header:
     owner_pid: int
     owner_start: int
     staged_at: float
+    chunk_size: int
+    hash_slots: int  # room in the hash table (chunks of the largest data region it fits)
 
     @property
     def state_name(self) -> str:
         return STATE_NAMES.get(self.state, f"unknown({self.state})")
 
+    @property
+    def n_chunks(self) -> int:
+        """Chunks of the current data region (one hash each)."""
+        return chunk_count(self.data_len, self.chunk_size)
 
-def layout_for(manifest_cap: int, n_tensors: int, data_len: int) -> tuple[int, int, int]:
+
+def chunk_count(data_len: int, chunk_size: int) -> int:
+    return -(-data_len // chunk_size)
+
+
+def layout_for(manifest_cap: int, data_len: int,
+               chunk_size: int = CHUNK_BYTES) -> tuple[int, int, int]:
     """(hash_off, data_off, capacity) for a segment of the given sizes."""
     hash_off = align(HEADER_SIZE + manifest_cap, 8)
-    data_off = align(hash_off + 8 * n_tensors, PAGE)
+    data_off = align(hash_off + 8 * max(1, chunk_count(data_len, chunk_size)), PAGE)
     return hash_off, data_off, align(data_off + data_len, PAGE)
 
 
@@ -150,13 +167,13 @@ class Segment:
     # -- life cycle ---------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, manifest_cap: int, n_tensors: int, data_len: int,
-               owner_pid: int) -> Segment:
+               owner_pid: int, chunk_size: int = CHUNK_BYTES) -> Segment:
         """Create (or re-create, larger) the segment and touch every page now.
 
         Pre-faulting costs once at creation: first-touch page faults make a copy into fresh
         shared memory several times slower than into touched pages.
         """
-        hash_off, data_off, capacity = layout_for(manifest_cap, n_tensors, data_len)
+        hash_off, data_off, capacity = layout_for(manifest_cap, data_len, chunk_size)
         final = SHM_DIR / name
         # Built under a hidden name and renamed when complete: nobody opens a half-made one.
         path = SHM_DIR / f".{name}.{os.getpid()}.tmp"
@@ -183,7 +200,8 @@ class Segment:
             state=EMPTY, step=-1, epoch="", manifest_len=0, manifest_cap=manifest_cap,
             n_tensors=n_tensors, hash_off=hash_off, data_off=data_off, data_len=data_len,
             capacity=capacity, manifest_xxh3=0, hashes_xxh3=0, owner_pid=owner_pid,
-            owner_start=proc_start_ticks(owner_pid), staged_at=0.0,
+            owner_start=proc_start_ticks(owner_pid), staged_at=0.0, chunk_size=chunk_size,
+            hash_slots=max(1, chunk_count(data_len, chunk_size)),
         ))
         os.replace(path, final)
         return seg
@@ -226,13 +244,18 @@ class Segment:
         if raw[1] != VERSION:
             raise IntegrityError(f"{self.path}: layout version {raw[1]}, this ftrun reads {VERSION}")
         epoch = raw[4].rstrip(b"\0").decode(errors="replace")
-        return Header(raw[2], raw[3], epoch, *raw[5:])
+        h = Header(raw[2], raw[3], epoch, *raw[5:])
+        if h.chunk_size <= 0 or h.data_off + h.data_len > len(self.mm):
+            raise IntegrityError(f"{self.path}: corrupt header (chunk size {h.chunk_size}, data "
+                                 f"{h.data_off}+{h.data_len} in {len(self.mm)} bytes)")
+        return h
 
     def write_header(self, h: Header) -> None:
         _HEADER.pack_into(
             self.mm, 0, MAGIC, VERSION, h.state, h.step, h.epoch.encode()[:16].ljust(16, b"\0"),
             h.manifest_len, h.manifest_cap, h.n_tensors, h.hash_off, h.data_off, h.data_len,
             h.capacity, h.manifest_xxh3, h.hashes_xxh3, h.owner_pid, h.owner_start, h.staged_at,
+            h.chunk_size, h.hash_slots,
         )
 
     def set_state(self, state: int, **changes: object) -> Header:
@@ -265,19 +288,25 @@ class Segment:
         return blob
 
     def write_hashes(self, hashes: list[int]) -> int:
+        """Write the chunk hashes of the current data region; returns the table's own hash."""
         h = self.header()
-        if len(hashes) != h.n_tensors:
-            raise IntegrityError(f"{len(hashes)} hashes for {h.n_tensors} tensors")
+        if len(hashes) != h.n_chunks or len(hashes) > h.hash_slots:
+            raise IntegrityError(f"{len(hashes)} hashes for {h.n_chunks} chunks of "
+                                 f"{h.chunk_size} bytes ({h.hash_slots} slots)")
         blob = struct.pack(f"<{len(hashes)}Q", *hashes)
         self.mm[h.hash_off:h.hash_off + len(blob)] = blob
         return xxhash.xxh3_64_intdigest(blob)
 
     def hashes(self, h: Header | None = None) -> list[int]:
+        """The chunk hashes, checked against the table's own hash."""
         h = h or self.header()
-        blob = bytes(self.mm[h.hash_off:h.hash_off + 8 * h.n_tensors])
+        n = h.n_chunks
+        if n > h.hash_slots:
+            raise IntegrityError(f"{self.path}: {n} chunks but room for {h.hash_slots} hashes")
+        blob = bytes(self.mm[h.hash_off:h.hash_off + 8 * n])
         if xxhash.xxh3_64_intdigest(blob) != h.hashes_xxh3:
             raise IntegrityError(f"{self.path}: hash table does not match its own hash")
-        return list(struct.unpack(f"<{h.n_tensors}Q", blob))
+        return list(struct.unpack(f"<{n}Q", blob))
 
 
 def _prefault(mm: mmap.mmap, size: int) -> None:
@@ -307,6 +336,16 @@ def owner_alive(h: Header) -> bool:
     return start == 0 or h.owner_start == 0 or start == h.owner_start
 
 
+def _other_version(path: Path) -> bool:
+    """An ftrun segment of another layout version."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+    except OSError:
+        return False
+    return len(head) == 12 and head[:8] == MAGIC and struct.unpack("<I", head[8:])[0] != VERSION
+
+
 def clean_leftovers(keep_prefix: str | None = None) -> list[str]:
     """Remove this user's segments whose owning launcher is gone. Returns the names removed.
 
@@ -317,6 +356,10 @@ def clean_leftovers(keep_prefix: str | None = None) -> list[str]:
     removed = []
     for path in list_segments(f"ftrun-{os.getuid()}-"):
         if keep_prefix and path.name.startswith(keep_prefix):
+            continue
+        if _other_version(path):
+            # Written by another ftrun release (a job of an older or newer install on the
+            # same host): its owner cannot be read here, so it is left alone.
             continue
         try:
             seg = Segment.open(path)

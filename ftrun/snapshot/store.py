@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
 import zmq
 
 from ftrun import jobs, knobs, protocol
@@ -43,8 +42,9 @@ from ftrun.coordinator.commits import FINAL_SETTLE_S, MAX_TARGETS, CommitTracker
 from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
 from ftrun.launcher.pdeath import set_parent_death_signal
 from ftrun.snapshot import segment as shm
+from ftrun.snapshot import verify
 from ftrun.snapshot.channel import Channel
-from ftrun.snapshot.manifest import entries, parse_manifest
+from ftrun.snapshot.manifest import parse_manifest
 
 log = logging.getLogger("ftrun.store")
 
@@ -66,31 +66,17 @@ class StoreConfig:
     persist_every: int = 0
     persist_interval_s: float = 0.0
     persist_keep: int = 3
+    threads: int = 0  # hashing threads (0: default_threads())
 
 
-def hash_tensors(seg: shm.Segment, doc: dict[str, Any]) -> list[int]:
-    data = seg.data()
-    out = []
-    for e in entries(doc):
-        out.append(xxhash.xxh3_64_intdigest(data[e.offset:e.offset + e.nbytes]))
-    return out
+# A shard copied out of shared memory for the disk: manifest, data region, chunk size, and
+# the chunk hashes the rank took as it wrote it.
+Shard = tuple[dict[str, Any], bytes, int, list[int]]
 
 
-def verify_segment(seg: shm.Segment) -> tuple[bool, str]:
-    """Re-hash a VERIFIED segment against its table: (ok, reason)."""
-    try:
-        h = seg.header()
-        if h.state != shm.VERIFIED:
-            return False, f"state {h.state_name}"
-        doc = parse_manifest(seg.manifest_bytes(h))
-        want = seg.hashes(h)
-        got = hash_tensors(seg, doc)
-    except (IntegrityError, ValueError, KeyError) as e:
-        return False, str(e)
-    bad = [e.key for e, a, b in zip(entries(doc), got, want, strict=True) if a != b]
-    if bad:
-        return False, f"hash mismatch in {len(bad)} tensor(s), first {bad[0]}"
-    return True, ""
+def default_threads() -> int:
+    """Hashing threads the store may use: what a node of training ranks can spare."""
+    return max(2, min(8, (os.cpu_count() or 2) // 8))
 
 
 def _warm_up() -> None:
@@ -116,6 +102,8 @@ class SnapshotStore:
         # run here (nothing to wait for at the end: every rank reports to this store).
         self._local = CommitTracker(final_settle_s=0.0) if self._coord is None else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-persist")
+        self._hashers = ThreadPoolExecutor(max_workers=cfg.threads or default_threads(),
+                                           thread_name_prefix="ftrun-verify")
         self._pending_write: Future[None] | None = None
         self._writing_step: int | None = None
         self._persisted_step: int | None = None
@@ -202,8 +190,9 @@ class SnapshotStore:
                 # hop (restore, persist, inspect --verify).
                 seg.hashes(h)
                 hx = h.hashes_xxh3
-            else:  # a rank of an older ftrun: hash here
-                hx = seg.write_hashes(hash_tensors(seg, doc))
+            else:  # staged without its hashes: take them here
+                hx = seg.write_hashes(verify.hash_chunks(seg.data(h), h.chunk_size,
+                                                         self._hashers))
         except IntegrityError as e:
             # That shard can never be part of a commit: say so, so that the step counts as
             # dead and no rank's buffer waits for it.
@@ -461,9 +450,9 @@ class SnapshotStore:
         outcome = self._handled.get(step)
         return outcome is None or (step == self._final and outcome.startswith("skipped"))
 
-    def _copy_step(self, step: int) -> tuple[list[tuple[dict[str, Any], bytes, list[int]]], str]:
+    def _copy_step(self, step: int) -> tuple[list[Shard], str]:
         """Copies of every local rank's verified shard of ``step``, or why they cannot be."""
-        held: dict[int, tuple[dict[str, Any], bytes, list[int]]] = {}
+        held: dict[int, Shard] = {}
         ranks: set[int] = set()
         problems = []
         for name in self._job_segments():
@@ -477,7 +466,7 @@ class SnapshotStore:
                 continue
             try:
                 doc = parse_manifest(seg.manifest_bytes(h))
-                shard = (doc, bytes(seg.data(h)), seg.hashes(h))
+                shard = (doc, bytes(seg.data(h)), h.chunk_size, seg.hashes(h))
             except IntegrityError as e:
                 problems.append(f"rank {rank}: {e}")
                 continue
@@ -493,16 +482,21 @@ class SnapshotStore:
             problems.append("no snapshot buffers on this node")
         return [held[r] for r in sorted(held)], "; ".join(problems)
 
-    def _write(self, step: int, shards: list[tuple[dict[str, Any], bytes, list[int]]]) -> None:
+    def _write(self, step: int, shards: list[Shard]) -> None:
         from ftrun.snapshot import persist
 
         assert self.cfg.persist_dir
         root = Path(self.cfg.persist_dir)
         t0 = time.perf_counter()
         try:
-            for doc, data, hashes in shards:
-                persist.write_rank(root, doc, memoryview(data), hashes)
-            if any(doc["rank"] == 0 for doc, _, _ in shards):
+            for doc, data, chunk_size, chunk_hashes in shards:
+                # What was copied out of shared memory is checked against the rank's own
+                # hashes before anything is written: bytes changed after the rank wrote them
+                # never reach the disk.
+                verify.check_copy(data, doc, chunk_size, chunk_hashes,
+                                  f"step {step} rank {doc['rank']}", self._hashers)
+                persist.write_rank(root, doc, memoryview(data), verify.tensor_hashes(doc, data))
+            if any(doc["rank"] == 0 for doc, *_ in shards):
                 persist.prune(root, self.cfg.persist_keep)
         except Exception:
             log.exception("persisting step %d failed", step)
@@ -673,6 +667,7 @@ class SnapshotStore:
             except Exception:
                 log.exception("final persist failed")
         self._writer.shutdown(wait=True)
+        self._hashers.shutdown(wait=True)
         if self._unlink_at_exit:
             self.report(final=True)
         for name in list(self._segments):
