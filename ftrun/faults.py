@@ -1,7 +1,7 @@
 """Fault injection that ships with ftrun, for tests and drills.
 
-``corrupt_newest_snapshot`` flips one byte in the data of a rank's newest verified snapshot,
-exactly as a bad DIMM or a stray write would. ftrun must then refuse to load it and fall
+``corrupt_newest_snapshot`` has the node's store flip one byte in the data of a rank's newest
+verified snapshot, exactly as a bad DIMM or a stray write would. ftrun must then refuse to load it and fall
 back to an older committed step; tests assert both. ``corrupt_persisted`` does the same to a
 step persisted on disk (bit rot, a torn copy).
 """
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from ftrun import knobs
 from ftrun.errors import FtrunError, FtrunTimeoutError
-from ftrun.snapshot import segment as shm
 
 log = logging.getLogger(__name__)
 
@@ -28,35 +27,39 @@ class Corruption:
 
 def corrupt_newest_snapshot(rank: int, run_id: str | None = None,
                             timeout_s: float = 30.0) -> Corruption:
-    """Flip a byte in ``rank``'s newest VERIFIED snapshot (waiting for one to be verified)."""
+    """Have the node's store flip a byte in ``rank``'s newest snapshot, once it is verified.
+
+    Goes through the store's API (the store owns the segments): called inside a rank of an
+    ftrun job, where FTRUN_STORE and the job secret are set.
+    """
+    from ftrun.snapshot.channel import Channel
+
     run_id = run_id or knobs.RUN_ID.get()
-    if not run_id:
-        raise FtrunError("no run id: corrupt_newest_snapshot needs FTRUN_RUN_ID or run_id=")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        newest: tuple[int, int, shm.Segment] | None = None  # (step, state, segment)
-        for buffer in (0, 1):
-            try:
-                seg = shm.Segment.open(shm.segment_name(run_id, rank, buffer))
-            except FileNotFoundError:
-                continue
-            h = seg.header()
-            if h.state != shm.EMPTY and (newest is None or h.step > newest[0]):
-                newest = (h.step, h.state, seg)
-        # Wait until the newest snapshot is verified, so the one corrupted is the one a
-        # restore would pick.
-        if newest is not None and newest[1] == shm.VERIFIED:
-            step, _, seg = newest
-            h = seg.header()
-            offset = h.data_len // 2
-            seg.mm[h.data_off + offset] ^= 0xFF
-            log.warning("fault injection: flipped byte %d of rank %d's snapshot of step %d (%s)",
-                        offset, rank, step, seg.name)
-            return Corruption(seg.name, step, offset)
-        if time.monotonic() > deadline:
-            raise FtrunTimeoutError(f"rank {rank} has no verified snapshot to corrupt after "
-                                    f"{timeout_s:g} s")
-        time.sleep(0.05)
+    url = knobs.STORE.get()
+    if not (run_id and url):
+        raise FtrunError("corrupt_newest_snapshot runs inside a rank of an ftrun job "
+                         f"({knobs.RUN_ID.name} and {knobs.STORE.name} unset)")
+    chan = Channel(url, knobs.SECRET.get().encode(), run_id, f"fault:{rank}")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = chan.request("catalog_request", {"rank": rank}, "catalog_reply", 5.0,
+                                 attempts=3)
+            held = [r for r in reply.body["records"] if r["state"] != "empty"]
+            # Wait until the newest snapshot is verified, so the one corrupted is the one a
+            # restore would pick.
+            if held and max(held, key=lambda r: r["step"])["state"] == "verified":
+                done = chan.request("fault_corrupt", {"rank": rank}, "fault_reply", 5.0)
+                log.warning("fault injection: the store flipped byte %d of rank %d's snapshot "
+                            "of step %d (%s)", done.body["offset"], rank, done.body["step"],
+                            done.body["segment"])
+                return Corruption(done.body["segment"], done.body["step"], done.body["offset"])
+            if time.monotonic() > deadline:
+                raise FtrunTimeoutError(f"rank {rank} has no verified snapshot to corrupt "
+                                        f"after {timeout_s:g} s")
+            time.sleep(0.05)
+    finally:
+        chan.close()
 
 
 @dataclass(frozen=True)

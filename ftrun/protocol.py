@@ -152,6 +152,14 @@ SCHEMAS: dict[str, Schema] = {
     "snap_restored": {"rank": (int, True), "epoch": (str, True), "step": (int, True),
                       "world_size": (int, True)},
     "store_persist": {"reason": (str, True)},
+    # Anyone with the job secret -> a node's store: what it holds (ftrun.snapshot.catalog).
+    # ``rank``: only that rank's shards; ``hashes``: with their chunk hashes.
+    "catalog_request": {"rank": (int, False), "hashes": (bool, False)},
+    "catalog_reply": {"node_id": (str, True), "records": (ListOf(dict), True)},
+    # Fault injection (tests, drills): the store flips a byte of ``rank``'s newest verified
+    # shard, as a bad DIMM would, and says which.
+    "fault_corrupt": {"rank": (int, True)},
+    "fault_reply": {"segment": (str, True), "step": (int, True), "offset": (int, True)},
 }
 
 _HEADER: Schema = {

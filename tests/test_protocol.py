@@ -60,6 +60,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "snap_flush": {"rank": 1},
     "snap_restored": {"rank": 1, "epoch": "e1", "step": 4, "world_size": 4},
     "store_persist": {"reason": "SIGTERM"},
+    "catalog_request": {"rank": 2, "hashes": True},
+    "catalog_reply": {"node_id": "h/1", "records": [{"segment": "s", "rank": 2, "step": 3}]},
+    "fault_corrupt": {"rank": 2},
+    "fault_reply": {"segment": "s", "step": 3, "offset": 100},
 }
 
 

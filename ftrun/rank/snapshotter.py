@@ -770,10 +770,21 @@ class Snapshotter:
         self.committed = base_step
 
     def _local_steps(self) -> dict[int, int]:
-        """step -> buffer, for this rank's VERIFIED buffers of this world size."""
+        """step -> buffer, for this rank's VERIFIED shards, as its node's store lists them
+        (the store owns the segments: it says which are this rank's, and in what state)."""
+        assert self._chan is not None
+        try:
+            reply = self._chan.request("catalog_request", {"rank": self.rank}, "catalog_reply",
+                                       STORE_TIMEOUT_S, attempts=3)
+        except (UnreachableError, FtrunError) as e:
+            log.warning("the snapshot store did not list this rank's snapshots (%s); memory "
+                        "is not used for this restore", e)
+            return {}
         out: dict[int, int] = {}
-        for buffer in (0, 1):
-            name = shm.segment_name(self.run_id, self.rank, buffer)
+        for rec in reply.body["records"]:
+            buffer, name = int(rec["buffer"]), str(rec["segment"])
+            if rec["rank"] != self.rank or buffer not in (0, 1):
+                continue
             try:
                 seg = shm.Segment.open(name)
             except FileNotFoundError:

@@ -43,6 +43,7 @@ from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableE
 from ftrun.launcher.pdeath import set_parent_death_signal
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
+from ftrun.snapshot.catalog import Catalog, rank_of
 from ftrun.snapshot.channel import Channel
 from ftrun.snapshot.manifest import parse_manifest
 
@@ -90,7 +91,7 @@ class SnapshotStore:
         self.cfg = cfg
         self._secret = secret
         self._prefix = shm.job_prefix(cfg.run_id)
-        self._segments: dict[str, tuple[int, shm.Segment]] = {}  # name -> (inode, seg)
+        self.catalog = Catalog(cfg.run_id, cfg.node_id, cfg.owner_pid)
         self._epoch = ""
         self._base = -1  # the step the current epoch resumed from
         self._committed = -1
@@ -116,59 +117,16 @@ class SnapshotStore:
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
 
-    # -- segments ---------------------------------------------------------------------------
+    # -- segments (the catalog finds, opens and adopts them) --------------------------------
     def _open(self, name: str) -> shm.Segment | None:
-        path = shm.SHM_DIR / name
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            self._forget(name)
-            return None
-        cached = self._segments.get(name)
-        if cached and cached[0] == st.st_ino and cached[1].mm.size() == st.st_size:
-            return cached[1]
-        self._forget(name)
-        try:
-            seg = shm.Segment.open(path)
-        except (OSError, IntegrityError, ValueError) as e:
-            log.warning("cannot open segment %s: %s", name, e)
-            return None
-        self._segments[name] = (st.st_ino, seg)
-        return seg
-
-    def _forget(self, name: str) -> None:
-        old = self._segments.pop(name, None)
-        if old:
-            old[1].close()
+        return self.catalog.open(name)
 
     def _job_segments(self) -> list[str]:
-        """This node's segments of the job: those whose owner is our launcher.
-
-        Several launchers of one job can share a host (and /dev/shm); each store must only
-        ever touch its own node's buffers.
-        """
-        mine = []
-        for path in shm.list_segments(self._prefix):
-            seg = self._open(path.name)
-            if seg is None:
-                continue
-            h = seg.header()
-            if h.owner_pid != self.cfg.owner_pid and not shm.owner_alive(h):
-                # Left by a launcher of this job that died (a replaced node, a relaunch):
-                # they are ours now.
-                seg.set_state(h.state, owner_pid=self.cfg.owner_pid,
-                              owner_start=shm.proc_start_ticks(self.cfg.owner_pid))
-                log.info("adopted %s (step %d) from dead launcher %d", path.name, h.step,
-                         h.owner_pid)
-                h = seg.header()
-            if h.owner_pid == self.cfg.owner_pid:
-                mine.append(path.name)
-        return mine
+        return self.catalog.names()
 
     @staticmethod
     def _rank_of(name: str) -> tuple[int, int]:
-        r, b = name.rsplit("-", 2)[-2:]
-        return int(r[1:]), int(b[1:])
+        return rank_of(name)
 
     def _verify_staged(self, name: str, expect_step: int | None = None) -> tuple[bool, str, int]:
         seg = self._open(name)
@@ -366,7 +324,30 @@ class SnapshotStore:
         if msg.kind == "store_persist":
             self.request_persist(b["reason"])
             return "ack", {"re": msg.id}
+        if msg.kind == "catalog_request":
+            records = self.catalog.records(b.get("rank"))
+            return "catalog_reply", {"node_id": self.cfg.node_id, "records": [
+                r.to_json(with_hashes=bool(b.get("hashes"))) for r in records]}
+        if msg.kind == "fault_corrupt":
+            return "fault_reply", self._corrupt(b["rank"])
         raise ProtocolError(f"the store does not accept {msg.kind!r}")
+
+    def _corrupt(self, rank: int) -> dict[str, Any]:
+        """Fault injection: flip one byte in the middle of ``rank``'s newest verified shard,
+        leaving its state and hashes as they are (silent corruption)."""
+        shards = [r for r in self.catalog.records(rank) if r.state == "verified"]
+        if not shards:
+            raise FtrunError(f"this store holds no verified shard of rank {rank} to corrupt; "
+                             "retry once a snapshot of it has been verified")
+        newest = max(shards, key=lambda r: r.step)
+        seg = self.catalog.open(newest.segment)
+        assert seg is not None
+        h = seg.header()
+        offset = h.data_len // 2
+        seg.mm[h.data_off + offset] ^= 0xFF
+        log.warning("fault injection: flipped byte %d of rank %d's shard of step %d (%s)",
+                    offset, rank, h.step, newest.segment)
+        return {"segment": newest.segment, "step": h.step, "offset": offset}
 
     def _begin_epoch(self, epoch: str, base: int, restarted: bool) -> None:
         self._epoch, self._committed, self._base = epoch, base, base
@@ -531,17 +512,6 @@ class SnapshotStore:
         if self._pending_write is not None:
             self._pending_write.result(timeout=WRITE_TIMEOUT_S)
 
-    def _held_steps(self) -> dict[int, list[int]]:
-        """rank -> the steps its buffers hold verified, for this node's ranks."""
-        held: dict[int, list[int]] = {}
-        for name in self._job_segments():
-            rank, _ = self._rank_of(name)
-            seg = self._open(name)
-            steps = held.setdefault(rank, [])
-            if seg is not None and seg.header().state == shm.VERIFIED:
-                steps.append(seg.header().step)
-        return {r: sorted(held[r]) for r in sorted(held)}
-
     # -- loop -------------------------------------------------------------------------------
     def adopt(self) -> None:
         removed = shm.clean_leftovers(keep_prefix=self._prefix)
@@ -659,7 +629,7 @@ class SnapshotStore:
             try:
                 # Steps the ranks staged just before stopping may still commit.
                 self._verify_all()
-                held = self._held_steps()
+                held = self.catalog.held_steps()
                 log.info("stopping; verified steps held here: %s", " ".join(
                     f"rank{r}={','.join(map(str, steps)) or '-'}" for r, steps in held.items())
                     or "none")
@@ -670,8 +640,7 @@ class SnapshotStore:
         self._hashers.shutdown(wait=True)
         if self._unlink_at_exit:
             self.report(final=True)
-        for name in list(self._segments):
-            self._forget(name)
+        self.catalog.close()
         if self._unlink_at_exit:
             for name in self._job_segments():
                 try:

@@ -1,0 +1,150 @@
+"""The store's catalog: a record of every shard it holds.
+
+A node's store owns the shared-memory segments of its ranks (and, later, replicas of other
+nodes' shards). The catalog is the one place that finds, opens and adopts them; everyone
+else asks the store (``catalog_request``) instead of opening segments by name: ``restore()``
+learns where its rank's shards are, ``ftrun inspect`` what the node holds, fault injection
+which byte to hit.
+
+A record says whose shard it is (rank, origin node), of which step and epoch, in which state,
+and, once staged, the hashes of its chunks. The segment header in shared memory stays the
+source of truth (a rank writes it without asking); the catalog reads it on every look and
+keeps the mappings open.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ftrun.errors import IntegrityError
+from ftrun.snapshot import segment as shm
+
+log = logging.getLogger("ftrun.store")
+
+
+@dataclass(frozen=True)
+class Record:
+    segment: str  # its name in the shm directory
+    rank: int
+    buffer: int
+    origin: str  # the node whose rank wrote it (this node, for its own ranks)
+    step: int
+    epoch: str
+    state: str  # empty | writing | staged | verified
+    data_len: int
+    chunk_size: int
+    hashes: list[int] | None  # chunk xxh3-64, once the rank staged it (checked table)
+
+    def to_json(self, with_hashes: bool = False) -> dict[str, Any]:
+        out = asdict(self)
+        if not with_hashes:
+            out["hashes"] = None if self.hashes is None else len(self.hashes)
+        else:
+            out["hashes"] = None if self.hashes is None else [f"{h:016x}" for h in self.hashes]
+        return out
+
+
+def rank_of(name: str) -> tuple[int, int]:
+    """(rank, buffer) from a segment name."""
+    r, b = name.rsplit("-", 2)[-2:]
+    return int(r[1:]), int(b[1:])
+
+
+class Catalog:
+    def __init__(self, run_id: str, node_id: str, owner_pid: int) -> None:
+        self.run_id = run_id
+        self.node_id = node_id
+        self.owner_pid = owner_pid
+        self.prefix = shm.job_prefix(run_id)
+        self._open: dict[str, tuple[int, shm.Segment]] = {}  # name -> (inode, mapping)
+
+    # -- mappings ---------------------------------------------------------------------------
+    def open(self, name: str) -> shm.Segment | None:
+        """The mapping of segment ``name`` (re-opened when the file was replaced)."""
+        path = shm.SHM_DIR / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            self.forget(name)
+            return None
+        cached = self._open.get(name)
+        if cached and cached[0] == st.st_ino and cached[1].mm.size() == st.st_size:
+            return cached[1]
+        self.forget(name)
+        try:
+            seg = shm.Segment.open(path)
+        except (OSError, IntegrityError, ValueError) as e:
+            log.warning("cannot open segment %s: %s", name, e)
+            return None
+        self._open[name] = (st.st_ino, seg)
+        return seg
+
+    def forget(self, name: str) -> None:
+        old = self._open.pop(name, None)
+        if old:
+            old[1].close()
+
+    def close(self) -> None:
+        for name in list(self._open):
+            self.forget(name)
+
+    # -- what this node holds ---------------------------------------------------------------
+    def names(self) -> list[str]:
+        """This node's segments of the job: those whose owner is our launcher.
+
+        Several launchers of one job can share a host (and /dev/shm); each store only ever
+        touches its own node's buffers. Segments left by a launcher of this job that died (a
+        replaced node, a relaunch) are adopted.
+        """
+        mine = []
+        for path in shm.list_segments(self.prefix):
+            seg = self.open(path.name)
+            if seg is None:
+                continue
+            h = seg.header()
+            if h.owner_pid != self.owner_pid and not shm.owner_alive(h):
+                seg.set_state(h.state, owner_pid=self.owner_pid,
+                              owner_start=shm.proc_start_ticks(self.owner_pid))
+                log.info("adopted %s (step %d) from dead launcher %d", path.name, h.step,
+                         h.owner_pid)
+                h = seg.header()
+            if h.owner_pid == self.owner_pid:
+                mine.append(path.name)
+        return mine
+
+    def record(self, name: str) -> Record | None:
+        seg = self.open(name)
+        if seg is None:
+            return None
+        try:
+            h = seg.header()
+            hashes = seg.hashes(h) if h.state in (shm.STAGED, shm.VERIFIED) and h.hashes_xxh3 \
+                else None
+        except IntegrityError as e:
+            log.debug("%s: %s", name, e)
+            hashes = None
+            h = seg.header()
+        rank, buffer = rank_of(name)
+        return Record(name, rank, buffer, self.node_id, h.step, h.epoch, h.state_name,
+                      h.data_len, h.chunk_size, hashes)
+
+    def records(self, rank: int | None = None) -> list[Record]:
+        out = []
+        for name in self.names():
+            if rank is not None and rank_of(name)[0] != rank:
+                continue
+            rec = self.record(name)
+            if rec is not None:
+                out.append(rec)
+        return sorted(out, key=lambda r: (r.rank, r.buffer))
+
+    def held_steps(self) -> dict[int, list[int]]:
+        """rank -> the steps its buffers hold verified, for this node's ranks."""
+        held: dict[int, list[int]] = {}
+        for rec in self.records():
+            steps = held.setdefault(rec.rank, [])
+            if rec.state == "verified":
+                steps.append(rec.step)
+        return {r: sorted(held[r]) for r in sorted(held)}
