@@ -153,6 +153,30 @@ def list_jobs(state: str | None = None) -> list[JobFile]:
     return sorted(jobs, key=lambda j: j.started_at, reverse=True)
 
 
+def store_url_path(run_id: str, node_id: str, state: str | None = None) -> Path:
+    """Where a launcher records its node's store endpoint (for ``ftrun inspect`` on its host)."""
+    return _private_dir(job_dir(run_id, state) / "stores") / f"{_SAFE.sub('_', node_id)}.url"
+
+
+def write_store_url(run_id: str, node_id: str, url: str, state: str | None = None) -> Path:
+    path = store_url_path(run_id, node_id, state)
+    _write_private_atomic(path, json.dumps({"node_id": node_id, "url": url}).encode())
+    return path
+
+
+def store_urls(run_id: str, state: str | None = None) -> list[dict[str, str]]:
+    """The store endpoints launchers of ``run_id`` recorded on this host (maybe stale)."""
+    out = []
+    for path in sorted((knobs.state_dir(state) / "jobs" / _SAFE.sub("_", run_id) / "stores")
+                       .glob("*.url")):
+        try:
+            doc = json.loads(path.read_text())
+            out.append({"node_id": str(doc["node_id"]), "url": str(doc["url"])})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def events_path(run_id: str, state: str | None = None) -> Path:
     return job_dir(run_id, state) / "events.jsonl"
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, TRAIN, Procs, wait_for
 from snapshot_helpers import stage_segment
 from test_store_epoch import new_store, run_id, send  # noqa: F401 (fixture)
 
@@ -66,3 +70,38 @@ def test_fault_injection_goes_through_the_store(run_id: str) -> None:  # noqa: F
     assert os.path.exists(old.path)
     old.close()
     new.close()
+
+
+@pytest.mark.integration
+def test_inspect_of_a_live_job_asks_its_store(procs: Procs, state_dir: Path) -> None:
+    from ftrun import jobs
+    from ftrun.coordinator.client import request
+
+    job_id = f"cat-{uuid.uuid4().hex[:8]}"
+    proc = procs.ftrun("--rdzv-id", job_id, "--standalone", "--nproc-per-node", "2",
+                       "--max-restarts", "0", TRAIN, "--steps", "40", "--layers", "1",
+                       "--dim", "32", "--step-sleep", "0.25")
+
+    def committed() -> int | None:
+        try:
+            endpoint = jobs.read_job_file(job_id).endpoint
+            secret = jobs.load_secret(job_id, create=False)
+            doc = request(endpoint, secret, job_id, "status_request", {}, timeout_s=5).body["doc"]
+        except FtrunError:
+            return None
+        step = (doc.get("snapshots") or {}).get("committed_step")
+        return step if step and step >= 3 else None
+
+    wait_for(committed, 120, "a committed snapshot", interval_s=0.2)
+    out = subprocess.run([sys.executable, "-m", "ftrun", "inspect", job_id, "--json", "--verify"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    [store] = doc["stores"]
+    assert store["reachable"] and store["shards"] == 4, store
+    assert sorted((s["rank"], s["buffer"]) for s in doc["segments"]) == [(0, 0), (0, 1), (1, 0),
+                                                                          (1, 1)]
+    assert doc["verify"]["mismatches"] == [] and doc["verify"]["tensors"] > 0
+    assert procs.wait(proc, 240) == 0, procs.output(proc)[-3000:]
+    # The launcher takes its store's address with it.
+    assert jobs.store_urls(job_id) == []

@@ -41,6 +41,7 @@ from ftrun.cli import exit_codes
 from ftrun.coordinator.client import request
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
 from ftrun.snapshot import persist, segment, verify
+from ftrun.snapshot.channel import Channel
 from ftrun.snapshot.manifest import entries, parse_manifest
 from ftrun.snapshot.segment import (
     STAGED,
@@ -54,6 +55,7 @@ from ftrun.snapshot.segment import (
 
 INSPECT_VERSION = 1
 COORDINATOR_TIMEOUT_S = 2.0
+STORE_TIMEOUT_S = 2.0
 READ_ATTEMPTS = 3
 WIDE = 200  # columns when stdout is not a terminal: never cut a tensor key
 
@@ -343,8 +345,38 @@ def _choose_live_step(infos: list[_SegInfo], step: int | None) -> int | None:
     return max((s for s, _ in usable), default=None)
 
 
+def _stores(run_id: str, state_dir: str | None) -> tuple[list[dict[str, Any]], list[Path] | None]:
+    """Ask the job's stores on this host what they hold: (stores, segment paths), the paths
+    None when no store answered."""
+    found = jobs.store_urls(run_id, state_dir)
+    if not found:
+        return [], None
+    try:
+        secret = jobs.load_secret(run_id, state_dir, create=False)
+    except FtrunError as e:
+        return [dict(s, reachable=False, note=str(e)) for s in found], None
+    stores, paths = [], []
+    for s in found:
+        chan = Channel(s["url"], secret, run_id, "inspect")
+        try:
+            reply = chan.request("catalog_request", {}, "catalog_reply", STORE_TIMEOUT_S)
+        except FtrunError as e:
+            stores.append(dict(s, reachable=False, note=str(e)))
+            continue
+        finally:
+            chan.close()
+        records = reply.body["records"]
+        stores.append(dict(s, reachable=True, note=None, shards=len(records)))
+        paths += [segment.SHM_DIR / str(r["segment"]) for r in records]
+    return stores, (paths if any(s["reachable"] for s in stores) else None)
+
+
 def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None) -> dict[str, Any]:
-    paths = list_segments(job_prefix(run_id))
+    # The stores say which segments are the job's (their catalogs); only when none of them
+    # answers (stopped, or killed) are the segments looked up by name.
+    stores, paths = _stores(run_id, state_dir)
+    if paths is None:
+        paths = list_segments(job_prefix(run_id))
     coordinator = _coordinator(run_id, state_dir)
     if not paths and coordinator is None:
         raise JobNotFoundError(
@@ -404,7 +436,8 @@ def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None)
         })
     return {
         "version": INSPECT_VERSION, "kind": "live", "run_id": run_id,
-        "host": socket.gethostname(), "shm_dir": str(segment.SHM_DIR), "segments": segments,
+        "host": socket.gethostname(), "shm_dir": str(segment.SHM_DIR), "stores": stores,
+        "segments": segments,
         "coordinator": coordinator, "step": chosen, "ranks": ranks, "totals": _totals(ranks),
         "verify": verified, "problems": problems,
     }
@@ -548,6 +581,16 @@ def _render_live(doc: dict[str, Any], console: Console) -> None:
                           _fmt_bytes(s["bytes"]),
                           "-" if s["tensors"] is None else str(s["tensors"]), owner)
         console.print(table)
+    for st in doc.get("stores") or ():
+        if st["reachable"]:
+            console.print(Text(f"store of node {st['node_id']}: {st['shards']} shard(s) in its "
+                               "catalog"))
+        else:
+            console.print(Text(f"store of node {st['node_id']} not reachable ({st['note']})",
+                               style="yellow"))
+    if not doc.get("stores") or not any(st["reachable"] for st in doc["stores"]):
+        console.print(Text("no store of this job answered on this host: segments were looked "
+                           "up by name", style="dim"))
     coord = doc["coordinator"]
     if coord is None:
         console.print(Text("no job file in the state directory: coordinator not asked",

@@ -358,6 +358,7 @@ def run(argv: list[str]) -> int:
     )
     ctx.store.start()
     ctx.sink.event("store_started", pid=ctx.store.pid, url=store_url)
+    store_file = jobs.write_store_url(run_id, node_id, store_url, opts.state_dir)
     _install_signal_forwarding(ctx)
 
     exitcode = 1
@@ -376,6 +377,7 @@ def run(argv: list[str]) -> int:
         log.error("rendezvous failed: %s: %s", type(e).__name__, e)
     finally:
         ctx.store.stop()
+        store_file.unlink(missing_ok=True)
         if reporter is not None:
             reporter.event("job_end", exitcode=exitcode, state=final)
             reporter.stop(final, exitcode)
