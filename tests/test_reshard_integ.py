@@ -9,10 +9,12 @@ state after the restore must equal, bit for bit, those the 4-rank job ended with
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import Procs
+from conftest import ROOT, Procs
 
 from ftrun.snapshot import persist
 
@@ -43,6 +45,11 @@ def test_fsdp2_checkpoint_of_4_ranks_restores_onto_3(procs: Procs, state_dir: Pa
     assert weight["shape"] == [8, 16] and weight["global_shape"] == [32, 16]
     assert weight["offsets"] == [8, 0] and weight["mesh"] == [4]
     assert weight["placements"][0] in ("S(0)", "Shard(dim=0)")
+
+    inspected = subprocess.run([sys.executable, "-m", "ftrun", "inspect", str(ckpt), "--json"],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT)
+    [shown] = json.loads(inspected.stdout)["steps"]
+    assert shown["status"] == "complete" and shown["global_metadata"], inspected.stdout
 
     resumed, out = result(procs, 3, ckpt, "4")  # a new job: nothing in memory, 3 ranks
     assert resumed.startswith("fsdp: start=4 ") and resumed.endswith(" world=3"), out[-4000:]

@@ -751,7 +751,7 @@ class Snapshotter:
         if restored == 0:
             restored, source = self._restore_persisted(distributed)
         if restored == 0:
-            self._refuse_other_world(foreign, distributed)
+            self._warn_other_world(foreign, distributed)
         if restored > 0:
             log.info("rank %d restored step %d from %s", self.rank, restored, source)
         self._start_epoch(restored, distributed)
@@ -818,31 +818,26 @@ class Snapshotter:
                         self.rank, step, foreign[step], self.world_size)
         return foreign
 
-    def _refuse_other_world(self, foreign: dict[int, int], distributed: bool) -> None:
-        """Nothing restored although memory holds snapshots of another world size: raise
-        RestoreError (collective) rather than start from step 0, unless --start-fresh."""
-        from ftrun.errors import RestoreError
-        from ftrun.snapshot.fallback import gather_all, record_for_launcher
+    def _warn_other_world(self, foreign: dict[int, int], distributed: bool) -> None:
+        """Nothing restored although memory holds snapshots of another world size: say so.
+
+        Training starts from step 0 here, as it did before this check: the job's memory
+        snapshots go when it ends, so stopping would recover nothing, and an elastic job
+        that lost a node without --persist-dir keeps running (collective).
+        """
+        from ftrun.snapshot.fallback import gather_all
 
         seen = [f for f in gather_all(distributed)(max(foreign.items(), default=None)) if f]
-        if not seen:
+        if not seen or self.rank != 0:
             return
         step, world = max(seen)
-        if knobs.START_FRESH.enabled():
-            if self.rank == 0:
-                log.warning("memory holds step %d of a %d-rank job, this job has %d ranks and "
-                            "nothing persisted to reshard from; %s is set: starting from step 0",
-                            step, world, self.world_size, knobs.START_FRESH.name)
-            return
-        error = RestoreError(
-            f"memory holds the snapshot of step {step}, taken by {world} ranks, but this job "
-            f"has {self.world_size}: each rank's snapshot holds its own shards, which are not "
-            f"this job's ranks' shards, and ftrun does not reshard from memory. Only a "
-            f"persisted step (--persist-dir) can be resharded onto another world size, and "
-            f"none was found. Relaunch with {world} ranks to resume from step {step}, or pass "
-            f"--start-fresh (or set {knobs.START_FRESH.name}=1) to train from step 0.")
-        record_for_launcher(error)
-        raise error
+        log.error(
+            "memory holds the snapshot of step %d, taken by %d ranks, but this job has %d: each "
+            "rank's snapshot holds its own shards, which are not this job's ranks' shards, and "
+            "ftrun does not reshard from memory; %s. Training starts from step 0. Persisted "
+            "steps (--persist-dir) reshard onto any world size.", step, world, self.world_size,
+            "no persisted step was found" if knobs.PERSIST_DIR.get() else
+            "no --persist-dir is set")
 
     def _agree_steps(self, local: dict[int, int], distributed: bool) -> list[int]:
         mine = sorted(local, reverse=True)

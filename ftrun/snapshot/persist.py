@@ -1,37 +1,44 @@
 """On-disk checkpoints, in ``torch.distributed.checkpoint`` (DCP) format, of verified snapshots.
 
-The node's snapshot store (not the ranks) writes them from a VERIFIED buffer. Layout::
+The node's snapshot store (not the ranks) writes them from a VERIFIED buffer. One DCP
+checkpoint per step, written in parts by the stores of every node::
 
-    <persist dir>/step_<S:09d>/rank_<r:05d>/     one complete DCP checkpoint per rank
-        .metadata, __0_0.distcp                  written by torch.distributed.checkpoint.save
-        ftrun-manifest.json                      the snapshot's manifest (tree, dtypes, meta)
-        ftrun-hashes.json                        xxh3-64 (hex) of every tensor, by manifest key
-    <persist dir>/step_<S:09d>/.tmp-rank_<r:05d>-<pid>/   a rank being written (never valid)
+    <persist dir>/step_<S:09d>/                  one DCP checkpoint of the whole step
+        .metadata                                global tensors, every rank's shards as chunks
+        rank_<r:05d>/                            rank r's part, written by its node's store
+            __0_0.distcp, .metadata              its shards (DCP save), and their metadata
+            ftrun-manifest.json                  the snapshot's manifest (tree, layout, meta)
+            ftrun-hashes.json                    xxh3-64 (hex) of every shard, by manifest key
+        .tmp-rank_<r:05d>-<pid>/                 a rank being written (never valid)
 
-The DCP state dict of a rank is flat: ``{entry.key.lstrip("/"): tensor}`` for every tensor of
-the manifest (``"model/fc.weight"``, ``"optim/state/0/exp_avg"``...). Non-tensor leaves (step
-counters, RNG tuples, dtypes, bytes) live only in ``ftrun-manifest.json``, from which
-:func:`load_rank` rebuilds the exact state tree, without unpickling anything of ours.
+The DCP state dict is flat: ``{entry.fqn: tensor}`` for every tensor of the manifest
+(``"model/fc.weight"``, ``"optim/state/fc.weight/exp_avg"``...), each shard saved at the
+global offsets its manifest records (a DTensor's chunk, or offsets 0 for a plain tensor).
+Non-tensor leaves (step counters, RNG tuples, dtypes, bytes) live only in
+``ftrun-manifest.json``, from which :func:`load_rank` rebuilds a rank's exact state tree,
+without unpickling anything of ours.
 
 A rank directory only appears, by an atomic rename, once every file in it is written and
-fsynced; a step is complete when every rank ``0..W-1`` has one and their manifests agree on W
-and on the epoch (the incarnation of the workers that took the snapshot: a step written again
-after a restart must not mix ranks of two timelines). Scanning and pruning never import
-torch; writing and loading import it (and DCP) on first use.
+fsynced. The writer that completes the set of ranks merges their metadata into the step's
+``.metadata`` (:func:`finalize_step`; a rename, so it is whole or absent). A step is complete
+when every rank ``0..W-1`` has a directory, their manifests agree on W and on the epoch (the
+incarnation of the workers that took the snapshot: a step written again after a restart must
+not mix ranks of two timelines), and the step's ``.metadata`` is there. Scanning and pruning
+never import torch; writing, merging and loading import it (and DCP) on first use.
 
-Leaving ftrun: :func:`to_torch_save` writes one ``torch.save`` file holding a rank's state
-tree. PyTorch's own converter also reads a *rank* directory directly (not a step directory:
-that has no ``.metadata``) and gives the flat dict, without the non-tensor leaves::
+``torch.distributed.checkpoint.load(sd, checkpoint_id=STEP_DIR)`` reads the global tensors
+onto any world size (or whole, with ``no_dist=True``), and PyTorch's converter turns a step
+into one file of full tensors, without the non-tensor leaves::
 
-    python -m torch.distributed.checkpoint.format_utils dcp_to_torch STEP_DIR/rank_00000 out.pt
+    python -m torch.distributed.checkpoint.format_utils dcp_to_torch STEP_DIR out.pt
 
-(in torch 2.13 the mode is the positional ``dcp_to_torch``; there is no ``--mode`` flag and
-no ``dcp_to_torch_save`` mode). Plain ``torch.distributed.checkpoint.load(sd,
-checkpoint_id=RANK_DIR, no_dist=True)`` into a dict of tensors of the right shapes works too.
+(in torch 2.13 the mode is the positional ``dcp_to_torch``). :func:`to_torch_save` writes one
+``torch.save`` file holding a rank's whole state tree.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -178,6 +185,7 @@ def _write_items(table: list[TensorEntry], keys: list[str],
     return items
 
 
+@functools.cache
 def _planners() -> tuple[type, type]:
     """DCP planners for one rank's shards: a save planner that writes the shards at their
     recorded global offsets, and a load planner that reads a shard back into a plain tensor
@@ -339,7 +347,7 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
     is replaced. Writing goes to ``.tmp-rank_<r>-<pid>`` in the step directory, fsynced, then
     renamed: a crash leaves only a temp directory, which is never taken for a checkpoint.
     """
-    step, rank, _world = _check_doc(doc)
+    step, rank, world = _check_doc(doc)
     table = entries(doc)
     keys = dcp_keys(table)
     if len(hashes) != len(table):
@@ -353,7 +361,7 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
         existing = read_rank_dir(final, step=step, rank=rank)
         if existing.problem is None and existing.epoch == epoch_of(doc):
             log.debug("%s exists already; leaving it", final)
-            _finalize_after_write(persist_dir, step)
+            _finalize_after_write(persist_dir, step, world)
             return final
         replace = True
         log.info("replacing %s (%s)", final, existing.problem or
@@ -367,15 +375,15 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
             view.release()
         except BufferError:  # pragma: no cover - only if a tensor over it escaped
             pass
-    _finalize_after_write(persist_dir, step)
+    _finalize_after_write(persist_dir, step, world)
     return final
 
 
-def _finalize_after_write(persist_dir: PathLike, step: int) -> None:
+def _finalize_after_write(persist_dir: PathLike, step: int, world_size: int) -> None:
     """Whichever writer puts the step's last part in place merges its one DCP checkpoint.
     A failure leaves the step partial (restore skips it); the rank's part stays written."""
     try:
-        finalize_step(persist_dir, step)
+        finalize_step(persist_dir, step, world_size)
     except FtrunError as e:
         log.error("step %d: could not merge its %s (%s); the step stays partial", step,
                   DCP_METADATA, e)
@@ -531,7 +539,7 @@ def merge_layout(step: StepDir) -> StepLayout:
                       sorted(local))
 
 
-def finalize_step(persist_dir: PathLike, step: int) -> bool:
+def finalize_step(persist_dir: PathLike, step: int, world_size: int | None = None) -> bool:
     """Write ``step_<S>/.metadata`` once every rank's directory is in place; True when the
     step then has one.
 
@@ -539,9 +547,19 @@ def finalize_step(persist_dir: PathLike, step: int) -> bool:
     work; the others find the set incomplete, or the file there). Calls that race write the
     same description, each into its own temp directory, then rename it into place, so the
     file is always whole. Steps written by an older ftrun (no layout in their manifests) are
-    left as they are: they restore on their own world size only.
+    left as they are: they restore on their own world size only. With ``world_size``, a step
+    whose rank directories are not all there yet is passed over by their names alone.
     """
     path = step_dir(persist_dir, step)
+    if world_size is not None:
+        try:
+            names = set(os.listdir(path))
+        except FileNotFoundError:
+            return False
+        if DCP_METADATA in names:
+            return True
+        if any(f"rank_{r:05d}" not in names for r in range(world_size)):
+            return False
     try:
         found = read_step_dir(path)
     except FileNotFoundError:
