@@ -1,7 +1,8 @@
 """A tiny FSDP2 (fully_shard) job for the snapshot tests: DTensor shards in and out.
 
 Usage: fsdp_worker.py STEPS [FAIL_AT_STEP]. Rank 1 exits in FAIL_AT_STEP once per job (a
-marker in $FTRUN_JOB_DIR). Rank 0 prints ``fsdp: start=S hash=H`` over the full weights.
+marker in $FTRUN_JOB_DIR). Rank 0 prints ``fsdp: start=S hash=H optim=O world=W``: H over
+the full (unsharded) weights, O over the full optimizer state, whatever the world size.
 """
 
 from __future__ import annotations
@@ -13,9 +14,18 @@ import sys
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import ftrun
+
+
+def _xxh3(tensors: dict[str, torch.Tensor]) -> str:
+    h = xxhash.xxh3_64()
+    for key in sorted(tensors):
+        h.update(key.encode())
+        h.update(tensors[key].numpy().tobytes())
+    return h.hexdigest()
 
 
 def main() -> None:
@@ -46,15 +56,16 @@ def main() -> None:
         snap.save(step)
     snap.close()
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    optim = get_optimizer_state_dict(model, optimizer)["state"]
+    full_optim = {f"{fqn}/{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
+                  for fqn, state in optim.items() for k, v in state.items()}
     if rank == 0:
-        h = xxhash.xxh3_64()
-        for key in sorted(full):
-            h.update(full[key].numpy().tobytes())
-        print(f"fsdp: start={start} hash={h.hexdigest()}", flush=True)
+        print(f"fsdp: start={start} hash={_xxh3(full)} optim={_xxh3(full_optim)} "
+              f"world={world}", flush=True)
     # As examples/train.py does: free everything that holds the process group (FSDP's
     # DTensors, the snapshotter's hooks) before the group is torn down, or gloo's teardown
     # can fail at exit.
-    del model, optimizer, snap, full
+    del model, optimizer, snap, full, optim, full_optim
     gc.collect()
     dist.destroy_process_group()
 

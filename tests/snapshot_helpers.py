@@ -42,11 +42,18 @@ def stage_segment(run_id: str, rank: int, buffer: int, state: Any, *, step: int,
 
 
 def write_plain(root: Path, state: Any, *, step: int, rank: int = 0, world_size: int = 1,
-                meta: dict[str, Any] | None = None) -> Path:
-    """persist.write_rank from an in-memory buffer (no segment), for tests needing many steps."""
+                meta: dict[str, Any] | None = None,
+                layout: dict[str, dict[str, Any]] | None = None) -> Path:
+    """persist.write_rank from an in-memory buffer (no segment), for tests needing many steps.
+
+    ``layout`` sets manifest fields by tensor key (``{"/model/w": {"global_shape": [8, 3],
+    "offsets": [4, 0], "placements": ["S(0)"]}}``): a shard as a DTensor would record it.
+    """
     flat = flatten(state)
     doc = parse_manifest(manifest_blob(flat, step=step, rank=rank, world_size=world_size,
                                        meta=meta or {}))
+    for entry in doc["tensors"]:
+        entry.update((layout or {}).get(entry["key"], {}))
     buf = bytearray(flat.data_len)
     data = memoryview(buf)
     for entry, src in zip(flat.tensors, flat.sources, strict=True):

@@ -399,7 +399,8 @@ def test_no_new_target_while_a_node_still_writes() -> None:
 # -- restore from disk (collective; two ranks as threads) -------------------------------------
 
 
-def restore_as(world: int, root: Path, start_fresh: bool = False) -> list[Any]:
+def restore_as(world: int, root: Path, start_fresh: bool = False,
+               live: Callable[[int], dict[str, Any]] | None = None) -> list[Any]:
     """Run fallback.restore_from_disk on ``world`` ranks at once; results or exceptions."""
     barrier = threading.Barrier(world, timeout=60)
     slots: list[Any] = [None] * world
@@ -413,8 +414,9 @@ def restore_as(world: int, root: Path, start_fresh: bool = False) -> list[Any]:
             return out
 
         try:
-            return fallback.restore_from_disk(str(root), rank=r, world_size=world,
-                                              gather=gather, start_fresh=start_fresh)
+            return fallback.restore_from_disk(
+                str(root), rank=r, world_size=world, gather=gather, start_fresh=start_fresh,
+                live_state=None if live is None else lambda: live(r))
         except Exception as e:  # noqa: BLE001 - returned to the test
             return e
 
@@ -511,3 +513,133 @@ def test_store_persists_each_target_before_its_buffer_is_reused(workdir: Path) -
         store._writer.shutdown(wait=True)
         for path in shm.list_segments(shm.job_prefix(run_id)):
             path.unlink(missing_ok=True)
+
+
+# -- one DCP checkpoint per step, restored onto other world sizes -----------------------------
+
+FULL = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+
+
+def write_sharded(root: Path, step: int, world: int = 2, *,
+                  ranks: tuple[int, ...] | None = None) -> None:
+    """``model/w`` and its ``exp_avg`` row-sharded as FSDP2 shards them; ``model/b`` and the
+    optimizer's ``step`` replicated; RNG state and ``extra`` per rank."""
+    rows = FULL.shape[0] // world
+    for r in ranks if ranks is not None else range(world):
+        state = {
+            "model": {"w": FULL[r * rows:(r + 1) * rows].clone(), "b": torch.ones(3)},
+            "optim": {"state": {"w": {"step": torch.tensor(5.0),
+                                      "exp_avg": FULL[r * rows:(r + 1) * rows] / 10}},
+                      "param_groups": [{"lr": 0.5, "params": ["w"]}]},
+            "rng": {"torch": torch.tensor([r], dtype=torch.int64)},
+            "extra": {"rank": r},
+            "step": step,
+        }
+        shard = {"global_shape": list(FULL.shape), "offsets": [r * rows, 0],
+                 "placements": ["S(0)"], "mesh": [world]}
+        write_plain(root, state, step=step, rank=r, world_size=world, meta={"epoch": "e"},
+                    layout={"/model/w": shard, "/optim/state/w/exp_avg": shard})
+
+
+def live_plain(_rank: int) -> dict[str, Any]:
+    """A live state of plain (unsharded) tensors, to be loaded into."""
+    return {"model": {"w": torch.zeros(8, 3), "b": torch.zeros(3)},
+            "optim": {"state": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(8, 3)}},
+                      "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_one_dcp_checkpoint_per_step_merged_when_the_last_rank_lands(workdir: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    write_sharded(workdir, 6, ranks=(1,))
+    [partial] = persist.list_steps(workdir)
+    assert not partial.merged and partial.why_incomplete.startswith("partial: rank(s) 0 of 2")
+    write_sharded(workdir, 6, ranks=(0,))  # the last part: its writer merges .metadata
+    [step] = persist.list_steps(workdir)
+    assert step.merged and step.complete, step.why_incomplete
+    layout = persist.step_layout(step)
+    w = layout.metadata.state_dict_metadata["model/w"]
+    assert tuple(w.size) == (8, 3)
+    assert sorted(tuple(c.offsets) for c in w.chunks) == [(0, 0), (4, 0)]
+    assert len(layout.metadata.state_dict_metadata["model/b"].chunks) == 1  # taken once
+    assert layout.rank_local == ["rng/torch"]  # differs between ranks: no global form
+
+    # Plain torch.distributed.checkpoint reads the global tensors.
+    whole = {"model/w": torch.zeros(8, 3), "optim/state/w/exp_avg": torch.zeros(8, 3)}
+    dcp.load(whole, checkpoint_id=step.path, no_dist=True)
+    assert torch.equal(whole["model/w"], FULL)
+    assert torch.equal(whole["optim/state/w/exp_avg"], FULL / 10)
+    dcp_to_torch_save(step.path, workdir / "flat.pt")
+    assert torch.equal(torch.load(workdir / "flat.pt", weights_only=True)["model/w"], FULL)
+    # Each rank directory still loads as that rank's own shard.
+    assert torch.equal(persist.load_rank(workdir, 6, 1)["model"]["w"], FULL[4:])
+
+    # A .metadata that does not describe the rank directories beside it is never trusted.
+    write_sharded(workdir, 7, world=4)
+    shutil.copy(persist.step_dir(workdir, 7) / ".metadata", step.path / ".metadata")
+    with pytest.raises(IntegrityError, match="does not describe the rank directories"):
+        persist.step_layout(persist.read_step_dir(step.path))
+
+
+def test_restore_reshards_a_step_onto_another_world_size(
+        workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_sharded(workdir, 4, world=4)
+    with caplog.at_level(logging.WARNING, logger="ftrun"):
+        results = restore_as(3, workdir, live=live_plain)
+    assert [r.step for r in results] == [4, 4, 4] and results[0].world_size == 4
+    for r, found in enumerate(results):
+        assert torch.equal(found.tree["model"]["w"], FULL)
+        assert torch.equal(found.tree["optim"]["state"]["w"]["exp_avg"], FULL / 10)
+        assert float(found.tree["optim"]["state"]["w"]["step"]) == 5.0
+        assert found.tree["optim"]["param_groups"][0]["lr"] == 0.5  # the step's, not live's
+        assert found.tree["extra"] == {"rank": r % 4}  # per-rank state: old rank r % N
+        assert int(found.tree["rng"]["torch"][0]) == r % 4
+    assert "written by 4 ranks, this job has 3" in caplog.text
+
+    # A flipped byte in a shard that only another rank loads is still caught.
+    corrupt_persisted(str(workdir), 4, 3)
+    errors = restore_as(3, workdir, live=live_plain)
+    assert isinstance(errors[0], RestoreError), errors
+    assert "step 4: cannot be resharded on rank 0: " in str(errors[0])
+
+
+def test_restore_onto_another_world_size_refuses_what_it_cannot_reshard(workdir: Path) -> None:
+    write_sharded(workdir, 2)
+    errors = restore_as(1, workdir)  # no live state to reshard into
+    assert isinstance(errors[0], RestoreError), errors
+    message = str(errors[0])
+    assert ("step 2: cannot be resharded on rank 0: it was written by 2 ranks and this job "
+            "has 1") in message
+    assert "This job has 1 rank(s); 2-rank step(s) restore as they are when relaunched" in message
+    assert "--start-fresh" in message
+
+    # A plain model tensor that differs between the ranks has no global form.
+    for r in (0, 1):
+        write_plain(workdir, {"model": {"w": torch.full((2,), float(r))}}, step=3, rank=r,
+                    world_size=2, meta={"epoch": "e"})
+    errors = restore_as(1, workdir, live=lambda _r: {"model": {"w": torch.zeros(2)}})
+    assert isinstance(errors[0], RestoreError), errors
+    assert "tensor model/w is not one global tensor in the step" in str(errors[0])
+
+
+def test_memory_snapshots_of_another_world_size_are_never_loaded(
+        segments: SegmentFactory, caplog: pytest.LogCaptureFixture) -> None:
+    from ftrun.rank.snapshotter import Snapshotter
+
+    snap = Snapshotter(torch.nn.Linear(2, 2))  # outside ftrun: a job of 1 rank
+    try:
+        snap._segments[0] = segments(0, make_state(), step=5, world_size=4)
+        snap._segments[1] = segments(0, make_state(), step=6, world_size=1, buffer=1)
+        local = {5: 0, 6: 1}
+        with caplog.at_level(logging.WARNING, logger="ftrun"):
+            assert snap._other_world(local) == {5: 4}
+            snap._warn_other_world({5: 4}, distributed=False)
+        assert local == {6: 1}  # only the snapshot of this world size is a candidate
+        assert "memory holds step 5 of a 4-rank job; this job has 1 ranks" in caplog.text
+        assert ("memory holds the snapshot of step 5, taken by 4 ranks, but this job has 1"
+                in caplog.text) and "Training starts from step 0" in caplog.text
+    finally:
+        snap._segments = [None, None]
+        snap.close()

@@ -235,7 +235,8 @@ def _persisted(path: Path, *, step: int | None, verify: bool) -> dict[str, Any]:
         "steps": [{"step": s.step, "path": str(s.path), "status": _step_status(s),
                    "complete": s.complete, "world_size": s.world_size,
                    "ranks": [r.rank for r in s.ranks if r.problem is None],
-                   "pending": len(s.pending)} for s in steps],
+                   "pending": len(s.pending), "global_metadata": s.merged,
+                   "why": s.why_incomplete} for s in steps],
         "step": chosen.step if chosen is not None else None,
         "ranks": ranks, "totals": _totals(ranks), "verify": verified, "problems": problems,
     }
@@ -543,13 +544,14 @@ def _render_persisted(doc: dict[str, Any], console: Console) -> None:
                                 (f" ({doc['target'].replace('_', ' ')})", "")))
     style = {"complete": "green", "partial": "yellow", "corrupt": "bold red"}
     steps = Table(box=None, pad_edge=False)
-    for column in ("step", "status", "ranks", "world size", "writing"):
-        steps.add_column(column, no_wrap=True)
+    for column in ("step", "status", "ranks", "world size", "writing", "why"):
+        steps.add_column(column, no_wrap=column != "why")
     for s in doc["steps"]:
         mark = " *" if s["step"] == doc["step"] else ""
+        why = (s.get("why") or "").removeprefix("partial: ").removeprefix("corrupt: ")
         steps.add_row(f"{s['step']}{mark}", Text(s["status"], style=style[s["status"]]),
                       str(len(s["ranks"])), str(s["world_size"] or "?"),
-                      str(s["pending"]) if s["pending"] else "")
+                      str(s["pending"]) if s["pending"] else "", Text(why, style="dim"))
     console.print(steps)
     if doc["ranks"]:
         shards = Table(box=None, pad_edge=False)

@@ -134,7 +134,8 @@ def _as_current(loaded: Any, current: Any) -> Any:
     if isinstance(loaded, (list, tuple)) and isinstance(current, (list, tuple)) and \
             len(loaded) == len(current):
         return type(loaded)(_as_current(a, b) for a, b in zip(loaded, current, strict=True))
-    if isinstance(loaded, torch.Tensor) and type(current).__name__ == "DTensor":
+    if isinstance(loaded, torch.Tensor) and type(current).__name__ == "DTensor" and \
+            type(loaded).__name__ != "DTensor":  # a resharded restore gives DTensors already
         from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(loaded.to(current.device), current.device_mesh,
@@ -735,6 +736,7 @@ class Snapshotter:
         except UnreachableError as e:
             log.warning("snapshot store did not answer (%s); using what memory holds", e)
         local = self._local_steps()
+        foreign = self._other_world(local)
         steps = self._agree_steps(local, distributed)
         restored, source = 0, "none"
         for step in steps:
@@ -748,6 +750,8 @@ class Snapshotter:
             log.warning("step %d failed verification on some rank; trying an older one", step)
         if restored == 0:
             restored, source = self._restore_persisted(distributed)
+        if restored == 0:
+            self._warn_other_world(foreign, distributed)
         if restored > 0:
             log.info("rank %d restored step %d from %s", self.rank, restored, source)
         self._start_epoch(restored, distributed)
@@ -800,6 +804,51 @@ class Snapshotter:
                 log.warning("buffer %d holds step %d %s: torn or unverified, not loaded",
                             buffer, h.step, h.state_name)
         return out
+
+    def _other_world(self, local: dict[int, int]) -> dict[int, int]:
+        """Take out of ``local`` the snapshots another world size took: step -> its size.
+
+        A rank's snapshot holds its own shards; on another number of ranks they are not
+        this rank's shards, so memory restores only onto the world size that took it.
+        """
+        foreign: dict[int, int] = {}
+        for step, buffer in list(local.items()):
+            seg = self._segments[buffer]
+            try:
+                world = int(parse_manifest(seg.manifest_bytes(seg.header()))["world_size"]) \
+                    if seg is not None else self.world_size
+            except (FtrunError, KeyError, TypeError, ValueError):
+                continue  # _load_memory refuses it with its reason
+            if world != self.world_size:
+                foreign[step] = world
+                del local[step]
+        if foreign:
+            step = max(foreign)
+            log.warning("rank %d: memory holds step %d of a %d-rank job; this job has %d ranks, "
+                        "so it is not used (restoring from --persist-dir instead, if any)",
+                        self.rank, step, foreign[step], self.world_size)
+        return foreign
+
+    def _warn_other_world(self, foreign: dict[int, int], distributed: bool) -> None:
+        """Nothing restored although memory holds snapshots of another world size: say so.
+
+        Training starts from step 0 here, as it did before this check: the job's memory
+        snapshots go when it ends, so stopping would recover nothing, and an elastic job
+        that lost a node without --persist-dir keeps running (collective).
+        """
+        from ftrun.snapshot.fallback import gather_all
+
+        seen = [f for f in gather_all(distributed)(max(foreign.items(), default=None)) if f]
+        if not seen or self.rank != 0:
+            return
+        step, world = max(seen)
+        log.error(
+            "memory holds the snapshot of step %d, taken by %d ranks, but this job has %d: each "
+            "rank's snapshot holds its own shards, which are not this job's ranks' shards, and "
+            "ftrun does not reshard from memory; %s. Training starts from step 0. Persisted "
+            "steps (--persist-dir) reshard onto any world size.", step, world, self.world_size,
+            "no persisted step was found" if knobs.PERSIST_DIR.get() else
+            "no --persist-dir is set")
 
     def _agree_steps(self, local: dict[int, int], distributed: bool) -> list[int]:
         mine = sorted(local, reverse=True)
@@ -859,7 +908,8 @@ class Snapshotter:
 
         try:
             found = restore_from_disk(root, rank=self.rank, world_size=self.world_size,
-                                      gather=gather_all(distributed))
+                                      gather=gather_all(distributed),
+                                      live_state=self._state_dicts)
         except RestoreError as e:
             record_for_launcher(e)
             raise

@@ -8,6 +8,16 @@ incarnations, an unreadable rank directory) is skipped, and so is a step whose s
 verification on *any* rank (a flipped byte, a missing file). Each skipped step is logged with
 its reason, and every rank ends on the same step.
 
+A step written by another number of ranks (N, this job M) is resharded: every rank checks
+the xxh3 of the old ranks' shards ``j`` with ``j % M == rank``, then
+``torch.distributed.checkpoint.load`` reads the step's one DCP checkpoint into the live
+model's and optimizer's state dicts, so each rank gets its own shards of the global tensors
+(DTensor placements of this job; plain tensors whole). What has no global form is taken per
+rank from the old rank ``rank % N``: RNG states, ``extra``, ``state=`` objects, the
+optimizer's hyper-parameters. A step whose model or optimizer holds a tensor that is not one
+global tensor (a plain tensor that differs between the ranks that wrote it) cannot be
+resharded and is refused, as is every step when the caller cannot give the live state.
+
 When the directory holds steps but none can be restored, training does not start from 0
 behind the user's back: :class:`~ftrun.errors.RestoreError` lists each step and why it was
 refused, and says what to do, unless the job was started with ``--start-fresh``
@@ -22,12 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftrun import knobs
-from ftrun.errors import FtrunError, RestoreError
+from ftrun.errors import FtrunError, IntegrityError, RestoreError
 from ftrun.snapshot import persist
 
 log = logging.getLogger(__name__)
 
 Gather = Callable[[Any], list[Any]]
+LiveState = Callable[[], dict[str, Any]]
+RESHARDED_ROOTS = ("model", "optim")  # the state trees whose tensors are resharded
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class Refusal:
 
     step: int
     reason: str
+    world_size: int | None = None  # the world size that wrote it, when known
 
     def __str__(self) -> str:
         return f"step {self.step}: {self.reason}"
@@ -72,12 +85,16 @@ def _survey(root: str) -> dict[int, tuple[int | None, str | None]]:
 
 
 def restore_from_disk(root: str, *, rank: int, world_size: int, gather: Gather,
-                      start_fresh: bool | None = None) -> DiskRestore:
+                      start_fresh: bool | None = None,
+                      live_state: LiveState | None = None) -> DiskRestore:
     """Load the newest step of ``root`` that is complete and verifies on every rank.
 
     Collective: every rank calls it with the same ``root``; ``gather`` is an all-gather of
     small objects. Returns the step (0 and no tree when nothing is there, or nothing usable
     and ``start_fresh``). Raises RestoreError when steps exist but none can be restored.
+    ``live_state`` gives this rank's live ``{"model": ..., "optim": ...}`` state dicts (as
+    ``torch.distributed.checkpoint.state_dict`` returns them): a step of another world size
+    is resharded into their tensors; without it such a step is refused.
     """
     if start_fresh is None:
         start_fresh = knobs.START_FRESH.enabled()
@@ -100,37 +117,40 @@ def restore_from_disk(root: str, *, rank: int, world_size: int, gather: Gather,
                 log.warning("persisted step %d in %s is skipped: %s", step, root, why)
             continue
         assert saved_world is not None
-        shard = rank if rank < saved_world else 0
-        tree: Any = None
-        problem = ""
-        try:
-            tree = persist.load_rank(root, step, shard, verify=True)
-        except FtrunError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"cannot read rank {shard}: {e}"
-        if problem:
-            log.error("rank %d: persisted step %d is not loadable: %s", rank, step, problem)
-        problems = gather(problem)
+        if saved_world == world_size:
+            tree, problem = _load_own(root, step, rank)
+            problems = gather(problem)
+        else:
+            tree, problems = _reshard(root, step, rank=rank, world_size=world_size,
+                                      saved_world=saved_world, gather=gather,
+                                      live_state=live_state)
         bad = [(r, p) for r, p in enumerate(problems) if p]
         if not bad:
             if saved_world != world_size and rank == 0:
-                log.warning("persisted step %d was written by %d ranks, this job has %d: ranks "
-                            "below %d load their own shard, the others rank 0's", step,
-                            saved_world, world_size, saved_world)
+                log.warning(
+                    "persisted step %d was written by %d ranks, this job has %d: model and "
+                    "optimizer resharded through torch.distributed.checkpoint; RNG states, "
+                    "extra and state= objects are per rank: rank r took those of rank r %% %d",
+                    step, saved_world, world_size, saved_world)
             return DiskRestore(step, tree, saved_world, tuple(refused))
         tree = None
         what = "; ".join(f"rank {r}: {p}" for r, p in bad[:3])
         more = f" (and {len(bad) - 3} more rank(s))" if len(bad) > 3 else ""
-        refused.append(Refusal(step, f"fails verification on {what}{more}"))
+        verb = "fails verification" if saved_world == world_size else "cannot be resharded"
+        refused.append(Refusal(step, f"{verb} on {what}{more}", saved_world))
         if rank == 0:
-            log.warning("persisted step %d in %s is skipped: it fails verification on rank(s) "
-                        "%s; trying an older step", step, root, ", ".join(str(r) for r, _ in bad))
+            log.warning("persisted step %d in %s is skipped: it %s on rank(s) %s; trying an "
+                        "older step", step, root, verb, ", ".join(str(r) for r, _ in bad))
     if not steps:
         if rank == 0:
             log.info("nothing persisted in %s yet: starting fresh", root)
         return DiskRestore(0, None, world_size, ())
     listing = "\n".join(f"  {r}" for r in refused)
+    other = sorted({r.world_size for r in refused
+                    if r.world_size is not None and r.world_size != world_size})
+    relaunch = (f" This job has {world_size} rank(s); {' and '.join(map(str, other))}-rank "
+                f"step(s) restore as they are when relaunched with that many ranks."
+                if other else "")
     if start_fresh:
         if rank == 0:
             log.warning("%s holds %d persisted step(s), none restorable:\n%s\n%s is set: "
@@ -142,9 +162,134 @@ def restore_from_disk(root: str, *, rank: int, world_size: int, gather: Gather,
         f"restored:\n{listing}\nNothing was loaded, so training does not start (it would "
         f"start from step 0). To resume, repair or bring back those files (`ftrun inspect "
         f"{root} --verify` shows each problem) or point --persist-dir at a directory with a "
-        f"good step. To train from step 0 in this directory anyway, pass --start-fresh "
-        f"(or set {knobs.START_FRESH.name}=1)."
+        f"good step.{relaunch} To train from step 0 in this directory anyway, pass "
+        f"--start-fresh (or set {knobs.START_FRESH.name}=1)."
     )
+
+
+def _load_own(root: str, step: int, rank: int) -> tuple[Any, str]:
+    """This rank's own shard of a step of this world size, verified: (tree, problem)."""
+    try:
+        return persist.load_rank(root, step, rank, verify=True), ""
+    except FtrunError as e:
+        problem = str(e)
+    except OSError as e:
+        problem = f"cannot read rank {rank}: {e}"
+    log.error("rank %d: persisted step %d is not loadable: %s", rank, step, problem)
+    return None, problem
+
+
+def _reshard(root: str, step: int, *, rank: int, world_size: int, saved_world: int,
+             gather: Gather, live_state: LiveState | None) -> tuple[Any, list[str]]:
+    """Load a step of ``saved_world`` ranks onto this job's ``world_size`` (collective):
+    (tree, every rank's problem). The tree is rank ``rank % saved_world``'s, with the tensors
+    of its model and optimizer replaced by the live ones, filled from the step's checkpoint."""
+    tree, problem = None, ""
+    live: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    if live_state is None:
+        problem = (f"it was written by {saved_world} ranks and this job has {world_size}; "
+                   "in-memory state cannot be resharded without the live model")
+    else:
+        try:
+            tree = persist.load_rank(root, step, rank % saved_world, verify=True)
+            for old in range(rank, saved_world, world_size):
+                if old != rank % saved_world:
+                    bad = persist.verify_dir(persist.rank_dir(root, step, old))
+                    if bad:
+                        raise IntegrityError(f"{bad[0]}" + (f" (and {len(bad) - 1} more)"
+                                                             if len(bad) > 1 else ""))
+            layout = persist.step_layout(persist.read_step_dir(persist.step_dir(root, step)))
+            live = live_state()
+            flat = _resharded_keys(tree, live, layout, saved_world)
+        except FtrunError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot read step {step}: {e}"
+    if problem:
+        log.error("rank %d: persisted step %d cannot be restored onto %d ranks: %s", rank,
+                  step, world_size, problem)
+    problems = gather(problem)
+    if any(problems):
+        return None, problems
+    # Every rank is ready: the load is collective.
+    try:
+        _dcp_load_global(flat, persist.step_dir(root, step))
+        problem = ""
+    except Exception as e:  # DCP wraps every rank's failure into CheckpointException
+        problem = f"torch.distributed.checkpoint.load of {persist.step_dir(root, step)} failed: {e}"
+        log.error("rank %d: %s", rank, problem)
+    problems = gather(problem)
+    if any(problems):
+        return None, problems
+    for name in RESHARDED_ROOTS:
+        if name in tree:
+            tree[name] = _overlay(tree[name], live[name])
+    return tree, problems
+
+
+def _resharded_keys(tree: Any, live: dict[str, Any], layout: persist.StepLayout,
+                    saved_world: int) -> dict[str, Any]:
+    """DCP key -> live tensor for every tensor of the model and optimizer; IntegrityError when
+    the step cannot fill one of them (or holds one the live state lacks)."""
+    from ftrun.snapshot.manifest import tensor_leaves
+
+    if not isinstance(tree, dict):
+        raise IntegrityError("the persisted state is not a dict of model/optim/...")
+    described = layout.metadata.state_dict_metadata
+    rank_local = set(layout.rank_local)
+    flat: dict[str, Any] = {}
+    for name in RESHARDED_ROOTS:
+        saved = {k for k, _ in tensor_leaves(tree.get(name), f"/{name}")}
+        mine = dict(tensor_leaves(live.get(name), f"/{name}"))
+        if saved != set(mine):
+            odd = sorted(saved ^ set(mine))
+            raise IntegrityError(
+                f"the step's {name} and the live one hold different tensors ({', '.join(odd[:4])}"
+                f"{', ...' if len(odd) > 4 else ''}): is this the same model and optimizer?")
+        for key, tensor in mine.items():
+            fqn = key.lstrip("/")
+            if fqn in rank_local:
+                raise IntegrityError(
+                    f"tensor {fqn} is not one global tensor in the step: its {saved_world} "
+                    "ranks hold different values of the same shape and it is not a DTensor, "
+                    "so there is no telling how to split it onto another number of ranks")
+            md = described.get(fqn)
+            if md is None:
+                raise IntegrityError(f"tensor {fqn} is missing from the step's metadata")
+            if tuple(md.size) != tuple(tensor.shape):
+                raise IntegrityError(f"tensor {fqn} has global shape {list(md.size)} in the "
+                                     f"step and {list(tensor.shape)} in this job")
+            flat[fqn] = tensor
+    return flat
+
+
+def _dcp_load_global(flat: dict[str, Any], path: Any) -> None:
+    """Collective ``dcp.load``: each rank reads its shards of every tensor in ``flat``."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(path)),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
+
+
+def _overlay(saved: Any, live: Any) -> Any:
+    """``saved`` with each tensor replaced by the tensor at the same place in ``live``."""
+    import torch
+
+    if isinstance(saved, torch.Tensor):
+        return live
+    if isinstance(saved, dict):
+        return {k: _overlay(v, live[k]) if isinstance(live, dict) and k in live else v
+                for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and \
+            len(saved) == len(live):
+        return type(saved)(_overlay(a, b) for a, b in zip(saved, live, strict=True))
+    return saved
 
 
 def record_for_launcher(error: BaseException) -> None:

@@ -4,6 +4,13 @@ A state is a tree of dicts, lists, tuples, tensors, numpy arrays and JSON scalar
 tensor (and numpy array) becomes an entry in ``tensors`` with its dtype, shape, and place in
 the data region; the tree keeps a reference to it. Anything else is refused with the path of
 the offending value, so a snapshot can always be read back without running code.
+
+Each entry also records the tensor's place in the *global* tensor, as
+``torch.distributed.checkpoint`` (DCP) records a chunk: the fully-qualified name (the key
+without its leading ``/``), the global shape, and the offsets of this rank's shard in it
+(its sizes are ``shape``); for a DTensor also its placements and mesh shape. A plain tensor
+is its own global tensor (offsets 0). This is what lets a snapshot taken on N ranks be
+assembled into one DCP checkpoint and loaded onto M ranks (see ``ftrun.snapshot.persist``).
 """
 
 from __future__ import annotations
@@ -42,16 +49,61 @@ def _dtypes() -> dict[str, torch.dtype]:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    key: str  # path in the tree, e.g. "model/blocks.0.attn.qkv.weight"
+    key: str  # path in the tree, e.g. "/model/blocks.0.attn.qkv.weight"
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # this rank's shard (the chunk's sizes)
     offset: int  # within the data region
     nbytes: int
     numpy: bool = False
+    global_shape: tuple[int, ...] | None = None  # None: the shard is the whole tensor
+    offsets: tuple[int, ...] | None = None  # of the shard in the global tensor; None: zeros
+    placements: tuple[str, ...] = ()  # a DTensor's, e.g. ("Shard(dim=0)",); () otherwise
+    mesh: tuple[int, ...] = ()  # a DTensor's device-mesh shape
+
+    @property
+    def fqn(self) -> str:
+        """The fully-qualified name DCP stores this tensor under ("model/fc.weight")."""
+        return self.key.lstrip("/")
+
+    @property
+    def gshape(self) -> tuple[int, ...]:
+        """The global tensor's shape (this shard's shape for a plain tensor)."""
+        return self.shape if self.global_shape is None else self.global_shape
+
+    @property
+    def goffsets(self) -> tuple[int, ...]:
+        """Where this shard starts in the global tensor, per dimension."""
+        return (0,) * len(self.shape) if self.offsets is None else self.offsets
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds only part of the global tensor."""
+        return self.gshape != self.shape
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes, "numpy": self.numpy}
+        out: dict[str, Any] = {
+            "key": self.key, "dtype": self.dtype, "shape": list(self.shape),
+            "offset": self.offset, "nbytes": self.nbytes, "numpy": self.numpy,
+            "global_shape": list(self.gshape), "offsets": list(self.goffsets)}
+        if self.placements:
+            out["placements"] = list(self.placements)
+            out["mesh"] = list(self.mesh)
+        return out
+
+    @classmethod
+    def from_json(cls, e: dict[str, Any]) -> TensorEntry:
+        shape = tuple(int(d) for d in e["shape"])
+        gshape = tuple(int(d) for d in e.get("global_shape", shape))
+        offsets = tuple(int(o) for o in e.get("offsets", (0,) * len(shape)))
+        if len(gshape) != len(shape) or len(offsets) != len(shape) or any(
+                o < 0 or o + n > g for o, n, g in zip(offsets, shape, gshape, strict=True)):
+            raise IntegrityError(
+                f"{e['key']}: a shard of shape {list(shape)} at offsets {list(offsets)} does not "
+                f"fit its global shape {list(gshape)}; the manifest is corrupt")
+        return cls(e["key"], e["dtype"], shape, e["offset"], e["nbytes"], e.get("numpy", False),
+                   None if gshape == shape else gshape,
+                   None if not any(offsets) else offsets,
+                   tuple(e.get("placements", ())), tuple(e.get("mesh", ())))
 
 
 @dataclass
@@ -78,8 +130,10 @@ def flatten(state: Any) -> Flattened:
     def add(t: torch.Tensor, path: str, is_numpy: bool) -> dict[str, int]:
         nonlocal offset
         local = _local(t)
+        global_shape, offsets, placements, mesh = _layout(t, local)
         entry = TensorEntry(path, _dtype_name(local), tuple(local.shape), offset,
-                            local.numel() * local.element_size(), is_numpy)
+                            local.numel() * local.element_size(), is_numpy, global_shape,
+                            offsets, placements, mesh)
         tensors.append(entry)
         sources.append(local)
         offset = align(offset + entry.nbytes)
@@ -121,11 +175,37 @@ def flatten(state: Any) -> Flattened:
     return Flattened(tree, tensors, sources, offset)
 
 
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and callable(getattr(t, "to_local", None))
+
+
+def _layout(t: torch.Tensor, local: torch.Tensor) -> tuple[
+        tuple[int, ...] | None, tuple[int, ...] | None, tuple[str, ...], tuple[int, ...]]:
+    """(global shape, offsets, placements, mesh shape) of ``t``; Nones for a plain tensor.
+
+    A DTensor's chunk is DCP's own (``__create_chunk_list__``, what its save planner
+    writes), so the manifest and a DCP checkpoint of the same state agree.
+    """
+    if not _is_dtensor(t):
+        return None, None, (), ()
+    chunks = t.__create_chunk_list__()  # type: ignore[attr-defined]
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+        raise ConfigError(
+            f"a DTensor of shape {tuple(t.shape)} and placements {t.placements} "  # type: ignore[attr-defined]
+            f"has {len(chunks)} chunks on this rank; ftrun snapshots DTensors whose local "
+            "shard is one contiguous chunk (Shard/Replicate placements, as FSDP2 and TP use)")
+    offsets = tuple(int(o) for o in chunks[0].offsets)
+    gshape = tuple(int(d) for d in t.shape)
+    return (gshape if gshape != tuple(local.shape) else None,
+            offsets if any(offsets) else None,
+            tuple(str(p) for p in t.placements),  # type: ignore[attr-defined]
+            tuple(int(d) for d in t.device_mesh.shape))  # type: ignore[attr-defined]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The bytes this rank holds: a DTensor's local shard, detached, contiguous view if possible."""
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local) and type(t).__name__ == "DTensor":
-        t = to_local()
+    if _is_dtensor(t):
+        t = t.to_local()  # type: ignore[attr-defined]
     return t.detach()
 
 
@@ -148,8 +228,24 @@ def parse_manifest(blob: bytes) -> dict[str, Any]:
 
 
 def entries(doc: dict[str, Any]) -> list[TensorEntry]:
-    return [TensorEntry(e["key"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"],
-                        e.get("numpy", False)) for e in doc["tensors"]]
+    return [TensorEntry.from_json(e) for e in doc["tensors"]]
+
+
+def tensor_leaves(state: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(manifest key, tensor) of every tensor in ``state``, keyed exactly as ``flatten`` keys
+    them, DTensors kept whole (to load a checkpoint into with DCP)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [(path, state)]
+    out: list[tuple[str, Any]] = []
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out += tensor_leaves(v, f"{path}/{k}")
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out += tensor_leaves(v, f"{path}/{i}")
+    return out
 
 
 def tensor_view(data: memoryview, entry: TensorEntry) -> torch.Tensor:

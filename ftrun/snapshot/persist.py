@@ -1,37 +1,44 @@
 """On-disk checkpoints, in ``torch.distributed.checkpoint`` (DCP) format, of verified snapshots.
 
-The node's snapshot store (not the ranks) writes them from a VERIFIED buffer. Layout::
+The node's snapshot store (not the ranks) writes them from a VERIFIED buffer. One DCP
+checkpoint per step, written in parts by the stores of every node::
 
-    <persist dir>/step_<S:09d>/rank_<r:05d>/     one complete DCP checkpoint per rank
-        .metadata, __0_0.distcp                  written by torch.distributed.checkpoint.save
-        ftrun-manifest.json                      the snapshot's manifest (tree, dtypes, meta)
-        ftrun-hashes.json                        xxh3-64 (hex) of every tensor, by manifest key
-    <persist dir>/step_<S:09d>/.tmp-rank_<r:05d>-<pid>/   a rank being written (never valid)
+    <persist dir>/step_<S:09d>/                  one DCP checkpoint of the whole step
+        .metadata                                global tensors, every rank's shards as chunks
+        rank_<r:05d>/                            rank r's part, written by its node's store
+            __0_0.distcp, .metadata              its shards (DCP save), and their metadata
+            ftrun-manifest.json                  the snapshot's manifest (tree, layout, meta)
+            ftrun-hashes.json                    xxh3-64 (hex) of every shard, by manifest key
+        .tmp-rank_<r:05d>-<pid>/                 a rank being written (never valid)
 
-The DCP state dict of a rank is flat: ``{entry.key.lstrip("/"): tensor}`` for every tensor of
-the manifest (``"model/fc.weight"``, ``"optim/state/0/exp_avg"``...). Non-tensor leaves (step
-counters, RNG tuples, dtypes, bytes) live only in ``ftrun-manifest.json``, from which
-:func:`load_rank` rebuilds the exact state tree, without unpickling anything of ours.
+The DCP state dict is flat: ``{entry.fqn: tensor}`` for every tensor of the manifest
+(``"model/fc.weight"``, ``"optim/state/fc.weight/exp_avg"``...), each shard saved at the
+global offsets its manifest records (a DTensor's chunk, or offsets 0 for a plain tensor).
+Non-tensor leaves (step counters, RNG tuples, dtypes, bytes) live only in
+``ftrun-manifest.json``, from which :func:`load_rank` rebuilds a rank's exact state tree,
+without unpickling anything of ours.
 
 A rank directory only appears, by an atomic rename, once every file in it is written and
-fsynced; a step is complete when every rank ``0..W-1`` has one and their manifests agree on W
-and on the epoch (the incarnation of the workers that took the snapshot: a step written again
-after a restart must not mix ranks of two timelines). Scanning and pruning never import
-torch; writing and loading import it (and DCP) on first use.
+fsynced. The writer that completes the set of ranks merges their metadata into the step's
+``.metadata`` (:func:`finalize_step`; a rename, so it is whole or absent). A step is complete
+when every rank ``0..W-1`` has a directory, their manifests agree on W and on the epoch (the
+incarnation of the workers that took the snapshot: a step written again after a restart must
+not mix ranks of two timelines), and the step's ``.metadata`` is there. Scanning and pruning
+never import torch; writing, merging and loading import it (and DCP) on first use.
 
-Leaving ftrun: :func:`to_torch_save` writes one ``torch.save`` file holding a rank's state
-tree. PyTorch's own converter also reads a *rank* directory directly (not a step directory:
-that has no ``.metadata``) and gives the flat dict, without the non-tensor leaves::
+``torch.distributed.checkpoint.load(sd, checkpoint_id=STEP_DIR)`` reads the global tensors
+onto any world size (or whole, with ``no_dist=True``), and PyTorch's converter turns a step
+into one file of full tensors, without the non-tensor leaves::
 
-    python -m torch.distributed.checkpoint.format_utils dcp_to_torch STEP_DIR/rank_00000 out.pt
+    python -m torch.distributed.checkpoint.format_utils dcp_to_torch STEP_DIR out.pt
 
-(in torch 2.13 the mode is the positional ``dcp_to_torch``; there is no ``--mode`` flag and
-no ``dcp_to_torch_save`` mode). Plain ``torch.distributed.checkpoint.load(sd,
-checkpoint_id=RANK_DIR, no_dist=True)`` into a dict of tensors of the right shapes works too.
+(in torch 2.13 the mode is the positional ``dcp_to_torch``). :func:`to_torch_save` writes one
+``torch.save`` file holding a rank's whole state tree.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -143,15 +150,126 @@ def import_dcp() -> None:
         pass
 
 
-def _dcp_save(state: dict[str, torch.Tensor], path: Path) -> None:
+def _read_metadata(path: Path) -> Any:
+    """The DCP ``Metadata`` of a checkpoint directory (IntegrityError when unreadable)."""
+    try:
+        with _quiet_dcp() as dcp:
+            return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # DCP raises whatever unpickling a bad file raises
+        raise IntegrityError(f"{path / DCP_METADATA} is unreadable ({e}); the checkpoint "
+                             "is corrupt: use another step") from e
+
+
+def _write_items(table: list[TensorEntry], keys: list[str],
+                 state: dict[str, torch.Tensor]) -> list[Any]:
+    """DCP's ``WriteItem`` of every shard, from the layout the manifest recorded: exactly what
+    DCP's default planner makes of the DTensor (a SHARD chunk) or plain tensor it was."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    items = []
+    for entry, key in zip(table, keys, strict=True):
+        offsets = torch.Size(entry.goffsets)
+        items.append(WriteItem(
+            index=MetadataIndex(key, offsets),
+            type=WriteItemType.SHARD if entry.placements else WriteItemType.TENSOR,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(entry.shape)),
+                properties=TensorProperties.create_from_tensor(state[key]),
+                size=torch.Size(entry.gshape))))
+    return items
+
+
+@functools.cache
+def _planners() -> tuple[type, type]:
+    """DCP planners for one rank's shards: a save planner that writes the shards at their
+    recorded global offsets, and a load planner that reads a shard back into a plain tensor
+    of its local shape (DCP's resharding reads, narrowed to the shard)."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        create_default_global_save_plan,
+    )
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class ShardSavePlanner(SavePlanner):
+        def __init__(self, items: list[Any]) -> None:
+            self.items = items
+            self.state: dict[str, Any] = {}
+
+        def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
+                           is_coordinator: bool = False) -> None:
+            self.state = state_dict
+
+        def create_local_plan(self) -> Any:
+            return SavePlan(self.items)
+
+        def create_global_plan(self, all_plans: list[Any]) -> Any:
+            # Not DefaultSavePlanner's: it checks that the chunks cover each global tensor,
+            # which one rank's shards never do.
+            return create_default_global_save_plan(all_plans)
+
+        def finish_plan(self, new_plan: Any) -> Any:
+            return new_plan
+
+        def resolve_data(self, write_item: Any) -> Any:
+            return self.state[write_item.index.fqn]
+
+    class ShardLoadPlanner(DefaultLoadPlanner):
+        def __init__(self, chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.chunks = chunks
+
+        def create_local_plan(self) -> Any:
+            items = []
+            for fqn in self.state_dict:
+                md = self.metadata.state_dict_metadata.get(fqn)
+                offsets, sizes = self.chunks[fqn]
+                if not isinstance(md, TensorStorageMetadata):
+                    raise IntegrityError(f"tensor {fqn} is not in the checkpoint's metadata")
+                if len(md.size) != len(sizes):
+                    raise IntegrityError(f"tensor {fqn}: the checkpoint holds {len(md.size)} "
+                                         f"dimensions, the manifest {len(sizes)}")
+                local = ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                             sizes=torch.Size(sizes))
+                items += create_read_items_for_chunk_list(fqn, md, [local])
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item: Any) -> Any:
+            tensor = self.state_dict[read_item.dest_index.fqn]
+            for dim, (start, length) in enumerate(
+                    zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+                tensor = tensor.narrow(dim, start, length)
+            return tensor
+
+    return ShardSavePlanner, ShardLoadPlanner
+
+
+def _dcp_save(state: dict[str, torch.Tensor], path: Path, table: list[TensorEntry],
+              keys: list[str]) -> None:
+    save_planner, _ = _planners()
     with _quiet_dcp() as dcp:
         writer = dcp.FileSystemWriter(str(path), sync_files=True, thread_count=1)
-        dcp.save(state, storage_writer=writer, no_dist=True)
+        dcp.save(state, storage_writer=writer, planner=save_planner(_write_items(table, keys, state)),
+                 no_dist=True)
 
 
-def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
+def _dcp_load(state: dict[str, torch.Tensor], path: Path, table: list[TensorEntry],
+              keys: list[str]) -> None:
+    """Fill ``state`` (plain tensors of the shards' local shapes) with the shards recorded in
+    ``table`` from the DCP checkpoint at ``path`` (a rank directory or a whole step)."""
+    _, load_planner = _planners()
+    chunks = {key: (e.goffsets, e.shape) for key, e in zip(keys, table, strict=True)}
     with _quiet_dcp() as dcp:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)),
+                 planner=load_planner(chunks), no_dist=True)
 
 
 def storage_files(path: PathLike) -> dict[str, str]:
@@ -161,13 +279,7 @@ def storage_files(path: PathLike) -> dict[str, str]:
 
 def storage_spans(path: PathLike) -> dict[str, tuple[str, int, int]]:
     """DCP key -> (file relative to the rank directory, offset, length) of its stored bytes."""
-    path = Path(path)
-    try:
-        with _quiet_dcp() as dcp:
-            metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # DCP raises whatever unpickling a bad file raises
-        raise IntegrityError(f"{path / DCP_METADATA} is unreadable ({e}); the checkpoint "
-                             "is corrupt: use another step") from e
+    metadata = _read_metadata(Path(path))
     return {index.fqn: (info.relative_path, info.offset, info.length)
             for index, info in metadata.storage_data.items()}
 
@@ -192,6 +304,13 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _fsync_tree(root: Path) -> None:
@@ -228,7 +347,7 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
     is replaced. Writing goes to ``.tmp-rank_<r>-<pid>`` in the step directory, fsynced, then
     renamed: a crash leaves only a temp directory, which is never taken for a checkpoint.
     """
-    step, rank, _world = _check_doc(doc)
+    step, rank, world = _check_doc(doc)
     table = entries(doc)
     keys = dcp_keys(table)
     if len(hashes) != len(table):
@@ -242,6 +361,7 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
         existing = read_rank_dir(final, step=step, rank=rank)
         if existing.problem is None and existing.epoch == epoch_of(doc):
             log.debug("%s exists already; leaving it", final)
+            _finalize_after_write(persist_dir, step, world)
             return final
         replace = True
         log.info("replacing %s (%s)", final, existing.problem or
@@ -249,12 +369,24 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
     view = memoryview(data).cast("B")
     try:
         _check_bytes(view, table, hashes, f"step {step} rank {rank}")
-        return _write_dir(final, doc, view, table, keys, hashes, replace=replace)
+        _write_dir(final, doc, view, table, keys, hashes, replace=replace)
     finally:
         try:
             view.release()
         except BufferError:  # pragma: no cover - only if a tensor over it escaped
             pass
+    _finalize_after_write(persist_dir, step, world)
+    return final
+
+
+def _finalize_after_write(persist_dir: PathLike, step: int, world_size: int) -> None:
+    """Whichever writer puts the step's last part in place merges its one DCP checkpoint.
+    A failure leaves the step partial (restore skips it); the rank's part stays written."""
+    try:
+        finalize_step(persist_dir, step, world_size)
+    except FtrunError as e:
+        log.error("step %d: could not merge its %s (%s); the step stays partial", step,
+                  DCP_METADATA, e)
 
 
 def _check_bytes(view: memoryview, table: list[TensorEntry], hashes: list[int],
@@ -304,11 +436,14 @@ def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[T
             # A read-only buffer (bytes) is only read here.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             state = {key: tensor_view(view, e) for key, e in zip(keys, table, strict=True)}
-        _dcp_save(state, tmp)
+        _dcp_save(state, tmp, table, keys)
         state.clear()
         _fsync_tree(tmp)
         if replace:
-            # Only this node ever writes this rank: nobody races the swap.
+            # Only this node ever writes this rank: nobody races the swap. The step's global
+            # metadata described the old set: it goes first, and is merged again once the
+            # new set is complete.
+            _unlink(parent / DCP_METADATA)
             _remove_dir(final, parent.parent)
         try:
             os.rename(tmp, final)
@@ -335,6 +470,161 @@ def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[T
     return final
 
 
+# -- one checkpoint per step ------------------------------------------------------------------
+
+
+@dataclass
+class StepLayout:
+    """The DCP ``Metadata`` of a whole step, merged from its rank directories."""
+
+    metadata: Any  # torch.distributed.checkpoint.metadata.Metadata
+    rank_local: list[str]  # DCP keys left out: their shards do not form one global tensor
+
+
+def merge_layout(step: StepDir) -> StepLayout:
+    """Merge every rank's DCP metadata into the step's: each tensor's global shape and all
+    its chunks, each chunk read from its rank directory (``rank_<r>/__0_0.distcp``).
+
+    A chunk that several ranks hold (a replicated or plain tensor, offsets equal) is taken
+    once, from the lowest rank, when every copy hashes the same. A tensor whose copies differ
+    (per-rank state such as RNG states), whose ranks disagree on its shape or dtype, or
+    whose chunks do not cover it, is rank-local: it stays in the rank directories only.
+    """
+    import dataclasses
+    import math
+
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    tensors: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    first: dict[tuple[str, tuple[int, ...]], tuple[int, int | None, tuple[int, ...]]] = {}
+    local: set[str] = set()
+    for rd in step.ranks:
+        md = _read_metadata(rd.path)
+        table = entries(read_manifest(rd.path))
+        recorded = read_hashes(rd.path)
+        hash_of = {key: recorded.get(e.key) for key, e in zip(dcp_keys(table), table, strict=True)}
+        for fqn, tmd in md.state_dict_metadata.items():
+            if not isinstance(tmd, TensorStorageMetadata):
+                local.add(fqn)
+                continue
+            have = tensors.setdefault(fqn, TensorStorageMetadata(tmd.properties, tmd.size, []))
+            if have.size != tmd.size or have.properties.dtype != tmd.properties.dtype:
+                local.add(fqn)
+                continue
+            for chunk in tmd.chunks:
+                at = (fqn, tuple(chunk.offsets))
+                seen = first.get(at)
+                if seen is None:
+                    first[at] = (rd.rank, hash_of.get(fqn), tuple(chunk.sizes))
+                    have.chunks.append(chunk)
+                elif seen[1:] != (hash_of.get(fqn), tuple(chunk.sizes)):
+                    local.add(fqn)
+        for index, info in md.storage_data.items():
+            owner = first.get((index.fqn, tuple(index.offset or ())))
+            if owner is not None and owner[0] == rd.rank:
+                storage[MetadataIndex(index.fqn, index.offset)] = dataclasses.replace(
+                    info, relative_path=f"{rd.path.name}/{info.relative_path}")
+    for fqn, tmd in tensors.items():
+        if sum(math.prod(c.sizes) for c in tmd.chunks) != math.prod(tmd.size):
+            local.add(fqn)
+    for fqn in local:
+        tensors.pop(fqn, None)
+    storage = {i: v for i, v in storage.items() if i.fqn not in local}
+    return StepLayout(Metadata(state_dict_metadata=tensors, storage_data=storage),
+                      sorted(local))
+
+
+def finalize_step(persist_dir: PathLike, step: int, world_size: int | None = None) -> bool:
+    """Write ``step_<S>/.metadata`` once every rank's directory is in place; True when the
+    step then has one.
+
+    Any store may call it after writing its ranks (the one that completes the set does the
+    work; the others find the set incomplete, or the file there). Calls that race write the
+    same description, each into its own temp directory, then rename it into place, so the
+    file is always whole. Steps written by an older ftrun (no layout in their manifests) are
+    left as they are: they restore on their own world size only. With ``world_size``, a step
+    whose rank directories are not all there yet is passed over by their names alone.
+    """
+    path = step_dir(persist_dir, step)
+    if world_size is not None:
+        try:
+            names = set(os.listdir(path))
+        except FileNotFoundError:
+            return False
+        if DCP_METADATA in names:
+            return True
+        if any(f"rank_{r:05d}" not in names for r in range(world_size)):
+            return False
+    try:
+        found = read_step_dir(path)
+    except FileNotFoundError:
+        return False
+    if found.merged:
+        return True
+    if found.why_parts_incomplete is not None or not all(r.layout for r in found.ranks):
+        return False
+    layout = merge_layout(found)
+    tmp = path / f"{TMP_PREFIX}metadata-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        _write_metadata(layout.metadata, tmp, path)
+        os.replace(tmp / DCP_METADATA, path / DCP_METADATA)
+        _fsync_path(path, directory=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path / DCP_METADATA}: {e}; check that the persist "
+                          "directory is writable and has space") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("step %d: merged %s of %d ranks%s", step, path / DCP_METADATA, len(found.ranks),
+             f" ({len(layout.rank_local)} rank-local tensor(s) left out)"
+             if layout.rank_local else "")
+    return True
+
+
+def _write_metadata(metadata: Any, tmp: Path, final: Path) -> None:
+    """DCP's own ``FileSystemWriter.finish`` writes the file (its format and version)."""
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    with _quiet_dcp() as dcp:
+        class StepWriter(dcp.FileSystemWriter):  # type: ignore[misc,name-defined]
+            def storage_meta(self) -> StorageMeta:
+                return StorageMeta(checkpoint_id=str(final), save_id=self.save_id)
+
+        results = [WriteResult(index=i, size_in_bytes=info.length, storage_data=info)
+                   for i, info in metadata.storage_data.items()]
+        tmp.mkdir()
+        StepWriter(str(tmp), sync_files=True).finish(metadata, [results])
+
+
+def step_layout(step: StepDir) -> StepLayout:
+    """The step's ``.metadata``, checked against its rank directories (IntegrityError when it
+    is missing or describes other files: a stale or foreign file is never trusted)."""
+    file = step.path / DCP_METADATA
+    if not file.is_file():
+        raise IntegrityError(f"{file} is missing: the step is not one complete checkpoint")
+    on_disk = _read_metadata(step.path)
+    merged = merge_layout(step)
+
+    def described(md: Any) -> tuple[Any, Any]:
+        chunks = {fqn: (tuple(t.size), t.properties.dtype,
+                        sorted((tuple(c.offsets), tuple(c.sizes)) for c in t.chunks))
+                  for fqn, t in md.state_dict_metadata.items()}
+        spans = {(i.fqn, tuple(i.offset or ())): (v.relative_path, v.offset, v.length)
+                 for i, v in md.storage_data.items()}
+        return chunks, spans
+
+    if described(on_disk) != described(merged.metadata):
+        raise IntegrityError(f"{file} does not describe the rank directories beside it (it "
+                             "was written for another set of them); the step is corrupt: use "
+                             "another step")
+    return StepLayout(on_disk, merged.rank_local)
+
+
 # -- scanning ---------------------------------------------------------------------------------
 
 
@@ -347,6 +637,7 @@ class RankDir:
     world_size: int | None  # from its manifest; None when unreadable
     problem: str | None  # why it cannot be used, naming the file (None: usable)
     epoch: str | None = None  # the epoch that took the snapshot (manifest meta)
+    layout: bool = True  # its manifest records the global layout (False: an older ftrun's)
 
 
 @dataclass(frozen=True)
@@ -357,6 +648,7 @@ class StepDir:
     path: Path
     ranks: tuple[RankDir, ...]
     pending: tuple[Path, ...]  # ``.tmp-*`` directories (a write in progress or abandoned)
+    merged: bool = False  # the step's global ``.metadata`` is in place
 
     @property
     def world_size(self) -> int | None:
@@ -371,6 +663,15 @@ class StepDir:
     @property
     def why_incomplete(self) -> str | None:
         """Why this step cannot be restored as it is on disk (None: it is complete)."""
+        why = self.why_parts_incomplete
+        if why is None and not self.merged and all(r.layout for r in self.ranks):
+            return (f"partial: every rank is written but the step's {DCP_METADATA} is not "
+                    "(the store that writes the last part merges it)")
+        return why
+
+    @property
+    def why_parts_incomplete(self) -> str | None:
+        """Why the rank directories do not form one whole step (None: they do)."""
         if self.problems:
             return f"corrupt: {self.problems[0]}"
         pending = (f"; {len(self.pending)} write(s) in progress or abandoned "
@@ -468,7 +769,8 @@ def read_rank_dir(path: PathLike, *, step: int | None = None, rank: int | None =
         return RankDir(rank, path, world,
                        f"{path / MANIFEST_FILE} is for step {doc['step']}, not {step}",
                        epoch_of(doc))
-    return RankDir(int(doc["rank"]), path, world, None, epoch_of(doc))
+    layout = all("global_shape" in e for e in doc["tensors"])
+    return RankDir(int(doc["rank"]), path, world, None, epoch_of(doc), layout)
 
 
 def read_step_dir(path: PathLike) -> StepDir:
@@ -486,7 +788,8 @@ def read_step_dir(path: PathLike) -> StepDir:
         rm = RANK_RE.match(child.name)
         if rm and child.is_dir():
             ranks.append(read_rank_dir(child, step=step, rank=int(rm.group(1))))
-    return StepDir(step, path, tuple(sorted(ranks, key=lambda r: r.rank)), tuple(pending))
+    return StepDir(step, path, tuple(sorted(ranks, key=lambda r: r.rank)), tuple(pending),
+                   (path / DCP_METADATA).is_file())
 
 
 def list_steps(persist_dir: PathLike) -> list[StepDir]:
@@ -602,7 +905,7 @@ def _empty_like_entry(entry: TensorEntry) -> torch.Tensor:
 def _load_flat(path: Path, table: list[TensorEntry], keys: list[str]) -> dict[str, torch.Tensor]:
     state = {key: _empty_like_entry(e) for key, e in zip(keys, table, strict=True)}
     try:
-        _dcp_load(state, path)
+        _dcp_load(state, path, table, keys)
     except Exception as e:  # DCP wraps everything into CheckpointException
         raise IntegrityError(f"{path}: torch.distributed.checkpoint.load failed ({e}); the "
                              "checkpoint is corrupt or incomplete: use another step") from e
