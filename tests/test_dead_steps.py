@@ -91,3 +91,21 @@ def test_a_corrupt_staged_shard_frees_the_other_ranks_buffers(run_id: str) -> No
         reply = send(store, run_id, "snap_claim", rank=rank, buffer=0, epoch="e",
                      need_committed=2, base=0)
         assert reply["ok"] and reply["buffer"] == 1, reply
+
+
+def test_a_buffer_being_copied_for_the_disk_is_not_released(run_id: str) -> None:  # noqa: F811
+    store = new_store(run_id)
+    for rank in (0, 1):
+        send(store, run_id, "snap_restored", rank=rank, epoch="e", step=0, world_size=2)
+        assert stage(store, run_id, rank, 0, 1, "e", 0)["ok"]
+        assert stage(store, run_id, rank, 1, 2, "e", 0)["ok"]
+    names, problem = store._locate_step(1)
+    assert problem == "" and len(names) == 2
+    store._pinned.update(names)  # what _persist_target does until the writer copied them
+    reply = send(store, run_id, "snap_claim", rank=0, buffer=0, epoch="e", need_committed=2,
+                 base=0)
+    assert reply == {"ok": False, "committed": 2}
+    shards, problem = store._copy_shards(1, names)
+    assert problem == "" and [doc["rank"] for doc, *_ in shards] == [0, 1]
+    assert send(store, run_id, "snap_claim", rank=0, buffer=0, epoch="e", need_committed=2,
+                base=0)["ok"]

@@ -103,6 +103,8 @@ class SnapshotStore:
         # run here (nothing to wait for at the end: every rank reports to this store).
         self._local = CommitTracker(final_settle_s=0.0) if self._coord is None else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-persist")
+        self._pin_lock = threading.Lock()
+        self._pinned: set[str] = set()  # segments of a persist target not copied out yet
         self._hashers = ThreadPoolExecutor(max_workers=cfg.threads or default_threads(),
                                            thread_name_prefix="ftrun-verify")
         self._pending_write: Future[None] | None = None
@@ -307,6 +309,10 @@ class SnapshotStore:
         if msg.kind == "snap_claim":
             # Everything staged is verified first: a claim must never race the hashing.
             self._verify_rank(b["rank"])
+            if self._pinned_buffer(shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])):
+                # It holds a persist target still being copied out: not now (the rank skips
+                # this snapshot; it never waits).
+                return "snap_claim_reply", {"ok": False, "committed": self._committed}
             which = self._claim(b["epoch"], b["need_committed"])
             reply = {"ok": which is not None, "committed": self._committed}
             if which == "newest":
@@ -382,8 +388,10 @@ class SnapshotStore:
 
     # -- persistence ------------------------------------------------------------------------
     def _persist_target(self, step: int) -> None:
-        """Copy this node's shards of target ``step`` out of shared memory (now, at memcpy
-        speed) and write them to disk in the background.
+        """Copy this node's shards of target ``step`` out of shared memory and write them to
+        disk, in the background (off the message loop). Until its copy is taken, no rank may
+        overwrite a shard of the target: its claims are refused (the rank skips a snapshot
+        rather than wait).
 
         If the previous write is still running, the disk is behind: this target is skipped
         here (logged), never waited for, except the final one (the job is ending, the
@@ -408,8 +416,8 @@ class SnapshotStore:
         if busy:
             assert self._pending_write is not None
             self._pending_write.result(timeout=WRITE_TIMEOUT_S)
-        shards, missing = self._copy_step(step)
-        if missing and step == self._base and not shards:
+        names, missing = self._locate_step(step)
+        if missing and step == self._base and not names:
             # The epoch began there, restored from disk (or written before a restart).
             self._handled[step] = "the epoch's base step"
             log.info("persist target %d is the step this epoch resumed from; nothing newer "
@@ -420,10 +428,12 @@ class SnapshotStore:
             log.error("cannot persist step %d: %s; it stays partial on disk", step, missing)
             return
         self._handled[step] = "written"
-        log.info("persisting step %d%s: %d shard(s), copied out of shared memory", step,
-                 " (final)" if final else "", len(shards))
+        log.info("persisting step %d%s: %d shard(s)", step, " (final)" if final else "",
+                 len(names))
+        with self._pin_lock:
+            self._pinned.update(names)
         self._writing_step = step
-        self._pending_write = self._writer.submit(self._write, step, shards)
+        self._pending_write = self._writer.submit(self._copy_and_write, step, names)
 
     def _due(self, step: int) -> bool:
         """Whether target ``step`` still needs handling here: never handled, or skipped
@@ -431,11 +441,11 @@ class SnapshotStore:
         outcome = self._handled.get(step)
         return outcome is None or (step == self._final and outcome.startswith("skipped"))
 
-    def _copy_step(self, step: int) -> tuple[list[Shard], str]:
-        """Copies of every local rank's verified shard of ``step``, or why they cannot be."""
-        held: dict[int, Shard] = {}
+    def _locate_step(self, step: int) -> tuple[list[str], str]:
+        """The segments holding every local rank's verified shard of ``step`` (rank order),
+        or why some rank has none."""
+        held: dict[int, str] = {}
         ranks: set[int] = set()
-        problems = []
         for name in self._job_segments():
             rank, _ = self._rank_of(name)
             ranks.add(rank)
@@ -443,25 +453,63 @@ class SnapshotStore:
             if seg is None or rank in held:
                 continue
             h = seg.header()
-            if h.state != shm.VERIFIED or h.step != step:
-                continue
-            try:
-                doc = parse_manifest(seg.manifest_bytes(h))
-                shard = (doc, bytes(seg.data(h)), h.chunk_size, seg.hashes(h))
-            except IntegrityError as e:
-                problems.append(f"rank {rank}: {e}")
-                continue
-            after = seg.header()
-            if after.state != shm.VERIFIED or after.step != step:
-                problems.append(f"rank {rank}: its buffer changed while being copied")
-                continue
-            held[rank] = shard
+            if h.state == shm.VERIFIED and h.step == step:
+                held[rank] = name
+        problems = []
         lacking = sorted(ranks - set(held))
-        if lacking and not problems:
+        if lacking:
             problems.append(f"rank(s) {', '.join(map(str, lacking))} no longer hold it")
         if not ranks:
             problems.append("no snapshot buffers on this node")
         return [held[r] for r in sorted(held)], "; ".join(problems)
+
+    def _pinned_buffer(self, name: str) -> bool:
+        with self._pin_lock:
+            return name in self._pinned
+
+    def _copy_shards(self, step: int, names: list[str]) -> tuple[list[Shard], str]:
+        """Copies of the shards of ``step`` in segments ``names`` (each unpinned once copied),
+        or why one could not be copied. Runs on the writer thread, with its own mappings."""
+        shards: list[Shard] = []
+        problems = []
+        for name in names:
+            try:
+                seg = shm.Segment.open(name)
+            except (OSError, IntegrityError, ValueError) as e:
+                problems.append(f"{name}: {e}")
+                continue
+            try:
+                h = seg.header()
+                if h.state != shm.VERIFIED or h.step != step:
+                    problems.append(f"{name} holds step {h.step} ({h.state_name}) now")
+                    continue
+                doc = parse_manifest(seg.manifest_bytes(h))
+                shard = (doc, bytes(seg.data(h)), h.chunk_size, seg.hashes(h))
+                after = seg.header()
+                if after.state != shm.VERIFIED or after.step != step:
+                    problems.append(f"{name}: changed while being copied")
+                    continue
+                shards.append(shard)
+            except IntegrityError as e:
+                problems.append(f"{name}: {e}")
+            finally:
+                seg.close()
+                with self._pin_lock:
+                    self._pinned.discard(name)
+        return shards, "; ".join(problems)
+
+    def _copy_and_write(self, step: int, names: list[str]) -> None:
+        try:
+            shards, problem = self._copy_shards(step, names)
+        finally:
+            with self._pin_lock:
+                self._pinned.difference_update(names)
+        if problem:
+            self._handled[step] = f"not held: {problem}"
+            self._report_due = True
+            log.error("cannot persist step %d: %s; it stays partial on disk", step, problem)
+            return
+        self._write(step, shards)
 
     def _write(self, step: int, shards: list[Shard]) -> None:
         from ftrun.snapshot import persist
