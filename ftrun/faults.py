@@ -32,14 +32,15 @@ def corrupt_newest_snapshot(rank: int, run_id: str | None = None,
     Goes through the store's API (the store owns the segments): called inside a rank of an
     ftrun job, where FTRUN_STORE and the job secret are set.
     """
-    from ftrun.snapshot.channel import Channel
+    from ftrun.protocol.transport import Client
 
     run_id = run_id or knobs.RUN_ID.get()
     url = knobs.STORE.get()
     if not (run_id and url):
         raise FtrunError("corrupt_newest_snapshot runs inside a rank of an ftrun job "
                          f"({knobs.RUN_ID.name} and {knobs.STORE.name} unset)")
-    chan = Channel(url, knobs.SECRET.get().encode(), run_id, f"fault:{rank}")
+    chan = Client(url, knobs.SECRET.get().encode(), run_id, f"fault:{rank}",
+                  peer="snapshot store")
     try:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -24,7 +24,6 @@ import zmq
 from ftrun import jobs, protocol
 from ftrun.cli import exit_codes
 from ftrun.cli.status import run_status
-from ftrun.coordinator import server as server_mod
 from ftrun.coordinator.client import NodeReporter, request
 from ftrun.coordinator.server import (
     ENDPOINT_KEY,
@@ -34,6 +33,7 @@ from ftrun.coordinator.server import (
     publish_endpoint,
 )
 from ftrun.errors import AuthError, ProtocolError, UnreachableError
+from ftrun.protocol import transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,7 +195,7 @@ def test_node_lost_after_timeout_and_rejoin(make_coordinator: Callable[..., Coor
 
 
 def test_wrong_secret(coordinator: Coordinator, caplog: pytest.LogCaptureFixture) -> None:
-    server_log = logging.getLogger(server_mod.__name__)
+    server_log = logging.getLogger(transport.__name__)
     server_log.addHandler(caplog.handler)
     caplog.handler.setLevel(logging.WARNING)
     try:
@@ -224,12 +224,12 @@ def test_garbage_does_not_crash(coordinator: Coordinator) -> None:
             sock.send_multipart(frames)
         assert not sock.poll(300), "unauthenticated garbage must not be answered"
         # A wrong MAC gets only the fixed, unsigned refusal.
-        for frames in ([b"{}", b"\0" * 32], [b"", b""]):
+        for frames in ([b"{}", b"\0" * 32], [b"", b"\1" * 32]):
             sock.send_multipart(frames)
             assert sock.poll(3000)
             assert sock.recv_multipart() == [protocol.AUTH_REFUSED]
         # Authentic but invalid: answered with an error that names the problem.
-        bad = json.dumps({"v": 1, "kind": "reboot", "job": JOB, "sender": "t",
+        bad = json.dumps({"v": protocol.VERSION, "kind": "reboot", "job": JOB, "sender": "t",
                           "ts": time.time(), "id": "ab", "body": {}}).encode()
         sock.send_multipart([bad, hmac.new(SECRET, bad, hashlib.sha256).digest()])
         assert sock.poll(3000), "no error reply to an authentic invalid message"

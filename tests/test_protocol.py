@@ -132,11 +132,11 @@ def test_garbage_frames(frames: list[bytes]) -> None:
 def test_truncated_mac_and_header() -> None:
     header_bytes, mac = protocol.encode("hello", EXAMPLES["hello"], secret=SECRET, job=JOB,
                                         sender="x")
-    with pytest.raises(AuthError):
+    with pytest.raises(ProtocolError, match="MAC frame is 16 bytes"):
         protocol.decode([header_bytes, mac[:16]], secret=SECRET, job=JOB)
     with pytest.raises(AuthError):
         protocol.decode([header_bytes[:-5], mac], secret=SECRET, job=JOB)
-    with pytest.raises(ProtocolError, match="2 frames"):
+    with pytest.raises(ProtocolError, match="got 1"):
         protocol.decode([header_bytes], secret=SECRET, job=JOB)
 
 
@@ -161,8 +161,10 @@ def test_oversize_rejected_before_mac() -> None:
 
 
 def test_wrong_version_names_both() -> None:
-    with pytest.raises(ProtocolError, match=r"version 2.*supports version 1"):
-        protocol.decode(sign(header(v=2)), secret=SECRET, job=JOB)
+    newer = protocol.VERSION + 1
+    with pytest.raises(ProtocolError, match=rf"version {newer}.*supports version "
+                                            rf"{protocol.VERSION}"):
+        protocol.decode(sign(header(v=newer)), secret=SECRET, job=JOB)
     with pytest.raises(ProtocolError, match="version None"):
         h = header()
         del h["v"]
@@ -258,3 +260,46 @@ def test_endpoints() -> None:
     for bad in ("node1", "node1:", ":80", "h:99999", "h:x"):
         with pytest.raises(Exception, match="HOST:PORT"):
             protocol.split_endpoint(bad)
+
+
+# -- binary frames beside the header -----------------------------------------------------------
+
+
+def test_data_frames_round_trip_and_reply_id() -> None:
+    data = [b"\x00\x01" * 1000, b"", bytes(range(256))]
+    frames = protocol.encode("snap_flush", {"rank": 3}, secret=SECRET, job=JOB, sender="x",
+                             re="abc123", data=data)
+    assert len(frames) == 2 + len(data)
+    msg = protocol.decode(frames, secret=SECRET, job=JOB)
+    assert [bytes(f) for f in msg.frames] == data
+    assert msg.re == "abc123" and msg.body == {"rank": 3}
+    # A signed header alone is the same MAC as a message without data frames always had.
+    plain = protocol.encode("ack", {}, secret=SECRET, job=JOB, sender="x")
+    assert plain[1] == hmac.new(SECRET, plain[0], hashlib.sha256).digest()
+
+
+def test_tampered_data_frame_is_auth_error() -> None:
+    data = [b"chunk-one", b"chunk-two"]
+    frames = protocol.encode("snap_flush", {"rank": 3}, secret=SECRET, job=JOB, sender="x",
+                             data=data)
+    flipped = bytearray(frames[3])
+    flipped[0] ^= 1
+    shifted = [frames[0], frames[1], b"chunk-on", b"echunk-two"]  # the same bytes, re-cut
+    for bad in ([*frames[:3], bytes(flipped)], shifted, frames[:3], [*frames, b"more"]):
+        with pytest.raises(AuthError):
+            protocol.decode(bad, secret=SECRET, job=JOB)
+
+
+def test_data_frame_limits() -> None:
+    frames = protocol.encode("snap_flush", {"rank": 3}, secret=SECRET, job=JOB, sender="x",
+                             data=[b"x" * 100])
+    with pytest.raises(ProtocolError, match="100 bytes"):
+        protocol.decode(frames, secret=SECRET, job=JOB, max_frame_bytes=99)
+    with pytest.raises(ProtocolError, match="data frames"):
+        protocol.encode("ack", {}, secret=SECRET, job=JOB, sender="x",
+                        data=[b""] * (protocol.MAX_DATA_FRAMES + 1))
+
+
+def test_reply_id_must_be_hex() -> None:
+    with pytest.raises(ProtocolError, match="re"):
+        protocol.decode(sign(header(re="not hex")), secret=SECRET, job=JOB)

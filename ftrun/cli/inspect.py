@@ -40,8 +40,8 @@ from ftrun import jobs, knobs
 from ftrun.cli import exit_codes
 from ftrun.coordinator.client import request
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
+from ftrun.protocol.transport import Client
 from ftrun.snapshot import persist, segment, verify
-from ftrun.snapshot.channel import Channel
 from ftrun.snapshot.manifest import entries, parse_manifest
 from ftrun.snapshot.segment import (
     STAGED,
@@ -358,7 +358,7 @@ def _stores(run_id: str, state_dir: str | None) -> tuple[list[dict[str, Any]], l
         return [dict(s, reachable=False, note=str(e)) for s in found], None
     stores, paths = [], []
     for s in found:
-        chan = Channel(s["url"], secret, run_id, "inspect")
+        chan = Client(s["url"], secret, run_id, "inspect", peer="snapshot store")
         try:
             reply = chan.request("catalog_request", {}, "catalog_reply", STORE_TIMEOUT_S)
         except FtrunError as e:

@@ -1,16 +1,15 @@
 """Clients of the coordinator: one-shot requests (``ftrun status``) and the node reporter.
 
-:func:`request` opens a fresh DEALER socket per call, so a reply can only be the answer to
-that request. :class:`NodeReporter` is what each node launcher runs: a thread that owns one
-DEALER socket, says ``hello``, sends a ``heartbeat`` every interval, forwards events in order
-and finally says ``bye``. It never blocks its caller: when the coordinator is down or
-restarting, ZeroMQ reconnects in the background, heartbeats are dropped rather than queued
-without bound, and events wait in a bounded queue.
+:func:`request` sends one request over a fresh connection. :class:`NodeReporter` is what each
+node launcher runs: a thread that owns one connection, says ``hello``, sends a ``heartbeat``
+every interval, forwards events in order and finally says ``bye``. It never blocks its
+caller: when the coordinator is down or restarting, ZeroMQ reconnects in the background,
+heartbeats are dropped rather than queued without bound, and events wait in a bounded queue.
+Both speak through :class:`ftrun.protocol.transport.Client`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -22,44 +21,30 @@ from typing import Any
 
 import zmq
 
-from ftrun import errors, protocol
-from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
+from ftrun import protocol
+from ftrun.errors import AuthError, ProtocolError
+from ftrun.protocol.transport import Client
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_EVENTS = 10_000
 REPORTER_POLL_S = 0.02
-RECONNECT_IVL_MS = 200
-RECONNECT_IVL_MAX_MS = 2000
+# ZeroMQ's reconnect interval to a coordinator that went away: first, and at most.
+RECONNECT_S = (0.2, 2.0)
 AUTH_WARN_EVERY_S = 30.0
-
-_ERRORS: dict[str, type[FtrunError]] = {
-    cls.__name__: cls
-    for cls in vars(errors).values()
-    if isinstance(cls, type) and issubclass(cls, FtrunError)
-}
+HINT = ("is the job running? (check the endpoint, firewalls, and that the job's launchers "
+        "are alive)")
 
 
-def _dealer(ctx: zmq.Context[Any], endpoint: str, *, sndhwm: int) -> zmq.Socket[Any]:
-    url = protocol.zmq_url(endpoint)
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, sndhwm)
-    sock.setsockopt(zmq.RCVHWM, 1000)
-    sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES + 1024)
-    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    if url.startswith("tcp://["):
-        sock.setsockopt(zmq.IPV6, 1)
-    sock.connect(url)
-    return sock
-
-
-def _auth_refused(endpoint: str) -> AuthError:
-    return AuthError(
-        f"the coordinator at {endpoint} refused our secret; set FTRUN_SECRET or --state-dir "
-        "to the job's (the secret is <state dir>/jobs/<run id>/secret where the job started)"
-    )
+def coordinator_client(endpoint: str, secret: bytes, job: str, sender: str, *,
+                       sndhwm: int = 16, context: zmq.Context[Any] | None = None,
+                       on_reply: Callable[[protocol.Message], None] | None = None) -> Client:
+    """A client of the coordinator at ``endpoint`` (``host:port``)."""
+    protocol.split_endpoint(endpoint)  # fail early on a malformed endpoint
+    return Client(endpoint, secret, job, sender, peer="coordinator", hint=HINT,
+                  on_reply=on_reply, send_timeout_s=0.0, sndhwm=sndhwm,
+                  reconnect_s=RECONNECT_S, max_frame_bytes=protocol.MAX_MESSAGE_BYTES,
+                  context=context)
 
 
 def request(
@@ -77,41 +62,11 @@ def request(
     Raises UnreachableError on timeout, AuthError when the coordinator refuses our secret or
     its reply is not signed with it, and the FtrunError named by an ``error`` reply.
     """
-    frames = protocol.encode(kind, body, secret=secret, job=job, sender=sender)
-    deadline = time.monotonic() + timeout_s
-    sock = _dealer(zmq.Context.instance(), endpoint, sndhwm=16)
+    client = coordinator_client(endpoint, secret, job, sender)
     try:
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            raise _unreachable(endpoint, timeout_s) from None
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
-                raise _unreachable(endpoint, timeout_s)
-            reply = sock.recv_multipart()
-            if reply == [protocol.AUTH_REFUSED]:
-                raise _auth_refused(endpoint)
-            try:
-                msg = protocol.decode(reply, secret=secret, job=job)
-            except AuthError:
-                raise AuthError(
-                    f"the reply from {endpoint} is not signed with our secret: another job's "
-                    "coordinator, or not a coordinator; check the endpoint and FTRUN_SECRET"
-                ) from None
-            if msg.kind == "error":
-                cls = _ERRORS.get(str(msg.body.get("error", "")), FtrunError)
-                raise cls(f"coordinator at {endpoint}: {msg.body['message']}")
-            return msg
+        return client.request(kind, body, None, timeout_s)
     finally:
-        sock.close(0)
-
-
-def _unreachable(endpoint: str, timeout_s: float) -> UnreachableError:
-    return UnreachableError(
-        f"coordinator at {endpoint} did not answer within {timeout_s:g} s; is the job running? "
-        "(check the endpoint, firewalls, and that the job's launchers are alive)"
-    )
+        client.close()
 
 
 _HEARTBEAT_DEFAULTS: dict[str, Any] = {
@@ -194,7 +149,10 @@ class NodeReporter:
 
     def _run(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
-        sock = _dealer(ctx, self.endpoint, sndhwm=100)
+        acked: set[str] = set()
+        client = coordinator_client(self.endpoint, self._secret, self.job, self.node_id,
+                                    sndhwm=100, context=ctx,
+                                    on_reply=lambda msg: self._on_reply(msg, acked))
         pending: deque[tuple[str, dict[str, Any]]] = deque()
         pending.append(("hello", {"node_id": self.node_id, "host": self.host,
                                   "pid": os.getpid()}))
@@ -204,11 +162,15 @@ class NodeReporter:
             while True:
                 try:
                     self._drain_queue(pending)
-                    bye_id = self._flush(sock, pending) or bye_id
+                    bye_id = self._flush(client, pending) or bye_id
                     if not self._stop.is_set() and time.monotonic() >= next_hb:
                         next_hb = time.monotonic() + self.interval_s
-                        self._heartbeat(sock)
-                    acked = self._receive(sock, REPORTER_POLL_S)
+                        self._heartbeat(client)
+                    try:
+                        client.poll(REPORTER_POLL_S)
+                    except AuthError as e:
+                        self._warn("auth", AUTH_WARN_EVERY_S, "%s", e)
+                        time.sleep(REPORTER_POLL_S)
                     if bye_id is not None and bye_id in acked:
                         break
                     if self._stop.is_set() and time.monotonic() >= self._bye_deadline:
@@ -218,8 +180,15 @@ class NodeReporter:
                     log.exception("node reporter loop error; continuing")
                     time.sleep(REPORTER_POLL_S)
         finally:
-            sock.close(0)
+            client.close()
             ctx.term()
+
+    def _on_reply(self, msg: protocol.Message, acked: set[str]) -> None:
+        if msg.kind == "ack" and msg.re is not None:
+            acked.add(msg.re)
+        elif msg.kind == "error":
+            self._warn("error_reply", 10.0, "coordinator at %s: %s", self.endpoint,
+                       msg.body.get("message"))
 
     def _drain_queue(self, pending: deque[tuple[str, dict[str, Any]]]) -> None:
         while True:
@@ -233,7 +202,7 @@ class NodeReporter:
             self._warn("overflow", 10.0, "coordinator unreachable: dropping queued %s messages",
                        kind)
 
-    def _flush(self, sock: zmq.Socket[Any],
+    def _flush(self, client: Client,
                pending: deque[tuple[str, dict[str, Any]]]) -> str | None:
         """Send queued hello/events/bye in order, keeping them while the socket is full.
 
@@ -243,25 +212,22 @@ class NodeReporter:
         while pending:
             kind, body = pending[0]
             try:
-                frames = protocol.encode(kind, body, secret=self._secret, job=self.job,
-                                         sender=self.node_id)
+                msg_id = client.send(kind, body)
             except ProtocolError as e:
                 log.error("dropping invalid %s message: %s", kind, e)
                 pending.popleft()
                 continue
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
+            if msg_id is None:
                 self._warn("again", 10.0, "coordinator at %s not accepting messages; %d queued",
                            self.endpoint, len(pending))
                 return bye_id
             pending.popleft()
             self.sent[kind] += 1
             if kind == "bye":
-                bye_id = json.loads(frames[0])["id"]
+                bye_id = msg_id
         return bye_id
 
-    def _heartbeat(self, sock: zmq.Socket[Any]) -> None:
+    def _heartbeat(self, client: Client) -> None:
         try:
             state = dict(self._state_fn())
         except Exception:  # noqa: BLE001 - a broken state_fn must not stop the reporter
@@ -273,8 +239,7 @@ class NodeReporter:
         if isinstance(error, str) and len(error) > protocol.MAX_STRING_CHARS:
             body["last_error"] = "..." + error[-(protocol.MAX_STRING_CHARS - 3):]
         try:
-            frames = protocol.encode("heartbeat", body, secret=self._secret, job=self.job,
-                                     sender=self.node_id)
+            sent = client.send("heartbeat", body)
         except ProtocolError as e:
             # Stay alive in the coordinator's eyes: send what is certainly valid.
             self._warn("bad_heartbeat", 30.0, "state_fn returned an invalid heartbeat: %s", e)
@@ -287,37 +252,10 @@ class NodeReporter:
                 except ProtocolError:
                     continue
                 minimal = candidate
-            frames = protocol.encode("heartbeat", minimal, secret=self._secret, job=self.job,
-                                     sender=self.node_id)
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
+            sent = client.send("heartbeat", minimal)
+        if sent is not None:
             self.sent["heartbeat"] += 1
-        except zmq.Again:
+        else:
             self.sent["dropped"] += 1
             self._warn("hb_again", 10.0, "coordinator at %s unreachable; heartbeat dropped",
                        self.endpoint)
-
-    def _receive(self, sock: zmq.Socket[Any], wait_s: float) -> set[str]:
-        """Read replies for up to ``wait_s``; return the ids of the messages acknowledged."""
-        acked: set[str] = set()
-        if not sock.poll(int(wait_s * 1000), zmq.POLLIN):
-            return acked
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return acked
-            if frames == [protocol.AUTH_REFUSED]:
-                self._warn("auth", AUTH_WARN_EVERY_S, "%s", _auth_refused(self.endpoint))
-                continue
-            try:
-                msg = protocol.decode(frames, secret=self._secret, job=self.job)
-            except ProtocolError as e:
-                self._warn("bad_reply", 30.0, "bad reply from coordinator at %s: %s",
-                           self.endpoint, e)
-                continue
-            if msg.kind == "ack":
-                acked.add(str(msg.body.get("re", "")))
-            elif msg.kind == "error":
-                self._warn("error_reply", 10.0, "coordinator at %s: %s", self.endpoint,
-                           msg.body.get("message"))

@@ -1,10 +1,11 @@
-"""The job coordinator: one ZeroMQ ROUTER that every node launcher reports to.
+"""The job coordinator: the server every node launcher and store reports to.
 
 It keeps what each node last said (state, workers, restarts), notices nodes that go quiet,
 records a structured event log (in memory, bounded, and as JSON lines in the job's
 ``events.jsonl``), and answers ``ftrun status`` with a versioned status document. Every
-message is authenticated with the job secret (see :mod:`ftrun.protocol`); bad messages are
-logged, counted and recorded, never allowed to crash the loop.
+message is authenticated with the job secret and dispatched through a handler table (see
+:mod:`ftrun.protocol.transport`); bad messages are logged, counted and recorded, never
+allowed to crash the loop.
 
 It runs inside the launcher of node 0 (:meth:`Coordinator.start`, a daemon thread) or as a
 standalone process that also hosts the job's c10d rendezvous store (:func:`run_standalone`).
@@ -31,7 +32,8 @@ import zmq
 from ftrun import jobs, protocol
 from ftrun.coordinator.api import JobHealth, NodeState, RankHealth
 from ftrun.coordinator.commits import CommitTracker, StoreState
-from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
+from ftrun.errors import FtrunError, UnreachableError
+from ftrun.protocol.transport import RateLimiter, Reply, Server
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,6 @@ EVENTS_TAIL = 20
 POLL_INTERVAL_S = 0.1
 MAX_MESSAGES_PER_TICK = 1000
 WARN_EVERY_S = 10.0
-MAX_AUTH_REFUSALS_PER_S = 5
 EVENTS_REPLY_MAX = 1000
 EVENTS_REPLY_BYTES = protocol.MAX_MESSAGE_BYTES // 2
 BIND_TIMEOUT_S = 10.0
@@ -72,36 +73,6 @@ class _Node:
     lost: bool = False
     left: bool = False
     exitcode: int | None = None
-
-
-@dataclass(frozen=True)
-class _Peer:
-    identity: bytes
-    address: str
-
-    def __str__(self) -> str:
-        return f"{self.address or '?'} (id {self.identity.hex()})"
-
-
-class _RateLimiter:
-    """Let through the first of each key per ``every_s``; count what was held back."""
-
-    def __init__(self, every_s: float, max_keys: int = 1024) -> None:
-        self.every_s = every_s
-        self.max_keys = max_keys
-        self._last: dict[Any, tuple[float, int]] = {}
-
-    def allow(self, key: Any) -> tuple[bool, int]:
-        """(allowed, number suppressed since the last allowed one)."""
-        now = time.monotonic()
-        last, suppressed = self._last.get(key, (float("-inf"), 0))
-        if now - last >= self.every_s:
-            if len(self._last) >= self.max_keys:
-                self._last.clear()
-            self._last[key] = (now, 0)
-            return True, suppressed
-        self._last[key] = (last, suppressed + 1)
-        return False, suppressed + 1
 
 
 def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None) -> JobHealth:
@@ -202,19 +173,32 @@ class Coordinator:
         self._seq = 0
         self._events_fh: Any = None
         self._ctx: zmq.Context[Any] | None = None
-        self._sock: zmq.Socket[Any] | None = None
+        self._server: Server | None = None
         self._bound_port: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._serving = threading.Event()
         self._started_at = time.time()
-        self._warn_limiter = _RateLimiter(WARN_EVERY_S)
-        self._refusals: dict[str, tuple[float, int]] = {}
+        self._warn_limiter = RateLimiter(WARN_EVERY_S)
         self._commits = CommitTracker(
             node_gone=lambda node: self._node_gone(node, time.monotonic()))
         self._store_reports: dict[str, dict[str, Any]] = {}
         self._finalizing: set[str] = set()  # nodes whose store asked for its final target
-        self.counters: dict[str, int] = {"messages": 0, "auth_failures": 0, "bad_messages": 0}
+        # Messages read, and those refused (``auth_failures``, ``bad_messages``).
+        self.counters: dict[str, int] = {}
+        self._handlers = {
+            "status_request": self._on_status_request,
+            "events_request": self._on_events_request,
+            "hello": self._on_hello,
+            "heartbeat": self._on_heartbeat,
+            "event": self._on_event,
+            "bye": self._on_bye,
+            "snap_epoch": self._on_commit,
+            "snap_verified": self._on_commit,
+            "commit_query": self._on_commit,
+            "persist_request": self._on_commit,
+            "store_report": self._on_store_report,
+        }
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -227,31 +211,24 @@ class Coordinator:
 
     def bind(self) -> str:
         """Bind the ROUTER socket (idempotent), record ``job_start``; return the endpoint."""
-        if self._sock is not None:
+        if self._server is not None:
             return self.endpoint
         ctx: zmq.Context[Any] = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
+        server = Server("coordinator", self._secret, self.run_id, self._handlers,
+                        sender="coordinator", on_reject=self._rejected)
+        host = f"[{self._bind_host}]" if ":" in self._bind_host else self._bind_host
+        port = "*" if self._port == 0 else str(self._port)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES + 1024)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            sock.setsockopt(zmq.RCVHWM, 10_000)
-            if ":" in self._bind_host:
-                sock.setsockopt(zmq.IPV6, 1)
-            host = f"[{self._bind_host}]" if ":" in self._bind_host else self._bind_host
-            port = "*" if self._port == 0 else str(self._port)
-            sock.bind(f"tcp://{host}:{port}")
-            last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._bound_port = int(last.rsplit(":", 1)[1])
+            last = server.bind(f"tcp://{host}:{port}", ctx)
         except zmq.ZMQError as e:
-            sock.close(0)
             ctx.term()
             raise FtrunError(
                 f"coordinator cannot listen on {self._bind_host}:{self._port}: {e}; pick another "
                 "port or free this one"
             ) from e
-        self._ctx, self._sock = ctx, sock
+        self._bound_port = int(last.rsplit(":", 1)[1])
+        self.counters = server.counters
+        self._ctx, self._server = ctx, server
         if self._events_file is not None:
             self._open_events_file(self._events_file)
         self._stop.clear()
@@ -301,10 +278,10 @@ class Coordinator:
         self._close()
 
     def _close(self) -> None:
-        sock, ctx = self._sock, self._ctx
-        self._sock = self._ctx = None
-        if sock is not None:
-            sock.close(0)
+        server, ctx = self._server, self._ctx
+        self._server, self._ctx = None, None
+        if server is not None:
+            server.close()
         if ctx is not None:
             ctx.term()
         with self._lock:
@@ -326,20 +303,11 @@ class Coordinator:
     # -- serving -----------------------------------------------------------------------------
 
     def _serve(self, stop_event: threading.Event) -> None:
-        sock = self._sock
-        assert sock is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        timeout_ms = int(POLL_INTERVAL_S * 1000)
+        server = self._server
+        assert server is not None
         while not stop_event.is_set() and not self._stop.is_set():
             try:
-                if poller.poll(timeout_ms):
-                    for _ in range(MAX_MESSAGES_PER_TICK):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(sock, frames)
+                server.serve_once(POLL_INTERVAL_S, MAX_MESSAGES_PER_TICK)
                 self._check_lost()
             except zmq.ContextTerminated:
                 break
@@ -348,125 +316,62 @@ class Coordinator:
                 time.sleep(POLL_INTERVAL_S)
         log.debug("coordinator of job %s stopped serving", self.run_id)
 
-    def _handle(self, sock: zmq.Socket[Any], frames: list[Any]) -> None:
-        identity = bytes(frames[0].bytes)
-        try:
-            address = frames[0].get("Peer-Address") or ""
-        except zmq.ZMQError:
-            address = ""
-        peer = _Peer(identity, address)
-        payload = [f.bytes for f in frames[1:]]
-        self.counters["messages"] += 1
-        try:
-            header = protocol.verify(payload, secret=self._secret)
-        except AuthError as e:
-            self.counters["auth_failures"] += 1
-            self._reject("auth_failure", peer, str(e))
-            if self._may_refuse(peer.address):
-                self._send(sock, identity, [protocol.AUTH_REFUSED])
-            return
-        except ProtocolError as e:
-            self.counters["bad_messages"] += 1
-            self._reject("bad_message", peer, str(e))
-            return
-        try:
-            msg = protocol.parse(header, job=self.run_id)
-        except ProtocolError as e:
-            self.counters["bad_messages"] += 1
-            self._reject("bad_message", peer, str(e))
-            self._reply(sock, identity, "error",
-                        {"message": str(e), "error": type(e).__name__})
-            return
-        try:
-            self._dispatch(sock, identity, msg)
-        except FtrunError as e:
-            log.warning("cannot answer %s from %s: %s", msg.kind, peer, e)
-            self._reply(sock, identity, "error", {"message": str(e), "error": type(e).__name__})
-
-    def _reject(self, kind: str, peer: _Peer, reason: str) -> None:
-        allowed, suppressed = self._warn_limiter.allow((kind, peer.address, reason))
-        if not allowed:
-            return
-        more = f" ({suppressed} identical ones suppressed)" if suppressed else ""
-        log.warning("%s from peer %s: %s%s", kind.replace("_", " "), peer, reason, more)
-        data: dict[str, Any] = {"peer": peer.address, "reason": reason}
+    def _rejected(self, kind: str, address: str, reason: str, suppressed: int) -> None:
+        """A refused message (already logged by the server) goes into the event log."""
+        data: dict[str, Any] = {"peer": address, "reason": reason}
         if suppressed:
             data["suppressed"] = suppressed
         self._record(kind, None, data)
 
-    def _may_refuse(self, address: str) -> bool:
-        now = time.monotonic()
-        start, count = self._refusals.get(address, (now, 0))
-        if now - start >= 1.0:
-            start, count = now, 0
-        if count >= MAX_AUTH_REFUSALS_PER_S:
-            return False
-        if len(self._refusals) > 1024:
-            self._refusals.clear()
-        self._refusals[address] = (start, count + 1)
-        return True
+    # -- handlers (kind -> handler in self._handlers) ----------------------------------------
 
-    def _send(self, sock: zmq.Socket[Any], identity: bytes, frames: list[bytes]) -> None:
-        try:
-            sock.send_multipart([identity, *frames], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("reply to %s dropped: peer not reading", identity.hex())
+    def _on_status_request(self, msg: protocol.Message) -> Reply:
+        return Reply("status_reply", {"doc": self.status_document()})
 
-    def _reply(self, sock: zmq.Socket[Any], identity: bytes, kind: str,
-               body: dict[str, Any]) -> None:
-        try:
-            frames = protocol.encode(kind, body, secret=self._secret, job=self.run_id,
-                                     sender="coordinator")
-        except ProtocolError as e:
-            log.error("cannot encode %s reply: %s", kind, e)
-            frames = protocol.encode("error", {"message": f"coordinator cannot reply: {e}"[:4096],
-                                               "error": "ProtocolError"},
-                                     secret=self._secret, job=self.run_id, sender="coordinator")
-        self._send(sock, identity, frames)
+    def _on_events_request(self, msg: protocol.Message) -> Reply:
+        events, more = self._events_since(int(msg.body.get("since", 0)))
+        return Reply("events_reply", {"events": events, "more": more})
 
-    def _dispatch(self, sock: zmq.Socket[Any], identity: bytes, msg: protocol.Message) -> None:
+    def _on_hello(self, msg: protocol.Message) -> Reply:
         body = msg.body
-        if msg.kind == "status_request":
-            self._reply(sock, identity, "status_reply", {"doc": self.status_document()})
-        elif msg.kind == "events_request":
-            events, more = self._events_since(int(body.get("since", 0)))
-            self._reply(sock, identity, "events_reply", {"events": events, "more": more})
-        elif msg.kind == "hello":
-            self._touch(body["node_id"], body["host"], body["pid"])
-            self._reply(sock, identity, "ack", {"re": msg.id})
-        elif msg.kind == "heartbeat":
-            node = self._touch(body["node_id"], body["host"], body["pid"])
-            with self._lock:
-                node.heartbeat = dict(body)
-                node.state = body["state"]
-        elif msg.kind == "event":
-            self._touch(body["node_id"], None, None)
-            self._record(body["type"], body["node_id"], body["data"])
-        elif msg.kind == "bye":
-            node = self._touch(body["node_id"], None, None)
-            with self._lock:
-                node.left = True
-                node.state = body["state"]
-                node.exitcode = body["exitcode"]
-            self._record("node_left", node.node_id,
-                         {"state": body["state"], "exitcode": body["exitcode"]})
-            self._reply(sock, identity, "ack", {"re": msg.id})
-        elif msg.kind in ("snap_epoch", "snap_verified", "commit_query", "persist_request"):
-            self._reply(sock, identity, "commit_info", self._commit(msg.kind, body))
-        elif msg.kind == "store_report":
-            with self._lock:
-                self._store_reports[body["node_id"]] = dict(body)
-                self._commits.persisted[body["node_id"]] = body["persisted_step"]
-                self._commits.stores[body["node_id"]] = StoreState(
-                    bool(body.get("persist")), body.get("epoch"),
-                    body.get("target_done", -1), body.get("writing"))
-            self._reply(sock, identity, "ack", {"re": msg.id})
-        else:
-            log.warning("unexpected %s message from %s; ignored", msg.kind, msg.sender)
-            self._reply(sock, identity, "error", {
-                "message": f"the coordinator does not accept {msg.kind!r} messages",
-                "error": "ProtocolError",
-            })
+        self._touch(body["node_id"], body["host"], body["pid"])
+        return Reply("ack", {"re": msg.id})
+
+    def _on_heartbeat(self, msg: protocol.Message) -> None:
+        body = msg.body
+        node = self._touch(body["node_id"], body["host"], body["pid"])
+        with self._lock:
+            node.heartbeat = dict(body)
+            node.state = body["state"]
+
+    def _on_event(self, msg: protocol.Message) -> None:
+        body = msg.body
+        self._touch(body["node_id"], None, None)
+        self._record(body["type"], body["node_id"], body["data"])
+
+    def _on_bye(self, msg: protocol.Message) -> Reply:
+        body = msg.body
+        node = self._touch(body["node_id"], None, None)
+        with self._lock:
+            node.left = True
+            node.state = body["state"]
+            node.exitcode = body["exitcode"]
+        self._record("node_left", node.node_id,
+                     {"state": body["state"], "exitcode": body["exitcode"]})
+        return Reply("ack", {"re": msg.id})
+
+    def _on_commit(self, msg: protocol.Message) -> Reply:
+        return Reply("commit_info", self._commit(msg.kind, msg.body))
+
+    def _on_store_report(self, msg: protocol.Message) -> Reply:
+        body = msg.body
+        with self._lock:
+            self._store_reports[body["node_id"]] = dict(body)
+            self._commits.persisted[body["node_id"]] = body["persisted_step"]
+            self._commits.stores[body["node_id"]] = StoreState(
+                bool(body.get("persist")), body.get("epoch"),
+                body.get("target_done", -1), body.get("writing"))
+        return Reply("ack", {"re": msg.id})
 
     def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

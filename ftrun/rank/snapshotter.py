@@ -45,9 +45,9 @@ import torch
 
 from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
+from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.channel import Channel
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 from ftrun.snapshot.verify import ChunkHasher
 
@@ -62,6 +62,8 @@ SKIP_LOG_INTERVAL_S = 30.0
 COPY_GROUP_BYTES = 64 << 20  # GPU: one event per group; its chunks are hashed once it lands
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 STORE_TIMEOUT_S = 5.0
+STORE_HINT = ("is this node's snapshot store running? (the launcher starts it and restarts it "
+              "when it dies; see the launcher's log)")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -348,8 +350,9 @@ class Snapshotter:
             self._chan = None
             return
         secret = knobs.SECRET.get().encode()
-        self._chan = Channel(store_url, secret, self.run_id, f"rank:{self.rank}",
-                             on_other=self._on_store_message)
+        self._chan = Client(store_url, secret, self.run_id, f"rank:{self.rank}",
+                            peer="snapshot store", hint=STORE_HINT,
+                            on_reply=self._on_store_message)
         self._owner = int(os.environ.get("FTRUN_LAUNCHER_PID", os.getppid()))
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_optimizer_step)

@@ -35,16 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from ftrun import jobs, knobs, protocol
+from ftrun.coordinator.client import HINT as COORDINATOR_HINT
 from ftrun.coordinator.commits import FINAL_SETTLE_S, MAX_TARGETS, CommitTracker
 from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
 from ftrun.launcher.pdeath import set_parent_death_signal
+from ftrun.protocol.transport import Client, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.catalog import Catalog, rank_of
-from ftrun.snapshot.channel import Channel
 from ftrun.snapshot.manifest import parse_manifest
 
 log = logging.getLogger("ftrun.store")
@@ -97,8 +96,9 @@ class SnapshotStore:
         self._committed = -1
         self._dead: set[int] = set()  # uncommitted steps of the epoch that can never commit
         self._world_size = 0
-        self._coord = (Channel(protocol.zmq_url(cfg.coordinator), secret, cfg.run_id,
-                               f"store:{cfg.node_id}") if cfg.coordinator else None)
+        self._coord = (Client(cfg.coordinator, secret, cfg.run_id, f"store:{cfg.node_id}",
+                              peer="coordinator", hint=COORDINATOR_HINT)
+                       if cfg.coordinator else None)
         # Without a coordinator this node is the whole job: the same commit and target rules
         # run here (nothing to wait for at the end: every rank reports to this store).
         self._local = CommitTracker(final_settle_s=0.0) if self._coord is None else None
@@ -290,53 +290,84 @@ class SnapshotStore:
 
     # -- requests from ranks ----------------------------------------------------------------
     def handle(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
-        b = msg.body
-        if msg.kind in ("snap_staged", "snap_claim") and b["epoch"] != self._epoch and \
-                "base" in b:
+        """Answer one request from a rank: what the server's handler table runs."""
+        handler = self._handlers().get(msg.kind)
+        if handler is None:
+            raise ProtocolError(f"the store does not accept {msg.kind!r}")
+        return handler(msg)
+
+    def _handlers(self) -> dict[str, Any]:
+        return {
+            "snap_staged": self._on_staged,
+            "snap_claim": self._on_claim,
+            "snap_flush": self._on_flush,
+            "snap_restored": self._on_restored,
+            "store_persist": self._on_persist,
+            "catalog_request": self._on_catalog,
+            "fault_corrupt": self._on_fault_corrupt,
+        }
+
+    def _follow_ranks(self, b: dict[str, Any]) -> None:
+        if b["epoch"] != self._epoch and "base" in b:
             self._follow_epoch(b["epoch"], b["base"])
-        if msg.kind == "snap_staged":
-            if "every" in b:
-                self._cadence[b["rank"]] = (b.get("skipped", 0), b["every"])
-            name = shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])
-            ok, reason, _ = self._verify_staged(name, b["step"])
-            if not ok:
-                log.error("rank %d step %d not verified: %s", b["rank"], b["step"], reason)
-            body = {"rank": b["rank"], "buffer": b["buffer"], "step": b["step"], "ok": ok,
-                    "committed": self._committed}
-            if reason:
-                body["reason"] = reason[:1000]
-            return "snap_done", body
-        if msg.kind == "snap_claim":
-            # Everything staged is verified first: a claim must never race the hashing.
-            self._verify_rank(b["rank"])
-            if self._pinned_buffer(shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])):
-                # It holds a persist target still being copied out: not now (the rank skips
-                # this snapshot; it never waits).
-                return "snap_claim_reply", {"ok": False, "committed": self._committed}
-            which = self._claim(b["epoch"], b["need_committed"])
-            reply = {"ok": which is not None, "committed": self._committed}
-            if which == "newest":
-                reply["buffer"] = 1 - b["buffer"]
-            return "snap_claim_reply", reply
-        if msg.kind == "snap_flush":
-            self._verify_rank(b["rank"])
-            return "ack", {"re": msg.id}
-        if msg.kind == "snap_restored":
-            if b["epoch"] != self._epoch:
-                self._begin_epoch(b["epoch"], b["step"], restarted=False)
-                self._world_size = b["world_size"]
-                self._ask("snap_epoch", self._epoch_body(b["epoch"], b["step"]))
-            return "ack", {"re": msg.id}
-        if msg.kind == "store_persist":
-            self.request_persist(b["reason"])
-            return "ack", {"re": msg.id}
-        if msg.kind == "catalog_request":
-            records = self.catalog.records(b.get("rank"))
-            return "catalog_reply", {"node_id": self.cfg.node_id, "records": [
-                r.to_json(with_hashes=bool(b.get("hashes"))) for r in records]}
-        if msg.kind == "fault_corrupt":
-            return "fault_reply", self._corrupt(b["rank"])
-        raise ProtocolError(f"the store does not accept {msg.kind!r}")
+
+    def _on_staged(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        b = msg.body
+        self._follow_ranks(b)
+        if "every" in b:
+            self._cadence[b["rank"]] = (b.get("skipped", 0), b["every"])
+        name = shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])
+        ok, reason, _ = self._verify_staged(name, b["step"])
+        if not ok:
+            log.error("rank %d step %d not verified: %s", b["rank"], b["step"], reason)
+        body = {"rank": b["rank"], "buffer": b["buffer"], "step": b["step"], "ok": ok,
+                "committed": self._committed}
+        if reason:
+            body["reason"] = reason[:1000]
+        return "snap_done", body
+
+    def _on_claim(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        b = msg.body
+        self._follow_ranks(b)
+        # Everything staged is verified first: a claim must never race the hashing.
+        self._verify_rank(b["rank"])
+        if self._pinned_buffer(shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])):
+            # It holds a persist target still being copied out: not now (the rank skips
+            # this snapshot; it never waits).
+            return "snap_claim_reply", {"ok": False, "committed": self._committed}
+        which = self._claim(b["epoch"], b["need_committed"])
+        reply = {"ok": which is not None, "committed": self._committed}
+        if which == "newest":
+            reply["buffer"] = 1 - b["buffer"]
+        return "snap_claim_reply", reply
+
+    def _on_flush(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        b = msg.body
+        self._verify_rank(b["rank"])
+        return "ack", {"re": msg.id}
+
+    def _on_restored(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        b = msg.body
+        if b["epoch"] != self._epoch:
+            self._begin_epoch(b["epoch"], b["step"], restarted=False)
+            self._world_size = b["world_size"]
+            self._ask("snap_epoch", self._epoch_body(b["epoch"], b["step"]))
+        return "ack", {"re": msg.id}
+
+    def _on_persist(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        b = msg.body
+        self.request_persist(b["reason"])
+        return "ack", {"re": msg.id}
+
+    def _on_catalog(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        b = msg.body
+        records = self.catalog.records(b.get("rank"))
+        return "catalog_reply", {"node_id": self.cfg.node_id, "records": [
+            r.to_json(with_hashes=bool(b.get("hashes"))) for r in records]}
+
+    def _on_fault_corrupt(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        b = msg.body
+        return "fault_reply", self._corrupt(b["rank"])
 
     def _corrupt(self, rank: int) -> dict[str, Any]:
         """Fault injection: flip one byte in the middle of ``rank``'s newest verified shard,
@@ -613,10 +644,11 @@ class SnapshotStore:
             self._ask_epoch("commit_query", {"epoch": self._epoch}, self._epoch)
 
     def serve(self) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.cfg.url)
+        # Ranks' requests, one at a time between the loop's own work; data frames may be
+        # chunk-sized.
+        server = Server("snapshot store", self._secret, self.cfg.run_id, self._handlers(),
+                        sender="store", max_frame_bytes=protocol.MAX_FRAME_BYTES)
+        server.bind(self.cfg.url)
         if self.cfg.persist_dir:
             # Import the writer's modules now (seconds), not at the first target's write.
             self._writer.submit(_warm_up)
@@ -626,9 +658,7 @@ class SnapshotStore:
         try:
             while not self._stop.is_set():
                 try:
-                    if sock.poll(POLL_MS, zmq.POLLIN):
-                        frames = sock.recv_multipart()
-                        self._on_frames(sock, frames)
+                    server.serve_once(POLL_MS / 1000, max_messages=1)
                     if self._persist_now.is_set():
                         self._persist_now.clear()
                         if self.cfg.persist_dir:
@@ -649,24 +679,8 @@ class SnapshotStore:
                     time.sleep(POLL_MS / 1000)
         finally:
             # No claim is answered from here on: the buffers stay as they are.
-            sock.close(0)
+            server.close()
             self._shutdown()
-
-    def _on_frames(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None:
-        identity, payload = frames[0], frames[1:]
-        try:
-            msg = protocol.decode(payload, secret=self._secret, job=self.cfg.run_id)
-        except ProtocolError as e:
-            log.warning("refused a message on %s: %s", self.cfg.url, e)
-            return
-        try:
-            answer = self.handle(msg)
-        except FtrunError as e:
-            answer = ("error", {"message": str(e)[:4000], "error": type(e).__name__})
-        if answer is not None:
-            kind, body = answer
-            sock.send_multipart([identity, *protocol.encode(
-                kind, body, secret=self._secret, job=self.cfg.run_id, sender="store")])
 
     def stop(self, unlink: bool) -> None:
         self._unlink_at_exit = unlink

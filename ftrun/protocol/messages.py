@@ -1,48 +1,23 @@
-"""The control-plane wire format: small, versioned, validated, size-limited, authenticated JSON.
+"""The control-plane messages: every kind, the schema of its body, and their validation.
 
-A message is a ZeroMQ multipart of exactly two frames::
-
-    [header: UTF-8 JSON object, MAC: HMAC-SHA256(job secret, header bytes), 32 raw bytes]
-
-The header carries ``v`` (protocol version), ``kind``, ``job`` (run id), ``sender``, ``ts``
-(unix time, float), ``id`` (random hex) and ``body`` (an object). Every kind's body has a
-schema in :data:`SCHEMAS`; unknown fields, wrong types, over-long strings and lists are
-rejected. Nothing is ever unpickled. Adding a kind is one entry in :data:`SCHEMAS`.
-
-:func:`decode` checks, in order: frame count, total size, MAC, JSON, version, header fields,
-job, kind, body schema, clock skew. :func:`verify` (the first three) and :func:`parse` (the
-rest) are exposed separately so a server can tell unauthenticated garbage (never answered)
-from an authentic but invalid message (answered with an ``error``).
+Every kind's body has a schema in :data:`SCHEMAS`; unknown fields, wrong types, over-long
+strings and lists are rejected. Adding a kind is one entry in :data:`SCHEMAS`. How messages
+travel (signed, size-limited frames) is :mod:`ftrun.protocol.codec`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-import re
-import secrets
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ftrun.errors import AuthError, ConfigError, ProtocolError
+from ftrun.errors import ProtocolError
 
-VERSION = 1
-MAX_MESSAGE_BYTES = 1 << 20
 MAX_STRING_CHARS = 64 * 1024
 MAX_LIST_ITEMS = 4096
 MAX_DEPTH = 16
-MAX_CLOCK_SKEW_S = 300.0
-MAC_BYTES = 32
-# The fixed, unsigned, one-frame answer a coordinator gives a request whose MAC is wrong. It
-# carries no information beyond "not accepted" and lets a client say "wrong secret" instead of
-# waiting for a timeout.
-AUTH_REFUSED = b"ftrun-auth-refused"
 
 _NONE = type(None)
-_HEX = re.compile(r"^[0-9a-f]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -54,12 +29,20 @@ class ListOf:
 
 @dataclass(frozen=True)
 class Message:
+    """One authenticated, validated message.
+
+    ``re`` is the id of the request a reply answers (None in a request); ``frames`` are the
+    binary frames that travelled beside the JSON header, covered by the same MAC.
+    """
+
     kind: str
     job: str
     sender: str
     ts: float
     id: str
     body: dict[str, Any]
+    re: str | None = None
+    frames: tuple[bytes | memoryview, ...] = ()
 
 
 # A field spec is (type or tuple of types or ListOf or nested schema dict, required).
@@ -162,16 +145,6 @@ SCHEMAS: dict[str, Schema] = {
     "fault_reply": {"segment": (str, True), "step": (int, True), "offset": (int, True)},
 }
 
-_HEADER: Schema = {
-    "v": (int, True),
-    "kind": (str, True),
-    "job": (str, True),
-    "sender": (str, True),
-    "ts": (float, True),
-    "id": (str, True),
-    "body": (dict, True),
-}
-
 
 def _type_names(types: Any) -> str:
     if isinstance(types, ListOf):
@@ -268,119 +241,3 @@ def validate(schema: Mapping[str, FieldSpec], obj: Mapping[str, Any], where: str
                 raise ProtocolError(f"{where} lacks required field {name!r}")
             continue
         _check_value(obj[name], spec, f"{where}.{name}", depth)
-
-
-def _mac(secret: bytes, header: bytes) -> bytes:
-    return hmac.new(secret, header, hashlib.sha256).digest()
-
-
-def encode(kind: str, body: Mapping[str, Any], *, secret: bytes, job: str,
-           sender: str) -> list[bytes]:
-    """Build the two signed frames of one message; the body is validated like on receipt."""
-    if kind not in SCHEMAS:
-        raise ProtocolError(f"unknown message kind {kind!r}; known: {', '.join(sorted(SCHEMAS))}")
-    body = dict(body)
-    validate(SCHEMAS[kind], body, f"{kind} body")
-    header_obj = {
-        "v": VERSION,
-        "kind": kind,
-        "job": job,
-        "sender": sender,
-        "ts": time.time(),
-        "id": secrets.token_hex(8),
-        "body": body,
-    }
-    try:
-        header = json.dumps(header_obj, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(f"{kind} body is not JSON-serialisable: {e}") from e
-    if len(header) + MAC_BYTES > MAX_MESSAGE_BYTES:
-        raise ProtocolError(
-            f"{kind} message is {len(header) + MAC_BYTES} bytes (max {MAX_MESSAGE_BYTES})"
-        )
-    return [header, _mac(secret, header)]
-
-
-def verify(frames: Sequence[bytes], *, secret: bytes) -> bytes:
-    """Frame count, size and MAC: return the authenticated header bytes.
-
-    Everything this raises concerns an unauthenticated peer and must not be answered with
-    details. A wrong MAC raises :class:`AuthError`, the rest :class:`ProtocolError`.
-    """
-    if len(frames) != 2:
-        raise ProtocolError(f"expected 2 frames (header, MAC), got {len(frames)}")
-    header, mac = bytes(frames[0]), bytes(frames[1])
-    size = len(header) + len(mac)
-    if size > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message is {size} bytes (max {MAX_MESSAGE_BYTES})")
-    if not hmac.compare_digest(mac, _mac(secret, header)):
-        raise AuthError(
-            "message not signed with this job's secret (wrong FTRUN_SECRET or state directory, "
-            "or not an ftrun peer)"
-        )
-    return header
-
-
-def parse(header: bytes, *, job: str, now: float | None = None) -> Message:
-    """Parse and validate authenticated header bytes (see :func:`verify`)."""
-    try:
-        obj = json.loads(header.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ProtocolError(f"header is not UTF-8 JSON: {_short(str(e), 120)}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"header must be a JSON object, got {type(obj).__name__}")
-    version = obj.get("v")
-    if version != VERSION or isinstance(version, bool):
-        raise ProtocolError(
-            f"message has protocol version {_short(version)}; this ftrun supports version "
-            f"{VERSION}: run the same ftrun release on every node and for `ftrun status`"
-        )
-    validate(_HEADER, obj, "header")
-    if obj["job"] != job:
-        raise ProtocolError(f"message is for job {_short(obj['job'])}, this is job {job!r}")
-    kind = obj["kind"]
-    if kind not in SCHEMAS:
-        raise ProtocolError(f"unknown message kind {_short(kind)}")
-    if not _HEX.match(obj["id"]):
-        raise ProtocolError(f"message id {_short(obj['id'])} is not a short hex string")
-    validate(SCHEMAS[kind], obj["body"], f"{kind} body")
-    current = time.time() if now is None else now
-    skew = float(obj["ts"]) - current
-    if abs(skew) > MAX_CLOCK_SKEW_S:
-        raise ProtocolError(
-            f"message timestamp is {skew:+.0f} s off this host's clock (max "
-            f"{MAX_CLOCK_SKEW_S:.0f} s): a replay, or clocks out of sync (run NTP)"
-        )
-    return Message(
-        kind=kind,
-        job=obj["job"],
-        sender=obj["sender"],
-        ts=float(obj["ts"]),
-        id=obj["id"],
-        body=obj["body"],
-    )
-
-
-def decode(frames: Sequence[bytes], *, secret: bytes, job: str,
-           now: float | None = None) -> Message:
-    """Authenticate and validate one message; raise AuthError or ProtocolError."""
-    return parse(verify(frames, secret=secret), job=job, now=now)
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6addr]:port"`` -> (host, port)."""
-    host, sep, port_s = endpoint.strip().rpartition(":")
-    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
-        raise ConfigError(f"endpoint {endpoint!r} is not HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port_s)
-
-
-def join_endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def zmq_url(endpoint: str) -> str:
-    host, port = split_endpoint(endpoint)
-    return f"tcp://{join_endpoint(host, port)}"

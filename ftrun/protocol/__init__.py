@@ -1,0 +1,35 @@
+"""The control plane's protocol: messages (:mod:`.messages`), their signed wire format
+(:mod:`.codec`) and the request/reply transport over ZeroMQ (:mod:`.transport`, imported on
+its own: it loads ZeroMQ)."""
+
+from ftrun.protocol.codec import (
+    AUTH_REFUSED,
+    MAC_BYTES,
+    MAX_CLOCK_SKEW_S,
+    MAX_DATA_FRAMES,
+    MAX_FRAME_BYTES,
+    MAX_MESSAGE_BYTES,
+    VERSION,
+    decode,
+    encode,
+    new_id,
+    parse,
+    verify,
+)
+from ftrun.protocol.endpoints import join_endpoint, split_endpoint, zmq_url
+from ftrun.protocol.messages import (
+    MAX_DEPTH,
+    MAX_LIST_ITEMS,
+    MAX_STRING_CHARS,
+    SCHEMAS,
+    ListOf,
+    Message,
+    validate,
+)
+
+__all__ = [
+    "AUTH_REFUSED", "MAC_BYTES", "MAX_CLOCK_SKEW_S", "MAX_DATA_FRAMES", "MAX_DEPTH",
+    "MAX_FRAME_BYTES", "MAX_LIST_ITEMS", "MAX_MESSAGE_BYTES", "MAX_STRING_CHARS", "SCHEMAS",
+    "VERSION", "ListOf", "Message", "decode", "encode", "join_endpoint", "new_id", "parse",
+    "split_endpoint", "validate", "verify", "zmq_url",
+]

@@ -1,0 +1,209 @@
+"""The wire format of one message: a signed, versioned, size-limited JSON header, and binary
+frames beside it covered by the same signature.
+
+A message is a ZeroMQ multipart::
+
+    [header: UTF-8 JSON object, MAC: 32 raw bytes, data frame 1, ..., data frame n]
+
+``MAC = HMAC-SHA256(job secret, header || len(frame 1) || frame 1 || ... )`` with each length
+as 8 bytes big-endian, so the data frames, their order and their boundaries are signed with
+the header; a message without data frames is signed over its header alone. Nothing is ever
+unpickled.
+
+The header carries ``v`` (protocol version), ``kind``, ``job`` (run id), ``sender``, ``ts``
+(unix time, float), ``id`` (random hex), ``body`` (an object, see
+:mod:`ftrun.protocol.messages`) and, in a reply, ``re``: the id of the request it answers.
+
+:func:`decode` checks, in order: frame count and sizes, MAC, JSON, version, header fields,
+job, kind, body schema, clock skew. :func:`verify` (the first two) and :func:`parse` (the
+rest) are exposed separately so a server can tell unauthenticated garbage (never answered)
+from an authentic but invalid message (answered with an ``error``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from ftrun.errors import AuthError, ProtocolError
+from ftrun.protocol.messages import SCHEMAS, Message, Schema, _short, validate
+
+# 2: replies carry ``re``; binary frames may follow the MAC.
+VERSION = 2
+# The largest JSON header, and the most and largest binary frames, a message may carry. A
+# server may accept smaller data frames (the coordinator takes none larger than a header).
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_DATA_FRAMES = 64
+MAX_FRAME_BYTES = 64 << 20
+MAX_CLOCK_SKEW_S = 300.0
+MAC_BYTES = 32
+# The fixed, unsigned, one-frame answer a server gives a message whose MAC is wrong. It
+# carries no information beyond "not accepted" and lets a client say "wrong secret" instead of
+# waiting for a timeout.
+AUTH_REFUSED = b"ftrun-auth-refused"
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+_HEX = re.compile(r"^[0-9a-f]{1,64}$")
+_HEADER: Schema = {
+    "v": (int, True),
+    "kind": (str, True),
+    "job": (str, True),
+    "sender": (str, True),
+    "ts": (float, True),
+    "id": (str, True),
+    "re": (str, False),
+    "body": (dict, True),
+}
+
+
+def new_id() -> str:
+    """A fresh message id (random, 16 hex digits)."""
+    return secrets.token_hex(8)
+
+
+def _mac(secret: bytes, header: Buffer, data: Sequence[Buffer]) -> bytes:
+    mac = hmac.new(secret, header, hashlib.sha256)
+    for frame in data:
+        mac.update(len(frame).to_bytes(8, "big"))
+        mac.update(frame)
+    return mac.digest()
+
+
+def _nbytes(frame: Buffer) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def encode(kind: str, body: Mapping[str, Any], *, secret: bytes, job: str, sender: str,
+           id: str | None = None, re: str | None = None,
+           data: Sequence[Buffer] = ()) -> list[Buffer]:
+    """Build the signed frames of one message; the body is validated like on receipt.
+
+    ``id`` defaults to a fresh one; ``re`` is the id of the request this replies to; ``data``
+    are binary frames sent (uncopied) after the MAC.
+    """
+    if kind not in SCHEMAS:
+        raise ProtocolError(f"unknown message kind {kind!r}; known: {', '.join(sorted(SCHEMAS))}")
+    body = dict(body)
+    validate(SCHEMAS[kind], body, f"{kind} body")
+    if len(data) > MAX_DATA_FRAMES:
+        raise ProtocolError(f"{kind} message has {len(data)} data frames (max {MAX_DATA_FRAMES})")
+    for i, frame in enumerate(data):
+        if _nbytes(frame) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"{kind} data frame {i} is {_nbytes(frame)} bytes "
+                                f"(max {MAX_FRAME_BYTES}); send it in smaller chunks")
+    header_obj: dict[str, Any] = {
+        "v": VERSION,
+        "kind": kind,
+        "job": job,
+        "sender": sender,
+        "ts": time.time(),
+        "id": new_id() if id is None else id,
+        "body": body,
+    }
+    if re is not None:
+        header_obj["re"] = re
+    try:
+        header = json.dumps(header_obj, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"{kind} body is not JSON-serialisable: {e}") from e
+    if len(header) + MAC_BYTES > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"{kind} message is {len(header) + MAC_BYTES} bytes (max {MAX_MESSAGE_BYTES})"
+        )
+    return [header, _mac(secret, header, data), *data]
+
+
+def verify(frames: Sequence[Buffer], *, secret: bytes,
+           max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """Frame count, sizes and MAC: return the authenticated header bytes.
+
+    Everything this raises concerns an unauthenticated peer and must not be answered with
+    details. A wrong MAC raises :class:`AuthError`, the rest :class:`ProtocolError`.
+    """
+    if not 2 <= len(frames) <= 2 + MAX_DATA_FRAMES:
+        raise ProtocolError(f"expected 2 to {2 + MAX_DATA_FRAMES} frames (header, MAC, data), "
+                            f"got {len(frames)}")
+    header, mac, data = bytes(frames[0]), bytes(frames[1]), frames[2:]
+    if len(header) + len(mac) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message header is {len(header) + len(mac)} bytes "
+                            f"(max {MAX_MESSAGE_BYTES})")
+    if len(mac) != MAC_BYTES:
+        raise ProtocolError(f"the MAC frame is {len(mac)} bytes, not {MAC_BYTES}")
+    for i, frame in enumerate(data):
+        if _nbytes(frame) > max_frame_bytes:
+            raise ProtocolError(f"data frame {i} is {_nbytes(frame)} bytes "
+                                f"(max {max_frame_bytes} here)")
+    if not hmac.compare_digest(mac, _mac(secret, header, data)):
+        raise AuthError(
+            "message not signed with this job's secret (wrong FTRUN_SECRET or state directory, "
+            "not an ftrun peer, or a frame was altered on the way)"
+        )
+    return header
+
+
+def parse(header: bytes, *, job: str, now: float | None = None,
+          data: Sequence[Buffer] = ()) -> Message:
+    """Parse and validate authenticated header bytes (see :func:`verify`); ``data`` are the
+    message's data frames, verified with it."""
+    try:
+        obj = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"header is not UTF-8 JSON: {_short(str(e), 120)}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"header must be a JSON object, got {type(obj).__name__}")
+    version = obj.get("v")
+    if version != VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            f"message has protocol version {_short(version)}; this ftrun supports version "
+            f"{VERSION}: run the same ftrun release on every node and for `ftrun status`"
+        )
+    validate(_HEADER, obj, "header")
+    if obj["job"] != job:
+        raise ProtocolError(f"message is for job {_short(obj['job'])}, this is job {job!r}")
+    kind = obj["kind"]
+    if kind not in SCHEMAS:
+        raise ProtocolError(f"unknown message kind {_short(kind)}")
+    for field in ("id", "re"):
+        if field in obj and not _HEX.match(obj[field]):
+            raise ProtocolError(f"message {field} {_short(obj[field])} is not a short hex string")
+    validate(SCHEMAS[kind], obj["body"], f"{kind} body")
+    current = time.time() if now is None else now
+    skew = float(obj["ts"]) - current
+    if abs(skew) > MAX_CLOCK_SKEW_S:
+        raise ProtocolError(
+            f"message timestamp is {skew:+.0f} s off this host's clock (max "
+            f"{MAX_CLOCK_SKEW_S:.0f} s): a replay, or clocks out of sync (run NTP)"
+        )
+    return Message(
+        kind=kind,
+        job=obj["job"],
+        sender=obj["sender"],
+        ts=float(obj["ts"]),
+        id=obj["id"],
+        body=obj["body"],
+        re=obj.get("re"),
+        frames=tuple(data),
+    )
+
+
+def peek(header: bytes, field: str) -> str | None:
+    """``id`` or ``re`` of an authenticated header that failed :func:`parse`, if readable."""
+    try:
+        value = json.loads(header.decode("utf-8")).get(field)
+    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError):
+        return None
+    return value if isinstance(value, str) and _HEX.match(value) else None
+
+
+def decode(frames: Sequence[Buffer], *, secret: bytes, job: str, now: float | None = None,
+           max_frame_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Authenticate and validate one message; raise AuthError or ProtocolError."""
+    header = verify(frames, secret=secret, max_frame_bytes=max_frame_bytes)
+    return parse(header, job=job, now=now, data=frames[2:])

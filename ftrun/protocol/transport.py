@@ -1,0 +1,492 @@
+"""Request/reply over ZeroMQ: one client and one server for every control-plane peer.
+
+- :class:`Client` (a DEALER socket): ranks to their node's store, the store and the launcher's
+  reporter to the coordinator, ``ftrun status``. A request waits for the reply that carries
+  its id (``re``); a reply to an earlier request that timed out is dropped, never taken for
+  the current one. Replies to messages sent without waiting (:meth:`Client.send`) go to an
+  ``on_reply`` callback.
+- :class:`Server` (a ROUTER socket): the coordinator and the store. It runs a handler table
+  (kind -> handler); an unknown kind, an invalid message or a handler that raises is
+  answered with an ``error`` and logged, and the loop goes on.
+
+One error mapping on both ends: a wrong secret is :class:`AuthError` (the server answers the
+fixed, unsigned :data:`~ftrun.protocol.codec.AUTH_REFUSED` and logs an auth failure), a peer
+that does not answer is :class:`UnreachableError` naming the address and what to check, a
+malformed or oversized message is :class:`ProtocolError`, and an ``error`` reply is raised as
+the error class it names. Every wait is bounded; sockets never linger at close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Union
+
+import zmq
+
+from ftrun import errors
+from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
+from ftrun.protocol import codec
+from ftrun.protocol.codec import AUTH_REFUSED, Buffer
+from ftrun.protocol.endpoints import zmq_url
+from ftrun.protocol.messages import Message
+
+log = logging.getLogger(__name__)
+
+# Ids of messages sent without waiting whose replies are still welcome (to ``on_reply``).
+SENT_IDS_KEPT = 4096
+WARN_EVERY_S = 10.0
+MAX_AUTH_REFUSALS_PER_S = 5
+MAX_ERROR_CHARS = 4000
+
+_ERRORS: dict[str, type[FtrunError]] = {
+    cls.__name__: cls
+    for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, FtrunError)
+}
+
+
+def _url(address: str) -> str:
+    """A ZeroMQ URL as is, or ``host:port`` as ``tcp://host:port``."""
+    return address if "://" in address else zmq_url(address)
+
+
+def _frame_cap(max_frame_bytes: int) -> int:
+    # ZeroMQ's own limit, per frame: the largest header or data frame, with room for framing.
+    return max(codec.MAX_MESSAGE_BYTES, max_frame_bytes) + 1024
+
+
+def error_from_reply(msg: Message, peer: str) -> FtrunError:
+    """The error an ``error`` reply stands for: the class it names, else FtrunError."""
+    cls = _ERRORS.get(str(msg.body.get("error", "")), FtrunError)
+    return cls(f"{peer}: {msg.body['message']}")
+
+
+class RateLimiter:
+    """Let through the first of each key per ``every_s``; count what was held back."""
+
+    def __init__(self, every_s: float, max_keys: int = 1024) -> None:
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._last: dict[Any, tuple[float, int]] = {}
+
+    def allow(self, key: Any) -> tuple[bool, int]:
+        """(allowed, number suppressed since the last allowed one)."""
+        now = time.monotonic()
+        last, suppressed = self._last.get(key, (float("-inf"), 0))
+        if now - last >= self.every_s:
+            if len(self._last) >= self.max_keys:
+                self._last.clear()
+            self._last[key] = (now, 0)
+            return True, suppressed
+        self._last[key] = (last, suppressed + 1)
+        return False, suppressed + 1
+
+
+class Client:
+    """One peer's end of request/reply: a DEALER socket, made on first use.
+
+    ``address`` is ``host:port`` or a ZeroMQ URL (``ipc://...``). ``peer`` names the other
+    end in errors ("coordinator", "snapshot store") and ``hint`` says what to check when it
+    does not answer. Thread-safe; a process forked after first use makes a fresh socket
+    instead of touching its parent's.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        job: str,
+        sender: str,
+        *,
+        peer: str = "peer",
+        hint: str = "",
+        on_reply: Callable[[Message], None] | None = None,
+        send_timeout_s: float = 1.0,
+        sndhwm: int = 1000,
+        reconnect_s: tuple[float, float] | None = None,
+        max_frame_bytes: int = codec.MAX_FRAME_BYTES,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.address = address
+        self.url = _url(address)
+        self.peer = peer
+        self._hint = hint
+        self._secret = secret
+        self._job = job
+        self._sender = sender
+        self._on_reply = on_reply
+        self._send_timeout_s = send_timeout_s
+        self._sndhwm = sndhwm
+        self._reconnect_s = reconnect_s
+        self._max_frame_bytes = max_frame_bytes
+        self._ctx = context
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket[Any] | None = None
+        self._pid = 0
+        self._sent: deque[str] = deque(maxlen=SENT_IDS_KEPT)
+        self._sent_set: set[str] = set()
+
+    def __str__(self) -> str:
+        return f"{self.peer} at {self.address}"
+
+    # -- the socket --------------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[Any]:
+        if self._sock is not None and self._pid != os.getpid():
+            self._sock = None  # the parent's, inherited through fork: never used here
+        if self._sock is None:
+            ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+            sock.setsockopt(zmq.RCVHWM, 1000)
+            sock.setsockopt(zmq.SNDTIMEO, max(0, int(self._send_timeout_s * 1000)))
+            sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(self._max_frame_bytes))
+            if self._reconnect_s is not None:
+                sock.setsockopt(zmq.RECONNECT_IVL, int(self._reconnect_s[0] * 1000))
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._reconnect_s[1] * 1000))
+            if self.url.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(self.url)
+            self._sock, self._pid = sock, os.getpid()
+        return self._sock
+
+    def _reset(self) -> None:
+        """Drop the connection: a fresh one reconnects at once (to a restarted peer)."""
+        if self._sock is not None:
+            if self._pid == os.getpid():
+                self._sock.close(0)
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def _encode(self, kind: str, body: Mapping[str, Any], msg_id: str,
+                data: Sequence[Buffer]) -> list[Buffer]:
+        return codec.encode(kind, body, secret=self._secret, job=self._job,
+                            sender=self._sender, id=msg_id, data=data)
+
+    def send(self, kind: str, body: Mapping[str, Any],
+             frames: Sequence[Buffer] = ()) -> str | None:
+        """Send without waiting; a reply to it goes to ``on_reply`` when one is read.
+
+        Returns the message id, or None when the message could not be queued within the send
+        timeout (nobody connected, or the peer not reading).
+        """
+        msg_id = codec.new_id()
+        out = self._encode(kind, body, msg_id, frames)
+        with self._lock:
+            try:
+                self._socket().send_multipart(out, copy=False)
+            except zmq.Again:
+                return None
+            if len(self._sent) == self._sent.maxlen:
+                self._sent_set.discard(self._sent[0])
+            self._sent.append(msg_id)
+            self._sent_set.add(msg_id)
+        return msg_id
+
+    def request(self, kind: str, body: Mapping[str, Any], expect: str | None,
+                timeout_s: float, *, attempts: int = 1,
+                frames: Sequence[Buffer] = ()) -> Message:
+        """Send and wait up to ``timeout_s`` for the reply to this very message; resend
+        (``attempts`` in all) on a fresh connection after each timeout.
+
+        ``expect`` is the kind the reply must have (None: any). Raises UnreachableError when
+        no attempt is answered, AuthError when the peer refuses our secret or its reply is not
+        signed with it, ProtocolError for a reply of the wrong kind, and the error an
+        ``error`` reply names.
+        """
+        msg_id = codec.new_id()
+        out = self._encode(kind, body, msg_id, frames)
+        with self._lock:
+            for attempt in range(attempts):
+                try:
+                    self._socket().send_multipart(out, copy=False)
+                except zmq.Again:  # not even queued within the send timeout
+                    self._reset()
+                    continue
+                reply = self._read(msg_id, time.monotonic() + timeout_s)
+                if reply is not None:
+                    break
+                log.debug("%s to %s: no reply after %.1f s (attempt %d of %d)", kind, self,
+                          timeout_s, attempt + 1, attempts)
+                self._reset()
+            else:
+                tries = f"{attempts} x {timeout_s:g} s" if attempts > 1 else f"{timeout_s:g} s"
+                hint = f"; {self._hint}" if self._hint else ""
+                raise UnreachableError(f"{self} did not answer within {tries} ({kind}){hint}")
+        if reply.kind == "error":
+            raise error_from_reply(reply, str(self))
+        if expect is not None and reply.kind != expect:
+            raise ProtocolError(f"{self} answered {kind} with {reply.kind}, not {expect}")
+        return reply
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float) -> None:
+        """Read what arrives within ``timeout_s``: replies to :meth:`send` go to ``on_reply``.
+
+        Raises AuthError when the peer refused our secret.
+        """
+        with self._lock:
+            self._read(None, time.monotonic() + timeout_s)
+
+    def _read(self, want: str | None, deadline: float) -> Message | None:
+        """Read until the reply to ``want`` arrives (returned) or ``deadline`` passes."""
+        sock = self._socket()
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not sock.poll(remaining_ms, zmq.POLLIN):
+                return None
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+            msg = self._decode(frames, want)
+            if msg is None:
+                continue
+            if want is not None and msg.re == want:
+                return msg
+            if msg.re is not None and msg.re in self._sent_set:
+                self._deliver(msg)
+            else:
+                log.debug("dropped a stale %s from %s (reply to %s)", msg.kind, self, msg.re)
+
+    def _decode(self, frames: list[Any], want: str | None) -> Message | None:
+        if len(frames) == 1 and frames[0].bytes == AUTH_REFUSED:
+            raise AuthError(
+                f"{self} refused our secret; set FTRUN_SECRET or --state-dir to the job's "
+                "(the secret is <state dir>/jobs/<run id>/secret where the job started)"
+            )
+        payload = [bytes(f.bytes) for f in frames[:2]] + [f.buffer for f in frames[2:]]
+        try:
+            header = codec.verify(payload, secret=self._secret,
+                                  max_frame_bytes=self._max_frame_bytes)
+        except AuthError:
+            raise AuthError(
+                f"the reply from {self} is not signed with our secret: another job's "
+                f"{self.peer}, or not an ftrun {self.peer}; check the address and FTRUN_SECRET"
+            ) from None
+        except ProtocolError as e:
+            log.warning("dropped a bad message from %s: %s", self, e)
+            return None
+        try:
+            return codec.parse(header, job=self._job, data=payload[2:])
+        except ProtocolError as e:
+            # Authentic but invalid (another ftrun release, another job): fatal to the
+            # request it answers, dropped otherwise.
+            if want is not None and codec.peek(header, "re") == want:
+                raise ProtocolError(f"the reply from {self} is invalid: {e}") from None
+            log.warning("dropped a bad message from %s: %s", self, e)
+            return None
+
+    def _deliver(self, msg: Message) -> None:
+        if self._on_reply is not None:
+            self._on_reply(msg)
+        elif msg.kind == "error":
+            log.warning("%s: %s", self, msg.body.get("message"))
+
+
+class Reply(NamedTuple):
+    """What a handler answers: a message kind, its body, and binary frames beside it."""
+
+    kind: str
+    body: Mapping[str, Any]
+    frames: Sequence[Buffer] = ()
+
+
+# A handler answers a request with a Reply (or a (kind, body) pair), or None for no reply.
+Handler = Callable[[Message], Union[Reply, tuple[str, Mapping[str, Any]], None]]
+# Told of each refused message (kind "auth_failure" or "bad_message", the peer's address,
+# reason, how many like it were suppressed): the coordinator records them as events.
+RejectHook = Callable[[str, str, str, int], None]
+
+
+class Server:
+    """A ROUTER socket that answers through a handler table; the caller runs the loop.
+
+    ``name`` says who serves (in logs and error replies). :meth:`serve_once` handles what
+    arrives within a timeout, so a server loop can do its own periodic work between calls.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        secret: bytes,
+        job: str,
+        handlers: Mapping[str, Handler],
+        *,
+        sender: str,
+        max_frame_bytes: int = codec.MAX_MESSAGE_BYTES,
+        on_reject: RejectHook | None = None,
+        hwm: int = 10_000,
+    ) -> None:
+        if not secret:
+            raise FtrunError(f"the {name} needs a non-empty job secret")
+        self.name = name
+        self._secret = secret
+        self._job = job
+        self.handlers = dict(handlers)
+        self._sender = sender
+        self._max_frame_bytes = max_frame_bytes
+        self._on_reject = on_reject
+        self._hwm = hwm
+        self._sock: zmq.Socket[Any] | None = None
+        self._warn = RateLimiter(WARN_EVERY_S)
+        self._refusals: dict[str, tuple[float, int]] = {}
+        self.counters: dict[str, int] = {"messages": 0, "auth_failures": 0, "bad_messages": 0,
+                                         "handler_errors": 0}
+
+    def bind(self, url: str, context: zmq.Context[Any] | None = None) -> str:
+        """Bind to ``url`` (tcp://host:port, port * for any; ipc://path); return the URL
+        actually bound."""
+        ctx = context if context is not None else zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(self._max_frame_bytes))
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.setsockopt(zmq.RCVHWM, self._hwm)
+            if url.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.bind(url)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        self._sock = sock
+        return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def serve_once(self, timeout_s: float, max_messages: int = 1000) -> int:
+        """Handle the messages that arrive within ``timeout_s`` (at most ``max_messages``);
+        return how many were read."""
+        sock = self._sock
+        if sock is None:
+            raise FtrunError(f"the {self.name} is not bound; call bind() first")
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return 0
+        n = 0
+        while n < max_messages:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            n += 1
+            self._handle(frames)
+        return n
+
+    # -- one message -------------------------------------------------------------------------
+
+    def _handle(self, frames: list[Any]) -> None:
+        identity = bytes(frames[0].bytes)
+        try:
+            address = frames[0].get("Peer-Address") or ""
+        except zmq.ZMQError:
+            address = ""
+        peer = f"{address or '?'} (id {identity.hex()})"
+        payload = [bytes(f.bytes) for f in frames[1:3]] + [f.buffer for f in frames[3:]]
+        self.counters["messages"] += 1
+        try:
+            header = codec.verify(payload, secret=self._secret,
+                                  max_frame_bytes=self._max_frame_bytes)
+        except AuthError as e:
+            self.counters["auth_failures"] += 1
+            self._reject("auth_failure", address, peer, str(e))
+            if self._may_refuse(address):
+                self._send(identity, [AUTH_REFUSED])
+            return
+        except ProtocolError as e:
+            self.counters["bad_messages"] += 1
+            self._reject("bad_message", address, peer, str(e))
+            return
+        try:
+            msg = codec.parse(header, job=self._job, data=payload[2:])
+        except ProtocolError as e:
+            self.counters["bad_messages"] += 1
+            self._reject("bad_message", address, peer, str(e))
+            # The header is authentic: its id, if readable, tells the client what failed.
+            self._reply(identity, codec.peek(header, "id"), Reply("error", {"message": str(e)[:MAX_ERROR_CHARS],
+                                                        "error": type(e).__name__}))
+            return
+        self._reply(identity, msg.id, self._answer(msg, peer))
+
+    def _answer(self, msg: Message, peer: str) -> Reply | None:
+        handler = self.handlers.get(msg.kind)
+        if handler is None:
+            log.warning("%s: unexpected %s message from %s; answered with an error", self.name,
+                        msg.kind, msg.sender)
+            return Reply("error", {"message": f"the {self.name} does not accept "
+                                              f"{msg.kind!r} messages", "error": "ProtocolError"})
+        try:
+            answer = handler(msg)
+        except FtrunError as e:
+            log.warning("%s cannot answer %s from %s: %s", self.name, msg.kind, peer, e)
+            return Reply("error", {"message": str(e)[:MAX_ERROR_CHARS],
+                                   "error": type(e).__name__})
+        except Exception as e:  # noqa: BLE001 - a handler's bug must not end the loop
+            self.counters["handler_errors"] += 1
+            log.exception("%s: handling %s from %s failed", self.name, msg.kind, peer)
+            return Reply("error", {
+                "message": f"the {self.name} failed on {msg.kind}: {type(e).__name__}: "
+                           f"{e}"[:MAX_ERROR_CHARS], "error": "FtrunError"})
+        if answer is None or isinstance(answer, Reply):
+            return answer
+        return Reply(*answer)
+
+    def _reply(self, identity: bytes, re: str | None, answer: Reply | None) -> None:
+        if answer is None:
+            return
+        try:
+            out = codec.encode(answer.kind, answer.body, secret=self._secret, job=self._job,
+                               sender=self._sender, re=re, data=answer.frames)
+        except ProtocolError as e:
+            log.error("%s cannot encode its %s reply: %s", self.name, answer.kind, e)
+            out = codec.encode("error", {"message": f"the {self.name} cannot reply: "
+                                                    f"{e}"[:MAX_ERROR_CHARS],
+                                         "error": "ProtocolError"},
+                               secret=self._secret, job=self._job, sender=self._sender, re=re)
+        self._send(identity, out)
+
+    def _send(self, identity: bytes, frames: list[Buffer]) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("%s: reply to %s dropped: peer not reading", self.name, identity.hex())
+
+    def _reject(self, kind: str, address: str, peer: str, reason: str) -> None:
+        allowed, suppressed = self._warn.allow((kind, address, reason))
+        if not allowed:
+            return
+        more = f" ({suppressed} identical ones suppressed)" if suppressed else ""
+        log.warning("%s: %s from peer %s: %s%s", self.name, kind.replace("_", " "), peer,
+                    reason, more)
+        if self._on_reject is not None:
+            self._on_reject(kind, address, reason, suppressed)
+
+    def _may_refuse(self, address: str) -> bool:
+        """At most a few refusals per second per address: a flood is not echoed."""
+        now = time.monotonic()
+        start, count = self._refusals.get(address, (now, 0))
+        if now - start >= 1.0:
+            start, count = now, 0
+        if count >= MAX_AUTH_REFUSALS_PER_S:
+            return False
+        if len(self._refusals) > 1024:
+            self._refusals.clear()
+        self._refusals[address] = (start, count + 1)
+        return True
