@@ -143,6 +143,25 @@ def test_handler_table_errors(serving: Serving, caplog: pytest.LogCaptureFixture
     assert serving.server.counters["handler_errors"] == 1
 
 
+def test_replies_to_sends(serving: Serving, caplog: pytest.LogCaptureFixture) -> None:
+    got: list[protocol.Message] = []
+    c = client(serving.url, on_reply=got.append)
+    try:
+        with caplog.at_level(logging.WARNING, logger=transport.__name__):
+            ok = c.send("snap_flush", {"rank": 3})
+            bad = c.send("bye", {"node_id": "n", "state": "x", "exitcode": 0})
+            assert ok and bad
+            for _ in range(100):
+                c.poll(0.05)
+                if got and any("answered with an error" in r.getMessage()
+                               for r in caplog.records):
+                    break
+    finally:
+        c.close()
+    assert [(m.kind, m.re) for m in got] == [("snap_done", ok)]
+    assert any("does not accept 'bye'" in r.getMessage() for r in caplog.records)
+
+
 def test_no_answer_is_unreachable_with_address_and_hint(serving: Serving) -> None:
     c = client(serving.url)
     try:

@@ -186,9 +186,6 @@ class NodeReporter:
     def _on_reply(self, msg: protocol.Message, acked: set[str]) -> None:
         if msg.kind == "ack" and msg.re is not None:
             acked.add(msg.re)
-        elif msg.kind == "error":
-            self._warn("error_reply", 10.0, "coordinator at %s: %s", self.endpoint,
-                       msg.body.get("message"))
 
     def _drain_queue(self, pending: deque[tuple[str, dict[str, Any]]]) -> None:
         while True:

@@ -130,6 +130,7 @@ class Client:
         self._pid = 0
         self._sent: deque[str] = deque(maxlen=SENT_IDS_KEPT)
         self._sent_set: set[str] = set()
+        self._warn = RateLimiter(WARN_EVERY_S)
 
     def __str__(self) -> str:
         return f"{self.peer} at {self.address}"
@@ -290,10 +291,16 @@ class Client:
             return None
 
     def _deliver(self, msg: Message) -> None:
-        if self._on_reply is not None:
+        """A reply to a message sent without waiting: errors are logged here (nobody waits
+        to raise them), the rest go to ``on_reply``."""
+        if msg.kind == "error":
+            allowed, suppressed = self._warn.allow(msg.body.get("message"))
+            if allowed:
+                more = f" ({suppressed} more like it)" if suppressed else ""
+                log.warning("%s answered with an error: %s%s", self, msg.body.get("message"),
+                            more)
+        elif self._on_reply is not None:
             self._on_reply(msg)
-        elif msg.kind == "error":
-            log.warning("%s: %s", self, msg.body.get("message"))
 
 
 class Reply(NamedTuple):
