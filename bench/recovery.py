@@ -5,7 +5,7 @@ itself in step ``--fail-at-step``), side by side in one run::
 
     .venv/bin/python bench/recovery.py [--repeats 2] [--output bench/RESULTS.md]
 
-- ``ftrun``: snapshots every step in memory (the default of train.py under ftrun);
+- ``ftrun``: snapshots every step in memory (train.py ``--snapshot-every 1``);
 - ``torchrun + torch.save every K``: what a torchrun user writes (train.py
   ``--torch-save-dir --torch-save-every K``, rank 0 saves, all ranks load at start), with
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that its restart resumes at all;
@@ -100,7 +100,7 @@ def main() -> int:
         clean = run_job("clean", ftrun, [*base, "--snapshot-every", "0"], work, state,
                         args.timeout)["result"]["params_xxh3"]
         cases = {
-            "ftrun, snapshot every step": (ftrun, base, state),
+            "ftrun, snapshot every step": (ftrun, [*base, "--snapshot-every", "1"], state),
             f"torchrun + torch.save every {args.save_every}": (
                 torchrun, [*base, "--snapshot-every", "0", "--torch-save-every",
                            str(args.save_every)], torch_env),

@@ -352,7 +352,8 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path, code: Path) -> J
 
     train = [
         str(code / DRIVER), "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
-        "--result", str(result_file), "--fault-dir", str(job_dir / "faults"), *spec.train_extra,
+        "--result", str(result_file), "--fault-dir", str(job_dir / "faults"),
+        "--snapshot-every", "1", *spec.train_extra,
     ]
     if spec.fault:
         train += ["--fail-at-step", str(cfg.fail_at_step), "--fail-rank", str(cfg.fail_rank),
@@ -594,7 +595,8 @@ def render(
         f"- Date (UTC): {meta['date']}",
         f"- Host: {meta['host']}",
         f"- Code: commit {meta['tree']}",
-        f"- Job: `examples/train.py --steps {cfg.steps} --step-sleep {cfg.step_sleep}` "
+        f"- Job: `examples/train.py --steps {cfg.steps} --step-sleep {cfg.step_sleep} "
+        "--snapshot-every 1` "
         f"(via `bench/_timed_train.py`) on {cfg.nodes} launchers × {cfg.nproc_per_node} ranks "
         f"on localhost (world {world}), c10d rendezvous, `--max-restarts 1`; rank "
         f"{cfg.fail_rank} fails in step {cfg.fail_at_step}; {cfg.repeats} repeat(s), "

@@ -69,7 +69,7 @@ def test_killed_worker_restarts_and_matches_fault_free(procs: Procs, state_dir: 
     result = tmp_path / "result.json"
     nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "2",
                       train_args=("--fail-at-step", "3", "--fail-rank", "1", "--fail-mode", "kill",
-                                  "--result", str(result)))
+                                  "--snapshot-every", "1", "--result", str(result)))
     assert _job_result(procs, nodes, 200) == baseline_hash
     # Both nodes resumed from their in-memory snapshots of the last completed step.
     assert json.loads(result.read_text())["resumed_from"] == [2]

@@ -169,8 +169,9 @@ def test_requeue_resumes_from_the_persisted_step(reference: PlainRun, cluster: S
                                                  tmp_path: Path) -> None:
     work = tmp_path / "requeue"
     steps_log = work / "steps.jsonl"
+    # A snapshot of every step: the step persisted at the signal is the step reached.
     job_id = _submit(cluster, work, "requeue.sbatch", *SLOW, "--step-log", str(steps_log),
-                     SAVE_GRACE="1", PERSIST_EVERY="5", FTRUN_PERSIST_KEEP="1000")
+                     "--snapshot-every", "1", SAVE_GRACE="1", PERSIST_EVERY="5", FTRUN_PERSIST_KEEP="1000")
     wait_for(lambda: _steps_done(steps_log) >= 6, 120, "6 steps of the first run", 0.2)
 
     # From outside the job, with no FTRUN_SECRET: the job's secret file is found.

@@ -56,12 +56,14 @@ def test_auto_caps_the_interval() -> None:
 @pytest.mark.integration
 def test_launcher_interval_and_the_last_step_taken_at_close(
         procs: Procs, state_dir: Path, tmp_path: Path) -> None:
-    """--snapshot-every 4 reaches the ranks; close() takes step 10, which 4 does not divide."""
+    """--snapshot-every 4 reaches the ranks (train.py's `launcher` defers to it); close() takes
+    step 10, which 4 does not divide."""
     persist = tmp_path / "persist"
     proc = procs.ftrun("--standalone", "--rdzv-id", f"cad-{uuid.uuid4().hex[:8]}",
                        "--nproc-per-node", "2", "--snapshot-every", "4", "--persist-dir",
                        str(persist), "--persist-every", "1", "--persist-keep", "10", TRAIN,
-                       "--steps", "10", "--layers", "1", "--dim", "32")
+                       "--steps", "10", "--layers", "1", "--dim", "32",
+                       "--snapshot-every", "launcher")
     assert procs.wait(proc, 240) == 0, procs.output(proc)[-4000:]
     steps = sorted(int(p.name.split("_")[1]) for p in persist.iterdir() if p.name.startswith("step_"))
     assert steps[-1] == 10 and set(steps) <= {4, 8, 10}, steps

@@ -89,7 +89,7 @@ def test_corrupted_snapshot_is_refused_and_an_older_one_used(
 ) -> None:
     result = tmp_path / "r.json"
     proc, run_id = job(procs, "--fail-at-step", "5", "--fail-rank", "1", "--fail-mode", "corrupt",
-                       "--result", str(result))
+                       "--snapshot-every", "1", "--result", str(result))
     doc = finish(procs, proc, result)
     marker = fault_marker(state_dir, run_id, 1, 5)
     assert marker[-1]["corrupted_step"] == 4
@@ -107,7 +107,7 @@ def test_killing_the_store_loses_nothing(
 
     result = tmp_path / "r.json"
     proc, run_id = job(procs, "--fail-at-step", "7", "--fail-rank", "0", "--fail-mode", "kill",
-                       "--step-sleep", "1.0", "--result", str(result))
+                       "--snapshot-every", "1", "--step-sleep", "1.0", "--result", str(result))
     events_of = lambda kind: [e for e in read_events(state_dir, run_id) if e["type"] == kind]  # noqa: E731
     started = wait_for(lambda: events_of("store_started"), 60, "the store to start")
     store_pid = started[0]["pid"]

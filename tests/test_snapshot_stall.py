@@ -26,7 +26,7 @@ def test_a_stopped_store_skips_snapshots_and_training_goes_on(
     common = ("--standalone", "--nproc-per-node", "2", "--max-restarts", "0", TRAIN,
               "--steps", "20", "--layers", "1", "--dim", "32")
     proc = procs.ftrun("--rdzv-id", run_id, *common,
-                       "--step-sleep", "0.3", "--step-log", str(steps))
+                       "--snapshot-every", "1", "--step-sleep", "0.3", "--step-log", str(steps))
     started = wait_for(lambda: [e for e in read_events(state_dir, run_id)
                                 if e["type"] == "store_started"], 60, "the store to start")
     store_pid = started[0]["pid"]
