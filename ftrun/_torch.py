@@ -14,11 +14,26 @@ where it sits in its bucket, so a process that restarts mid-training and reduces
 step with the initial layout gets a result that differs in the last bits from the
 uninterrupted run, which used the rebuilt one. ftrun therefore records the rebuilt layout in
 every snapshot and, on restore, builds the reducer with that layout from the start.
+
+torchrun's launcher
+-------------------
+ftrun runs torchrun itself: its argument parser and its ``run(args)``, which builds a
+``LocalElasticAgent`` inside ``launch_agent``. The agent's extension points (rendezvous,
+worker start, monitoring, restart, shutdown, a worker's environment) are private methods, and
+the restart budget and the workers' process context private attributes. :func:`agent_class`
+maps them, once, onto public names that ``FtrunAgent`` overrides; :func:`run_torchrun` has
+torch's launcher build that agent. Supported: torch 2.11 to 2.15 (2.11's ``_shutdown`` takes
+no ``timeout``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
+import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -104,22 +119,6 @@ def ddp_use_layout(ddp: Any, layout: Layout) -> bool:
     del old
     return True
 
-
-
-def agent_shutdown(agent_cls: type, agent: Any, death_sig: Any, timeout: int) -> None:
-    """``LocalElasticAgent._shutdown`` of ``agent_cls``'s base, with the arguments it takes.
-
-    torch 2.11's takes ``(death_sig)``; later ones ``(death_sig, timeout)``.
-    """
-    import inspect
-
-    base = super(agent_cls, agent)._shutdown
-    if "timeout" in inspect.signature(base).parameters:
-        base(death_sig, timeout)
-    else:
-        base(death_sig)
-
-
 def ddp_will_rebuild(ddp: Any) -> bool:
     """Whether ``ddp`` has yet to rebuild its buckets (it never does with unused-parameter
     search, unless its graph is static)."""
@@ -163,3 +162,133 @@ def load_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> b
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": native_state, "param_groups": groups})
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun's launcher and elastic agent
+# --------------------------------------------------------------------------------------------
+
+# The public names agent_class() adds to LocalElasticAgent, and the private ones they stand for.
+AGENT_HOOKS = {
+    "rendezvous": "_rendezvous",
+    "set_local_rank_env": "_set_local_rank_env",
+    "start_workers": "_start_workers",
+    "monitor_workers": "_monitor_workers",
+    "restart_workers": "_restart_workers",
+    "shutdown": "_shutdown",
+}
+AGENT_ACCESSORS = ("remaining_restarts", "worker_pids")
+
+
+def torchrun_parser() -> Any:
+    """torchrun's own argument parser (``torch.distributed.run.get_args_parser``)."""
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+def is_this_host(host: str) -> bool:
+    """torch's rule for "the rendezvous endpoint is on this machine" (c10d's ``is_host``)."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return bool(_matches_machine_hostname(host))
+
+
+def run_torchrun(args: Any, make_agent: Callable[..., Any]) -> None:
+    """``torch.distributed.run.run(args)``, with ``make_agent(**kwargs)`` building the agent
+    where torch's ``launch_agent`` builds a ``LocalElasticAgent(**kwargs)``."""
+    from torch.distributed.run import run
+
+    with _agent_factory(make_agent):
+        run(args)
+
+
+@contextlib.contextmanager
+def _agent_factory(make_agent: Callable[..., Any]) -> Iterator[None]:
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = make_agent  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+
+
+def call_shutdown(shutdown: Callable[..., None], death_sig: signal.Signals, timeout: int) -> None:
+    """Call an agent's ``_shutdown`` with the arguments it takes: torch 2.11's takes
+    ``(death_sig)``, later ones ``(death_sig, timeout)``."""
+    if "timeout" in inspect.signature(shutdown).parameters:
+        shutdown(death_sig, timeout)
+    else:
+        shutdown(death_sig)
+
+
+@functools.cache
+def agent_class() -> type:
+    """torch's ``LocalElasticAgent`` with its private extension points under public names.
+
+    A subclass overrides ``rendezvous``, ``set_local_rank_env``, ``start_workers``,
+    ``monitor_workers``, ``restart_workers`` and ``shutdown`` (each with the arguments of the
+    torch method of the same name with a leading underscore) and calls ``super()`` for
+    torch's own behaviour. ``remaining_restarts()`` and ``worker_pids()`` read the agent's
+    private state. Built on first call, so that importing this module imports no torch.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class ElasticAgent(LocalElasticAgent):
+        # ---- what subclasses override; torch's behaviour by default ------------------
+        def rendezvous(self, worker_group: Any) -> None:
+            super()._rendezvous(worker_group)
+
+        def set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int,
+                               spec: Any) -> None:
+            super()._set_local_rank_env(worker_env, local_rank, spec)
+
+        def start_workers(self, worker_group: Any) -> dict[int, Any]:
+            return super()._start_workers(worker_group)
+
+        def monitor_workers(self, worker_group: Any) -> Any:
+            return super()._monitor_workers(worker_group)
+
+        def restart_workers(self, worker_group: Any) -> None:
+            super()._restart_workers(worker_group)
+
+        def shutdown(self, death_sig: signal.Signals, timeout: int) -> None:
+            call_shutdown(super()._shutdown, death_sig, timeout)
+
+        # ---- the agent's private state -----------------------------------------------
+        def remaining_restarts(self) -> int:
+            return int(self._remaining_restarts)
+
+        def worker_pids(self) -> dict[int, int]:
+            """Local rank -> pid of the running workers ({} before the first start)."""
+            pcontext = self._pcontext
+            if pcontext is None:
+                return {}
+            try:
+                return dict(pcontext.pids())
+            except Exception:  # the agent thread is tearing the context down
+                return {}
+
+        # ---- torch calls these ---------------------------------------------------------
+        def _rendezvous(self, worker_group: Any) -> None:
+            self.rendezvous(worker_group)
+
+        def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int,
+                                spec: Any) -> None:
+            self.set_local_rank_env(worker_env, local_rank, spec)
+
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+            return self.start_workers(worker_group)
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            return self.monitor_workers(worker_group)
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            self.restart_workers(worker_group)
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            self.shutdown(death_sig, timeout)
+
+    return ElasticAgent

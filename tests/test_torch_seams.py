@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
+import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,29 +93,18 @@ def test_a_layout_that_does_not_fit_is_refused(group: object) -> None:
     assert ddp.reducer is reducer
 
 
-def test_agent_shutdown_passes_only_the_arguments_torch_takes() -> None:
+def test_shutdown_gets_only_the_arguments_torch_takes() -> None:
     calls: list[tuple] = []
 
-    class Old:  # torch 2.11: _shutdown(self, death_sig)
-        def _shutdown(self, death_sig):  # noqa: ANN001, ANN202
-            calls.append(("old", death_sig))
+    def old(death_sig):  # noqa: ANN001, ANN202 (torch 2.11: _shutdown(self, death_sig))
+        calls.append(("old", death_sig))
 
-    class New:
-        def _shutdown(self, death_sig, timeout=30):  # noqa: ANN001, ANN202
-            calls.append(("new", death_sig, timeout))
+    def new(death_sig, timeout=30):  # noqa: ANN001, ANN202 (torch 2.12 and later)
+        calls.append(("new", death_sig, timeout))
 
-    class A(Old):
-        pass
-
-    class B(New):
-        pass
-
-    _torch.agent_shutdown(A, A(), 15, 5)
-    _torch.agent_shutdown(B, B(), 15, 5)
-    assert calls == [("old", 15), ("new", 15, 5)]
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    assert params(LocalElasticAgent._shutdown)[:2] == ["self", "death_sig"]
+    _torch.call_shutdown(old, signal.SIGTERM, 5)
+    _torch.call_shutdown(new, signal.SIGTERM, 5)
+    assert calls == [("old", signal.SIGTERM), ("new", signal.SIGTERM, 5)]
 
 
 def test_will_rebuild_follows_ddp_arguments(group: object) -> None:
@@ -163,13 +156,122 @@ def test_optimizer_state_loads_like_torchs_own_path(group: object) -> None:
     assert not _torch.load_optimizer_state(fast_model, other, saved)
 
 
-def test_elastic_agent_methods_ftrun_overrides() -> None:
-    """FtrunAgent (ftrun/launcher/agent.py) overrides these and calls torch's own."""
-    import torch.distributed.launcher.api as launcher_api
+# The parameters ftrun passes to each private method of LocalElasticAgent it overrides and
+# calls (ftrun._torch.agent_class), "self" first.
+AGENT_METHODS = {
+    "_rendezvous": ["self", "worker_group"],
+    "_set_local_rank_env": ["self", "worker_env", "local_rank", "spec"],
+    "_start_workers": ["self", "worker_group"],
+    "_monitor_workers": ["self", "worker_group"],
+    "_restart_workers": ["self", "worker_group"],
+}
+
+
+def test_elastic_agent_private_methods_and_signatures() -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    assert launcher_api.LocalElasticAgent is LocalElasticAgent  # launch.py swaps it in there
-    for name in ("_rendezvous", "_start_workers", "_monitor_workers", "_restart_workers"):
-        assert params(getattr(LocalElasticAgent, name)) == ["self", "worker_group"], name
-    assert params(LocalElasticAgent._set_local_rank_env) == [
-        "self", "worker_env", "local_rank", "spec"]
+    assert set(_torch.AGENT_HOOKS.values()) == {*AGENT_METHODS, "_shutdown"}
+    for name, expected in AGENT_METHODS.items():
+        assert params(getattr(LocalElasticAgent, name)) == expected, name
+    # (death_sig) up to torch 2.11, (death_sig, timeout) since: call_shutdown passes either.
+    shutdown = params(LocalElasticAgent._shutdown)
+    assert shutdown in (["self", "death_sig"], ["self", "death_sig", "timeout"]), shutdown
+    assert "timeout" in shutdown or torch.__version__ < (2, 12)
+    # The public names ftrun adds must not shadow anything of torch's.
+    for name in [*_torch.AGENT_HOOKS, *_torch.AGENT_ACCESSORS]:
+        assert not hasattr(LocalElasticAgent, name), f"LocalElasticAgent.{name} exists now"
+    agent = _torch.agent_class()
+    for public, private in _torch.AGENT_HOOKS.items():
+        assert private in vars(agent) and public in vars(agent), public
+
+
+def test_launcher_private_entry_points() -> None:
+    import torch.distributed.launcher.api as launcher_api
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    assert params(torch_run.get_args_parser) == []
+    assert params(torch_run.run) == ["args"]
+    # run_torchrun swaps the agent class launch_agent builds, by its name in that module.
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
+    assert "agent = LocalElasticAgent(" in inspect.getsource(launcher_api.launch_agent)
+    assert params(_matches_machine_hostname) == ["host"]
+    assert _torch.is_this_host(socket.gethostname()) and _torch.is_this_host("localhost")
+    assert not _torch.is_this_host("203.0.113.9")  # TEST-NET-3: never this machine
+    parser = _torch.torchrun_parser()
+    assert parser.parse_args(["--nproc-per-node", "3", "x.py"]).nproc_per_node == "3"
+
+
+def _worker_spec(script: Path, max_restarts: int) -> object:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    handler = get_rendezvous_handler(RendezvousParameters(
+        backend="static", endpoint=f"127.0.0.1:{free_port()}", run_id="seams", min_nodes=1,
+        max_nodes=1, rank=0))
+    return WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=handler,
+                      entrypoint=sys.executable, args=(str(script),), max_restarts=max_restarts,
+                      monitor_interval=0.1)
+
+
+def test_torch_calls_the_agent_hooks_and_the_accessors_read_its_state(tmp_path: Path) -> None:
+    """A real LocalElasticAgent run (static rendezvous, two workers that fail once, then
+    succeed if they got the variable set_local_rank_env added) reaches each public hook, and
+    the accessors see its restarts and workers."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    sys.exit(1)\n"
+        "sys.exit(0 if os.environ['SEAM_MARK'] == os.environ['LOCAL_RANK'] else 3)\n")
+    calls: list[str] = []
+    seen: dict[str, object] = {}
+
+    class Recording(_torch.agent_class()):  # type: ignore[misc]
+        def rendezvous(self, worker_group):  # noqa: ANN001, ANN202
+            calls.append("rendezvous")
+            super().rendezvous(worker_group)
+
+        def set_local_rank_env(self, worker_env, local_rank, spec):  # noqa: ANN001, ANN202
+            calls.append("set_local_rank_env")
+            super().set_local_rank_env(worker_env, local_rank, spec)
+            worker_env["SEAM_MARK"] = str(local_rank)
+
+        def start_workers(self, worker_group):  # noqa: ANN001, ANN202
+            calls.append("start_workers")
+            pids = super().start_workers(worker_group)
+            seen.setdefault("pids", []).append((dict(pids), self.worker_pids()))
+            return pids
+
+        def monitor_workers(self, worker_group):  # noqa: ANN001, ANN202
+            result = super().monitor_workers(worker_group)
+            if not calls or calls[-1] != "monitor_workers":
+                calls.append("monitor_workers")
+            return result
+
+        def restart_workers(self, worker_group):  # noqa: ANN001, ANN202
+            calls.append("restart_workers")
+            seen["remaining_before_restart"] = self.remaining_restarts()
+            super().restart_workers(worker_group)
+
+        def shutdown(self, death_sig, timeout):  # noqa: ANN001, ANN202
+            calls.append("shutdown")
+            super().shutdown(death_sig, timeout)
+
+    agent = Recording(spec=_worker_spec(script, max_restarts=1),
+                      logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    assert agent.worker_pids() == {} and agent.remaining_restarts() == 1
+    result = agent.run()
+    assert result.state == WorkerState.SUCCEEDED, result
+    assert calls[0] == "rendezvous" and calls[-1] == "shutdown", calls
+    assert calls.count("start_workers") == 2 and "restart_workers" in calls, calls
+    assert calls.count("set_local_rank_env") == 4, calls  # two workers, two starts
+    assert calls.index("monitor_workers") < calls.index("restart_workers"), calls
+    assert seen["remaining_before_restart"] == 0  # torch counts the restart down first
+    for started, from_accessor in seen["pids"]:
+        assert started == from_accessor and sorted(started) == [0, 1]

@@ -1,7 +1,8 @@
 """``FtrunAgent``: torchrun's ``LocalElasticAgent`` with ftrun's additions.
 
 The rendezvous, the worker environment, restarts and the failure summary are torch's own.
-This subclass adds, at the agent's existing extension points:
+This subclass adds, at the agent's existing extension points (private in torch; ftrun reaches
+them through :func:`ftrun._torch.agent_class`, under public names):
 
 - workers tied to the launcher's life (parent-death signal), so ``kill -9`` of the launcher
   leaves no orphans;
@@ -32,7 +33,6 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from ftrun import _torch, knobs
 from ftrun.coordinator.api import NodeState
@@ -92,7 +92,7 @@ def _signal_name(exitcode: int | None) -> str | None:
         return f"signal {-exitcode}"
 
 
-class FtrunAgent(LocalElasticAgent):
+class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
     """A LocalElasticAgent that reports to ftrun's coordinator and catches hung ranks."""
 
     def __init__(self, *, ctx: AgentContext, spec: WorkerSpec, **kwargs: Any) -> None:
@@ -110,7 +110,7 @@ class FtrunAgent(LocalElasticAgent):
 
     # ---- what the heartbeat reports -------------------------------------------------
     def node_state(self) -> dict[str, Any]:
-        wg = self._worker_group
+        wg = self.get_worker_group()
         spec = wg.spec
         pids = self.worker_pids()
         phase = self._phase
@@ -129,20 +129,11 @@ class FtrunAgent(LocalElasticAgent):
             "state": phase.value,
             "group_rank": wg.group_rank,
             "group_world_size": wg.group_world_size,
-            "restarts": spec.max_restarts - self._remaining_restarts,
+            "restarts": spec.max_restarts - self.remaining_restarts(),
             "max_restarts": spec.max_restarts,
             "workers": workers,
             "last_error": self._last_error,
         }
-
-    def worker_pids(self) -> dict[int, int]:
-        pcontext = self._pcontext
-        if pcontext is None:
-            return {}
-        try:
-            return dict(pcontext.pids())
-        except Exception:  # the context is being torn down by the agent thread
-            return {}
 
     def forward_signal(self, sig: int) -> None:
         if self._ctx.store is not None:
@@ -155,10 +146,10 @@ class FtrunAgent(LocalElasticAgent):
                 pass
 
     # ---- torch's extension points ---------------------------------------------------
-    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+    def rendezvous(self, worker_group: WorkerGroup) -> None:
         self._phase = NodeState.RENDEZVOUS
         t0 = time.monotonic()
-        super()._rendezvous(worker_group)
+        super().rendezvous(worker_group)
         self._ctx.sink.event(
             "rendezvous",
             group_rank=worker_group.group_rank,
@@ -167,31 +158,31 @@ class FtrunAgent(LocalElasticAgent):
             duration_s=round(time.monotonic() - t0, 3),
         )
 
-    def _set_local_rank_env(
+    def set_local_rank_env(
         self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec
     ) -> None:
-        super()._set_local_rank_env(worker_env, local_rank, spec)
+        super().set_local_rank_env(worker_env, local_rank, spec)
         path = self._ctx.node_dir / f"progress-{local_rank}"
         create_progress_file(str(path))
         worker_env[knobs.PROGRESS_FILE.name] = str(path)
 
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+    def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ.update(self._ctx.worker_env)
         self._exitcodes.clear()
         self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
         self._verdicts = {}
-        pids = super()._start_workers(worker_group)
+        pids = super().start_workers(worker_group)
         self._phase = NodeState.HEALTHY
         self._ctx.sink.event(
             "workers_started",
-            restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
+            restart_count=worker_group.spec.max_restarts - self.remaining_restarts(),
             pids={str(k): v for k, v in pids.items()},
             ranks=[w.global_rank for w in worker_group.workers],
         )
         return pids
 
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        result = super()._monitor_workers(worker_group)
+    def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super().monitor_workers(worker_group)
         store = self._ctx.store
         if store is not None:
             code = store.check()
@@ -208,17 +199,17 @@ class FtrunAgent(LocalElasticAgent):
             self._phase = NodeState.SUCCEEDED
         return result
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+    def restart_workers(self, worker_group: WorkerGroup) -> None:
         self._phase = NodeState.RESTARTING
         self._ctx.sink.event(
             "restart",
-            restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
+            restart_count=worker_group.spec.max_restarts - self.remaining_restarts(),
             max_restarts=worker_group.spec.max_restarts,
             reason=worker_group.state.name,
         )
-        super()._restart_workers(worker_group)
+        super().restart_workers(worker_group)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def shutdown(self, death_sig: signal.Signals, timeout: int) -> None:
         # A stopped process never handles SIGTERM until continued, so torch would wait the
         # full timeout for it. It cannot clean up anyway: kill it now.
         for local_rank, pid in self.worker_pids().items():
@@ -228,7 +219,7 @@ class FtrunAgent(LocalElasticAgent):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        _torch.agent_shutdown(FtrunAgent, self, death_sig, timeout)
+        super().shutdown(death_sig, timeout)
 
     # ---- ftrun's checks ---------------------------------------------------------------
     def _report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
@@ -257,7 +248,7 @@ class FtrunAgent(LocalElasticAgent):
             )
         if first is not None:
             self._last_error = first[1][:1024]
-        self._phase = NodeState.FAILED if self._remaining_restarts == 0 else NodeState.RESTARTING
+        self._phase = NodeState.FAILED if self.remaining_restarts() == 0 else NodeState.RESTARTING
 
     def _watch_workers(self, worker_group: WorkerGroup) -> None:
         """Judge every running rank (suspect or not) and kill the hung ones."""

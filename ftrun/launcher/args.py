@@ -142,9 +142,9 @@ def ftrun_flag_names() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's parser with ftrun's option group added."""
-    from torch.distributed.run import get_args_parser
+    from ftrun._torch import torchrun_parser
 
-    parser = get_args_parser()
+    parser = torchrun_parser()
     parser.prog = "ftrun"
     parser.description = (
         "ftrun: a fault-tolerant drop-in for torchrun. Every torchrun flag works as it does "

@@ -23,7 +23,6 @@ Order of business on every node:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import logging
 import os
@@ -33,13 +32,12 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ftrun import jobs, knobs
+from ftrun import _torch, jobs, knobs
 from ftrun.errors import ConfigError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent
@@ -202,9 +200,7 @@ def plan_rendezvous(
         is_host = args.node_rank == 0
     else:
         # torch's own rule: the launcher on the endpoint's host that binds first.
-        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
-
-        is_host = _matches_machine_hostname(host)
+        is_host = _torch.is_this_host(host)
     store = None
     if is_host:
         try:
@@ -221,23 +217,6 @@ def plan_rendezvous(
     conf["is_host"] = "1" if is_host else "0"
     args.rdzv_conf = _format_conf(conf)
     return RendezvousPlan(host, port, is_host, store)
-
-
-@contextlib.contextmanager
-def _agent_class(ctx: AgentContext) -> Iterator[None]:
-    """Have torch's launch_agent build an FtrunAgent where it builds a LocalElasticAgent."""
-    import torch.distributed.launcher.api as launcher_api
-
-    original = launcher_api.LocalElasticAgent
-
-    def factory(**kwargs: Any) -> FtrunAgent:
-        return FtrunAgent(ctx=ctx, **kwargs)
-
-    launcher_api.LocalElasticAgent = factory  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
 
 
 def _node_dir(run_id: str) -> Path:
@@ -269,7 +248,6 @@ def run(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import run as torch_run
 
     from ftrun.coordinator.client import NodeReporter
     from ftrun.coordinator.server import Coordinator, lookup_endpoint, publish_endpoint
@@ -364,8 +342,8 @@ def run(argv: list[str]) -> int:
     exitcode = 1
     final = "failed"
     try:
-        with _agent_class(ctx):
-            torch_run(args)
+        # torch's launch_agent builds an FtrunAgent where it builds a LocalElasticAgent.
+        _torch.run_torchrun(args, lambda **kwargs: FtrunAgent(ctx=ctx, **kwargs))
         exitcode, final = 0, "succeeded"
     except ChildFailedError as e:
         log.error("%s", e.format_msg())
