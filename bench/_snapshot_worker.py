@@ -13,6 +13,21 @@ Not meant to be run by hand; ``bench/snapshot.py`` launches it in two ways:
   step, saving every step with DLRover's ``DdpCheckpointer`` (memory), ``torch.save`` to
   ``/dev/shm`` and ``torch.distributed.checkpoint.async_save`` (one block each).
 
+- ``--mode auto`` under ``ftrun --standalone --nproc-per-node 1``: the same model with
+  ``Snapshotter(every="auto")``, ``save()`` called every step; for each batch size of
+  ``--auto-batches``: steps without ``save()``, the interval settling (two agreements), steps
+  with ``save()`` (a whole number of intervals), steps without ``save()`` again.
+
+``--device cuda`` trains on the GPU the way users do (bf16 autocast, fused AdamW, one rank per
+GPU with NCCL) and times a step up to the end of the work queued on the compute stream (not
+ftrun's copy stream); the reference copy is then a ``non_blocking`` device-to-host copy into
+pinned memory (``pin_memory``), timed with CUDA events. ``--device cpu`` (the default) trains
+on the CPU with gloo, as before.
+
+With ``--lengths`` the ftrun mode also measures the copy time first, picks a batch size whose
+step is about three times as long, and times save-every-step pairs at ``--short-batch`` and at
+that batch.
+
 Every incarnation writes its raw measurements as JSON to ``--result`` (the restarted one to
 ``--result`` + ``.restore.json``). Shared-memory files of its own go to ``--shm-dir`` (a private
 directory on ``/dev/shm``, also ftrun's ``FTRUN_SHM_DIR``), which the driver removes.
@@ -21,6 +36,7 @@ directory on ``/dev/shm``, also ftrun's ``FTRUN_SHM_DIR``), which the driver rem
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import mmap
@@ -38,6 +54,49 @@ import xxhash
 from torch import nn
 
 EXIT_RESTART = 3  # the planned "crash" that makes ftrun restart the rank
+
+
+class Device:
+    """Where training runs, and how its time is read.
+
+    On CUDA a clock reading first waits for the work queued on the current (compute) stream,
+    as ``loss.item()`` in a training loop would, and not for ftrun's copy stream: a snapshot
+    copy that overlaps the next step does not count, one that delays it does.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.cuda = name == "cuda"
+        if self.cuda:
+            if not torch.cuda.is_available():
+                raise SystemExit("--device cuda: torch.cuda.is_available() is False here; "
+                                 "run with --device cpu")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            self.torch = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.torch = torch.device("cpu")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.cuda:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def backend(self) -> str:
+        return "nccl" if self.cuda else "gloo"
+
+    def name(self) -> str:
+        if self.cuda:
+            props = torch.cuda.get_device_properties(self.torch)
+            return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA "
+                    f"{torch.version.cuda}")
+        return "cpu"
 
 
 # --------------------------------------------------------------------------------------------
@@ -67,28 +126,34 @@ def n_blocks(size_gib: float, dim: int) -> int:
     return max(1, math.ceil(size_gib * 2**30 / (12 * block_params(dim))))
 
 
-def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(args: argparse.Namespace, dev: Device) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(args.seed)
     model = nn.Sequential(*(Block(args.dim) for _ in range(n_blocks(args.size_gib, args.dim))))
-    return model, make_optimizer(model)
+    model = model.to(dev.torch)
+    return model, make_optimizer(model, dev)
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+def make_optimizer(model: nn.Module, dev: Device) -> torch.optim.Optimizer:
+    # fused: one kernel for the whole AdamW update, what GPU users pick.
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                             fused=True if dev.cuda else None)
 
 
-def batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    x = torch.randn(args.batch, args.dim, generator=g)
-    return x, torch.randn(args.batch, args.dim, generator=g)
+def batch(args: argparse.Namespace, step: int, dev: Device,
+          rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = args.batch if rows is None else rows
+    g = torch.Generator(device=dev.torch).manual_seed(args.seed * 1_000_003 + step)
+    x = torch.randn(rows, args.dim, generator=g, device=dev.torch)
+    return x, torch.randn(rows, args.dim, generator=g, device=dev.torch)
 
 
 def forward_backward(model: nn.Module, opt: torch.optim.Optimizer,
-                     xy: tuple[torch.Tensor, torch.Tensor]) -> float:
+                     xy: tuple[torch.Tensor, torch.Tensor], dev: Device) -> torch.Tensor:
     opt.zero_grad(set_to_none=True)
-    loss = F.mse_loss(model(xy[0]), xy[1])
+    with dev.autocast():
+        loss = F.mse_loss(model(xy[0]).float(), xy[1])
     loss.backward()
-    return float(loss.detach())
+    return loss.detach()
 
 
 def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -116,7 +181,7 @@ def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     """xxh3-64 over every parameter and optimizer-state tensor (restore correctness check)."""
     h = xxhash.xxh3_64()
     for t in tensors_of(state_dict(model, opt)):
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -178,6 +243,42 @@ class PlainCopy:
         self.path.unlink(missing_ok=True)
 
 
+class PinnedCopy:
+    """Copies device ``sources`` with ``non_blocking`` ``copy_`` into one pinned host buffer
+    (``pin_memory``), on a stream of its own, timed with CUDA events: the limit for ftrun's
+    staging of the same tensors on a GPU."""
+
+    def __init__(self, sources: list[torch.Tensor]) -> None:
+        offsets, off = [], 0
+        for t in sources:
+            offsets.append(off)
+            off = (off + t.numel() * t.element_size() + 63) // 64 * 64
+        self.host = torch.empty(max(off, 1), dtype=torch.uint8, pin_memory=True)
+        self.pairs = [(self.host[o:o + t.numel() * t.element_size()].view(t.dtype)
+                       .view(t.shape), t) for o, t in zip(offsets, sources, strict=True)]
+        self.stream = torch.cuda.Stream()
+
+    def __call__(self) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            start.record()
+            for view, src in self.pairs:
+                view.copy_(src, non_blocking=True)
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def close(self) -> None:
+        self.pairs = []
+        del self.host
+
+
+def reference_copy(sources: list[torch.Tensor], dev: Device, shm_dir: Path) -> Any:
+    """The plain copy ftrun's staging is compared with, on ``dev``."""
+    return PinnedCopy(sources) if dev.cuda else PlainCopy(sources, shm_dir)
+
+
 def write_json(path: str, doc: dict[str, Any]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -185,10 +286,11 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def common_info(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer
-                ) -> dict[str, Any]:
+def common_info(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer,
+                dev: Device) -> dict[str, Any]:
     return {
         "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "device": dev.torch.type, "device_name": dev.name(),
         "params": sum(p.numel() for p in model.parameters()), "blocks": len(model),
         "dim": args.dim, "batch": args.batch, "state_bytes": state_bytes(model, opt),
         "pid": os.getpid(), "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""),
@@ -205,17 +307,19 @@ def run_ftrun(args: argparse.Namespace) -> int:
     from ftrun import Snapshotter
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    dist.init_process_group("gloo")
-    model, opt = build(args)
+    dev = Device(args.device)
+    dist.init_process_group(dev.backend())
+    model, opt = build(args, dev)
     snap = Snapshotter(model, opt, every=1, async_copy=args.async_copy)
     if not snap.enabled:
         raise SystemExit("not started by ftrun: snapshots are off")
     if restart == 1:
-        return measure_restore(args, model, opt, snap)
+        return measure_restore(args, model, opt, snap, dev)
     if restart >= 2:
-        return measure_torch_load(args, model, opt)
-    info = common_info(args, model, opt)
+        return measure_torch_load(args, model, opt, dev)
+    info = common_info(args, model, opt, dev)
     info["restore_first"] = snap.restore()
+    clock = dev.now
 
     # Instrument the background writer (instance attributes only; nothing in ftrun changes):
     # _write = claim + copy into the segment + manifest + "staged" message; _claim = the
@@ -226,17 +330,17 @@ def run_ftrun(args: argparse.Namespace) -> int:
     orig_claim: Callable[..., bool] = snap._claim
 
     def timed_claim(*a: Any) -> bool:
-        t0 = clock()
+        t0 = time.perf_counter()
         try:
             return orig_claim(*a)
         finally:
-            claim_s[0] = clock() - t0
+            claim_s[0] = time.perf_counter() - t0
 
-    def timed_write(*a: Any, **kw: Any) -> None:  # (target, need, step, flat, blob, cuda)
+    def timed_write(*a: Any, **kw: Any) -> None:  # (job, target, need, flat, blob, cuda)
         claim_s[0] = 0.0
-        t0 = clock()
+        t0 = time.perf_counter()  # the writer thread's own time: no stream sync here
         orig_write(*a, **kw)
-        writes.append((int(a[2]), clock() - t0, claim_s[0]))
+        writes.append((int(a[0].step), time.perf_counter() - t0, claim_s[0]))
 
     snap._claim = timed_claim  # type: ignore[method-assign]
     snap._write = timed_write  # type: ignore[method-assign]
@@ -244,12 +348,13 @@ def run_ftrun(args: argparse.Namespace) -> int:
     steps: list[dict[str, Any]] = []
     step = 0
 
-    def one(mode: str, measured: bool) -> None:
+    def one(mode: str, measured: bool, rows: int | None = None,
+            into: list[dict[str, Any]] = steps) -> None:
         nonlocal step
         step += 1
-        xy = batch(args, step)
+        xy = batch(args, step, dev, rows)
         t0 = clock()
-        forward_backward(model, opt, xy)
+        forward_backward(model, opt, xy, dev)
         tw = clock()
         snap.wait()  # what the optimizer's pre-hook would wait for; measured here
         tw = clock() - tw
@@ -257,8 +362,8 @@ def run_ftrun(args: argparse.Namespace) -> int:
         ts = clock()
         saved = snap.save(step) if mode == "snap" else False
         ts = clock() - ts
-        steps.append({"step": step, "mode": mode, "measured": measured, "s": clock() - t0,
-                      "wait_s": tw, "save_s": ts, "saved": saved})
+        into.append({"step": step, "mode": mode, "measured": measured, "s": clock() - t0,
+                     "wait_s": tw, "save_s": ts, "saved": saved})
 
     unverified: list[int] = []
 
@@ -280,19 +385,53 @@ def run_ftrun(args: argparse.Namespace) -> int:
     #   save's copy and hash overlap it, its own save() is in it, as in steady state),
     #   settle (untimed), none (counted).
     settles: list[float] = []
-    for _ in range(args.steps):
-        one("snap", False)
-        one("snap", True)
-        settles.append(settle())
-        one("none", True)
+
+    def pairs(n: int, rows: int | None = None, into: list[dict[str, Any]] = steps) -> None:
+        for _ in range(n):
+            one("snap", False, rows, into)
+            one("snap", True, rows, into)
+            settles.append(settle())
+            one("none", True, rows, into)
+
+    pairs(args.steps)
     info.update(settle_s=settles, unverified=unverified)
 
-    # (c) ftrun's copy into its buffer and a plain copy of the same tensors into a pre-faulted
-    # file, alternating, with nothing else running (each save settles: copy and hash done).
-    # These saves hold the final state, so the last one is what restore must bring back.
     sources = [t.detach() for t in tensors_of(state_dict(model, opt))]
     info["copy_bytes"] = sum(t.numel() * t.element_size() for t in sources)
-    plain = PlainCopy(sources, Path(args.shm_dir))
+    plain = reference_copy(sources, dev, Path(args.shm_dir))
+    if args.lengths:
+        # (e) the same pairs at a short step and at a step about three times the copy.
+        def step_s(rows: int) -> float:
+            timed: list[dict[str, Any]] = []
+            try:
+                for _ in range(3):
+                    one("none", True, rows, timed)
+            except torch.OutOfMemoryError as e:
+                raise SystemExit(f"a batch of {rows} rows does not fit in memory ({e}); pass a "
+                                 "smaller --max-batch") from e
+            return med([x["s"] for x in timed])
+
+        copy_s = med([plain() for _ in range(3)])
+        rows_long, fit = long_batch(args.short_batch, args.batch, 3 * copy_s, step_s,
+                                    args.max_batch)
+        info["lengths"] = {"copy_s": copy_s, "fit": fit, "parts": []}
+        # When even the short step is about 3x the copy (a CPU), it is the only length.
+        lengths = [("short", args.short_batch)]
+        if rows_long != args.short_batch:
+            lengths.append(("long", rows_long))
+        for label, rows in lengths:
+            part: list[dict[str, Any]] = []
+            one("none", False, rows, part)  # a new batch shape: let the allocator settle
+            settle()
+            part.clear()
+            pairs(args.pair_steps, rows, part)
+            info["lengths"]["parts"].append({"label": label, "rows": rows, "steps": part})
+        info["settle_s"] = settles[:args.steps]
+
+    # (c) ftrun's copy into its buffer and a plain copy of the same tensors (a pre-faulted file
+    # on the CPU, pinned memory from the GPU), alternating, with nothing else running (each
+    # save settles: copy and hash done). These saves hold the final state, so the last one is
+    # what restore must bring back.
     ftrun_copy_s, plain_copy_s = [], []
     try:
         for _ in range(args.copy_repeats):
@@ -321,6 +460,36 @@ def run_ftrun(args: argparse.Namespace) -> int:
     return 0
 
 
+def med(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+
+def long_batch(short: int, base: int, target_s: float, step_s: Callable[[int], float],
+               cap: int) -> tuple[int, dict[str, Any]]:
+    """The batch size whose step takes about ``target_s``: the step time is fitted as
+    a + b * rows from two batch sizes, the pick measured and corrected once. Returns it and
+    the fit (measured points, the pick's step time)."""
+    r1, r2 = short, max(base, 2 * short)
+    t1, t2 = step_s(r1), step_s(r2)
+    points = [(r1, t1), (r2, t2)]
+
+    def pick(ra: int, ta: float, rb: int, tb: float) -> int:
+        slope = (tb - ta) / (rb - ra) if rb != ra else 0.0
+        if slope <= 0:
+            return rb
+        return max(1, min(cap, round(ra + (target_s - ta) / slope)))
+
+    rows = pick(r1, t1, r2, t2)
+    t = step_s(rows)
+    points.append((rows, t))
+    near = min(points[:2], key=lambda p: abs(p[0] - rows))
+    if abs(t - target_s) > 0.15 * target_s and near[0] != rows:
+        rows = pick(near[0], near[1], rows, t)
+        t = step_s(rows)
+        points.append((rows, t))
+    return rows, {"target_s": target_s, "points": points, "capped": rows >= cap}
+
+
 def wait_verified(snap: Any, step: int, timeout_s: float = 5.0) -> bool:
     """Wait until the store has marked the buffer holding ``step`` VERIFIED (reads headers)."""
     from ftrun.snapshot import segment as shm
@@ -343,7 +512,7 @@ def wait_verified(snap: Any, step: int, timeout_s: float = 5.0) -> bool:
 
 
 def measure_restore(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer,
-                    snap: Any) -> int:
+                    snap: Any, dev: Device) -> int:
     """First restart (a fresh process): time ``snap.restore()``; then write the same state with
     ``torch.save`` for the second restart to load, and crash again."""
     from ftrun.snapshot.verify import check as verify_segment
@@ -383,10 +552,10 @@ def measure_restore(args: argparse.Namespace, model: nn.Module, opt: torch.optim
             parts["init_optim_state_s"] = parts.get("init_optim_state_s", 0.0) + clock() - t0
 
     dcp_sd._init_optim_state = timed_init
-    t0 = clock()
+    t0 = dev.now()
     restored = snap.restore()
     dcp_sd._init_optim_state = orig_init
-    out["restore_s"] = clock() - t0
+    out["restore_s"] = dev.now() - t0
     out.update(parts, restored_step=restored, source=getattr(snap, "source", "?"),
                digest=digest(model, opt))
     # Where restore's time goes: hashing alone (xxh3 of every tensor, as restore() verifies).
@@ -409,20 +578,20 @@ def torch_file(args: argparse.Namespace) -> Path:
 
 
 def measure_torch_load(args: argparse.Namespace, model: nn.Module,
-                       opt: torch.optim.Optimizer) -> int:
+                       opt: torch.optim.Optimizer, dev: Device) -> int:
     """Second restart (a fresh process): ``torch.load`` of the same state from ``/dev/shm``
     into the model and an optimizer without state, what a torch user's resume does."""
     out: dict[str, Any] = {"pid": os.getpid(), "loadavg_start": os.getloadavg()}
     path = torch_file(args)
     loads, applied = [], []
     for i in range(args.load_repeats):
-        fresh = opt if i == 0 else make_optimizer(model)
-        t0 = clock()
+        fresh = opt if i == 0 else make_optimizer(model, dev)
+        t0 = dev.now()
         sd = torch.load(path, map_location="cpu", weights_only=True)
-        t1 = clock()
+        t1 = dev.now()
         model.load_state_dict(sd["model"])
-        fresh.load_state_dict(sd["optim"])
-        t2 = clock()
+        fresh.load_state_dict(sd["optim"])  # moves the state to the parameters' device
+        t2 = dev.now()
         loads.append(t1 - t0)
         applied.append(t2 - t0)
         if i == 0:
@@ -436,29 +605,94 @@ def measure_torch_load(args: argparse.Namespace, model: nn.Module,
 
 
 # --------------------------------------------------------------------------------------------
+# ftrun, every="auto"
+# --------------------------------------------------------------------------------------------
+
+
+def run_auto(args: argparse.Namespace) -> int:
+    """For each batch size: the mean step without save() before and after, and with save()
+    called every step under ``every="auto"`` once its interval has settled."""
+    from ftrun import Snapshotter
+    from ftrun.rank.snapshotter import Cadence
+
+    dev = Device(args.device)
+    dist.init_process_group(dev.backend())
+    model, opt = build(args, dev)
+    snap = Snapshotter(model, opt, every="auto")
+    if not snap.enabled:
+        raise SystemExit("not started by ftrun: snapshots are off")
+    info = common_info(args, model, opt, dev)
+    info["restore_first"] = snap.restore()
+    step = 0
+
+    def run(n: int, rows: int, save: bool) -> list[float]:
+        nonlocal step
+        times = []
+        for _ in range(n):
+            step += 1
+            xy = batch(args, step, dev, rows)
+            t0 = dev.now()
+            forward_backward(model, opt, xy, dev)
+            opt.step()  # ftrun's pre-hook waits for a copy still in flight, as in training
+            if save:
+                snap.save(step)
+            times.append(dev.now() - t0)
+        return times
+
+    parts = []
+    for rows in args.auto_batches:
+        run(args.warmup, rows, False)
+        before = run(args.auto_steps, rows, False)
+        # Two agreements on the interval (every Cadence.AGREE_EVERY steps) with this step.
+        settle_n = 2 * Cadence.AGREE_EVERY - step % Cadence.AGREE_EVERY
+        run(settle_n, rows, True)
+        every = snap.every
+        # A whole number of intervals, starting at a snapshot step; an interval much longer
+        # than --auto-steps is not waited out (its one snapshot then falls outside the count).
+        whole = every <= 4 * args.auto_steps
+        if whole:
+            run((-step) % every, rows, True)
+        n = every * max(1, math.ceil(args.auto_steps / every)) if whole else args.auto_steps
+        skipped0 = snap.skipped_saves
+        with_auto = run(n, rows, True)
+        after = run(args.auto_steps, rows, False)
+        parts.append({"rows": rows, "every": every, "every_end": snap.every,
+                      "whole_intervals": whole, "none_s": before + after, "auto_s": with_auto,
+                      "skipped": snap.skipped_saves - skipped0})
+    info.update(parts=parts, skipped=snap.skipped_saves, loadavg_end=os.getloadavg())
+    write_json(args.result, info)
+    snap.close()
+    dist.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # Baselines: DLRover flash checkpoint (memory), torch.save, DCP async_save
 # --------------------------------------------------------------------------------------------
 
 
 def run_baselines(args: argparse.Namespace) -> int:
-    dist.init_process_group("gloo")
+    dev = Device(args.device)
+    # DCP's async_save runs its collectives on a CPU backend: gloo beside NCCL on a GPU.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if dev.cuda else "gloo")
+    clock = dev.now
     shm_dir = Path(args.shm_dir)
     # DLRover first: without dlrover-run its engine forks its own saver process, which is
     # safest before this process has run any (OpenMP-parallel) torch work or grown large.
     from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
 
     ckpt = DdpCheckpointer(str(shm_dir / "dlrover-ckpt"))
-    model, opt = build(args)
-    info = common_info(args, model, opt)
+    model, opt = build(args, dev)
+    info = common_info(args, model, opt, dev)
     steps: list[dict[str, Any]] = []
     step = 0
 
     def one(mode: str, measured: bool, save: Callable[[int], None] | None) -> None:
         nonlocal step
         step += 1
-        xy = batch(args, step)
+        xy = batch(args, step, dev)
         t0 = clock()
-        forward_backward(model, opt, xy)
+        forward_backward(model, opt, xy, dev)
         opt.step()
         ts = clock()
         if save is not None:
@@ -513,7 +747,8 @@ def run_baselines(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("ftrun", "baselines"), required=True)
+    p.add_argument("--mode", choices=("ftrun", "auto", "baselines"), required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
@@ -523,6 +758,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-copy", type=int, choices=(0, 1), default=1)
     p.add_argument("--restore", action="store_true", help="crash, then time restore")
     p.add_argument("--copy-repeats", type=int, default=5)
+    p.add_argument("--lengths", action="store_true",
+                   help="also time pairs at --short-batch and at a step ~3x the copy")
+    p.add_argument("--short-batch", type=int, default=1)
+    p.add_argument("--max-batch", type=int, default=1 << 16)
+    p.add_argument("--pair-steps", type=int, default=8, help="pairs per step length")
+    p.add_argument("--auto-batches", type=int, nargs="+", default=[1])
+    p.add_argument("--auto-steps", type=int, default=32,
+                   help="steps without save() before and after, and at least as many with")
     p.add_argument("--load-repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shm-dir", required=True)
@@ -533,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     from ftrun.launcher.pdeath import set_parent_death_signal
 
     set_parent_death_signal()
-    return run_ftrun(args) if args.mode == "ftrun" else run_baselines(args)
+    run = {"ftrun": run_ftrun, "auto": run_auto, "baselines": run_baselines}[args.mode]
+    return run(args)
 
 
 if __name__ == "__main__":

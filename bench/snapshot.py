@@ -2,7 +2,8 @@
 
 One command, every part side by side in the same run::
 
-    .venv/bin/python bench/snapshot.py [--size-gib 1.0] [--steps 16] [--output bench/RESULTS.md]
+    .venv/bin/python bench/snapshot.py [--device cuda|cpu] [--size-gib 1.0] [--steps 16]
+                                       [--output bench/RESULTS.md]
 
 The training state is a stack of transformer MLP blocks (LayerNorm, dim -> 4 dim -> dim) with
 AdamW, at least ``--size-gib`` of params + exp_avg + exp_avg_sq (fp32), trained on the CPU by
@@ -27,6 +28,20 @@ step is a real forward, backward and ``AdamW.step()`` on a batch of ``--batch`` 
 (d) Restore: the rank exits on purpose, ftrun restarts it, and the new process times
     ``snap.restore()`` (hash check + load + apply) and then ``torch.load`` of the same state
     from ``/dev/shm`` plus ``load_state_dict`` into the model and a fresh optimizer.
+(e) Step length: the copy time is measured first (the reference copy of (c)); then the pairs
+    of (a) (async job) at a short step (``--short-batch`` rows) and at a step about three
+    times the copy (the batch size is fitted from measured steps).
+(f) ``every="auto"``: a job of its own, at the two batch sizes of (e): steps without
+    ``save()``, two agreements on the interval, a whole number of intervals with ``save()``
+    called every step, steps without again; throughput ratio = mean step without / with, and
+    the interval chosen (``Snapshotter.every``).
+
+``--device`` (default: ``cuda`` when torch sees a GPU, else ``cpu``) picks where the rank
+trains. On ``cuda`` it trains as GPU users do (bf16 autocast, fused AdamW, NCCL), step times
+end with the compute stream's work (CUDA synchronize of that stream, not of ftrun's copy
+stream), and the reference of (c) is a ``non_blocking`` device-to-host copy of the same
+tensors into pinned memory, timed with CUDA events: the limit for staging. On ``cpu`` the
+reference is a copy into a pre-faulted ``/dev/shm`` file.
 
 Every launcher runs in a session of its own with a timeout; on a timeout or an error its process
 group and every process seen below it are killed. Shared memory goes to a private directory
@@ -63,7 +78,9 @@ HEADING = "Snapshots (issue: in-memory snapshots)"
 DLROVER_SOCK_DIR = Path("/tmp/ckpt_sock")
 GIB = 2**30
 GOAL_THROUGHPUT = 0.97
-GOAL_BANDWIDTH = 0.8
+GOAL_BANDWIDTH = 0.8  # CPU: ftrun's staging bandwidth / a plain copy's
+GOAL_STAGING = 1.25  # GPU: ftrun's staging time / the pinned non_blocking copy's
+GOAL_RESTORE = 0.5  # restore() / torch.load + load_state_dict
 DISTURBED_CORES = 0.25
 
 
@@ -298,13 +315,24 @@ BASELINES = {
 
 @dataclass
 class Results:
-    """Every figure of the report, from the raw measurements of the three jobs."""
+    """Every figure of the report, from the raw measurements of the four jobs."""
 
     a: FtrunRun
     s: FtrunRun
     base: dict[str, Any]
     restore: dict[str, Any] | None
     load: dict[str, Any] | None
+    auto: dict[str, Any] | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.a.doc.get("device") == "cuda"
+
+    def lengths(self) -> list[tuple[dict[str, Any], FtrunRun]]:
+        """(part, its pairs) of (e): the short step, then the one about 3x the copy."""
+        parts = (self.a.doc.get("lengths") or {}).get("parts", [])
+        return [(p, FtrunRun(f"{p['label']} step, batch {p['rows']}", {"steps": p["steps"]}))
+                for p in parts]
 
     def block_ftrun(self, run: FtrunRun) -> float:
         return med(run.blocking()[0])
@@ -337,6 +365,32 @@ class Results:
         return float(self.load["torch_load_apply_s"][0]) if self.load else float("nan")
 
 
+def auto_ratio(part: dict[str, Any]) -> float:
+    """(f): median step without save() / mean step with save() under every="auto" (a whole
+    number of intervals: each snapshot's cost is in the mean once per interval; a step slowed
+    by something else counts against ftrun)."""
+    return med(part["none_s"]) / statistics.fmean(part["auto_s"])
+
+
+def print_e(doc: dict[str, Any]) -> None:
+    lengths = doc.get("lengths")
+    if not lengths:
+        return
+    copy = lengths["copy_s"]
+    for p in lengths["parts"]:
+        run = FtrunRun(p["label"], {"steps": p["steps"]})
+        print(f"(e) {p['label']} step (batch {p['rows']}): {fmt_s(med(run.none_s))} = "
+              f"{med(run.none_s) / copy:.1f}x the copy ({fmt_s(copy)}); with save() every "
+              f"step {fmt_s(med(run.snap_s))} -> throughput ratio {run.throughput:.3f}",
+              flush=True)
+
+
+def print_f(doc: dict[str, Any]) -> None:
+    for p in doc["parts"]:
+        print(f"(f) every='auto', batch {p['rows']}: interval {p['every']} -> throughput ratio "
+              f"{auto_ratio(p):.3f} (goal >= {GOAL_THROUGHPUT})", flush=True)
+
+
 def print_a(run: FtrunRun) -> None:
     print(f"(a) {run.label}: step {fmt_s(med(run.snap_s))} with save() every step, "
           f"{fmt_s(med(run.none_s))} without -> throughput ratio {run.throughput:.3f} "
@@ -347,6 +401,12 @@ def print_c(run: FtrunRun) -> None:
     nbytes = run.doc["copy_bytes"]
     ft = gbps(nbytes, med(run.doc["ftrun_copy_s"]))
     plain = gbps(nbytes, med(run.doc["ref_copy_s"]))
+    if run.doc.get("device") == "cuda":
+        t_ft, t_ref = med(run.doc["ftrun_copy_s"]), med(run.doc["ref_copy_s"])
+        print(f"(c) staging: ftrun {fmt_s(t_ft)} ({ft:.2f} GB/s), pinned non_blocking copy "
+              f"{fmt_s(t_ref)} ({plain:.2f} GB/s) -> {t_ft / t_ref:.3f}x (goal <= "
+              f"{GOAL_STAGING}x)", flush=True)
+        return
     print(f"(c) staging: ftrun {ft:.2f} GB/s, plain torch copy {plain:.2f} GB/s -> "
           f"{ft / plain:.3f} (goal >= {GOAL_BANDWIDTH})", flush=True)
 
@@ -422,10 +482,21 @@ def report(cfg: argparse.Namespace, r: Results, meta: dict[str, Any]) -> tuple[s
 
     # (c)
     frac = r.bw_ftrun / r.bw_plain
-    rows.append(f"| (c) staging bandwidth into pre-faulted shm | {r.bw_ftrun:.2f} GB/s | "
-                f"{r.bw_plain:.2f} GB/s (torch copy_) | {frac:.3f} | ≥ {GOAL_BANDWIDTH} "
-                f"{verdict(frac >= GOAL_BANDWIDTH)} |")
-    if frac < GOAL_BANDWIDTH:
+    if r.cuda:
+        t_ft, t_ref = med(s.doc["ftrun_copy_s"]), med(s.doc["ref_copy_s"])
+        over = t_ft / t_ref
+        rows.append(f"| (c) staging time, device → shm | {fmt_s(t_ft)} ({r.bw_ftrun:.2f} GB/s) "
+                    f"| {fmt_s(t_ref)} ({r.bw_plain:.2f} GB/s, pinned non_blocking copy_) | "
+                    f"{over:.3f}× | ≤ {GOAL_STAGING}× {verdict(over <= GOAL_STAGING)} |")
+        if over > GOAL_STAGING:
+            notes.append(f"(c) ftrun stages in {over:.2f}× the time of a pinned non_blocking "
+                         f"copy of the same tensors ({fmt_s(t_ft)} vs {fmt_s(t_ref)}); its time "
+                         "includes hashing every byte on the host after the copy of its group.")
+    else:
+        rows.append(f"| (c) staging bandwidth into pre-faulted shm | {r.bw_ftrun:.2f} GB/s | "
+                    f"{r.bw_plain:.2f} GB/s (torch copy_) | {frac:.3f} | ≥ {GOAL_BANDWIDTH} "
+                    f"{verdict(frac >= GOAL_BANDWIDTH)} |")
+    if frac < GOAL_BANDWIDTH and not r.cuda:
         notes.append(f"(c) ftrun stages at {frac:.2f} of the plain copy's bandwidth, "
                      f"{GOAL_BANDWIDTH - frac:.2f} below the goal. Its time includes hashing "
                      "every byte (xxh3 on hashing threads, overlapping the copy of the next "
@@ -442,11 +513,49 @@ def report(cfg: argparse.Namespace, r: Results, meta: dict[str, Any]) -> tuple[s
             f"replaces; without it restore() would take ≈ {fmt_s(r.restore_s - init)} vs "
             f"torch.load's {fmt_s(r.load_s)}.")
     if r.restore is not None and r.load is not None:
+        ratio = r.restore_s / r.load_s
         rows.append(f"| (d) restore, fresh process: snap.restore() vs torch.load + "
                     f"load_state_dict | {fmt_s(r.restore_s)} | {fmt_s(r.load_s)} | "
-                    f"{r.restore_s / r.load_s:.3f}× | (no goal) |")
+                    f"{ratio:.3f}× | ≤ {GOAL_RESTORE}× {verdict(ratio <= GOAL_RESTORE)} |")
+        if ratio > GOAL_RESTORE:
+            notes.append(f"(d) restore() takes {ratio:.2f}× torch.load + load_state_dict "
+                         f"({fmt_s(r.restore_s)} vs {fmt_s(r.load_s)}).")
     else:
         rows.append("| (d) restore | not measured | | | |")
+
+    # (e)
+    lengths = info.get("lengths")
+    for part, run in r.lengths():
+        step = med(run.none_s)
+        times = step / lengths["copy_s"]
+        long = times >= 2.5  # the goal holds from a step about 3x the copy on
+        ok = run.throughput >= GOAL_THROUGHPUT
+        goal = f"≥ {GOAL_THROUGHPUT} {verdict(ok)}" if long else "(none: step < 3× the copy)"
+        rows.append(f"| (e) save() every step, {part['label']} step (batch {part['rows']}: "
+                    f"{times:.1f}× the copy) | {fmt_s(med(run.snap_s))} | {fmt_s(step)} (no "
+                    f"save) | throughput {run.throughput:.3f} | {goal} |")
+        if long and not ok:
+            notes.append(f"(e) at a step {times:.1f}× the copy ({fmt_s(step)}), a save every "
+                         f"step costs {fmt_s(med(run.snap_s) - step)} a step: throughput "
+                         f"{run.throughput:.3f}.")
+    if lengths and lengths["fit"].get("capped"):
+        notes.append(f"(e) the long step's batch hit --max-batch; its step is "
+                     f"{lengths['fit']['points'][-1][1] / lengths['copy_s']:.1f}× the copy, "
+                     "not 3×.")
+
+    # (f)
+    for part in (r.auto or {}).get("parts", []):
+        ratio = auto_ratio(part)
+        ok = ratio >= GOAL_THROUGHPUT
+        rows.append(f"| (f) every=\"auto\", batch {part['rows']}: interval chosen "
+                    f"{part['every']} | {fmt_s(statistics.fmean(part['auto_s']))} (mean) | "
+                    f"{fmt_s(med(part['none_s']))} (no save, median) | throughput "
+                    f"{ratio:.3f} | ≥ {GOAL_THROUGHPUT} {verdict(ok)} |")
+        if not ok:
+            notes.append(f"(f) under every=\"auto\" at batch {part['rows']} the interval "
+                         f"settled at {part['every']} and throughput is {ratio:.3f}"
+                         + (f"; {part['skipped']} save(s) skipped" if part["skipped"] else "")
+                         + ".")
 
     _, inside, wait = a.blocking()
     lines = [
@@ -460,8 +569,9 @@ def report(cfg: argparse.Namespace, r: Results, meta: dict[str, Any]) -> tuple[s
         f"- State: {info['blocks']} blocks × (LayerNorm, {info['dim']} → {4 * info['dim']} → "
         f"{info['dim']}), {info['params'] / 1e6:.1f} M params; params + AdamW exp_avg + "
         f"exp_avg_sq = {info['state_bytes'] / GIB:.3f} GiB ({info['state_bytes'] / 1e9:.2f} GB)."
-        f" Step: forward, backward and AdamW on a batch of {info['batch']} × {info['dim']}; one "
-        "rank (gloo, world size 1) on the CPU.",
+        f" Step: forward, backward and AdamW on a batch of {info['batch']} × {info['dim']}; "
+        + ("one rank (NCCL, world size 1) on the GPU, bf16 autocast, fused AdamW (fp32 state)."
+           if r.cuda else "one rank (gloo, world size 1) on the CPU."),
         "- (a): under `ftrun --standalone --nproc-per-node 1`, its store verifying (hashing) "
         "every snapshot. Steps with and without save() finely interleaved in one process: save, "
         "save [counted: the previous save's copy and hash overlap it, its own save() is in it], "
@@ -476,13 +586,17 @@ def report(cfg: argparse.Namespace, r: Results, meta: dict[str, Any]) -> tuple[s
         "counts) under plain `torchrun --nproc-per-node 1`, same model and step.",
         "- (c): alternating, with nothing else running: ftrun's copy (its writer thread's time "
         "minus the claim round trip to the store; async_copy=False) and `copy_` of the same "
-        "tensors into a pre-faulted `/dev/shm` file (same 64-byte-aligned layout); medians of "
-        f"{len(s.doc['ref_copy_s'])}; {r.copy_bytes / 1e9:.2f} GB each.",
+        + ("tensors, `non_blocking`, on a stream of its own, into one pinned host buffer "
+           "(`pin_memory`, same 64-byte-aligned layout), timed with CUDA events; medians of "
+           if r.cuda else "tensors into a pre-faulted `/dev/shm` file (same 64-byte-aligned "
+           "layout); medians of ")
+        + f"{len(s.doc['ref_copy_s'])}; {r.copy_bytes / 1e9:.2f} GB each.",
         "- (d): the rank exits on purpose after its last save; ftrun (`--max-restarts 2`) starts "
         "a fresh process that times `snap.restore()` (flush, hash check, clone out of shared "
         "memory, set_model/optimizer_state_dict), writes the same state with `torch.save` to "
         "`/dev/shm` and exits again; a second fresh process times `torch.load` + "
         "`model.load_state_dict` + `optimizer.load_state_dict` into an optimizer without state.",
+        *lengths_lines(r, cfg),
         "",
         "| Part | ftrun | Reference | Ratio | Goal |",
         "| --- | --- | --- | --- | --- |",
@@ -548,6 +662,30 @@ def report(cfg: argparse.Namespace, r: Results, meta: dict[str, Any]) -> tuple[s
     return "\n".join(lines) + "\n", notes
 
 
+def lengths_lines(r: Results, cfg: argparse.Namespace) -> list[str]:
+    """The method lines of (e) and (f), when they ran."""
+    out = []
+    lengths = r.a.doc.get("lengths")
+    if lengths:
+        fit = ", ".join(f"batch {rows}: {fmt_s(t)}" for rows, t in lengths["fit"]["points"])
+        out.append(
+            "- (e): async job, after (a): the reference copy of (c) first "
+            f"({fmt_s(lengths['copy_s'])}, median of 3), then steps without save() at a few batch sizes ({fit}) to find a "
+            f"step of about 3× the copy ({fmt_s(lengths['fit']['target_s'])}); then "
+            f"{cfg.pair_steps} pairs as in (a) at batch {cfg.short_batch} (short) and at the "
+            "fitted batch (long; none when the short step is that long already). The goal "
+            "applies where the step is at least 2.5× the copy.")
+    if r.auto:
+        out.append(
+            "- (f): a job of its own under ftrun, `Snapshotter(every=\"auto\")`, save() called "
+            f"every step; per batch size: {cfg.auto_steps} steps without save(), two agreements "
+            "on the interval (every 32 steps), then a whole number of intervals (at least "
+            f"{cfg.auto_steps} steps) with save(), {cfg.auto_steps} steps without save() again; "
+            "ratio = median step without / mean step with (the mean holds each snapshot's cost "
+            "once per interval).")
+    return out
+
+
 def append_section(path: Path, run_text: str) -> None:
     """Append this run under HEADING: after the section's last run if it exists, else at the
     end of the file. Other sections are kept byte for byte (the file is re-read right here)."""
@@ -584,7 +722,7 @@ def git_tree() -> str:
     return f"{rev}{' (with uncommitted changes)' if dirty.strip() else ''}"
 
 
-def host_line() -> str:
+def host_line(gpu: str | None = None) -> str:
     mem = 0
     try:
         with open("/proc/meminfo") as f:
@@ -597,7 +735,8 @@ def host_line() -> str:
             cpu = next(ln for ln in f if ln.startswith("model name")).split(":", 1)[1].strip()
     except (OSError, StopIteration):
         pass
-    return (f"{os.cpu_count()} cores ({cpu}), {mem / GIB:.0f} GiB RAM, CPU only (no GPU), "
+    where = f"GPU: {gpu}" if gpu else "CPU only (no GPU)"
+    return (f"{os.cpu_count()} cores ({cpu}), {mem / GIB:.0f} GiB RAM, {where}, "
             f"Linux {platform.release()}, Python {platform.python_version()}")
 
 
@@ -619,15 +758,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="... but at most this many seconds per job (default 60)")
     p.add_argument("--dlrover-retries", type=int, default=1,
                    help="run the baselines' job again when DLRover's saver does not start (1)")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   help="where the rank trains (default: cuda when torch sees a GPU, else cpu)")
+    p.add_argument("--short-batch", type=int, default=1,
+                   help="rows per batch of the short step in (e) and (f) (default 1)")
+    p.add_argument("--max-batch", type=int, default=1 << 16,
+                   help="largest batch tried for the step ~3x the copy in (e) (65536)")
+    p.add_argument("--pair-steps", type=int, default=8,
+                   help="pairs per step length in (e) (default 8)")
+    p.add_argument("--auto-steps", type=int, default=32,
+                   help="steps without save() before and after, and at least as many with "
+                   "save(), per batch size in (f) (default 32)")
     p.add_argument("--output", type=Path, help="append the Markdown section to this file")
     p.add_argument("--keep", action="store_true", help="keep logs and raw JSON (prints where)")
     return p.parse_args(argv)
+
+
+def resolve_device(asked: str | None) -> str:
+    """``asked``, or cuda when torch sees a GPU; a clear exit when cuda is asked for and there
+    is none."""
+    import torch
+
+    available = torch.cuda.is_available()
+    if asked == "cuda" and not available:
+        built = torch.version.cuda or "no CUDA (a CPU-only build)"
+        raise SystemExit(f"--device cuda: torch {torch.__version__} (built with {built}) sees "
+                         "no CUDA device here; run on a machine with a GPU, or pass "
+                         "--device cpu")
+    return asked or ("cuda" if available else "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.steps < 1 or cfg.base_steps < 1:
         raise SystemExit("--steps and --base-steps must be >= 1")
+    if cfg.short_batch < 1 or cfg.pair_steps < 1 or cfg.auto_steps < 1:
+        raise SystemExit("--short-batch, --pair-steps and --auto-steps must be >= 1")
+    cfg.device = resolve_device(cfg.device)
     for tool in ("ftrun", "torchrun"):
         if not (BIN / tool).exists():
             raise SystemExit(f"{BIN / tool} not found: run with the venv's python")
@@ -647,14 +814,20 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "FTRUN_SHM_DIR": str(shm_dir), "FTRUN_STATE_DIR": str(tmp / "state"),
            "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
     env.pop("OMP_NUM_THREADS", None)
-    common = ["--size-gib", str(cfg.size_gib), "--steps", str(cfg.steps), "--batch",
-              str(cfg.batch), "--dim", str(cfg.dim), "--base-steps", str(cfg.base_steps),
-              "--shm-dir", str(shm_dir)]
+    common = ["--device", cfg.device, "--size-gib", str(cfg.size_gib), "--steps",
+              str(cfg.steps), "--batch", str(cfg.batch), "--dim", str(cfg.dim), "--base-steps",
+              str(cfg.base_steps), "--shm-dir", str(shm_dir)]
     ftrun = [str(BIN / "ftrun"), "--standalone", "--nproc-per-node", "1", "--max-restarts"]
     jobs = [
         Job("ftrun async_copy=True", [*ftrun, "2", str(WORKER), "--mode", "ftrun",
-            "--async-copy", "1", "--restore", *common, "--result", str(tmp / "async.json")],
+            "--async-copy", "1", "--restore", "--lengths", "--short-batch",
+            str(cfg.short_batch), "--max-batch", str(cfg.max_batch), "--pair-steps",
+            str(cfg.pair_steps), *common, "--result", str(tmp / "async.json")],
             env, tmp / "async.log", cfg.job_timeout),
+        # Its batch sizes (--auto-batches) are the async job's short and long steps.
+        Job("ftrun every=auto", [*ftrun, "0", str(WORKER), "--mode", "auto", "--auto-steps",
+            str(cfg.auto_steps), *common, "--result", str(tmp / "auto.json")], env,
+            tmp / "auto.log", cfg.job_timeout),
         Job("ftrun async_copy=False", [*ftrun, "0", str(WORKER), "--mode", "ftrun",
             "--async-copy", "0", *common, "--result", str(tmp / "sync.json")], env,
             tmp / "sync.log", cfg.job_timeout),
@@ -705,16 +878,24 @@ def main(argv: list[str] | None = None) -> int:
                 print(log_tail(job.log), file=sys.stderr)
                 raise SystemExit(f"{job.name} failed (exit {job.rc}); log above")
             if job is jobs[0]:
-                print_a(FtrunRun("async_copy=True", load(tmp / "async.json")))
+                doc = load(tmp / "async.json")
+                print_a(FtrunRun("async_copy=True", doc))
                 print_d(maybe_load(tmp / "async.json.restore.json"),
                         maybe_load(tmp / "async.json.load.json"))
+                print_e(doc)
+                rows = sorted({p["rows"] for p in doc["lengths"]["parts"]})
+                jobs[1].cmd += ["--auto-batches", *map(str, rows)]
             elif job is jobs[1]:
+                print_f(load(tmp / "auto.json"))
+            elif job is jobs[2]:
                 print_a(FtrunRun("async_copy=False", load(tmp / "sync.json")))
                 print_c(FtrunRun("async_copy=False", load(tmp / "sync.json")))
         r = Results(FtrunRun("async_copy=True", load(tmp / "async.json")),
                     FtrunRun("async_copy=False", load(tmp / "sync.json")),
                     load(tmp / "base.json"), maybe_load(tmp / "async.json.restore.json"),
-                    maybe_load(tmp / "async.json.load.json"))
+                    maybe_load(tmp / "async.json.load.json"), load(tmp / "auto.json"))
+        if r.cuda:
+            meta["host"] = host_line(r.a.doc["device_name"])
         print_b(r)
         text, _ = report(cfg, r, meta)
         print()
