@@ -327,9 +327,9 @@ def run_ftrun(args: argparse.Namespace) -> int:
     writes: list[tuple[int, float, float]] = []  # (step, write s, claim s)
     claim_s: list[float] = [0.0]
     orig_write: Callable[..., None] = snap._write
-    orig_claim: Callable[..., bool] = snap._claim
+    orig_claim: Callable[..., Any] = snap._claim
 
-    def timed_claim(*a: Any) -> bool:
+    def timed_claim(*a: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return orig_claim(*a)
