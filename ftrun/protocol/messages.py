@@ -117,7 +117,10 @@ SCHEMAS: dict[str, Schema] = {
                      "persist": (bool, False), "final": (bool, False),
                      "epoch": ((str, _NONE), False), "target_done": (int, False),
                      "writing": ((int, _NONE), False), "skipped": (int, False),
-                     "every": ((int, _NONE), False)},
+                     "every": ((int, _NONE), False),
+                     # With --replicas m > 1: where its replica receiver listens, and m. The
+                     # coordinator answers with a replica_plan instead of an ack.
+                     "replica_addr": (str, False), "replicas": (int, False)},
     # Rank <-> its node's store (ipc, same secret).
     # ``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now;
     # ``base``: the step its epoch resumed from (a restarted store learns the epoch from it).
@@ -136,9 +139,35 @@ SCHEMAS: dict[str, Schema] = {
                       "world_size": (int, True)},
     "store_persist": {"reason": (str, True)},
     # Anyone with the job secret -> a node's store: what it holds (ftrun.snapshot.catalog).
-    # ``rank``: only that rank's shards; ``hashes``: with their chunk hashes.
-    "catalog_request": {"rank": (int, False), "hashes": (bool, False)},
+    # ``rank``: only that rank's shards; ``hashes``: with their chunk hashes; ``replicas``:
+    # the replicas of other nodes' shards held here too (their ``origin`` is that node).
+    "catalog_request": {"rank": (int, False), "hashes": (bool, False),
+                        "replicas": (bool, False)},
     "catalog_reply": {"node_id": (str, True), "records": (ListOf(dict), True)},
+    # Replicas (ftrun.snapshot.replica). Coordinator -> store, answering its store_report:
+    # the peers that hold this node's replicas (placement over the live stores), and m.
+    "replica_plan": {"replicas": (int, True), "members": (int, True),
+                     "peers": (ListOf({"node_id": (str, True), "addr": (str, True)}), True)},
+    # Sender store -> receiver store. replica_begin carries two binary frames: the shard's
+    # manifest and its chunk hash table (xxh3-64, little-endian u64 each); ``have``: this
+    # step is already verified there. replica_chunk carries one frame, chunk ``chunk`` of the
+    # data region; its ack says whether it matched its hash (``reason`` names it if not).
+    # replica_end: all chunks sent; answered replica_done once every chunk checked, or an
+    # error naming the chunks refused or missing.
+    "replica_begin": {"origin": (str, True), "epoch": (str, True), "rank": (int, True),
+                      "step": (int, True), "data_len": (int, True), "chunk_size": (int, True),
+                      "n_tensors": (int, True)},
+    "replica_ready": {"have": (bool, True)},
+    "replica_chunk": {"origin": (str, True), "rank": (int, True), "step": (int, True),
+                      "chunk": (int, True)},
+    "replica_ack": {"rank": (int, True), "step": (int, True), "chunk": (int, True),
+                    "ok": (bool, True), "reason": (str, False)},
+    "replica_end": {"origin": (str, True), "rank": (int, True), "step": (int, True)},
+    "replica_done": {"rank": (int, True), "step": (int, True), "verified": (bool, True)},
+    # Receiver store -> coordinator: it holds a verified replica of ``origin``'s shard of
+    # ``rank`` at ``step`` (ftrun.coordinator.commits counts durable steps). Reply: ack.
+    "replica_verified": {"node_id": (str, True), "origin": (str, True), "epoch": (str, True),
+                         "rank": (int, True), "step": (int, True)},
     # Fault injection (tests, drills): the store flips a byte of ``rank``'s newest verified
     # shard, as a bad DIMM would, and says which.
     "fault_corrupt": {"rank": (int, True)},

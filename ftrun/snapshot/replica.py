@@ -1,0 +1,620 @@
+"""Replicas of committed snapshot shards in peer nodes' stores.
+
+Each node's store sends the shards of its newest committed step to the ``m - 1`` peers that
+the coordinator's placement names (:mod:`ftrun.snapshot.placement`), and keeps the replicas
+its peers send it. Everything here runs on threads of the store process, never in a training
+process and never on the store's message loop:
+
+- :class:`ReplicaSender` (one thread) follows the newest committed step. It streams each local
+  shard of it straight from the rank's shared-memory segment to each peer: a ``replica_begin``
+  with the manifest and the chunk hash table as binary frames, then one ``replica_chunk`` per
+  chunk (4 MiB: the unit the rank hashed), several in flight, then ``replica_end``. It reads
+  the segment header before and after copying each chunk: if the rank has begun rewriting
+  the buffer (it never asks the sender), the transfer of that step is abandoned; a rank never
+  waits for replication. When a newer step commits meanwhile, the sender drops the older
+  one and moves on (superseded). An optional rate cap paces the chunks.
+- :class:`ReplicaReceiver` (one thread, its own TCP socket) checks every chunk's xxh3 against
+  the hash table it was sent (:mod:`ftrun.snapshot.verify`), writes it into a replica segment
+  it owns, and marks the replica verified only once every chunk has been checked. A chunk
+  that does not match is refused (its ack names it and the tensors in it); ``replica_end``
+  then answers with an error naming the chunks, and the replica stays unverified. It keeps
+  the newest two steps per (origin node, rank) and tells the coordinator of each verified
+  replica, which counts a step *durable* once every rank's shard has ``m - 1`` verified
+  replicas (ftrun.coordinator.commits).
+
+Replica segments are named ``<job prefix minus its dash>.rep-<holder>-<origin>-r<rank>-s<slot>``
+(holder and origin as short hashes of their node ids): nothing that lists a node's own rank
+segments (the job prefix ends in ``-``) ever sees them, and two stores of one job on a host
+never share one. A store's replicas are removed when it stops (the job's end), and by the
+usual leftover cleaning once its launcher is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun import protocol
+from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
+from ftrun.protocol.transport import Client, Reply, Server
+from ftrun.snapshot import segment as shm
+from ftrun.snapshot import verify
+from ftrun.snapshot.catalog import Record
+from ftrun.snapshot.manifest import parse_manifest
+
+log = logging.getLogger("ftrun.store.replica")
+
+KEEP_STEPS = 2  # replicas kept per (origin, rank): the newest two steps
+WINDOW = 4  # chunks in flight per transfer
+ACK_TIMEOUT_S = 10.0  # no ack for this long: the peer is gone or stuck, give the step up
+REQUEST_TIMEOUT_S = 5.0  # replica_begin / replica_end
+POLL_S = 0.1
+SERVE_POLL_S = 0.1
+REPORT_TIMEOUT_S = 2.0
+
+
+def replica_prefix(run_id: str) -> str:
+    """Every replica segment of the job on this host starts with this."""
+    return shm.job_prefix(run_id)[:-1] + ".rep-"
+
+
+def _node_tag(node_id: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9]", "", node_id)[-8:]
+    return safe + hashlib.sha1(node_id.encode()).hexdigest()[:8]
+
+
+def replica_name(run_id: str, holder: str, origin: str, rank: int, slot: int) -> str:
+    return f"{replica_prefix(run_id)}{_node_tag(holder)}-{_node_tag(origin)}-r{rank}-s{slot}"
+
+
+def holder_prefix(run_id: str, holder: str) -> str:
+    return f"{replica_prefix(run_id)}{_node_tag(holder)}-"
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack_hashes(blob: bytes | memoryview) -> list[int]:
+    if len(blob) % 8:
+        raise ProtocolError(f"a chunk hash table of {len(blob)} bytes (not a multiple of 8)")
+    return list(struct.unpack(f"<{len(blob) // 8}Q", blob))
+
+
+# -- receiving ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """One replica segment and the transfer filling it."""
+
+    name: str
+    seg: shm.Segment
+    origin: str
+    rank: int
+    step: int = -1
+    epoch: str = ""
+    verified: bool = False
+    doc: dict[str, Any] = field(default_factory=dict)
+    hashes: list[int] = field(default_factory=list)
+    good: set[int] = field(default_factory=set)  # chunks checked and written
+    bad: dict[int, str] = field(default_factory=dict)  # chunk -> why it was refused
+    done_at: float = 0.0
+
+
+class ReplicaReceiver:
+    """Takes replicas from peers' senders on a TCP socket of its own (one thread).
+
+    ``report(origin, epoch, rank, step)`` is called, on this thread, for every replica that
+    became verified (the store tells the coordinator).
+    """
+
+    def __init__(self, run_id: str, node_id: str, owner_pid: int, secret: bytes,
+                 report: Callable[[str, str, int, int], None] | None = None) -> None:
+        self.run_id = run_id
+        self.node_id = node_id
+        self.owner_pid = owner_pid
+        self._secret = secret
+        self._report = report
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[str, int], list[_Slot]] = {}
+        self._server = Server("replica receiver", secret, run_id, {
+            "replica_begin": self._on_begin,
+            "replica_chunk": self._on_chunk,
+            "replica_end": self._on_end,
+        }, sender=f"replicas:{node_id}", max_frame_bytes=protocol.MAX_FRAME_BYTES)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.address = ""
+
+    def start(self, host: str) -> str:
+        """Bind ``host`` on a port the OS picks, serve on a thread; returns ``host:port``."""
+        # Replicas a previous store of this launcher left cannot be told apart from torn
+        # ones (their origins are not recorded on disk): they go, peers send again.
+        for path in shm.list_segments(holder_prefix(self.run_id, self.node_id)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        bind_host = f"[{host}]" if ":" in host else host
+        bound = self._server.bind(f"tcp://{bind_host}:*")
+        self.address = protocol.join_endpoint(host, int(bound.rsplit(":", 1)[1]))
+        self._thread = threading.Thread(target=self._serve, name="ftrun-replica-recv",
+                                        daemon=True)
+        self._thread.start()
+        log.info("taking replicas on %s", self.address)
+        return self.address
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._server.serve_once(SERVE_POLL_S, max_messages=64)
+            except Exception:  # noqa: BLE001 - the receiver must survive anything
+                log.exception("replica receiver loop error; continuing")
+                self._stop.wait(SERVE_POLL_S)
+
+    def stop(self, unlink: bool, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._server.close()
+        with self._lock:
+            slots = [s for ss in self._slots.values() for s in ss]
+            self._slots.clear()
+        for slot in slots:
+            if unlink:
+                slot.seg.unlink()
+            else:
+                slot.seg.close()
+
+    # -- what is held ---------------------------------------------------------------------------
+    def records(self) -> list[Record]:
+        """Catalog records of the replicas held here (origin: the node that sent them)."""
+        out = []
+        with self._lock:
+            slots = [s for ss in self._slots.values() for s in ss]
+        for s in slots:
+            try:
+                h = s.seg.header()
+            except IntegrityError:
+                continue
+            out.append(Record(s.name, s.rank, int(s.name.rsplit("-s", 1)[1]), s.origin,
+                              h.step, h.epoch, h.state_name, h.data_len, h.chunk_size,
+                              list(s.hashes) if s.verified else None))
+        return sorted(out, key=lambda r: (r.origin, r.rank, r.buffer))
+
+    # -- handlers (the receiver thread) -------------------------------------------------------
+    def _slot_for(self, origin: str, rank: int, step: int, epoch: str) -> tuple[_Slot | None, int]:
+        """(a slot already holding this step verified, or None; the slot index to fill)."""
+        slots = self._slots.get((origin, rank), [])
+        for s in slots:
+            if s.verified and s.step == step and s.epoch == epoch:
+                return s, -1
+        if len(slots) < KEEP_STEPS:
+            return None, len(slots)
+        # Overwrite a slot not holding a verified replica, else the older verified one.
+        order = sorted(range(len(slots)), key=lambda i: (slots[i].verified, slots[i].done_at))
+        return None, order[0]
+
+    def _on_begin(self, msg: protocol.Message) -> Reply:
+        b = msg.body
+        origin, rank, step, epoch = b["origin"], b["rank"], b["step"], b["epoch"]
+        if len(msg.frames) != 2:
+            raise ProtocolError("replica_begin carries the manifest and the chunk hash table "
+                                f"as two frames, got {len(msg.frames)}")
+        manifest, table = bytes(msg.frames[0]), msg.frames[1]
+        hashes = unpack_hashes(table)
+        data_len, chunk_size = b["data_len"], b["chunk_size"]
+        if chunk_size <= 0 or chunk_size > protocol.MAX_FRAME_BYTES:
+            raise ProtocolError(f"chunk size {chunk_size} is outside 1..{protocol.MAX_FRAME_BYTES}")
+        if len(hashes) != shm.chunk_count(data_len, chunk_size):
+            raise IntegrityError(f"{len(hashes)} chunk hashes for {data_len} bytes in chunks of "
+                                 f"{chunk_size}")
+        doc = parse_manifest(manifest)
+        with self._lock:
+            have, index = self._slot_for(origin, rank, step, epoch)
+            if have is not None:
+                return Reply("replica_ready", {"have": True})
+            slots = self._slots.setdefault((origin, rank), [])
+            old = slots[index] if index < len(slots) else None
+            seg = self._segment(old, origin, rank, index, manifest, b["n_tensors"], data_len,
+                                chunk_size)
+            # Torn until every chunk is in and checked.
+            seg.set_state(shm.WRITING, step=step, epoch=epoch, data_len=data_len,
+                          n_tensors=b["n_tensors"], manifest_len=0, manifest_xxh3=0,
+                          hashes_xxh3=0, staged_at=0.0)
+            xm = seg.write_manifest(manifest)
+            seg.set_state(shm.WRITING, manifest_len=len(manifest), manifest_xxh3=xm)
+            xh = seg.write_hashes(hashes)
+            slot = _Slot(seg.name, seg, origin, rank, step, epoch, False, doc, hashes)
+            slot.seg.set_state(shm.WRITING, hashes_xxh3=xh)
+            if index < len(slots):
+                slots[index] = slot
+            else:
+                slots.append(slot)
+        return Reply("replica_ready", {"have": False})
+
+    def _segment(self, old: _Slot | None, origin: str, rank: int, index: int, manifest: bytes,
+                 n_tensors: int, data_len: int, chunk_size: int) -> shm.Segment:
+        """The slot's segment, re-created when this shard does not fit its layout."""
+        if old is not None:
+            h = old.seg.header()
+            n = shm.chunk_count(data_len, chunk_size)
+            if (h.chunk_size == chunk_size and h.manifest_cap >= len(manifest)
+                    and h.hash_slots >= max(1, n) and h.data_off + data_len <= h.capacity):
+                return old.seg
+            old.seg.close()
+        name = replica_name(self.run_id, self.node_id, origin, rank, index)
+        return shm.Segment.create(name, manifest_cap=2 * len(manifest) + 4096,
+                                  n_tensors=n_tensors, data_len=data_len,
+                                  owner_pid=self.owner_pid, chunk_size=chunk_size)
+
+    def _find(self, origin: str, rank: int, step: int) -> _Slot | None:
+        for s in self._slots.get((origin, rank), []):
+            if s.step == step and not s.verified:
+                return s
+        return None
+
+    def _on_chunk(self, msg: protocol.Message) -> Reply:
+        b = msg.body
+        origin, rank, step, i = b["origin"], b["rank"], b["step"], b["chunk"]
+        ack: dict[str, Any] = {"rank": rank, "step": step, "chunk": i, "ok": False}
+        with self._lock:
+            slot = self._find(origin, rank, step)
+            if slot is None:
+                ack["reason"] = (f"no transfer of rank {rank} step {step} from {origin} in "
+                                 "progress here (superseded, or never begun)")
+                return Reply("replica_ack", ack)
+            h = slot.seg.header()
+            ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
+            if len(msg.frames) != 1 or not 0 <= i < len(ranges):
+                ack["reason"] = f"chunk {i} of {len(ranges)}, with {len(msg.frames)} frame(s)"
+                return Reply("replica_ack", ack)
+            lo, hi = ranges[i]
+            data = memoryview(msg.frames[0])
+            if len(data) != hi - lo or verify.bad_chunks(data, h.chunk_size, [slot.hashes[i]]):
+                what = (f"{len(data)} bytes instead of {hi - lo}" if len(data) != hi - lo else
+                        verify.describe(slot.doc, h.chunk_size, [i], h.data_len))
+                reason = (f"replica of rank {rank} step {step} from {origin}: chunk {i} "
+                          f"refused: {what}")
+                slot.bad[i] = reason
+                slot.good.discard(i)
+                log.error("%s", reason)
+                ack["reason"] = reason
+                return Reply("replica_ack", ack)
+            slot.seg.mm[h.data_off + lo:h.data_off + hi] = data
+            slot.good.add(i)
+            slot.bad.pop(i, None)
+        ack["ok"] = True
+        return Reply("replica_ack", ack)
+
+    def _on_end(self, msg: protocol.Message) -> Reply:
+        b = msg.body
+        origin, rank, step = b["origin"], b["rank"], b["step"]
+        with self._lock:
+            slot = self._find(origin, rank, step)
+            if slot is None:
+                raise FtrunError(f"no transfer of rank {rank} step {step} from {origin} in "
+                                 "progress here; send it again from replica_begin")
+            n = len(slot.hashes)
+            missing = [i for i in range(n) if i not in slot.good]
+            if missing:
+                bad = sorted(slot.bad)
+                raise IntegrityError(
+                    f"replica of rank {rank} step {step} from {origin} not verified: "
+                    + (f"chunk(s) {', '.join(map(str, bad))} refused ({slot.bad[bad[0]]})"
+                       if bad else f"chunk(s) {', '.join(map(str, missing[:8]))} missing"))
+            slot.seg.set_state(shm.VERIFIED, staged_at=time.time())
+            slot.verified, slot.done_at = True, time.monotonic()
+            epoch = slot.epoch
+        log.debug("replica of rank %d step %d from %s verified (%d chunks)", rank, step,
+                  origin, n)
+        if self._report is not None:
+            self._report(origin, epoch, rank, step)
+        return Reply("replica_done", {"rank": rank, "step": step, "verified": True})
+
+
+# -- sending ------------------------------------------------------------------------------------
+
+
+class Abandoned(Exception):
+    """The transfer of a step stops: why is the message."""
+
+
+class _Pacer:
+    """Keeps the bytes sent at or below ``rate`` bytes/s (0: no cap), with one chunk of burst."""
+
+    def __init__(self, rate_bytes_s: float, stop: threading.Event) -> None:
+        self.rate = rate_bytes_s
+        self._stop = stop
+        self._t0 = time.monotonic()
+        self._sent = 0
+
+    def wait(self, nbytes: int) -> None:
+        if self.rate <= 0:
+            return
+        due = self._t0 + self._sent / self.rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            self._stop.wait(delay)
+        elif delay < -1.0:  # idle for a while: no credit saved up beyond a second
+            self._t0, self._sent = time.monotonic(), 0
+        self._sent += nbytes
+
+
+@dataclass(frozen=True)
+class Peer:
+    node_id: str
+    address: str  # host:port of its ReplicaReceiver
+
+
+class ReplicaSender:
+    """Sends this node's shards of the newest committed step to its peers (one thread).
+
+    ``committed()`` gives (epoch, step) as the store knows it; :meth:`set_peers` takes the
+    placement's peers for this node. ``stats`` counts steps sent, superseded and abandoned.
+    """
+
+    def __init__(self, run_id: str, node_id: str, owner_pid: int, secret: bytes,
+                 committed: Callable[[], tuple[str, int]], *, rate_bytes_s: float = 0.0,
+                 window: int = WINDOW, ack_timeout_s: float = ACK_TIMEOUT_S) -> None:
+        self.run_id = run_id
+        self.node_id = node_id
+        self.owner_pid = owner_pid
+        self._secret = secret
+        self._committed = committed
+        self.rate_bytes_s = rate_bytes_s
+        self.window = max(1, window)
+        self.ack_timeout_s = ack_timeout_s
+        self._peers: tuple[Peer, ...] = ()
+        self._clients: dict[str, Client] = {}
+        self._acks: dict[tuple[int, int, int], tuple[bool, str]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._done: dict[str, tuple[str, int]] = {}  # peer -> (epoch, step) last handled
+        self.stats = {"sent": 0, "superseded": 0, "abandoned": 0, "bytes": 0}
+        self.last_outcome = ""
+
+    # -- control ------------------------------------------------------------------------------
+    def set_peers(self, peers: Sequence[Peer]) -> None:
+        new = tuple(peers)
+        if new != self._peers:
+            log.info("replica peers: %s", ", ".join(f"{p.node_id} at {p.address}" for p in new)
+                     or "none")
+            self._peers = new
+            self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ftrun-replica-send", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            try:
+                self.send_pending()
+            except Exception:  # noqa: BLE001 - the sender must survive anything
+                log.exception("replica sender error; continuing")
+                self._stop.wait(1.0)
+
+    # -- one round ----------------------------------------------------------------------------
+    def send_pending(self) -> None:
+        """Send the newest committed step to every peer that does not have it yet."""
+        epoch, step = self._committed()
+        if not epoch or step <= 0:
+            return
+        for peer in self._peers:
+            if self._stop.is_set() or self._done.get(peer.node_id) == (epoch, step):
+                continue
+            try:
+                n = self.send_step(peer, epoch, step)
+                self.stats["sent"] += 1
+                self.last_outcome = f"step {step} to {peer.node_id}: {n} shard(s)"
+                log.debug("replicated step %d to %s (%d shard(s))", step, peer.node_id, n)
+            except Abandoned as e:
+                key = "superseded" if "superseded" in str(e) else "abandoned"
+                self.stats[key] += 1
+                self.last_outcome = f"step {step} to {peer.node_id}: {e}"
+                log.info("replication of step %d to %s %s", step, peer.node_id, e)
+            except (FtrunError, OSError) as e:
+                self.stats["abandoned"] += 1
+                self.last_outcome = f"step {step} to {peer.node_id}: {e}"
+                log.warning("replication of step %d to %s failed: %s", step, peer.node_id, e)
+            self._done[peer.node_id] = (epoch, step)
+
+    def _local_segments(self, epoch: str, step: int) -> list[tuple[int, str]]:
+        """(rank, segment name) of this node's rank buffers holding ``step`` verified."""
+        out = []
+        for path in shm.list_segments(shm.job_prefix(self.run_id)):
+            try:
+                seg = shm.Segment.open(path)
+            except (OSError, IntegrityError, ValueError):
+                continue
+            try:
+                h = seg.header()
+                if (h.owner_pid == self.owner_pid and h.state == shm.VERIFIED
+                        and h.step == step and h.epoch == epoch):
+                    rank = int(path.name.rsplit("-", 2)[-2][1:])
+                    out.append((rank, path.name))
+            finally:
+                seg.close()
+        return sorted(out)
+
+    def send_step(self, peer: Peer, epoch: str, step: int) -> int:
+        """Send every local shard of ``step`` to ``peer``; returns how many. Raises Abandoned
+        when the step is superseded or rewritten, FtrunError when the peer fails."""
+        shards = self._local_segments(epoch, step)
+        pacer = _Pacer(self.rate_bytes_s, self._stop)
+        for rank, name in shards:
+            seg = shm.Segment.open(name)
+            try:
+                self.send_shard(peer, seg, epoch, rank, step, pacer)
+            finally:
+                seg.close()
+        return len(shards)
+
+    def _client(self, peer: Peer) -> Client:
+        c = self._clients.get(peer.address)
+        if c is None:
+            c = Client(peer.address, self._secret, self.run_id, f"replicas:{self.node_id}",
+                       peer=f"replica receiver of {peer.node_id}",
+                       hint="is that node's store running and its --replica-addr reachable?",
+                       on_reply=self._on_reply, max_frame_bytes=protocol.MAX_FRAME_BYTES)
+            self._clients[peer.address] = c
+        return c
+
+    def _on_reply(self, msg: protocol.Message) -> None:
+        if msg.kind == "replica_ack":
+            b = msg.body
+            self._acks[(b["rank"], b["step"], b["chunk"])] = (b["ok"], b.get("reason", ""))
+
+    def _check(self, seg: shm.Segment, epoch: str, step: int) -> shm.Header:
+        h = seg.header()
+        if h.state != shm.VERIFIED or h.step != step or h.epoch != epoch:
+            raise Abandoned(f"abandoned: {seg.name} was rewritten (now step {h.step}, "
+                            f"{h.state_name})")
+        now_epoch, now_step = self._committed()
+        if now_epoch != epoch or now_step > step:
+            raise Abandoned(f"superseded by step {now_step}")
+        if self._stop.is_set():
+            raise Abandoned("abandoned: the store is stopping")
+        return h
+
+    def send_shard(self, peer: Peer, seg: shm.Segment, epoch: str, rank: int, step: int,
+                   pacer: _Pacer | None = None) -> None:
+        pacer = pacer or _Pacer(self.rate_bytes_s, self._stop)
+        client = self._client(peer)
+        self._acks.clear()
+        h = self._check(seg, epoch, step)
+        manifest = seg.manifest_bytes(h)
+        table = pack_hashes(seg.hashes(h))
+        self._check(seg, epoch, step)
+        ready = client.request("replica_begin", {
+            "origin": self.node_id, "epoch": epoch, "rank": rank, "step": step,
+            "data_len": h.data_len, "chunk_size": h.chunk_size, "n_tensors": h.n_tensors,
+        }, "replica_ready", REQUEST_TIMEOUT_S, frames=[manifest, table])
+        if ready.body["have"]:
+            return
+        ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
+        refused = self._stream(client, seg, epoch, rank, step, list(range(len(ranges))),
+                               ranges, pacer)
+        if refused:
+            # Once more: a chunk corrupted in flight comes through now; one corrupted in
+            # this node's memory is refused again, and the replica stays unverified.
+            log.warning("replica of rank %d step %d: %s refused chunk(s) %s; sending them again",
+                        rank, step, peer.node_id, ", ".join(map(str, refused)))
+            self._stream(client, seg, epoch, rank, step, refused, ranges, pacer)
+        client.request("replica_end", {"origin": self.node_id, "rank": rank, "step": step},
+                       "replica_done", REQUEST_TIMEOUT_S)
+
+    def _stream(self, client: Client, seg: shm.Segment, epoch: str, rank: int, step: int,
+                chunks: list[int], ranges: list[tuple[int, int]], pacer: _Pacer) -> list[int]:
+        """Send ``chunks`` pipelined (``window`` in flight); returns those refused."""
+        pending: set[int] = set()
+        refused: list[int] = []
+
+        def drain(limit: int) -> None:
+            """Take acks until at most ``limit`` chunks are unanswered."""
+            deadline = time.monotonic() + self.ack_timeout_s
+            while True:
+                for i in [i for i in pending if (rank, step, i) in self._acks]:
+                    ok, reason = self._acks.pop((rank, step, i))
+                    pending.discard(i)
+                    if not ok:
+                        refused.append(i)
+                        log.warning("%s", reason)
+                if len(pending) <= limit:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Abandoned(f"abandoned: no ack from {client.peer} for "
+                                    f"{self.ack_timeout_s:g} s")
+                client.poll(min(POLL_S, left))
+
+        for i in chunks:
+            lo, hi = ranges[i]
+            pacer.wait(hi - lo)
+            h = self._check(seg, epoch, step)
+            data = bytes(seg.mm[h.data_off + lo:h.data_off + hi])
+            self._check(seg, epoch, step)  # still the same step after the copy: not torn
+            if client.send("replica_chunk", {"origin": self.node_id, "rank": rank,
+                                             "step": step, "chunk": i}, [data]) is None:
+                raise Abandoned(f"abandoned: {client.peer} does not take data")
+            self.stats["bytes"] += hi - lo
+            pending.add(i)
+            drain(self.window - 1)
+        drain(0)
+        return sorted(refused)
+
+
+# -- the store's part ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    replicas: int  # m: copies of every shard (1: off)
+    host: str  # the interface the receiver listens on
+    rate_bytes_s: float = 0.0
+
+
+class Replication:
+    """A store's sender and receiver, started and stopped together."""
+
+    def __init__(self, cfg: ReplicaConfig, run_id: str, node_id: str, owner_pid: int,
+                 secret: bytes, committed: Callable[[], tuple[str, int]],
+                 coordinator: str) -> None:
+        self.cfg = cfg
+        self._coord = Client(coordinator, secret, run_id, f"replicas:{node_id}",
+                             peer="coordinator")
+        self.node_id = node_id
+        self.receiver = ReplicaReceiver(run_id, node_id, owner_pid, secret, self._report)
+        self.sender = ReplicaSender(run_id, node_id, owner_pid, secret, committed,
+                                    rate_bytes_s=cfg.rate_bytes_s)
+
+    def start(self) -> str:
+        address = self.receiver.start(self.cfg.host)
+        self.sender.start()
+        return address
+
+    def _report(self, origin: str, epoch: str, rank: int, step: int) -> None:
+        try:
+            self._coord.request("replica_verified", {
+                "node_id": self.node_id, "origin": origin, "epoch": epoch, "rank": rank,
+                "step": step}, "ack", REPORT_TIMEOUT_S)
+        except (UnreachableError, FtrunError) as e:
+            log.warning("coordinator: replica of rank %d step %d not reported: %s", rank,
+                        step, e)
+
+    def set_plan(self, body: dict[str, Any]) -> None:
+        """Take the coordinator's ``replica_plan``: this node's peers."""
+        self.sender.set_peers([Peer(p["node_id"], p["addr"]) for p in body["peers"]])
+
+    def report_fields(self) -> dict[str, Any]:
+        return {"replica_addr": self.receiver.address, "replicas": self.cfg.replicas}
+
+    def stop(self, unlink: bool) -> None:
+        self.sender.stop()
+        self.receiver.stop(unlink)
+        self._coord.close()

@@ -1,0 +1,197 @@
+"""Replicas between stores: the receiver's checks, and the sender's supersede/abandon rules.
+
+Real segments in shared memory, a real receiver on a TCP socket, a real sender reading the
+rank's segment; nothing stands in for either end.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ftrun.errors import IntegrityError
+from ftrun.protocol.transport import Client
+from ftrun.snapshot import segment as shm
+from ftrun.snapshot import verify
+from ftrun.snapshot.replica import (
+    Abandoned,
+    Peer,
+    ReplicaReceiver,
+    ReplicaSender,
+    pack_hashes,
+    replica_prefix,
+)
+from tests.snapshot_helpers import stage_segment
+
+SECRET = b"r" * 32
+ORIGIN = "host-a/1"
+HOLDER = "host-b/2"
+EPOCH = "e1"
+# 10 MiB + a bit: three 4 MiB chunks, the last one short.
+STATE = {"w": torch.arange(2_700_000, dtype=torch.float32), "b": torch.ones(7)}
+
+
+class Job:
+    def __init__(self) -> None:
+        self.run_id = f"repl-{uuid.uuid4().hex[:8]}"
+        self.reports: list[tuple[str, str, int, int]] = []
+        self.receiver = ReplicaReceiver(self.run_id, HOLDER, os.getpid(), SECRET,
+                                        lambda *a: self.reports.append(a))
+        self.address = self.receiver.start("127.0.0.1")
+        self.peer = Peer(HOLDER, self.address)
+        self.segs: list[shm.Segment] = []
+        self.senders: list[ReplicaSender] = []
+
+    def stage(self, step: int, rank: int = 0) -> shm.Segment:
+        seg = stage_segment(self.run_id, rank, 0, STATE, step=step)
+        seg.set_state(shm.VERIFIED, epoch=EPOCH)
+        self.segs.append(seg)
+        return seg
+
+    def sender(self, committed: object, **kw: object) -> ReplicaSender:
+        s = ReplicaSender(self.run_id, ORIGIN, os.getpid(), SECRET, committed, **kw)  # type: ignore[arg-type]
+        self.senders.append(s)
+        return s
+
+    def replicas(self) -> list:
+        return self.receiver.records()
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.stop()
+        self.receiver.stop(unlink=True)
+        for seg in self.segs:
+            seg.unlink()
+
+
+@pytest.fixture
+def job() -> Iterator[Job]:
+    j = Job()
+    try:
+        yield j
+    finally:
+        j.close()
+        left = shm.list_segments(shm.job_prefix(j.run_id)) + shm.list_segments(
+            replica_prefix(j.run_id))
+        assert not left, f"segments left behind: {left}"
+
+
+def test_good_chunks_land_verified(job: Job) -> None:
+    seg = job.stage(step=5)
+    sender = job.sender(lambda: (EPOCH, 5))
+    assert sender.send_step(job.peer, EPOCH, 5) == 1
+    [rec] = job.replicas()
+    h = seg.header()
+    assert (rec.origin, rec.rank, rec.step, rec.epoch, rec.state) == (ORIGIN, 0, 5, EPOCH,
+                                                                       "verified")
+    assert h.n_chunks == 3 and rec.hashes == seg.hashes(h)
+    assert rec.segment.startswith(replica_prefix(job.run_id))
+    assert not rec.segment.startswith(shm.job_prefix(job.run_id))  # never a rank's segment
+    replica = shm.Segment.open(rec.segment)
+    try:
+        assert bytes(replica.data()) == bytes(seg.data())
+        assert verify.check(replica) == (True, "")
+        assert replica.manifest_bytes() == seg.manifest_bytes()
+    finally:
+        replica.close()
+    assert job.reports == [(ORIGIN, EPOCH, 0, 5)]
+    # Sent again: the receiver already has it and says so; nothing more is streamed.
+    sent = sender.stats["bytes"]
+    sender.send_step(job.peer, EPOCH, 5)
+    assert sender.stats["bytes"] == sent and len(job.reports) == 1
+
+
+def test_flipped_byte_in_a_frame_is_refused_and_named(job: Job) -> None:
+    seg = job.stage(step=3)
+    h = seg.header()
+    client = Client(job.address, SECRET, job.run_id, "test", peer="receiver")
+    try:
+        ready = client.request("replica_begin", {
+            "origin": ORIGIN, "epoch": EPOCH, "rank": 0, "step": 3, "data_len": h.data_len,
+            "chunk_size": h.chunk_size, "n_tensors": h.n_tensors,
+        }, "replica_ready", 5.0, frames=[seg.manifest_bytes(h), pack_hashes(seg.hashes(h))])
+        assert ready.body == {"have": False}
+        ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
+        acks = {}
+        for i, (lo, hi) in enumerate(ranges):
+            data = bytearray(seg.data(h)[lo:hi])
+            if i == 1:
+                data[12345] ^= 0x01  # one bit, after the rank hashed it
+            acks[i] = client.request("replica_chunk", {"origin": ORIGIN, "rank": 0, "step": 3,
+                                                       "chunk": i}, "replica_ack", 5.0,
+                                     frames=[bytes(data)]).body
+        assert [acks[i]["ok"] for i in range(3)] == [True, False, True]
+        assert "chunk 1 refused" in acks[1]["reason"] and "tensor /w" in acks[1]["reason"]
+        with pytest.raises(IntegrityError, match=r"chunk\(s\) 1 refused"):
+            client.request("replica_end", {"origin": ORIGIN, "rank": 0, "step": 3},
+                           "replica_done", 5.0)
+    finally:
+        client.close()
+    [rec] = job.replicas()
+    assert rec.state == "writing" and rec.hashes is None  # never verified
+    assert job.reports == []
+
+
+def test_sender_retries_a_refused_chunk_once_then_gives_up(job: Job) -> None:
+    seg = job.stage(step=4)
+    h = seg.header()
+    seg.mm[h.data_off + h.chunk_size + 99] ^= 0xFF  # bad memory on the sending node
+    sender = job.sender(lambda: (EPOCH, 4))
+    with pytest.raises(IntegrityError, match=r"chunk\(s\) 1 refused.*tensor /w"):
+        sender.send_step(job.peer, EPOCH, 4)
+    # every chunk once, and the refused one a second time
+    assert sender.stats["bytes"] == h.data_len + h.chunk_size
+    [rec] = job.replicas()
+    assert rec.state == "writing" and job.reports == []
+
+
+def test_sender_abandons_a_step_rewritten_under_it(job: Job) -> None:
+    seg = job.stage(step=6)
+    calls = []
+
+    def committed() -> tuple[str, int]:
+        calls.append(1)
+        if len(calls) == 4:  # mid-transfer, a rank claims the buffer and writes step 8
+            seg.set_state(shm.WRITING, step=8)
+        return EPOCH, 6
+
+    sender = job.sender(committed)
+    with pytest.raises(Abandoned, match="rewritten"):
+        sender.send_step(job.peer, EPOCH, 6)
+    assert len(calls) >= 4
+    assert all(r.state != "verified" for r in job.replicas()) and job.reports == []
+
+
+def test_sender_moves_on_when_a_newer_step_commits(job: Job) -> None:
+    job.stage(step=6)
+    newest = [6]
+
+    def committed() -> tuple[str, int]:
+        newest[0] += 1  # every look finds a newer commit
+        return EPOCH, newest[0]
+
+    sender = job.sender(committed)
+    with pytest.raises(Abandoned, match="superseded"):
+        sender.send_step(job.peer, EPOCH, 6)
+    assert job.reports == []
+
+
+def test_keeps_the_newest_two_steps_per_origin_and_rank(job: Job) -> None:
+    seg = job.stage(step=1)
+    job.stage(step=1, rank=1)
+    current = [1]
+    sender = job.sender(lambda: (EPOCH, current[0]))
+    for step in (1, 2, 3):
+        current[0] = step
+        for s in job.segs:
+            s.set_state(shm.VERIFIED, step=step)
+        sender.send_step(job.peer, EPOCH, step)
+    recs = job.replicas()
+    assert sorted((r.rank, r.step) for r in recs) == [(0, 2), (0, 3), (1, 2), (1, 3)]
+    assert all(r.state == "verified" for r in recs)
+    assert len(job.reports) == 6
+    assert seg.header().step == 3
