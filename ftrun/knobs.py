@@ -121,6 +121,20 @@ STORE_THREADS = Knob(
     "Threads each node's snapshot store uses to verify chunks (xxh3 runs without the GIL); "
     "0: one per 8 CPUs, at least 2 and at most 8.",
 )
+REPLICAS = Knob(
+    "FTRUN_REPLICAS", "count", "1",
+    "Copies of every committed snapshot shard kept in memory across the job: the node's own "
+    "and m-1 replicas in peer nodes' stores (Gemini's group placement). 1: no replication.",
+)
+REPLICA_ADDR = Knob(
+    "FTRUN_REPLICA_ADDR", "host", "",
+    "Address (interface) each node's store takes replicas on. Unset: this node's address "
+    "toward the rendezvous endpoint (the endpoint's host on the node that hosts it).",
+)
+REPLICA_RATE = Knob(
+    "FTRUN_REPLICA_RATE", "MB/s", "0",
+    "Cap on the rate each node's store sends replicas at (0: no cap).",
+)
 STORE = Knob(
     "FTRUN_STORE", "endpoint", "", "The node's snapshot store (ipc) for the ranks.", "worker",
 )

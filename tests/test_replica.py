@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from snapshot_helpers import stage_segment
 
 from ftrun.errors import IntegrityError
 from ftrun.protocol.transport import Client
@@ -25,7 +26,6 @@ from ftrun.snapshot.replica import (
     pack_hashes,
     replica_prefix,
 )
-from tests.snapshot_helpers import stage_segment
 
 SECRET = b"r" * 32
 ORIGIN = "host-a/1"
@@ -195,3 +195,61 @@ def test_keeps_the_newest_two_steps_per_origin_and_rank(job: Job) -> None:
     assert all(r.state == "verified" for r in recs)
     assert len(job.reports) == 6
     assert seg.header().step == 3
+
+
+# -- the coordinator's side: placement in replies, durable steps --------------------------------
+
+
+def test_durable_needs_m_minus_1_replicas_of_every_shard() -> None:
+    from ftrun.coordinator.commits import CommitTracker
+
+    t = CommitTracker(final_settle_s=0.0)
+    t.replicas = 3
+    t.handle("snap_epoch", {"node_id": "a", "epoch": EPOCH, "base_step": 0, "world_size": 2})
+    for rank in (0, 1):
+        t.handle("snap_verified", {"node_id": "a", "epoch": EPOCH, "rank": rank, "step": 4,
+                                   "nbytes": 10})
+    ep = t.get(EPOCH)
+    assert ep is not None and ep.committed == 4 and ep.durable == -1
+    t.replica_verified(EPOCH, "b", "a", 0, 4)
+    t.replica_verified(EPOCH, "a", "a", 0, 4)  # the origin itself never counts
+    t.replica_verified(EPOCH, "c", "a", 0, 4)
+    t.replica_verified(EPOCH, "b", "a", 1, 4)
+    assert ep.durable == -1 and t.covered([0]) == 4 and t.covered([0, 1]) is None
+    t.replica_verified(EPOCH, "c", "a", 1, 4)
+    assert ep.durable == 4 and t.summary()["durable_step"] == 4  # type: ignore[index]
+    # a replica of a step that is not committed yet makes nothing durable
+    t.replica_verified(EPOCH, "b", "a", 0, 6)
+    t.replica_verified(EPOCH, "c", "a", 0, 6)
+    assert ep.durable == 4
+
+
+def test_coordinator_answers_store_reports_with_the_placement() -> None:
+    from ftrun.coordinator.server import Coordinator
+
+    coord = Coordinator("job-r", SECRET, bind_host="127.0.0.1")
+    coord.start()
+    clients = {}
+    try:
+        def report(node: str) -> dict:
+            c = clients.setdefault(node, Client(coord.endpoint, SECRET, "job-r", node,
+                                                peer="coordinator"))
+            reply = c.request("store_report", {
+                "node_id": node, "bytes": 0, "segments": 0, "persisted_step": None,
+                "ranks": [int(node[-1])], "replicas": 2, "replica_addr": f"127.0.0.1:{node[-1]}",
+            }, "replica_plan", 5.0)
+            return reply.body
+
+        nodes = [f"n{i}" for i in range(4)]
+        for n in nodes:
+            report(n)
+        plans = {n: report(n) for n in nodes}
+        assert plans["n0"] == {"replicas": 2, "members": 4,
+                               "peers": [{"node_id": "n1", "addr": "127.0.0.1:1"}]}
+        assert plans["n3"]["peers"] == [{"node_id": "n2", "addr": "127.0.0.1:2"}]
+        doc = coord.status_document()["snapshots"]
+        assert doc["replica_coverage"]["n2"] == {"peers": ["n3"], "replicated_step": None}
+    finally:
+        for c in clients.values():
+            c.close()
+        coord.stop(timeout_s=2)

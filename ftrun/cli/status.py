@@ -253,10 +253,23 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
          f" in memory on {len(stores)} node(s)", ""),
         (f" | persisted step {persisted}" if persisted is not None else " | nothing persisted",
          ""),
+        (_replica_text(snaps), ""),
         (_cadence_text(snaps), ""),
         (f" | {snaps['skipped']} skipped" if snaps.get("skipped") else "", "bold yellow"),
     )
     return Group(table, line, *details, snap_line)
+
+
+def _replica_text(snaps: dict[str, Any]) -> str:
+    """``durable step S, replicas N/M nodes``: with replication only."""
+    m = snaps.get("replicas") or 1
+    if m <= 1:
+        return ""
+    durable = snaps.get("durable_step")
+    coverage = snaps.get("replica_coverage") or {}
+    covered = sum(1 for c in coverage.values() if c.get("replicated_step") is not None)
+    return (f" | {f'durable step {durable}' if durable is not None else 'nothing durable yet'}"
+            f" ({m} copies; {covered}/{len(coverage)} node(s) replicated)")
 
 
 def _cadence_text(snaps: dict[str, Any]) -> str:

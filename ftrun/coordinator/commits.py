@@ -29,6 +29,11 @@ later step without it (ranks stage steps in order), or a rank's shard of it fail
 verification. Replies list the epoch's dead steps; a store then lets a rank whose newest shard
 is dead overwrite that shard instead, and its older buffer, the last committed step, stays.
 
+**Durable steps.** With replicas (``--replicas m``), a committed step is also *durable* once
+every rank's shard of it has ``m - 1`` verified replicas on other nodes (their stores report
+each one, ftrun.snapshot.replica). Senders skip to the newest committed step, so durable steps
+are a subset of committed ones, and ``durable`` never passes ``committed``.
+
 Everything here can be rebuilt from the stores: they report again after a coordinator
 restart. The same tracker runs inside a store that has no coordinator (a one-node job).
 """
@@ -84,6 +89,10 @@ class Epoch:
     newest: dict[int, int] = field(default_factory=dict)  # rank -> newest step it verified
     newest_any: int = -1  # max(newest.values())
     dead: set[int] = field(default_factory=set)  # uncommitted steps that can never commit
+    # step -> rank -> nodes holding a verified replica of that shard (origins excluded)
+    replicated: dict[int, dict[int, set[str]]] = field(default_factory=dict)
+    durable: int = -1  # newest committed step with m - 1 verified replicas of every shard
+    durable_at: float = 0.0
 
     def pending(self) -> dict[int, int]:
         """step -> verified ranks, for steps newer than the committed one that can still
@@ -156,6 +165,7 @@ class CommitTracker:
         self._last_signal_mono: float | None = None
         self.new_targets: list[TargetEvent] = []  # drained by whoever logs events
         self.skipped: list[tuple[int, list[str]]] = []  # (step, nodes still writing): drained
+        self.replicas = 1  # m, as the stores report it (1: no replication, nothing durable)
 
     def begin(self, epoch: str, base_step: int, world_size: int) -> Epoch:
         ep = self._epochs.get(epoch)
@@ -190,6 +200,7 @@ class CommitTracker:
                 del ep.verified[old]
             ep.dead = {s for s in ep.dead if s > step}
             self._on_commit(ep, step)
+            self._check_durable(ep, step)
         while len(ep.verified) > MAX_PENDING_STEPS:
             del ep.verified[min(ep.verified)]
         return ep
@@ -201,6 +212,41 @@ class CommitTracker:
             ep.note_verified(rank, step)
             ep.mark_dead(step)
         return ep
+
+    # -- durable steps ---------------------------------------------------------------------
+    def replica_verified(self, epoch: str, holder: str, origin: str, rank: int,
+                         step: int) -> Epoch | None:
+        """``holder`` verified a replica of ``origin``'s shard of ``rank`` at ``step``."""
+        ep = self._epochs.get(epoch)
+        if ep is None or holder == origin or step <= ep.durable:
+            return ep
+        ep.replicated.setdefault(step, {}).setdefault(rank, set()).add(holder)
+        while len(ep.replicated) > MAX_PENDING_STEPS:
+            del ep.replicated[min(ep.replicated)]
+        self._check_durable(ep, step)
+        return ep
+
+    def _check_durable(self, ep: Epoch, step: int) -> None:
+        if self.replicas <= 1 or step > ep.committed or step <= ep.durable:
+            return
+        ranks = ep.replicated.get(step, {})
+        if all(len(ranks.get(r, ())) >= self.replicas - 1 for r in range(ep.world_size)):
+            ep.durable, ep.durable_at = step, time.time()
+            for old in [s for s in ep.replicated if s < step]:
+                del ep.replicated[old]
+
+    def covered(self, ranks: list[int]) -> int | None:
+        """The newest step of the latest epoch whose shards of ``ranks`` all have ``m - 1``
+        verified replicas (a node's replica coverage), or None."""
+        ep = self.latest()
+        if ep is None or self.replicas <= 1 or not ranks:
+            return None
+        best = ep.durable if ep.durable > 0 else None
+        for step, held in ep.replicated.items():
+            if (best is None or step > best) and all(
+                    len(held.get(r, ())) >= self.replicas - 1 for r in ranks):
+                best = step
+        return best
 
     def _on_commit(self, ep: Epoch, step: int) -> None:
         if ep.final is not None or not (self.policy.every or self.policy.interval_s):
@@ -288,6 +334,9 @@ class CommitTracker:
             "dead_steps": ep.live_dead(),
             "bytes_per_rank": {str(r): b for r, b in sorted(ep.nbytes.items())},
             "persisted_step": min(persisted) if persisted else None,
+            "replicas": self.replicas,
+            "durable_step": ep.durable if ep.durable > 0 else None,
+            "durable_age_s": round(time.time() - ep.durable_at, 3) if ep.durable > 0 else None,
             # Steps per committed snapshot in this epoch: the interval, plus what skips cost.
             "effective_every": (round((ep.committed - ep.base_step) / ep.commits, 1)
                                 if ep.commits else None),

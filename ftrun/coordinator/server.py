@@ -34,6 +34,7 @@ from ftrun.coordinator.api import JobHealth, NodeState, RankHealth
 from ftrun.coordinator.commits import CommitTracker, StoreState
 from ftrun.errors import FtrunError, UnreachableError
 from ftrun.protocol.transport import RateLimiter, Reply, Server
+from ftrun.snapshot.placement import group_placement
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ class Coordinator:
         self._commits = CommitTracker(
             node_gone=lambda node: self._node_gone(node, time.monotonic()))
         self._store_reports: dict[str, dict[str, Any]] = {}
+        self._store_seen: dict[str, float] = {}  # node -> monotonic time of its last report
         self._finalizing: set[str] = set()  # nodes whose store asked for its final target
         # Messages read, and those refused (``auth_failures``, ``bad_messages``).
         self.counters: dict[str, int] = {}
@@ -198,6 +200,7 @@ class Coordinator:
             "commit_query": self._on_commit,
             "persist_request": self._on_commit,
             "store_report": self._on_store_report,
+            "replica_verified": self._on_replica_verified,
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -371,6 +374,46 @@ class Coordinator:
             self._commits.stores[body["node_id"]] = StoreState(
                 bool(body.get("persist")), body.get("epoch"),
                 body.get("target_done", -1), body.get("writing"))
+            self._store_seen[body["node_id"]] = time.monotonic()
+            if body.get("replicas", 1) > 1 and body.get("replica_addr"):
+                self._commits.replicas = body["replicas"]
+                return Reply("replica_plan", self._replica_plan(body["node_id"]))
+        return Reply("ack", {"re": msg.id})
+
+    # -- replicas (ftrun.snapshot.replica) ----------------------------------------------------
+
+    def _replica_members(self) -> dict[str, str]:
+        """node -> replica address, for the live stores that take replicas. Caller holds
+        the lock."""
+        mono = time.monotonic()
+        return {
+            node: r["replica_addr"] for node, r in self._store_reports.items()
+            if r.get("replica_addr") and not r.get("final") and not self._node_gone(node, mono)
+            and mono - self._store_seen.get(node, 0.0) <= self.node_timeout_s
+        }
+
+    def _placement(self) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Group placement over the live stores (recomputed from the membership each time).
+        Caller holds the lock."""
+        members = self._replica_members()
+        return group_placement(sorted(members), self._commits.replicas), members
+
+    def _replica_plan(self, node_id: str) -> dict[str, Any]:
+        placement, members = self._placement()
+        peers = [{"node_id": p, "addr": members[p]} for p in placement.get(node_id, [])]
+        return {"replicas": self._commits.replicas, "members": len(members), "peers": peers}
+
+    def _on_replica_verified(self, msg: protocol.Message) -> Reply:
+        b = msg.body
+        with self._lock:
+            ep = self._commits.get(b["epoch"])
+            before = ep.durable if ep is not None else -1
+            ep = self._commits.replica_verified(b["epoch"], b["node_id"], b["origin"],
+                                                b["rank"], b["step"])
+            durable = ep.durable if ep is not None else -1
+        if durable > before:
+            log.debug("step %d is durable (every shard has %d verified replica(s))", durable,
+                      self._commits.replicas - 1)
         return Reply("ack", {"re": msg.id})
 
     def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -560,7 +603,20 @@ class Coordinator:
         # interval they snapshot at (the largest any node reports).
         out["skipped"] = sum(s["skipped"] for s in stores.values())
         out["every"] = max((s["every"] for s in stores.values() if s["every"]), default=None)
+        with self._lock:
+            if self._commits.replicas > 1:
+                out["replica_coverage"] = self._replica_coverage()
         return out
+
+    def _replica_coverage(self) -> dict[str, dict[str, Any]]:
+        """Per node: the peers holding its replicas, and the newest step whose shards of its
+        ranks all have m - 1 verified replicas. Caller holds the lock."""
+        placement, _ = self._placement()
+        return {
+            node: {"peers": placement.get(node, []),
+                   "replicated_step": self._commits.covered(list(r.get("ranks") or []))}
+            for node, r in sorted(self._store_reports.items())
+        }
 
     def _node_doc(self, node: _Node, mono: float) -> dict[str, Any]:
         hb = node.heartbeat

@@ -41,6 +41,9 @@ class FtrunOptions:
     snapshot_every: str = "1"
     snapshot_wait_s: float = 0.0
     store_threads: int = 0
+    replicas: int = 1
+    replica_addr: str | None = None
+    replica_rate_mb_s: float = 0.0
 
     def __post_init__(self) -> None:
         every = self.snapshot_every.strip().lower()
@@ -77,6 +80,15 @@ class FtrunOptions:
             raise ConfigError(
                 f"--store-threads must be >= 0 (0: the default for this host), got "
                 f"{self.store_threads}"
+            )
+        if self.replicas < 1:
+            raise ConfigError(
+                f"--replicas must be >= 1 copies of every shard (1: no replication, 2: one "
+                f"replica on a peer node), got {self.replicas}"
+            )
+        if not (self.replica_rate_mb_s >= 0 and math.isfinite(self.replica_rate_mb_s)):
+            raise ConfigError(
+                f"--replica-rate must be MB/s >= 0 (0: no cap), got {self.replica_rate_mb_s}"
             )
         if self.coordinator is not None and ":" not in self.coordinator:
             raise ConfigError(
@@ -121,6 +133,14 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--store-threads", knobs.STORE_THREADS, int,
      "Threads each node's snapshot store uses to verify chunks (0: one per 8 CPUs, at least "
      "2, at most 8)."),
+    ("--replicas", knobs.REPLICAS, int,
+     "Copies of every committed snapshot shard in memory across the job: the node's own and "
+     "m-1 replicas in peer nodes' stores, placed in disjoint groups of m (1: no replication)."),
+    ("--replica-addr", knobs.REPLICA_ADDR, str,
+     "Address (interface) this node's store takes replicas on; default: this node's address "
+     "toward the rendezvous endpoint."),
+    ("--replica-rate", knobs.REPLICA_RATE, float,
+     "Cap, in MB/s, on the rate this node's store sends replicas at (0: no cap)."),
     ("--start-fresh", knobs.START_FRESH, bool,
      "Start from step 0 when --persist-dir holds steps but none can be restored (all partial "
      "or corrupt); without it such a job stops with an error that lists each step and why."),
@@ -194,6 +214,9 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         snapshot_every=str(ns.snapshot_every or knobs.SNAPSHOT_EVERY.default),
         snapshot_wait_s=num("snapshot_wait", knobs.SNAPSHOT_WAIT),
         store_threads=int(num("store_threads", knobs.STORE_THREADS)),
+        replicas=int(num("replicas", knobs.REPLICAS)),
+        replica_addr=ns.replica_addr or None,
+        replica_rate_mb_s=num("replica_rate", knobs.REPLICA_RATE),
     )
 
 

@@ -235,6 +235,24 @@ def _store_url(node_dir: Path) -> str:
     return f"ipc://@ftrun-{os.getuid()}-{node_dir.name}"
 
 
+def _replica_host(plan: RendezvousPlan | None) -> str:
+    """Where this node's store takes replicas by default: the rendezvous endpoint's host on
+    the node that hosts it (peers reach it there already), elsewhere this node's own address
+    on the route to that host."""
+    if plan is None or plan.host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        addr = socket.getaddrinfo(plan.host, plan.port, type=socket.SOCK_DGRAM)[0]
+        if plan.is_host:
+            return str(addr[4][0])
+        with socket.socket(addr[0], socket.SOCK_DGRAM) as s:
+            s.connect(addr[4])  # no packet is sent: this only picks the route
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise ConfigError(f"cannot find this node's address toward the rendezvous host "
+                          f"{plan.host} ({e}); pass --replica-addr HOST") from e
+
+
 def _install_signal_forwarding(ctx: AgentContext) -> None:
     def forward(signum: int, _frame: Any) -> None:
         if ctx.agent is not None:
@@ -331,7 +349,10 @@ def run(argv: list[str]) -> int:
                     owner_pid=os.getpid(), persist_dir=opts.persist_dir,
                     persist_every=opts.persist_every,
                     persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep,
-                    threads=opts.store_threads),
+                    threads=opts.store_threads, replicas=opts.replicas,
+                    replica_host=(opts.replica_addr or _replica_host(plan)
+                                  if opts.replicas > 1 else "127.0.0.1"),
+                    replica_rate_mb_s=opts.replica_rate_mb_s),
         env={knobs.SECRET.name: secret.decode()},
     )
     ctx.store.start()

@@ -44,7 +44,7 @@ from typing import Any
 
 from ftrun import protocol
 from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
-from ftrun.protocol.transport import Client, Reply, Server
+from ftrun.protocol.transport import Client, RateLimiter, Reply, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.catalog import Record
@@ -59,6 +59,7 @@ REQUEST_TIMEOUT_S = 5.0  # replica_begin / replica_end
 POLL_S = 0.1
 SERVE_POLL_S = 0.1
 REPORT_TIMEOUT_S = 2.0
+BEHIND_WARN_EVERY_S = 60.0
 
 
 def replica_prefix(run_id: str) -> str:
@@ -382,6 +383,7 @@ class ReplicaSender:
         self._thread: threading.Thread | None = None
         self._done: dict[str, tuple[str, int]] = {}  # peer -> (epoch, step) last handled
         self.stats = {"sent": 0, "superseded": 0, "abandoned": 0, "bytes": 0}
+        self._behind = RateLimiter(BEHIND_WARN_EVERY_S)
         self.last_outcome = ""
 
     # -- control ------------------------------------------------------------------------------
@@ -437,7 +439,13 @@ class ReplicaSender:
                 key = "superseded" if "superseded" in str(e) else "abandoned"
                 self.stats[key] += 1
                 self.last_outcome = f"step {step} to {peer.node_id}: {e}"
-                log.info("replication of step %d to %s %s", step, peer.node_id, e)
+                log.debug("replication of step %d to %s %s", step, peer.node_id, e)
+                allowed, _ = self._behind.allow(key)
+                if allowed:
+                    log.warning("replication is behind the snapshots: step %d to %s %s (so far "
+                                "%d step(s) sent, %d superseded, %d abandoned)", step,
+                                peer.node_id, e, self.stats["sent"], self.stats["superseded"],
+                                self.stats["abandoned"])
             except (FtrunError, OSError) as e:
                 self.stats["abandoned"] += 1
                 self.last_outcome = f"step {step} to {peer.node_id}: {e}"

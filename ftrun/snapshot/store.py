@@ -67,6 +67,11 @@ class StoreConfig:
     persist_interval_s: float = 0.0
     persist_keep: int = 3
     threads: int = 0  # hashing threads (0: default_threads())
+    # Replicas on peer nodes (ftrun.snapshot.replica): m copies of every shard (1: off), the
+    # interface the receiver listens on, and the sender's cap in MB/s (0: none).
+    replicas: int = 1
+    replica_host: str = "127.0.0.1"
+    replica_rate_mb_s: float = 0.0
 
 
 # A shard copied out of shared memory for the disk: manifest, data region, chunk size, and
@@ -118,6 +123,7 @@ class SnapshotStore:
         self._stop = threading.Event()
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
+        self._replication: Any = None  # ftrun.snapshot.replica.Replication, with --replicas > 1
 
     # -- segments (the catalog finds, opens and adopts them) --------------------------------
     def _open(self, name: str) -> shm.Segment | None:
@@ -238,6 +244,8 @@ class SnapshotStore:
         """
         if not (info and info.get("known") and info["epoch"] == epoch == self._epoch):
             return
+        if info["committed"] > self._committed and self._replication is not None:
+            self._replication.sender.wake()
         self._committed = max(self._committed, info["committed"])
         self._dead = set(info.get("dead") or ())
         if info.get("final") is not None:
@@ -362,6 +370,9 @@ class SnapshotStore:
     def _on_catalog(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         b = msg.body
         records = self.catalog.records(b.get("rank"))
+        if b.get("replicas") and self._replication is not None:
+            records += [r for r in self._replication.receiver.records()
+                        if b.get("rank") is None or r.rank == b["rank"]]
         return "catalog_reply", {"node_id": self.cfg.node_id, "records": [
             r.to_json(with_hashes=bool(b.get("hashes"))) for r in records]}
 
@@ -625,8 +636,9 @@ class SnapshotStore:
             except (OSError, ValueError):
                 continue
         if self._coord is not None:
+            extra = self._replication.report_fields() if self._replication is not None else {}
             try:
-                self._coord.request("store_report", {
+                reply = self._coord.request("store_report", {
                     "node_id": self.cfg.node_id, "bytes": total, "segments": len(names),
                     "persisted_step": self._persisted_step, "ranks": sorted(ranks),
                     "persist": bool(self.cfg.persist_dir), "final": final,
@@ -634,7 +646,10 @@ class SnapshotStore:
                     "target_done": max(self._handled, default=-1),
                     "skipped": sum(s for s, _ in self._cadence.values()),
                     "every": max((k for _, k in self._cadence.values()), default=None),
-                }, "ack", COORDINATOR_TIMEOUT_S)
+                    **extra,
+                }, None, COORDINATOR_TIMEOUT_S)
+                if reply.kind == "replica_plan" and self._replication is not None:
+                    self._replication.set_plan(reply.body)
             except (UnreachableError, FtrunError) as e:
                 log.debug("store report: %s", e)
 
@@ -653,6 +668,7 @@ class SnapshotStore:
             # Import the writer's modules now (seconds), not at the first target's write.
             self._writer.submit(_warm_up)
         self.adopt()
+        self._start_replication()
         log.info("snapshot store of job %s at %s", self.cfg.run_id, self.cfg.url)
         last_report = last_poll = 0.0
         try:
@@ -682,6 +698,25 @@ class SnapshotStore:
             server.close()
             self._shutdown()
 
+    def _start_replication(self) -> None:
+        if self.cfg.replicas <= 1 or self.cfg.coordinator is None:
+            return
+        from ftrun.snapshot.replica import ReplicaConfig, Replication
+
+        rep = Replication(
+            ReplicaConfig(self.cfg.replicas, self.cfg.replica_host,
+                          self.cfg.replica_rate_mb_s * 1e6),
+            self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid, self._secret,
+            lambda: (self._epoch, self._committed), self.cfg.coordinator)
+        try:
+            rep.start()
+        except Exception:  # noqa: BLE001 - the ranks' snapshots go on without replicas
+            log.exception("replication could not start (--replica-addr %s); snapshots stay "
+                          "on this node only", self.cfg.replica_host)
+            rep.stop(unlink=True)
+            return
+        self._replication = rep
+
     def stop(self, unlink: bool) -> None:
         self._unlink_at_exit = unlink
         self._stop.set()
@@ -700,6 +735,9 @@ class SnapshotStore:
                 log.exception("final persist failed")
         self._writer.shutdown(wait=True)
         self._hashers.shutdown(wait=True)
+        if self._replication is not None:
+            self._replication.stop(unlink=self._unlink_at_exit)
+            self._replication = None
         if self._unlink_at_exit:
             self.report(final=True)
         self.catalog.close()

@@ -1,0 +1,108 @@
+"""Replicas between real stores: three launchers on localhost with --replicas 2."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TRAIN, Procs, free_port, wait_for
+
+from ftrun import jobs
+from ftrun.protocol.transport import Client
+from ftrun.snapshot import segment as shm
+from ftrun.snapshot.replica import replica_prefix
+
+pytestmark = [pytest.mark.integration]
+
+
+def _status(run_id: str) -> dict | None:
+    out = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id, "--json"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    if out.returncode not in (0, 3):
+        return None
+    return json.loads(out.stdout)
+
+
+def _catalogs(run_id: str, secret: bytes) -> dict[str, list[dict]]:
+    """node -> the replicas its store holds (records whose origin is another node)."""
+    out = {}
+    for store in jobs.store_urls(run_id):
+        client = Client(store["url"], secret, run_id, "test", peer="store")
+        try:
+            reply = client.request("catalog_request", {"replicas": True}, "catalog_reply", 10.0)
+        finally:
+            client.close()
+        out[store["node_id"]] = [r for r in reply.body["records"]
+                                 if r["origin"] != store["node_id"]]
+    return out
+
+
+def test_replicas_land_verified_on_peers_and_steps_become_durable(
+        procs: Procs, state_dir: Path) -> None:
+    run_id = f"repl-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    nodes = [procs.ftrun(
+        "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--replicas", "2",
+        "--replica-addr", "127.0.0.1", TRAIN, "--steps", "400", "--step-sleep", "0.2", "--batch", "6",
+        name=f"node{i}") for i in range(3)]
+
+    def durable() -> dict | None:
+        for node in nodes:
+            assert node.poll() is None, f"a launcher exited:\n{procs.output(node)[-3000:]}"
+        doc = _status(run_id)
+        snaps = (doc or {}).get("snapshots") or {}
+        return doc if snaps.get("durable_step") and len(snaps.get("replica_coverage", {})) == 3 \
+            else None
+
+    first = wait_for(durable, 120, "a durable step with 3 nodes' stores", interval_s=1)
+    snaps = first["snapshots"]
+    assert snaps["replicas"] == 2 and snaps["durable_step"] <= snaps["committed_step"]
+    coverage = snaps["replica_coverage"]
+    # 3 nodes, 2 copies: one ring of 3, every node sends to one peer and holds one replica
+    assert all(len(c["peers"]) == 1 for c in coverage.values())
+    assert sorted(c["peers"][0] for c in coverage.values()) == sorted(coverage)
+    assert all(node not in c["peers"] for node, c in coverage.items())
+
+    # durable_step advances while training goes on
+    later = wait_for(lambda: (d := _status(run_id)) and (d["snapshots"].get("durable_step") or 0)
+                     > snaps["durable_step"] and d, 60, "durable_step to advance", interval_s=1)
+    assert later["snapshots"]["durable_step"] <= later["snapshots"]["committed_step"]
+
+    # Every peer's catalog holds verified replicas of the other nodes' ranks, of committed
+    # steps, with the node that sent them as origin.
+    secret = jobs.load_secret(run_id, create=False)
+    catalogs = _catalogs(run_id, secret)
+    assert len(catalogs) == 3
+    committed = later["snapshots"]["committed_step"]
+    ranks_of = {n["node_id"]: n["ranks"] for n in later["nodes"]}
+    for holder, recs in catalogs.items():
+        good = [r for r in recs if r["state"] == "verified"]
+        assert good, f"{holder} holds no verified replica: {recs}"
+        for r in good:
+            assert r["origin"] != holder and r["origin"] in catalogs
+            assert r["rank"] in ranks_of[r["origin"]] and 0 < r["step"] <= committed + 2
+            assert r["hashes"] and r["segment"].startswith(replica_prefix(run_id))
+        # at most the two newest steps per (origin, rank)
+        assert len(recs) <= 2 * len({(r["origin"], r["rank"]) for r in recs})
+    held_origins = {r["origin"] for recs in catalogs.values() for r in recs
+                    if r["state"] == "verified"}
+    assert held_origins == set(catalogs)  # every node's shards are replicated somewhere
+
+    table = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "durable step" in table.stdout, table.stdout
+
+    # A graceful stop removes the replicas with the job's other segments.
+    for node in nodes:
+        node.send_signal(signal.SIGTERM)
+    for node in nodes:
+        procs.wait(node, 60)
+    assert not shm.list_segments(replica_prefix(run_id))
+    logs = "".join(procs.output(n) for n in nodes)
+    assert "Traceback" not in logs, logs[-4000:]
