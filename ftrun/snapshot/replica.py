@@ -53,11 +53,13 @@ from ftrun.snapshot.manifest import parse_manifest
 log = logging.getLogger("ftrun.store.replica")
 
 KEEP_STEPS = 2  # replicas kept per (origin, rank): the newest two steps
-WINDOW = 4  # chunks in flight per transfer
+WINDOW = 8  # chunks in flight per transfer (measured: 4 reaches half the rate of 8)
 ACK_TIMEOUT_S = 10.0  # no ack for this long: the peer is gone or stuck, give the step up
 REQUEST_TIMEOUT_S = 5.0  # replica_begin / replica_end
 POLL_S = 0.1
+ACK_POLL_S = 0.002
 SERVE_POLL_S = 0.1
+ACK_POLL_S = 0.002
 REPORT_TIMEOUT_S = 2.0
 BEHIND_WARN_EVERY_S = 60.0
 
@@ -559,7 +561,9 @@ class ReplicaSender:
                 if left <= 0:
                     raise Abandoned(f"abandoned: no ack from {client.peer} for "
                                     f"{self.ack_timeout_s:g} s")
-                client.poll(min(POLL_S, left))
+                # Client.poll reads until its timeout passes: keep it short, or each batch of
+                # acks would wait out the whole timeout.
+                client.poll(min(ACK_POLL_S, left))
 
         for i in chunks:
             lo, hi = ranges[i]
