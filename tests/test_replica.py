@@ -248,7 +248,8 @@ def test_coordinator_answers_store_reports_with_the_placement() -> None:
                                "peers": [{"node_id": "n1", "addr": "127.0.0.1:1"}]}
         assert plans["n3"]["peers"] == [{"node_id": "n2", "addr": "127.0.0.1:2"}]
         doc = coord.status_document()["snapshots"]
-        assert doc["replica_coverage"]["n2"] == {"peers": ["n3"], "replicated_step": None}
+        assert doc["replica_coverage"]["n2"] == {"peers": ["n3"], "replicated_step": None,
+                                                 "sent": 0, "superseded": 0, "abandoned": 0}
     finally:
         for c in clients.values():
             c.close()

@@ -69,10 +69,16 @@ def test_replicas_land_verified_on_peers_and_steps_become_durable(
     assert sorted(c["peers"][0] for c in coverage.values()) == sorted(coverage)
     assert all(node not in c["peers"] for node, c in coverage.items())
 
-    # durable_step advances while training goes on
-    later = wait_for(lambda: (d := _status(run_id)) and (d["snapshots"].get("durable_step") or 0)
-                     > snaps["durable_step"] and d, 60, "durable_step to advance", interval_s=1)
+    # durable_step advances while training goes on, and every sender reports its work
+    def advanced() -> dict | None:
+        d = _status(run_id)
+        s = (d or {}).get("snapshots") or {}
+        return d if ((s.get("durable_step") or 0) > snaps["durable_step"] and all(
+            c["sent"] > 0 for c in s["replica_coverage"].values())) else None
+
+    later = wait_for(advanced, 60, "durable_step to advance", interval_s=1)
     assert later["snapshots"]["durable_step"] <= later["snapshots"]["committed_step"]
+    assert all(c["replicated_step"] for c in later["snapshots"]["replica_coverage"].values())
 
     # Every peer's catalog holds verified replicas of the other nodes' ranks, of committed
     # steps, with the node that sent them as origin.

@@ -614,7 +614,9 @@ class Coordinator:
         placement, _ = self._placement()
         return {
             node: {"peers": placement.get(node, []),
-                   "replicated_step": self._commits.covered(list(r.get("ranks") or []))}
+                   "replicated_step": self._commits.covered(list(r.get("ranks") or [])),
+                   "sent": r.get("replica_sent", 0), "superseded": r.get("replica_superseded", 0),
+                   "abandoned": r.get("replica_abandoned", 0)}
             for node, r in sorted(self._store_reports.items())
         }
 

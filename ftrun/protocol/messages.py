@@ -118,9 +118,12 @@ SCHEMAS: dict[str, Schema] = {
                      "epoch": ((str, _NONE), False), "target_done": (int, False),
                      "writing": ((int, _NONE), False), "skipped": (int, False),
                      "every": ((int, _NONE), False),
-                     # With --replicas m > 1: where its replica receiver listens, and m. The
-                     # coordinator answers with a replica_plan instead of an ack.
-                     "replica_addr": (str, False), "replicas": (int, False)},
+                     # With --replicas m > 1: where its replica receiver listens, and m (the
+                     # coordinator answers with a replica_plan instead of an ack); what its
+                     # sender did so far: steps sent to a peer, superseded, abandoned.
+                     "replica_addr": (str, False), "replicas": (int, False),
+                     "replica_sent": (int, False), "replica_superseded": (int, False),
+                     "replica_abandoned": (int, False)},
     # Rank <-> its node's store (ipc, same secret).
     # ``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now;
     # ``base``: the step its epoch resumed from (a restarted store learns the epoch from it).

@@ -56,6 +56,9 @@ KEEP_STEPS = 2  # replicas kept per (origin, rank): the newest two steps
 WINDOW = 8  # chunks in flight per transfer (measured: 4 reaches half the rate of 8)
 ACK_TIMEOUT_S = 10.0  # no ack for this long: the peer is gone or stuck, give the step up
 REQUEST_TIMEOUT_S = 5.0  # replica_begin / replica_end
+# replica_begin may create the replica segment, and pre-fault it at first-touch speed
+# (~2 GB/s measured): the wait for its answer grows with the shard.
+CREATE_BYTES_PER_S = 500e6
 POLL_S = 0.1
 ACK_POLL_S = 0.002
 SERVE_POLL_S = 0.1
@@ -179,6 +182,11 @@ class ReplicaReceiver:
                 slot.seg.close()
 
     # -- what is held ---------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Shared memory the replica segments take."""
+        with self._lock:
+            return sum(len(s.seg.mm) for ss in self._slots.values() for s in ss)
+
     def records(self) -> list[Record]:
         """Catalog records of the replicas held here (origin: the node that sent them)."""
         out = []
@@ -386,6 +394,7 @@ class ReplicaSender:
         self._done: dict[str, tuple[str, int]] = {}  # peer -> (epoch, step) last handled
         self.stats = {"sent": 0, "superseded": 0, "abandoned": 0, "bytes": 0}
         self._behind = RateLimiter(BEHIND_WARN_EVERY_S)
+        self._failed = RateLimiter(BEHIND_WARN_EVERY_S)
         self.last_outcome = ""
 
     # -- control ------------------------------------------------------------------------------
@@ -451,7 +460,11 @@ class ReplicaSender:
             except (FtrunError, OSError) as e:
                 self.stats["abandoned"] += 1
                 self.last_outcome = f"step {step} to {peer.node_id}: {e}"
-                log.warning("replication of step %d to %s failed: %s", step, peer.node_id, e)
+                allowed, suppressed = self._failed.allow((peer.node_id, type(e)))
+                if allowed:
+                    more = f" ({suppressed} more failures like it)" if suppressed else ""
+                    log.warning("replication of step %d to %s failed: %s%s", step,
+                                peer.node_id, e, more)
             self._done[peer.node_id] = (epoch, step)
 
     def _local_segments(self, epoch: str, step: int) -> list[tuple[int, str]]:
@@ -524,7 +537,8 @@ class ReplicaSender:
         ready = client.request("replica_begin", {
             "origin": self.node_id, "epoch": epoch, "rank": rank, "step": step,
             "data_len": h.data_len, "chunk_size": h.chunk_size, "n_tensors": h.n_tensors,
-        }, "replica_ready", REQUEST_TIMEOUT_S, frames=[manifest, table])
+        }, "replica_ready", REQUEST_TIMEOUT_S + h.data_len / CREATE_BYTES_PER_S,
+            frames=[manifest, table])
         if ready.body["have"]:
             return
         ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
@@ -624,7 +638,10 @@ class Replication:
         self.sender.set_peers([Peer(p["node_id"], p["addr"]) for p in body["peers"]])
 
     def report_fields(self) -> dict[str, Any]:
-        return {"replica_addr": self.receiver.address, "replicas": self.cfg.replicas}
+        stats = self.sender.stats
+        return {"replica_addr": self.receiver.address, "replicas": self.cfg.replicas,
+                "replica_sent": stats["sent"], "replica_superseded": stats["superseded"],
+                "replica_abandoned": stats["abandoned"]}
 
     def stop(self, unlink: bool) -> None:
         self.sender.stop()

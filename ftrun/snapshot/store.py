@@ -635,6 +635,8 @@ class SnapshotStore:
                 ranks.add(self._rank_of(name)[0])
             except (OSError, ValueError):
                 continue
+        if self._replication is not None:
+            total += self._replication.receiver.nbytes()  # peers' replicas held here
         if self._coord is not None:
             extra = self._replication.report_fields() if self._replication is not None else {}
             try:
