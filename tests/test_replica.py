@@ -99,6 +99,7 @@ def test_good_chunks_land_verified(job: Job) -> None:
     finally:
         replica.close()
     assert job.reports == [(ORIGIN, EPOCH, 0, 5)]
+    assert job.receiver.verified() == [(ORIGIN, EPOCH, 0, 5)]  # what a restarted coordinator is retaught
     # Sent again: the receiver already has it and says so; nothing more is streamed.
     sent = sender.stats["bytes"]
     sender.send_step(job.peer, EPOCH, 5)

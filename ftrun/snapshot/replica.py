@@ -187,6 +187,13 @@ class ReplicaReceiver:
         with self._lock:
             return sum(len(s.seg.mm) for ss in self._slots.values() for s in ss)
 
+    def verified(self) -> list[tuple[str, str, int, int]]:
+        """(origin, epoch, rank, step) of every verified replica held here, oldest first."""
+        with self._lock:
+            slots = sorted((s for ss in self._slots.values() for s in ss if s.verified),
+                           key=lambda s: s.done_at)
+            return [(s.origin, s.epoch, s.rank, s.step) for s in slots]
+
     def records(self) -> list[Record]:
         """Catalog records of the replicas held here (origin: the node that sent them)."""
         out = []
@@ -632,6 +639,11 @@ class Replication:
         except (UnreachableError, FtrunError) as e:
             log.warning("coordinator: replica of rank %d step %d not reported: %s", rank,
                         step, e)
+
+    def reteach(self) -> None:
+        """Report every verified replica held here again (to a restarted coordinator)."""
+        for origin, epoch, rank, step in self.receiver.verified():
+            self._report(origin, epoch, rank, step)
 
     def set_plan(self, body: dict[str, Any]) -> None:
         """Take the coordinator's ``replica_plan``: this node's peers."""

@@ -234,6 +234,8 @@ class SnapshotStore:
         for step, rank, nbytes in sorted(held):
             self._ask("snap_verified", {"node_id": self.cfg.node_id, "epoch": self._epoch,
                                         "rank": rank, "step": step, "nbytes": nbytes})
+        if self._replication is not None:
+            self._replication.reteach()  # and the replicas of peers' shards held here
 
     def _note_commit(self, info: dict[str, Any] | None, epoch: str) -> None:
         """Take in a commit_info reply: the committed step, then the persist targets.
