@@ -49,7 +49,7 @@ def test_replicas_land_verified_on_peers_and_steps_become_durable(
     nodes = [procs.ftrun(
         "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--replicas", "2",
-        "--replica-addr", "127.0.0.1", TRAIN, "--steps", "400", "--step-sleep", "0.2", "--batch", "6",
+        "--replica-addr", "127.0.0.1", TRAIN, "--steps", "400", "--step-sleep", "0.2", "--batch", "6", "--snapshot-every", "1",
         name=f"node{i}") for i in range(3)]
 
     def durable() -> dict | None:
