@@ -371,7 +371,10 @@ def run_ftrun(args: argparse.Namespace) -> int:
         """Untimed: the snapshot in flight staged and hashed by the store, so the next step
         starts with nothing of ftrun running. Returns the seconds waited."""
         t0 = clock()
-        snap.wait()
+        # Right after save(): the claim of its buffer may still be on its way (a step would
+        # give it the length of a forward and backward pass); wait for it here rather than
+        # skip the snapshot.
+        snap.wait(claim_wait_s=60.0)
         if not wait_verified(snap, step):
             unverified.append(step)
         return clock() - t0
