@@ -58,6 +58,7 @@ RNG_TIMEOUT_S = 600.0
 CLAIM_ATTEMPT_S = 0.5
 CLOSE_CLAIM_WAIT_S = 10.0  # close(): how long the last snapshot may wait for its buffer
 RNG_KEY = "/rng/"
+MODEL_KEY = "/model/"
 SKIP_LOG_INTERVAL_S = 30.0
 COPY_GROUP_BYTES = 64 << 20  # GPU: one event per group; its chunks are hashed once it lands
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -897,8 +898,12 @@ class Snapshotter:
         if doc["world_size"] != self.world_size or doc["step"] != step:
             return None
         data = seg.data(h)
-        # Clone: the optimizer keeps what it is given, and must not alias the shared buffer.
-        return unflatten(doc, lambda _i, entry: tensor_view(data, entry).clone())
+        # The model's tensors are copied into its parameters and buffers by
+        # set_model_state_dict: views into the buffer are enough (no clone of them, whose
+        # fresh pages would cost more than the copy). Everything else is cloned: the optimizer
+        # and Stateful objects keep what they are given, and must not alias the buffer.
+        return unflatten(doc, lambda _i, entry: tensor_view(data, entry)
+                         if entry.key.startswith(MODEL_KEY) else tensor_view(data, entry).clone())
 
     def _restore_persisted(self, distributed: bool) -> tuple[int, str]:
         """The newest persisted step that is complete and verifies on every rank (collective;
