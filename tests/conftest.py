@@ -56,8 +56,8 @@ def exact_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     By default a snapshot whose buffer the store has not released by the next
     optimizer.step() is skipped (training never waits). On a loaded 2-core machine with
     millisecond steps that happens now and then, and the step checked would move. These
-    tests let each step wait for its buffer instead (--snapshot-wait); the default path is
-    tested by the bit-identical user-script, chaos and stalled-store tests.
+    tests let each step wait for its buffer instead (--snapshot-wait); the default path,
+    with skips and a restart, is tested bit-identical in tests/test_snapshot_stall.py.
     """
     monkeypatch.setenv("FTRUN_SNAPSHOT_WAIT", "60")
 

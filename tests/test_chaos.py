@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(720)]
+# The run checks the step each restart resumes from: no snapshot may be skipped (see the
+# exact_steps fixture); the never-wait default runs bit-identical in tests/test_snapshot_stall.py.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(720),
+              pytest.mark.usefixtures("exact_steps")]
 
 SEED = 1
 KINDS = {"kill", "stop", "raise", "hang", "corrupt", "store-kill", "sigterm", "persist-corrupt"}

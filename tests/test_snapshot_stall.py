@@ -1,6 +1,7 @@
 """A stalled snapshot store costs snapshots, not the job: no step waits for it (the default
 --snapshot-wait 0), the skips are counted in ftrun status, and once the store is back the ranks,
-which skipped different steps, commit again."""
+which skipped different steps, commit again; a rank killed after that restores the newest
+committed step and the job ends bit-identical to a run without snapshots."""
 
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ def test_a_stopped_store_skips_snapshots_and_training_goes_on(
 
     steps = tmp_path / "steps.jsonl"
     run_id = f"stall-{uuid.uuid4().hex[:8]}"
-    common = ("--standalone", "--nproc-per-node", "2", "--max-restarts", "0", TRAIN,
-              "--steps", "20", "--layers", "1", "--dim", "32")
-    proc = procs.ftrun("--rdzv-id", run_id, *common,
-                       "--snapshot-every", "1", "--step-sleep", "0.3", "--step-log", str(steps))
+    launcher = ("--standalone", "--nproc-per-node", "2")
+    script = (TRAIN, "--steps", "20", "--layers", "1", "--dim", "32")
+    result = tmp_path / "result.json"
+    proc = procs.ftrun("--rdzv-id", run_id, *launcher, "--max-restarts", "1", *script,
+                       "--snapshot-every", "1", "--step-sleep", "0.3", "--step-log", str(steps),
+                       "--fail-at-step", "18", "--fail-rank", "1", "--fail-mode", "kill",
+                       "--fault-dir", str(tmp_path), "--result", str(result))
     started = wait_for(lambda: [e for e in read_events(state_dir, run_id)
                                 if e["type"] == "store_started"], 60, "the store to start")
     store_pid = started[0]["pid"]
@@ -68,9 +72,13 @@ def test_a_stopped_store_skips_snapshots_and_training_goes_on(
     out = procs.output(proc)
     assert code == 0, out[-4000:]
     assert "skipped the snapshot of step" in out, out[-4000:]
+    assert (tmp_path / "fault-fired-rank1-step18").exists(), "the fault never fired"
+    resumed = json.loads(result.read_text())["resumed_from"]
+    assert len(resumed) == 1 and 0 < resumed[0] < 18, resumed
 
     # Skipped snapshots change nothing in training: same weights as a run without snapshots.
-    plain = procs.ftrun("--rdzv-id", f"{run_id}-plain", *common, "--snapshot-every", "0",
+    plain = procs.ftrun("--rdzv-id", f"{run_id}-plain", *launcher, "--max-restarts", "0",
+                        *script, "--snapshot-every", "0",
                         name="plain")
     assert procs.wait(plain, 240) == 0, procs.output(plain)[-4000:]
     assert result_line(out).split("params_xxh3=")[1] == \

@@ -22,7 +22,8 @@ import pytest
 from conftest import ROOT, Procs, free_port
 
 # Each case checks the step it resumes from (mid-epoch, at an epoch boundary): no snapshot
-# may be skipped. The default (never wait, skip) runs bit-identical in tests/test_chaos.py.
+# may be skipped. The default (never wait, skip) runs bit-identical in
+# tests/test_snapshot_stall.py.
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
 SCRIPT = str(ROOT / "examples" / "user_ddp.py")

@@ -108,6 +108,7 @@ class SnapshotStore:
         # run here (nothing to wait for at the end: every rank reports to this store).
         self._local = CommitTracker(final_settle_s=0.0) if self._coord is None else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-persist")
+        self._warmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-import")
         self._pin_lock = threading.Lock()
         self._pinned: set[str] = set()  # segments of a persist target not copied out yet
         self._hashers = ThreadPoolExecutor(max_workers=cfg.threads or default_threads(),
@@ -670,7 +671,9 @@ class SnapshotStore:
         server.bind(self.cfg.url)
         if self.cfg.persist_dir:
             # Import the writer's modules now (seconds), not at the first target's write.
-            self._writer.submit(_warm_up)
+            # On a thread of its own: the writer must be free at once to copy a target out
+            # of the buffers it pins (ranks skip snapshots while it holds them).
+            self._warmer.submit(_warm_up)
         self.adopt()
         self._start_replication()
         log.info("snapshot store of job %s at %s", self.cfg.run_id, self.cfg.url)
@@ -739,6 +742,7 @@ class SnapshotStore:
                 log.exception("final persist failed")
         self._writer.shutdown(wait=True)
         self._hashers.shutdown(wait=True)
+        self._warmer.shutdown(wait=False)
         if self._replication is not None:
             self._replication.stop(unlink=self._unlink_at_exit)
             self._replication = None
