@@ -192,7 +192,7 @@ complete -c ftrun -n '__ftrun_in inspect' -l 'help' -d 'Show this message and ex
 complete -c ftrun -n '__ftrun_in inspect' -l 'json' -d 'Write a versioned JSON document.'
 complete -c ftrun -n '__ftrun_in inspect' -l 'state-dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'State directory.'
 complete -c ftrun -n '__ftrun_in inspect' -l 'step' -r -d 'The step to show (default: the newest complete one).'
-complete -c ftrun -n '__ftrun_in inspect' -l 'verify' -d 'Re-hash every tensor and report mismatches.'
+complete -c ftrun -n '__ftrun_in inspect' -l 'verify' -d 'Re-hash the step (every tensor on disk, every chunk in memory) and report mismatches.'
 complete -c ftrun -n '__ftrun_arg inspect 0' -F -d 'A live job\'s run id (this host\'s snapshots), or a persisted checkpoint directory.'
 
 # ftrun status

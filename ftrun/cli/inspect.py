@@ -4,7 +4,8 @@ PATH (an existing directory) is a persist directory (``step_*`` inside), one ``s
 one ``rank_<r>`` directory: steps (complete or partial), the ranks of the chosen step and
 their tensors. RUN_ID is a job running on this host: its snapshot segments are read straight
 from /dev/shm (no process needs to answer), and the coordinator, when it answers, adds what it
-has committed. ``--verify`` re-hashes every tensor of the chosen step.
+has committed. ``--verify`` re-hashes the chosen step: every tensor on disk, every chunk in
+memory.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
 from :mod:`ftrun.cli.exit_codes`. JSON output goes through ``sys.stdout.write`` only.

@@ -100,7 +100,7 @@ def inspect_command(
     target: Annotated[str, typer.Argument(help="A live job's run id (this host's snapshots), or a persisted checkpoint directory.")],
     step: Annotated[int | None, typer.Option(help="The step to show (default: the newest complete one).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Write a versioned JSON document.")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every tensor and report mismatches.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash the step (every tensor on disk, every chunk in memory) and report mismatches.")] = False,
     state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
 ) -> None:
     """Show the snapshots of a live job or a persisted checkpoint: steps, ranks, tensors, hashes."""

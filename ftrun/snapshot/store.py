@@ -2,19 +2,25 @@
 
 It does the work the training loop must not wait for:
 
-- **verify**: when a rank has staged a snapshot in its shared-memory buffer, the store
-  hashes every tensor (xxh3-64), writes the hash table, marks the buffer VERIFIED and tells
-  the coordinator, which commits step S once every rank's shard of S is verified;
+- **verify**: when a rank has staged a snapshot in its shared-memory buffer (with the xxh3-64
+  of every 4 MiB chunk, taken as it copied), the store checks the hash table, marks the
+  buffer VERIFIED and tells the coordinator, which commits step S once every rank's shard of
+  S is verified. Every later reader re-hashes against that table (ftrun.snapshot.verify);
 - **claims**: before a rank overwrites its older buffer it asks here; the answer is yes only
   once the step in its newer buffer is committed, so the newest committed snapshot is never
-  overwritten;
+  overwritten; or, when that step is dead (some rank skipped it), to overwrite the newer
+  buffer instead. A rank never waits for the answer: without it, the snapshot is skipped;
+- **catalog**: a record of every shard held here (ftrun.snapshot.catalog), served to ranks
+  (restore), ``ftrun inspect`` and fault injection; nothing else opens segments by name;
 - **persist**: committed steps go to disk every N steps or T seconds, on SIGUSR1, and at the
-  end (job end, SIGTERM, preemption), off the training path. The coordinator picks the step
-  (a *persist target*, ftrun.coordinator.commits) so that every node writes the same one;
-  the store copies its ranks' shards of a target out of shared memory before it lets any
-  rank overwrite them, and writes them in the background;
+  end (job end, SIGTERM, preemption), off the training path and off the message loop. The
+  coordinator picks the step (a *persist target*, ftrun.coordinator.commits) so that every
+  node writes the same one; the store pins its ranks' shards of a target (their claims are
+  refused) until the writer thread has copied them out, verified and written them;
+- **replicas** (``--replicas m``): committed shards are streamed to peer stores and peers'
+  shards received, chunk by chunk, each chunk verified (ftrun.snapshot.replica);
 - **adopt and clean**: segments are named after the job, so a restarted store picks them up
-  (verifying whatever was staged but not yet hashed); segments of dead jobs are removed;
+  (verifying whatever was staged but not yet checked); segments of dead jobs are removed;
   on SIGTERM, the job's own segments go too.
 
 Run by the launcher as ``python -m ftrun.snapshot.store`` (with a parent-death signal).
