@@ -2,9 +2,10 @@
 
 PATH (an existing directory) is a persist directory (``step_*`` inside), one ``step_<S>`` or
 one ``rank_<r>`` directory: steps (complete or partial), the ranks of the chosen step and
-their tensors. RUN_ID is a job running on this host: its snapshot segments are read straight
-from /dev/shm (no process needs to answer), and the coordinator, when it answers, adds what it
-has committed. ``--verify`` re-hashes the chosen step: every tensor on disk, every chunk in
+their tensors. RUN_ID is a job running on this host: its stores on this host say which
+segments hold which shards (their catalogs; when none answers, the job's segments are looked
+up by name in /dev/shm), the segments are read, and the coordinator, when it answers, adds
+what it has committed. ``--verify`` re-hashes the chosen step: every tensor on disk, every chunk in
 memory.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
