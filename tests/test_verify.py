@@ -6,28 +6,18 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from snapshot_helpers import stage_segment
+from test_store_epoch import run_id  # noqa: F401 (fixture)
 
 from ftrun.errors import IntegrityError
-from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import flatten, tensor_view
 from ftrun.snapshot.store import SnapshotStore, StoreConfig
-
-
-@pytest.fixture
-def run_id() -> Iterator[str]:
-    rid = f"vf{uuid.uuid4().hex[:10]}"
-    yield rid
-    for path in shm.list_segments(shm.job_prefix(rid)):
-        path.unlink(missing_ok=True)
 
 
 def test_chunks_are_hashed_as_their_tensors_land_in_any_order() -> None:
@@ -58,7 +48,7 @@ def test_a_chunk_is_never_hashed_before_all_its_tensors_are_copied() -> None:
             hasher.finish()
 
 
-def test_a_mismatch_names_the_chunk_and_its_tensors(run_id: str) -> None:
+def test_a_mismatch_names_the_chunk_and_its_tensors(run_id: str) -> None:  # noqa: F811
     seg = stage_segment(run_id, 0, 0, {"w": torch.ones(10), "v": torch.ones(3)}, step=2)
     assert verify.check(seg) == (True, "")
     h = seg.header()
@@ -69,7 +59,7 @@ def test_a_mismatch_names_the_chunk_and_its_tensors(run_id: str) -> None:
 
 
 def test_the_persist_copy_refuses_bytes_changed_after_the_rank_hashed_them(
-        run_id: str, caplog: pytest.LogCaptureFixture) -> None:
+        run_id: str, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     root = Path(tempfile.mkdtemp(prefix="ftrun-test-verify-"))
     try:
         seg = stage_segment(run_id, 0, 0, {"w": torch.arange(64.0)}, step=4)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -465,22 +464,20 @@ def _verify_segment(info: _SegInfo, out: dict[str, Any], advance: Callable[[int]
     try:
         h = seg.header()
         with seg.data(h) as data:
-            for c, ((lo, hi), expected) in enumerate(zip(
-                    verify.chunk_ranges(h.data_len, h.chunk_size), info.hashes, strict=True)):
-                with data[lo:hi] as part:
-                    actual = xxhash.xxh3_64_intdigest(part)
-                advance(hi - lo)
-                if actual != expected:
-                    keys = verify.tensors_in(info.doc, lo, hi) or ["(padding)"]
-                    mismatches.append({
-                        "rank": info.rank, "key": keys[0], "keys": keys, "chunk": c,
-                        "bytes": [lo, hi], "file": info.name,
-                        "expected": persist.xxh3_hex(expected),
-                        "actual": persist.xxh3_hex(actual),
-                        "reason": f"chunk {c} (bytes {lo}-{hi}) hashes to "
-                                  f"{persist.xxh3_hex(actual)}, recorded "
-                                  f"{persist.xxh3_hex(expected)}",
-                    })
+            got = verify.hash_chunks(data, h.chunk_size, progress=advance)
+        for c, ((lo, hi), expected, actual) in enumerate(zip(
+                verify.chunk_ranges(h.data_len, h.chunk_size), info.hashes, got, strict=True)):
+            if actual != expected:
+                keys = verify.tensors_in(info.doc, lo, hi) or ["(padding)"]
+                mismatches.append({
+                    "rank": info.rank, "key": keys[0], "keys": keys, "chunk": c,
+                    "bytes": [lo, hi], "file": info.name,
+                    "expected": persist.xxh3_hex(expected),
+                    "actual": persist.xxh3_hex(actual),
+                    "reason": f"chunk {c} (bytes {lo}-{hi}) hashes to "
+                              f"{persist.xxh3_hex(actual)}, recorded "
+                              f"{persist.xxh3_hex(expected)}",
+                })
         out["tensors"] += len(table)
         out["bytes"] += sum(e.nbytes for e in table)
         if seg.header() != info.header or h != info.header:

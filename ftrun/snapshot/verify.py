@@ -12,7 +12,7 @@ a single 1 GiB digest), so chunks are hashed on plain threads, in parallel.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -27,12 +27,21 @@ def chunk_ranges(data_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(off, min(off + chunk_size, data_len)) for off in range(0, data_len, chunk_size)]
 
 
-def hash_chunks(data: memoryview, chunk_size: int, pool: Executor | None = None) -> list[int]:
-    """xxh3-64 of every chunk of ``data``, on ``pool``'s threads when given."""
+def hash_chunks(data: memoryview, chunk_size: int, pool: Executor | None = None,
+                progress: Callable[[int], None] | None = None) -> list[int]:
+    """xxh3-64 of every chunk of ``data``, on ``pool``'s threads when given; ``progress`` is
+    told each chunk's size as its hash comes in."""
     parts = [data[a:b] for a, b in chunk_ranges(len(data), chunk_size)]
     if pool is None or len(parts) < 2:
-        return [xxhash.xxh3_64_intdigest(p) for p in parts]
-    return list(pool.map(xxhash.xxh3_64_intdigest, parts))
+        hashes: Iterable[int] = map(xxhash.xxh3_64_intdigest, parts)
+    else:
+        hashes = pool.map(xxhash.xxh3_64_intdigest, parts)
+    out = []
+    for part, digest in zip(parts, hashes, strict=True):
+        out.append(digest)
+        if progress is not None:
+            progress(len(part))
+    return out
 
 
 def bad_chunks(data: memoryview, chunk_size: int, want: Sequence[int],
