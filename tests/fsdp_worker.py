@@ -1,21 +1,27 @@
 """A tiny FSDP2 (fully_shard) job for the snapshot tests: DTensor shards in and out.
 
-Usage: fsdp_worker.py STEPS [FAIL_AT_STEP]. Rank 1 exits in FAIL_AT_STEP once per job (a
-marker in $FTRUN_JOB_DIR). Rank 0 prints ``fsdp: start=S hash=H optim=O world=W``: H over
-the full (unsharded) weights, O over the full optimizer state, whatever the world size.
+Usage: fsdp_worker.py STEPS [FAIL_AT_STEP] [--ddp] [--trace] [--sleep S]. Rank 1 exits in
+FAIL_AT_STEP once per job (a marker in $FTRUN_JOB_DIR). Rank 0 prints
+``fsdp: start=S hash=H optim=O world=W``: H over the full (unsharded) weights, O over the full
+optimizer state, whatever the world size. ``--ddp``: the same model under DDP instead of
+FSDP2. ``--trace``: rank 0 also prints ``state: step=S hash=H optim=O world=W`` after every
+step, and ``restored: ...`` after the restore (the state it resumes from), so a restore onto another world size
+can be checked against the state the old ranks had at that step. ``--sleep``: seconds per step.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
-import sys
+import time
 
 import torch
 import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 import ftrun
 
@@ -28,20 +34,53 @@ def _xxh3(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _full(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, str]:
+    """Hashes of the full weights and the full optimizer state (collective under FSDP2)."""
+    full = {k.removeprefix("module."): v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in model.state_dict().items()}
+    optim = get_optimizer_state_dict(model, optimizer)["state"]
+    full_optim = {f"{fqn}/{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
+                  for fqn, state in optim.items() for k, v in state.items()}
+    return _xxh3(full), _xxh3(full_optim)
+
+
 def main() -> None:
-    steps = int(sys.argv[1])
-    fail_at = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+    p = argparse.ArgumentParser()
+    p.add_argument("steps", type=int)
+    p.add_argument("fail_at", type=int, nargs="?", default=-1)
+    p.add_argument("--ddp", action="store_true")
+    p.add_argument("--trace", action="store_true")
+    p.add_argument("--sleep", type=float, default=0.0)
+    args = p.parse_args()
+    steps, fail_at = args.steps, args.fail_at
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                                 torch.nn.Linear(32, 8))
+    if args.ddp:
+        model = DistributedDataParallel(model)
+    else:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     snap = ftrun.Snapshotter(model, optimizer)
     start = snap.restore()
+
+    def trace(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              what: str = "state") -> None:
+        if args.trace:
+            weights, optim = _full(model, optimizer)
+            if rank == 0:
+                print(f"{what}: step={step} hash={weights} optim={optim} world={world}",
+                      flush=True)
+
+    if start:
+        trace(start, model, optimizer, "restored")
+        if rank == 0:
+            print(f"source: {snap.source}", flush=True)
     marker = os.path.join(os.environ["FTRUN_JOB_DIR"], "fsdp-fault-fired")
     per_rank = 8 // world
     for step in range(start + 1, steps + 1):
@@ -54,18 +93,16 @@ def main() -> None:
             os._exit(13)
         optimizer.step()
         snap.save(step)
+        trace(step, model, optimizer)
+        time.sleep(args.sleep)
     snap.close()
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    optim = get_optimizer_state_dict(model, optimizer)["state"]
-    full_optim = {f"{fqn}/{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
-                  for fqn, state in optim.items() for k, v in state.items()}
+    weights, optim = _full(model, optimizer)
     if rank == 0:
-        print(f"fsdp: start={start} hash={_xxh3(full)} optim={_xxh3(full_optim)} "
-              f"world={world}", flush=True)
+        print(f"fsdp: start={start} hash={weights} optim={optim} world={world}", flush=True)
     # As examples/train.py does: free everything that holds the process group (FSDP's
     # DTensors, the snapshotter's hooks) before the group is torn down, or gloo's teardown
     # can fail at exit.
-    del model, optimizer, snap, full, optim, full_optim
+    del model, optimizer, snap
     gc.collect()
     dist.destroy_process_group()
 

@@ -201,6 +201,7 @@ class Coordinator:
             "persist_request": self._on_commit,
             "store_report": self._on_store_report,
             "replica_verified": self._on_replica_verified,
+            "stores_request": self._on_stores,
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -379,6 +380,17 @@ class Coordinator:
                 self._commits.replicas = body["replicas"]
                 return Reply("replica_plan", self._replica_plan(body["node_id"]))
         return Reply("ack", {"re": msg.id})
+
+    def _on_stores(self, msg: protocol.Message) -> Reply:
+        """The shard services of the live stores (ftrun.snapshot.shards): where a restore
+        looks for the shards its node does not hold."""
+        mono = time.monotonic()
+        with self._lock:
+            stores = [{"node_id": node, "addr": r["shard_addr"]}
+                      for node, r in sorted(self._store_reports.items())
+                      if r.get("shard_addr") and not r.get("final")
+                      and not self._node_gone(node, mono)]
+        return Reply("stores_reply", {"stores": stores})
 
     # -- replicas (ftrun.snapshot.replica) ----------------------------------------------------
 

@@ -350,8 +350,9 @@ def run(argv: list[str]) -> int:
                     persist_every=opts.persist_every,
                     persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep,
                     threads=opts.store_threads, replicas=opts.replicas,
-                    replica_host=(opts.replica_addr or _replica_host(plan)
-                                  if opts.replicas > 1 else "127.0.0.1"),
+                    # Replicas and the shard service (restores read other nodes' shards
+                    # through it) listen on the same interface.
+                    replica_host=opts.replica_addr or _replica_host(plan),
                     replica_rate_mb_s=opts.replica_rate_mb_s),
         env={knobs.SECRET.name: secret.decode()},
     )

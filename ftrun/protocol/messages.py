@@ -122,6 +122,7 @@ SCHEMAS: dict[str, Schema] = {
                      # coordinator answers with a replica_plan instead of an ack); what its
                      # sender did so far: steps sent to a peer, superseded, abandoned.
                      "replica_addr": (str, False), "replicas": (int, False),
+                     "shard_addr": (str, False),
                      "replica_sent": (int, False), "replica_superseded": (int, False),
                      "replica_abandoned": (int, False)},
     # Rank <-> its node's store (ipc, same secret).
@@ -171,6 +172,22 @@ SCHEMAS: dict[str, Schema] = {
     # ``rank`` at ``step`` (ftrun.coordinator.commits counts durable steps). Reply: ack.
     "replica_verified": {"node_id": (str, True), "origin": (str, True), "epoch": (str, True),
                          "rank": (int, True), "step": (int, True)},
+    # Anyone with the job secret -> a node's shard service (ftrun.snapshot.shards): the
+    # verified shards the node holds, its own ranks' and replicas (``origin``: the node whose
+    # rank wrote it; ``world_size``: of the job that took it).
+    "holdings_request": {},
+    "holdings_reply": {"node_id": (str, True), "records": (ListOf(dict), True)},
+    # One held shard's manifest and chunk hash table: two binary frames.
+    "shard_meta_request": {"segment": (str, True), "step": (int, True), "epoch": (str, True)},
+    "shard_meta": {"data_len": (int, True), "chunk_size": (int, True)},
+    # Chunks ``first .. first + count - 1`` of a held shard's data region: one frame each.
+    "shard_read_request": {"segment": (str, True), "step": (int, True), "epoch": (str, True),
+                           "first": (int, True), "count": (int, True)},
+    "shard_data": {"first": (int, True), "count": (int, True)},
+    # Rank -> its node's store, and store -> coordinator: the shard services of the job's
+    # live stores (node -> address), where a restore looks for shards.
+    "stores_request": {},
+    "stores_reply": {"stores": (ListOf({"node_id": (str, True), "addr": (str, True)}), True)},
     # Fault injection (tests, drills): the store flips a byte of ``rank``'s newest verified
     # shard, as a bad DIMM would, and says which.
     "fault_corrupt": {"rank": (int, True)},

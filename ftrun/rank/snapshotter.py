@@ -47,7 +47,7 @@ from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
-from ftrun.snapshot import verify
+from ftrun.snapshot import shards, verify
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 from ftrun.snapshot.verify import ChunkHasher
 
@@ -325,6 +325,7 @@ class Snapshotter:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.run_id = knobs.RUN_ID.get()
+        self._secret = b""
         store_url = knobs.STORE.get()
         self.enabled = bool(store_url and self.run_id)
         self._async = async_copy
@@ -350,7 +351,7 @@ class Snapshotter:
                         knobs.STORE.name)
             self._chan = None
             return
-        secret = knobs.SECRET.get().encode()
+        secret = self._secret = knobs.SECRET.get().encode()
         self._chan = Client(store_url, secret, self.run_id, f"rank:{self.rank}",
                             peer="snapshot store", hint=STORE_HINT,
                             on_reply=self._on_store_message)
@@ -740,24 +741,31 @@ class Snapshotter:
         except UnreachableError as e:
             log.warning("snapshot store did not answer (%s); using what memory holds", e)
         local = self._local_steps()
-        foreign = self._other_world(local)
-        steps = self._agree_steps(local, distributed)
+        held = self._job_holdings(local)
+        found = shards.complete(held)
+        by_key = {c.key: c for c in found}
+        if held and not found and self.rank == 0:
+            log.warning("no step is held in full by the job's live stores: %s",
+                        shards.describe_gaps(held))
         restored, source = 0, "none"
-        for step in steps:
-            tree = self._load_memory(local[step], step)
+        for key in self._agree_candidates(list(by_key), distributed):
+            cand = by_key[key]
+            tree, how = self._load_candidate(cand, local)
             if self._all(tree is not None, distributed):
                 assert tree is not None
                 self._apply(tree)
-                self._newest = (local[step], step)
-                restored, source = step, "memory"
+                if cand.world_size == self.world_size and local.get(cand.step) is not None:
+                    self._newest = (local[cand.step], cand.step)
+                restored, source = cand.step, how
                 break
-            log.warning("step %d failed verification on some rank; trying an older one", step)
+            log.warning("step %d (%d ranks) could not be loaded on some rank; trying an older "
+                        "one", cand.step, cand.world_size)
         if restored == 0:
             restored, source = self._restore_persisted(distributed)
-        if restored == 0:
-            self._warn_other_world(foreign, distributed)
-        if restored > 0:
-            log.info("rank %d restored step %d from %s", self.rank, restored, source)
+            if restored and self.rank == 0:
+                log.warning("no step is complete and verified in the job's memory (%s); "
+                            "restored step %d from %s", "none held in full by the live "
+                            "stores" if not by_key else "none loaded", restored, source)
         self._start_epoch(restored, distributed)
         self.resumed_from = restored
         self.source = source
@@ -809,55 +817,42 @@ class Snapshotter:
                             buffer, h.step, h.state_name)
         return out
 
-    def _other_world(self, local: dict[int, int]) -> dict[int, int]:
-        """Take out of ``local`` the snapshots another world size took: step -> its size.
-
-        A rank's snapshot holds its own shards; on another number of ranks they are not
-        this rank's shards, so memory restores only onto the world size that took it.
-        """
-        foreign: dict[int, int] = {}
-        for step, buffer in list(local.items()):
+    def _job_holdings(self, local: dict[int, int]) -> list[shards.Holding]:
+        """Every verified shard the job's live stores hold (this node's included), as their
+        shard services list them; this rank's own buffers at least."""
+        node = knobs.NODE_ID.get()
+        stores: dict[str, str] = {}
+        assert self._chan is not None
+        try:
+            reply = self._chan.request("stores_request", {}, "stores_reply", STORE_TIMEOUT_S,
+                                       attempts=2)
+            stores = {s["node_id"]: s["addr"] for s in reply.body["stores"]}
+        except (UnreachableError, FtrunError) as e:
+            log.warning("the snapshot store did not list the job's stores (%s); only this "
+                        "rank's own snapshots are used", e)
+        held, lost = shards.survey(stores, self._secret, self.run_id, f"rank:{self.rank}")
+        if lost:
+            log.warning("rank %d: the store(s) of %s did not answer; their shards are read "
+                        "from replicas, where there are any", self.rank, ", ".join(lost))
+        seen = {(h.node, h.segment) for h in held}
+        for step, buffer in local.items():  # this rank's own, should its store not list them
             seg = self._segments[buffer]
+            if seg is None or (node, seg.name) in seen:
+                continue
             try:
-                world = int(parse_manifest(seg.manifest_bytes(seg.header()))["world_size"]) \
-                    if seg is not None else self.world_size
+                h = seg.header()
+                world = int(parse_manifest(seg.manifest_bytes(h))["world_size"])
             except (FtrunError, KeyError, TypeError, ValueError):
                 continue  # _load_memory refuses it with its reason
-            if world != self.world_size:
-                foreign[step] = world
-                del local[step]
-        if foreign:
-            step = max(foreign)
-            log.warning("rank %d: memory holds step %d of a %d-rank job; this job has %d ranks, "
-                        "so it is not used (restoring from --persist-dir instead, if any)",
-                        self.rank, step, foreign[step], self.world_size)
-        return foreign
+            held.append(shards.Holding(node, "", seg.name, node, self.rank, step, h.epoch,
+                                       world, h.data_len, h.chunk_size))
+        return held
 
-    def _warn_other_world(self, foreign: dict[int, int], distributed: bool) -> None:
-        """Nothing restored although memory holds snapshots of another world size: say so.
-
-        Training starts from step 0 here, as it did before this check: the job's memory
-        snapshots go when it ends, so stopping would recover nothing, and an elastic job
-        that lost a node without --persist-dir keeps running (collective).
-        """
-        from ftrun.snapshot.fallback import gather_all
-
-        seen = [f for f in gather_all(distributed)(max(foreign.items(), default=None)) if f]
-        if not seen or self.rank != 0:
-            return
-        step, world = max(seen)
-        log.error(
-            "memory holds the snapshot of step %d, taken by %d ranks, but this job has %d: each "
-            "rank's snapshot holds its own shards, which are not this job's ranks' shards, and "
-            "ftrun does not reshard from memory; %s. Training starts from step 0. Persisted "
-            "steps (--persist-dir) reshard onto any world size.", step, world, self.world_size,
-            "no persisted step was found" if knobs.PERSIST_DIR.get() else
-            "no --persist-dir is set")
-
-    def _agree_steps(self, local: dict[int, int], distributed: bool) -> list[int]:
-        mine = sorted(local, reverse=True)
+    def _agree_candidates(self, mine: list[tuple[int, str, int]],
+                          distributed: bool) -> list[tuple[int, str, int]]:
+        """The (step, epoch, world size) every rank found complete, newest first."""
         if not distributed:
-            return mine
+            return sorted(mine, key=lambda k: (-k[0], k[1], k[2]))
         import torch.distributed as dist
 
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -865,7 +860,52 @@ class Snapshotter:
         common = set(mine)
         for theirs in everyone:
             common &= set(theirs or [])
-        return sorted(common, reverse=True)
+        return sorted(common, key=lambda k: (-k[0], k[1], k[2]))
+
+    def _load_candidate(self, cand: shards.Candidate,
+                        local: dict[int, int]) -> tuple[dict[str, Any] | None, str]:
+        """This rank's state from a step held in full across the job: (tree or None, where
+        from). Its own buffer when it holds it; else the shard of the same rank from whichever
+        node holds it; else, taken by another number of ranks, resharded from theirs."""
+        from ftrun.snapshot import memload
+
+        node = knobs.NODE_ID.get()
+        buffer = local.get(cand.step)
+        seg = self._segments[buffer] if buffer is not None else None
+        if cand.world_size == self.world_size and seg is not None:
+            try:
+                own = seg.header().epoch == cand.epoch
+            except IntegrityError:
+                own = False
+            if own:
+                tree = self._load_memory(buffer, cand.step)  # type: ignore[arg-type]
+                if tree is not None:
+                    return tree, "memory"
+        old_ranks = [self.rank] if cand.world_size == self.world_size else list(cand.holders)
+        readers = {old: shards.ShardReader(cand.holders[old], node, self._secret, self.run_id,
+                                           f"rank:{self.rank}") for old in old_ranks}
+        try:
+            if cand.world_size == self.world_size:
+                tree = memload.load_whole(readers[self.rank])
+                how = "memory"
+            else:
+                tree, nbytes = memload.reshard(readers, rank=self.rank,
+                                               world_size=self.world_size,
+                                               live_state=self._state_dicts)
+                how = f"memory, resharded from {cand.world_size} ranks"
+                log.info("rank %d: read %.1f MB of step %d's %d-rank snapshot to reshard it",
+                         self.rank, nbytes / 1e6, cand.step, cand.world_size)
+        except Exception as e:  # noqa: BLE001 - any failure: the ranks try an older step
+            log.error("rank %d: step %d (%d ranks) held in memory could not be loaded: %s",
+                      self.rank, cand.step, cand.world_size, e)
+            return None, ""
+        finally:
+            for r in readers.values():
+                r.close()
+        sources = sorted({n for r in readers.values() for n in r.sources})
+        if sources and sources != [node]:
+            how += f" (from node(s) {', '.join(sources)})"
+        return tree, how
 
     def _all(self, ok: bool, distributed: bool) -> bool:
         if not distributed:

@@ -201,7 +201,7 @@ def _reshard(root: str, step: int, *, rank: int, world_size: int, saved_world: i
                                                              if len(bad) > 1 else ""))
             layout = persist.step_layout(persist.read_step_dir(persist.step_dir(root, step)))
             live = live_state()
-            flat = _resharded_keys(tree, live, layout, saved_world)
+            flat = resharded_keys(tree, live, layout, saved_world)
         except FtrunError as e:
             problem = str(e)
         except OSError as e:
@@ -224,11 +224,11 @@ def _reshard(root: str, step: int, *, rank: int, world_size: int, saved_world: i
         return None, problems
     for name in RESHARDED_ROOTS:
         if name in tree:
-            tree[name] = _overlay(tree[name], live[name])
+            tree[name] = overlay(tree[name], live[name])
     return tree, problems
 
 
-def _resharded_keys(tree: Any, live: dict[str, Any], layout: persist.StepLayout,
+def resharded_keys(tree: Any, live: dict[str, Any], layout: persist.StepLayout,
                     saved_world: int) -> dict[str, Any]:
     """DCP key -> live tensor for every tensor of the model and optimizer; IntegrityError when
     the step cannot fill one of them (or holds one the live state lacks)."""
@@ -277,18 +277,18 @@ def _dcp_load_global(flat: dict[str, Any], path: Any) -> None:
                  no_dist=not (dist.is_available() and dist.is_initialized()))
 
 
-def _overlay(saved: Any, live: Any) -> Any:
+def overlay(saved: Any, live: Any) -> Any:
     """``saved`` with each tensor replaced by the tensor at the same place in ``live``."""
     import torch
 
     if isinstance(saved, torch.Tensor):
         return live
     if isinstance(saved, dict):
-        return {k: _overlay(v, live[k]) if isinstance(live, dict) and k in live else v
+        return {k: overlay(v, live[k]) if isinstance(live, dict) and k in live else v
                 for k, v in saved.items()}
     if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and \
             len(saved) == len(live):
-        return type(saved)(_overlay(a, b) for a, b in zip(saved, live, strict=True))
+        return type(saved)(overlay(a, b) for a, b in zip(saved, live, strict=True))
     return saved
 
 

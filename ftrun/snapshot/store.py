@@ -131,6 +131,7 @@ class SnapshotStore:
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
         self._replication: Any = None  # ftrun.snapshot.replica.Replication, with --replicas > 1
+        self._shards: Any = None  # ftrun.snapshot.shards.ShardService
 
     # -- segments (the catalog finds, opens and adopts them) --------------------------------
     def _open(self, name: str) -> shm.Segment | None:
@@ -322,6 +323,7 @@ class SnapshotStore:
             "store_persist": self._on_persist,
             "catalog_request": self._on_catalog,
             "fault_corrupt": self._on_fault_corrupt,
+            "stores_request": self._on_stores,
         }
 
     def _follow_ranks(self, b: dict[str, Any]) -> None:
@@ -384,6 +386,23 @@ class SnapshotStore:
                         if b.get("rank") is None or r.rank == b["rank"]]
         return "catalog_reply", {"node_id": self.cfg.node_id, "records": [
             r.to_json(with_hashes=bool(b.get("hashes"))) for r in records]}
+
+    def _on_stores(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        """The job's live stores' shard services, as the coordinator knows them (this store's
+        own at least): where a restoring rank looks for shards (ftrun.snapshot.shards)."""
+        stores: dict[str, str] = {}
+        if self._coord is not None:
+            try:
+                reply = self._coord.request("stores_request", {}, "stores_reply",
+                                            COORDINATOR_TIMEOUT_S)
+                stores = {s["node_id"]: s["addr"] for s in reply.body["stores"]}
+            except (UnreachableError, FtrunError) as e:
+                log.warning("coordinator did not list the job's stores (%s): a restore reads "
+                            "this node's shards only", e)
+        if self._shards is not None:
+            stores[self.cfg.node_id] = self._shards.address
+        return "stores_reply", {"stores": [{"node_id": n, "addr": a}
+                                           for n, a in sorted(stores.items())]}
 
     def _on_fault_corrupt(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         b = msg.body
@@ -648,6 +667,8 @@ class SnapshotStore:
             total += self._replication.receiver.nbytes()  # peers' replicas held here
         if self._coord is not None:
             extra = self._replication.report_fields() if self._replication is not None else {}
+            if self._shards is not None:
+                extra["shard_addr"] = self._shards.address
             try:
                 reply = self._coord.request("store_report", {
                     "node_id": self.cfg.node_id, "bytes": total, "segments": len(names),
@@ -682,6 +703,7 @@ class SnapshotStore:
             self._warmer.submit(_warm_up)
         self.adopt()
         self._start_replication()
+        self._start_shards()
         log.info("snapshot store of job %s at %s", self.cfg.run_id, self.cfg.url)
         last_report = last_poll = 0.0
         try:
@@ -730,6 +752,21 @@ class SnapshotStore:
             return
         self._replication = rep
 
+    def _start_shards(self) -> None:
+        from ftrun.snapshot.shards import ShardService
+
+        rep = self._replication
+        service = ShardService(self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid,
+                               self._secret, rep.receiver.records if rep is not None else None)
+        try:
+            service.start(self.cfg.replica_host)
+        except Exception:  # noqa: BLE001 - restores then read this node's memory only
+            log.exception("the shard service could not start on %s; other nodes cannot read "
+                          "this node's snapshots", self.cfg.replica_host)
+            service.stop()
+            return
+        self._shards = service
+
     def stop(self, unlink: bool) -> None:
         self._unlink_at_exit = unlink
         self._stop.set()
@@ -749,6 +786,9 @@ class SnapshotStore:
         self._writer.shutdown(wait=True)
         self._hashers.shutdown(wait=True)
         self._warmer.shutdown(wait=False)
+        if self._shards is not None:
+            self._shards.stop()
+            self._shards = None
         if self._replication is not None:
             self._replication.stop(unlink=self._unlink_at_exit)
             self._replication = None

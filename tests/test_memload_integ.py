@@ -1,0 +1,124 @@
+"""Restores from the job's memory onto another number of ranks, across launchers as nodes.
+
+Four launchers on this host act as nodes of one c10d job, one rank each, with
+``--replicas 2``. Each node gets shared memory of its own (FTRUN_SHM_DIR), as separate hosts
+have: a killed node's snapshots are gone with it, and no other store can adopt them.
+
+- 4 → 3: a node is killed under ``--nnodes 3:4``; the three survivors re-rendezvous and
+  every rank loads the newest step held in full across the live stores, which is complete
+  only thanks to the replica of the lost node's shard, resharded from 4 ranks onto 3 through
+  torch.distributed.checkpoint.
+- 3 → 4: then a new node joins the running ``--nnodes 3:4`` job; the four ranks reshard
+  the three ranks' step.
+
+What is compared: the worker prints, on rank 0, the hashes of the full weights and the full
+AdamW state after every step and after its restore. The state the job resumes from on the
+new world size must equal, bit for bit, the state the old world size had at that step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import Procs, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
+STATE = re.compile(r"^(state|restored): step=(\d+) hash=(\w+) optim=(\w+) world=(\d+)$", re.M)
+
+
+class Nodes:
+    """Launchers of one job on this host, each with shared memory of its own."""
+
+    def __init__(self, procs: Procs, tmp_path: Path, worker_args: list[str]) -> None:
+        self.procs = procs
+        self.run_id = f"mem-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.worker_args = worker_args
+        self.dirs: list[Path] = []
+        self.nodes: list = []
+
+    def start(self, nnodes: str) -> None:
+        """Start a node; the first one hosts the rendezvous store and the coordinator (the
+        others start once it does)."""
+        i = len(self.nodes)
+        shm = Path(f"/dev/shm/ftrun-test-{self.run_id}-n{i}")
+        shm.mkdir(mode=0o700)
+        self.dirs.append(shm)
+        self.nodes.append(self.procs.ftrun(
+            "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+            "--replicas", "2", "--replica-addr", "127.0.0.1", "--max-restarts", "3",
+            WORKER, *self.worker_args, env={"FTRUN_SHM_DIR": str(shm)}, name=f"node{i}"))
+        if i == 0:
+            wait_for(lambda: "coordinator of job" in self.procs.output(self.nodes[0]), 60,
+                     "the first node to host the rendezvous store")
+
+    def output(self) -> str:
+        return "\n".join(self.procs.output(n) for n in self.nodes)
+
+    def states(self, what: str = "state") -> list[tuple[int, str, str, int]]:
+        return [(int(s), h, o, int(w)) for kind, s, h, o, w in STATE.findall(self.output())
+                if kind == what]
+
+    def cleanup(self) -> None:
+        self.procs.cleanup()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def job(procs: Procs, tmp_path: Path, request: pytest.FixtureRequest):
+    nodes = Nodes(procs, tmp_path, request.param)
+    try:
+        yield nodes
+    finally:
+        nodes.cleanup()
+
+
+def _check_resumed(nodes: Nodes, old: int, new: int) -> int:
+    """The newest restore onto ``new`` ranks resumed with exactly the state ``old`` ranks had
+    at that step; returns the step."""
+    out = nodes.output()
+    restored = [s for s in nodes.states("restored") if s[3] == new]
+    assert restored, f"no restore onto {new} ranks\n{out[-6000:]}"
+    step, weights, optim, _ = max(restored)
+    before = {(h, o) for s, h, o, w in nodes.states() if s == step and w == old}
+    assert before, f"step {step} was never reached on {old} ranks\n{out[-6000:]}"
+    assert before == {(weights, optim)}, (step, before, weights, optim, out[-6000:])
+    return step
+
+
+@pytest.mark.parametrize("job", [["40", "--sleep", "0.3", "--trace", "--ddp"],
+                                 ["40", "--sleep", "0.3", "--trace"]],
+                         ids=["ddp", "fsdp2"], indirect=True)
+def test_four_ranks_to_three_after_a_lost_node_and_back_to_four(job: Nodes) -> None:
+    for _ in range(4):
+        job.start("3:4")
+    wait_for(lambda: len([s for s in job.states() if s[3] == 4]) >= 6, 240,
+             "six steps on 4 ranks")
+    victim = job.nodes[3]  # not the first: it hosts the rendezvous store
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(30)
+    wait_for(lambda: len([s for s in job.states() if s[3] == 3]) >= 4, 240,
+             "four steps on 3 ranks after the node was lost")
+    _check_resumed(job, 4, 3)
+    out = job.output()
+    # Complete in memory only thanks to the replica of the lost node's shard: its own
+    # memory went with it.
+    assert re.search(r"^source: memory, resharded from 4 ranks", out, re.M), out[-6000:]
+
+    job.start("3:4")  # a node joins: the job grows back to 4 ranks
+    for node in job.nodes[:3] + job.nodes[4:]:
+        assert job.procs.wait(node, 240) == 0, job.output()[-6000:]
+    _check_resumed(job, 3, 4)
+    out = job.output()
+    assert re.search(r"^source: memory, resharded from 3 ranks", out, re.M), out[-6000:]
+    assert re.search(r"^fsdp: start=\d+ .* world=4$", out, re.M), out[-6000:]
