@@ -622,24 +622,3 @@ def test_restore_onto_another_world_size_refuses_what_it_cannot_reshard(workdir:
     errors = restore_as(1, workdir, live=lambda _r: {"model": {"w": torch.zeros(2)}})
     assert isinstance(errors[0], RestoreError), errors
     assert "tensor model/w is not one global tensor in the step" in str(errors[0])
-
-
-def test_memory_snapshots_of_another_world_size_are_never_loaded(
-        segments: SegmentFactory, caplog: pytest.LogCaptureFixture) -> None:
-    from ftrun.rank.snapshotter import Snapshotter
-
-    snap = Snapshotter(torch.nn.Linear(2, 2))  # outside ftrun: a job of 1 rank
-    try:
-        snap._segments[0] = segments(0, make_state(), step=5, world_size=4)
-        snap._segments[1] = segments(0, make_state(), step=6, world_size=1, buffer=1)
-        local = {5: 0, 6: 1}
-        with caplog.at_level(logging.WARNING, logger="ftrun"):
-            assert snap._other_world(local) == {5: 4}
-            snap._warn_other_world({5: 4}, distributed=False)
-        assert local == {6: 1}  # only the snapshot of this world size is a candidate
-        assert "memory holds step 5 of a 4-rank job; this job has 1 ranks" in caplog.text
-        assert ("memory holds the snapshot of step 5, taken by 4 ranks, but this job has 1"
-                in caplog.text) and "Training starts from step 0" in caplog.text
-    finally:
-        snap._segments = [None, None]
-        snap.close()

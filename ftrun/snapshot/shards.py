@@ -271,8 +271,9 @@ def describe_gaps(holdings: Iterable[Holding], most: int = 3) -> str:
     for h in holdings:
         sets.setdefault((h.step, h.epoch, h.world_size), set()).add(h.rank)
     out = []
-    for (step, _epoch, world), ranks in sorted(sets.items(), key=lambda kv: -kv[0][0])[:most]:
-        gone = sorted(set(range(world)) - ranks)
+    gaps = [(key, sorted(set(range(key[2])) - ranks)) for key, ranks in sets.items()]
+    for (step, _epoch, world), gone in sorted((g for g in gaps if g[1]),
+                                              key=lambda g: -g[0][0])[:most]:
         out.append(f"step {step} of {world} ranks lacks rank(s) "
                    f"{', '.join(map(str, gone[:8]))}{' ...' if len(gone) > 8 else ''}")
     return "; ".join(out) or "nothing held"
