@@ -19,8 +19,14 @@ from snapshot_helpers import stage_segment
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import memload
 from ftrun.snapshot.segment import Segment
-from ftrun.snapshot.shards import Holding, ShardReader, ShardService, complete, describe_gaps, \
-    survey
+from ftrun.snapshot.shards import (
+    Holding,
+    ShardReader,
+    ShardService,
+    complete,
+    describe_gaps,
+    survey,
+)
 
 SECRET = b"s" * 32
 
