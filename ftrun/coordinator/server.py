@@ -433,6 +433,10 @@ class Coordinator:
             if kind == "persist_request" and body["final"]:
                 self._finalizing.add(body["node_id"])
             reply, began = self._commits.handle(kind, body)
+            if reply.get("known") and self._commits.replicas > 1 and \
+                    len(self._replica_members()) > 1:
+                ep = self._commits.get(reply["epoch"])
+                reply["durable"] = ep.durable if ep is not None else -1
             targets, self._commits.new_targets = self._commits.new_targets, []
             skipped, self._commits.skipped = self._commits.skipped, []
         if began is not None:

@@ -105,10 +105,13 @@ SCHEMAS: dict[str, Schema] = {
                         "final": (bool, True)},
     # ``dead``: uncommitted steps that can never commit (ftrun.coordinator.commits);
     # ``targets``: the epoch's recent persist targets; ``final``: its final one; ``settling``:
-    # the final target waits for a step some ranks verified already (ask again).
+    # the final target waits for a step some ranks verified already (ask again); ``durable``:
+    # the newest step whose every shard has its replicas, while replication runs (a store
+    # keeps that step's buffers until a newer one is durable).
     "commit_info": {"epoch": (str, True), "committed": (int, True), "known": (bool, True),
                     "targets": (ListOf(int), False), "final": ((int, _NONE), False),
-                    "settling": (bool, False), "dead": (ListOf(int), False)},
+                    "settling": (bool, False), "dead": (ListOf(int), False),
+                    "durable": (int, False)},
     # ``persist``: this store writes to disk; ``final``: its last write is done (it stops);
     # ``target_done``: the newest persist target of ``epoch`` it is done with; ``writing``:
     # the target it is writing now.

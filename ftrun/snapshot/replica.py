@@ -65,6 +65,7 @@ SERVE_POLL_S = 0.1
 ACK_POLL_S = 0.002
 REPORT_TIMEOUT_S = 2.0
 BEHIND_WARN_EVERY_S = 60.0
+RETRY_S = 1.0  # a step whose transfer to a peer failed is sent again after this
 
 
 def replica_prefix(run_id: str) -> str:
@@ -399,6 +400,7 @@ class ReplicaSender:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._done: dict[str, tuple[str, int]] = {}  # peer -> (epoch, step) last handled
+        self._retry_at: dict[str, float] = {}  # peer -> when to try a failed step again
         self.stats = {"sent": 0, "superseded": 0, "abandoned": 0, "bytes": 0}
         self._behind = RateLimiter(BEHIND_WARN_EVERY_S)
         self._failed = RateLimiter(BEHIND_WARN_EVERY_S)
@@ -446,7 +448,8 @@ class ReplicaSender:
         if not epoch or step <= 0:
             return
         for peer in self._peers:
-            if self._stop.is_set() or self._done.get(peer.node_id) == (epoch, step):
+            if self._stop.is_set() or self._done.get(peer.node_id) == (epoch, step) or \
+                    self._retry_at.get(peer.node_id, 0.0) > time.monotonic():
                 continue
             try:
                 n = self.send_step(peer, epoch, step)
@@ -470,8 +473,12 @@ class ReplicaSender:
                 allowed, suppressed = self._failed.allow((peer.node_id, type(e)))
                 if allowed:
                     more = f" ({suppressed} more failures like it)" if suppressed else ""
-                    log.warning("replication of step %d to %s failed: %s%s", step,
-                                peer.node_id, e, more)
+                    log.warning("replication of step %d to %s failed: %s%s; trying again in "
+                                "%g s", step, peer.node_id, e, more, RETRY_S)
+                # Not done: the step is sent again (the store keeps the newest durable step
+                # in memory until a newer one has its replicas, so it is still there).
+                self._retry_at[peer.node_id] = time.monotonic() + RETRY_S
+                continue
             self._done[peer.node_id] = (epoch, step)
 
     def _local_segments(self, epoch: str, step: int) -> list[tuple[int, str]]:

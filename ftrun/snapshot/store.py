@@ -59,6 +59,8 @@ REPORT_EVERY_S = 2.0
 POLL_TARGETS_S = 1.0
 COORDINATOR_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 600.0
+# How long ranks skip snapshots to keep the newest durable step while replication is behind.
+DURABLE_KEEP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,9 @@ class SnapshotStore:
         self._base = -1  # the step the current epoch resumed from
         self._committed = -1
         self._dead: set[int] = set()  # uncommitted steps of the epoch that can never commit
+        self._durable: int | None = None  # newest durable step, while replication runs
+        self._durable_since = 0.0
+        self._durable_warned = False
         self._world_size = 0
         self._coord = (Client(cfg.coordinator, secret, cfg.run_id, f"store:{cfg.node_id}",
                               peer="coordinator", hint=COORDINATOR_HINT)
@@ -257,6 +262,7 @@ class SnapshotStore:
         if info["committed"] > self._committed and self._replication is not None:
             self._replication.sender.wake()
         self._committed = max(self._committed, info["committed"])
+        self._note_durable(info.get("durable"))
         self._dead = set(info.get("dead") or ())
         if info.get("final") is not None:
             self._final = info["final"]
@@ -277,6 +283,35 @@ class SnapshotStore:
         self._ask_epoch("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
                                           "rank": rank, "step": step, "nbytes": nbytes}, epoch)
 
+    def _note_durable(self, durable: int | None) -> None:
+        """Follow the newest durable step (None: no replication running, nothing to keep)."""
+        now = time.monotonic()
+        if durable is None:
+            self._durable = None
+            return
+        if self._durable is None or durable > self._durable:
+            self._durable, self._durable_since = durable, now
+
+    def _durable_kept(self, need: int) -> bool:
+        """Whether a rank whose newest shard is step ``need`` may overwrite its older buffer
+        without losing the newest durable step: yes once ``need`` is durable itself. While
+        replication is behind, the older buffer (the durable step) is kept and the ranks skip
+        snapshots, for at most DURABLE_KEEP_S: a host lost meanwhile still restores from
+        memory. Past that, replication is too slow to wait for: local snapshots go on (a
+        crash restores the newest step; a lost host an older durable one, or the disk)."""
+        if self._durable is None or self._durable >= need or need <= self._base:
+            return True  # (the step an epoch resumed from is kept as it was)
+        behind = time.monotonic() - self._durable_since
+        if behind <= DURABLE_KEEP_S:
+            return False
+        if not self._durable_warned:
+            self._durable_warned = True
+            log.warning("replication is %.0f s behind (durable step %d, committed %d): "
+                        "snapshots no longer wait for it; a lost host restores from an older "
+                        "durable step or from disk. Raise --replica-rate or lower "
+                        "--snapshot-every", behind, self._durable, self._committed)
+        return True
+
     def _claim(self, epoch: str, need: int) -> str | None:
         """Whether a rank whose newest shard is step ``need`` may write its next snapshot:
         "older" (``need`` committed: overwrite the older buffer), "newest" (``need`` is dead:
@@ -286,7 +321,7 @@ class SnapshotStore:
                 self._ask_epoch("commit_query", {"epoch": epoch}, epoch)
             if epoch != self._epoch:
                 return None
-            if self._committed >= need:
+            if self._committed >= need and self._durable_kept(need):
                 return "older"
             if need in self._dead:
                 return "newest"
@@ -427,6 +462,7 @@ class SnapshotStore:
 
     def _begin_epoch(self, epoch: str, base: int, restarted: bool) -> None:
         self._epoch, self._committed, self._base = epoch, base, base
+        self._durable, self._durable_warned = None, False
         self._dead = set()
         self._handled.clear()
         self._final = None
