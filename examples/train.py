@@ -497,7 +497,7 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
     if args.batch < world_size:
         p.error(f"--batch {args.batch} (global batch size) must be at least WORLD_SIZE="
                 f"{world_size}, so that every rank has a sample in every step")
-    if args.fsdp and world_size == 1 and "RANK" not in os.environ:
+    if args.fsdp and "RANK" not in os.environ:
         p.error("--fsdp needs a process group: run under ftrun or torchrun")
     if args.fsdp and args.torch_save_dir:
         p.error("--torch-save-dir saves rank 0's model, which under --fsdp is one shard: "

@@ -13,13 +13,14 @@ skipped or repeated when the world size changes between two steps.
 
     sampler = ResumableDistributedSampler(dataset, shuffle=True, seed=0)
     snap = ftrun.Snapshotter(model, optimizer)
-    snap.restore(extra={"epoch": 0, "consumed": 0})
+    step = snap.restore(extra={"epoch": 0, "consumed": 0})
     epoch, consumed = snap.extra["epoch"], snap.extra["consumed"]
     while epoch < epochs:
         sampler.set_epoch(epoch, consumed)
-        for batch in DataLoader(dataset, batch_size=b, sampler=sampler):
+        for x, y in DataLoader(dataset, batch_size=b, sampler=sampler):
             ...forward, backward, optimizer.step()...
-            consumed += len(batch) * sampler.num_replicas   # what every rank took, together
+            step += 1
+            consumed += len(x) * sampler.num_replicas   # what all ranks took, together
             snap.save(step, extra={"epoch": epoch, "consumed": consumed})
         epoch, consumed = epoch + 1, 0
 """
