@@ -81,6 +81,11 @@ def test_from_the_start_it_is_distributed_sampler(length: int, world: int, shuff
             theirs.set_epoch(epoch)
             assert list(ours) == list(theirs)
             assert len(ours) == len(theirs)
+            # A resume on the same world size goes on where DistributedSampler would be.
+            for taken in (1, 2):
+                if taken <= len(theirs):
+                    ours.set_epoch(epoch, min(taken * world, length))
+                    assert list(ours) == list(theirs)[taken:]
 
 
 CHANGES = [(4, 3), (3, 4), (2, 5), (8, 3), (1, 4), (4, 1)]
@@ -203,6 +208,39 @@ def test_exported_from_ftrun() -> None:
 # --------------------------------------------------------------------------------------------
 
 STEPS, BATCH, SAMPLES = 5, 12, 40  # 60 samples: the second epoch starts in step 4
+SMALL = ("--layers", "1", "--dim", "32")
+
+
+def train_fsdp(procs: Procs, nproc: int, log: Path, steps: int = STEPS,
+               launcher: tuple[str, ...] = (), script: tuple[str, ...] = ()) -> str:
+    """Run examples/train.py --fsdp on ``nproc`` ranks to the end; its output."""
+    proc = procs.ftrun("--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
+                       *launcher, TRAIN, "--fsdp", "--steps", str(steps), "--batch", str(BATCH),
+                       "--samples", str(SAMPLES), *SMALL, "--sample-log", str(log), *script,
+                       name=f"fsdp{nproc}")
+    code = procs.wait(proc, 240)
+    out = procs.output(proc)
+    assert code == 0, out[-5000:]
+    line = result_line(out)
+    assert line.startswith(f"ftrun-example: step={steps} loss=") and "params_xxh3=" in line
+    return out
+
+
+def samples_in_position_order(log: Path) -> list[int]:
+    """The sample log's indices, step by step, each step's in position order."""
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    steps = sorted({r["step"] for r in rows})
+    assert steps == list(range(1, STEPS + 1)), steps
+    seen = []
+    for step in steps:
+        ranks = {r["rank"]: r for r in rows if r["step"] == step}
+        [world] = {r["world_size"] for r in ranks.values()}
+        assert sorted(ranks) == list(range(world)), f"step {step}: ranks {sorted(ranks)}"
+        seen += [ranks[j % world]["indices"][j // world] for j in range(BATCH)]
+    return seen
+
+
+STREAM = [i for e in range(2) for i in epoch_order(SAMPLES, 0, e)]
 
 
 @pytest.mark.integration
@@ -210,20 +248,20 @@ STEPS, BATCH, SAMPLES = 5, 12, 40  # 60 samples: the second epoch starts in step
 def test_train_py_fsdp_completes(procs: Procs, state_dir: Path, tmp_path: Path,
                                  nproc: int) -> None:
     log = tmp_path / "samples.jsonl"
-    proc = procs.ftrun("--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
-                       TRAIN, "--fsdp", "--steps", str(STEPS), "--batch", str(BATCH),
-                       "--samples", str(SAMPLES), "--layers", "1", "--dim", "32",
-                       "--sample-log", str(log), name=f"fsdp{nproc}")
-    code = procs.wait(proc, 240)
-    out = procs.output(proc)
-    assert code == 0, out[-5000:]
-    line = result_line(out)
-    assert line.startswith(f"ftrun-example: step={STEPS} loss=") and "params_xxh3=" in line
-    # Every rank trained on its share of the stream of epoch orders, nothing else.
-    rows = [json.loads(x) for x in log.read_text().splitlines()]
-    assert sorted((r["step"], r["rank"]) for r in rows) == \
-        [(s, r) for s in range(1, STEPS + 1) for r in range(nproc)]
-    stream = [i for e in range(2) for i in epoch_order(SAMPLES, 0, e)]
-    by_step = {(r["step"], r["rank"]): r["indices"] for r in rows}
-    seen = [by_step[s, j % nproc][j // nproc] for s in range(1, STEPS + 1) for j in range(BATCH)]
-    assert seen == stream[:STEPS * BATCH]
+    train_fsdp(procs, nproc, log)
+    # The ranks trained on their shares of the stream of epoch orders, nothing else.
+    assert samples_in_position_order(log) == STREAM[:STEPS * BATCH]
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("exact_steps")
+def test_train_py_fsdp_goes_on_with_the_data_on_fewer_ranks(procs: Procs, state_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """4 ranks persist step 2; a job of 3 ranks resumes it: steps 3.. read the samples the
+    4 ranks would have read next, across the epoch's end, none of the earlier ones."""
+    log, ckpt = tmp_path / "samples.jsonl", tmp_path / "ckpt"
+    persist, every = ("--persist-dir", str(ckpt)), ("--snapshot-every", "1")
+    train_fsdp(procs, 4, log, steps=2, launcher=persist, script=every)
+    out = train_fsdp(procs, 3, log, launcher=persist, script=every)
+    assert "resumed from step 2 (epoch 0, 24 samples consumed in it)" in out, out[-5000:]
+    assert samples_in_position_order(log) == STREAM[:STEPS * BATCH]
