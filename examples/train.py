@@ -9,8 +9,23 @@ group, no DDP)::
 
 The run is deterministic: with the same flags and world size the final parameters are
 bit-identical, also when the job crashed and restarted from step 0. The model is initialised
-from ``--seed`` on every rank, the data of step ``s`` comes from a generator seeded with
-``(seed, s)`` only, and each rank trains on its contiguous slice of the global batch.
+from ``--seed`` on every rank, and sample ``i`` of the synthetic dataset (``--samples``
+sequences) depends on ``(seed, i)`` only.
+
+Data position (docs/snapshots.md, "Data position across a change of world size"): the
+samples are read in epochs, each a permutation of the dataset seeded with ``seed + epoch``
+(``ftrun.ResumableDistributedSampler``), one epoch after the other. Step ``s`` trains on the
+next ``--batch`` positions of that sequence; rank ``r`` of ``W`` takes positions ``r``,
+``r + W``, ... of them. Every snapshot carries the position (epoch, samples consumed in it),
+which is the same on every rank, so a job that resumes on another number of ranks splits the
+rest the same way: no sample is skipped or repeated. ``--batch`` need not divide by the world
+size; each rank's loss is its sum over its samples divided by the global batch, so the
+gradient is the global batch's mean whatever the split. ``--sample-log FILE`` records the
+indices every rank trained on.
+
+``--fsdp`` shards the model with FSDP2 (``fully_shard`` on every block, then on the whole
+model) instead of wrapping it in DDP; ``params_xxh3`` is then the digest of the full
+(gathered) parameters, comparable across world sizes and with a DDP run.
 
 Steps are counted from 1: step ``s`` is the ``s``-th optimizer step, ``ftrun.progress(s)`` is
 called once it completed, and ``--fail-at-step S`` fires inside step ``S`` (after backward,
@@ -37,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -60,12 +76,14 @@ try:
 
     _progress: Callable[..., None] = ftrun.progress
     _Snapshotter: Any = ftrun.Snapshotter
+    _Sampler: Any = ftrun.ResumableDistributedSampler
 except Exception:  # ftrun not installed (or broken): no progress reports, no snapshots.
 
     def _progress(step: int, done: bool = False) -> None:
         del step, done
 
     _Snapshotter = None
+    _Sampler = None
 
 
 PREFIX = "ftrun-example"
@@ -143,23 +161,44 @@ class GPT(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def global_batch(
-    seed: int, step: int, batch: int, seq_len: int, vocab: int
+def samples(
+    seed: int, indices: list[int], seq_len: int, vocab: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole global batch of ``step``: inputs and next-token targets, ``(batch, seq_len)``.
+    """Samples ``indices`` of the synthetic dataset: inputs and next-token targets,
+    ``(len(indices), seq_len)``.
 
-    Depends on ``(seed, step)`` only. Each sequence starts at a random token and continues with
-    ``next = (token * 3 + 1) % vocab``, replaced by a random token with probability 0.1.
+    Sample ``i`` depends on ``(seed, i)`` only. Its sequence starts at a random token and
+    continues with ``next = (token * 3 + 1) % vocab``, replaced by a random token with
+    probability 0.1.
     """
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
-    seq = torch.empty(batch, seq_len + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(vocab, (batch,), generator=gen)
-    noise = torch.rand(batch, seq_len, generator=gen) < 0.1
-    random_tokens = torch.randint(vocab, (batch, seq_len), generator=gen)
+    n = len(indices)
+    seq = torch.empty(n, seq_len + 1, dtype=torch.long)
+    noise = torch.empty(n, seq_len, dtype=torch.bool)
+    random_tokens = torch.empty(n, seq_len, dtype=torch.long)
+    for row, index in enumerate(indices):
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63))
+        seq[row, 0] = torch.randint(vocab, (1,), generator=gen)
+        noise[row] = torch.rand(seq_len, generator=gen) < 0.1
+        random_tokens[row] = torch.randint(vocab, (seq_len,), generator=gen)
     for t in range(seq_len):
         pattern = (seq[:, t] * 3 + 1) % vocab
         seq[:, t + 1] = torch.where(noise[:, t], random_tokens[:, t], pattern)
     return seq[:, :-1], seq[:, 1:]
+
+
+def step_indices(
+    sampler: Any, epoch: int, consumed: int, batch: int
+) -> tuple[list[int], int, int]:
+    """This rank's indices of the next global batch from position ``(epoch, consumed)``, and
+    the position after it.
+
+    The global batch is the next ``batch`` positions of the epochs' orders, one epoch after
+    the other; this rank takes positions ``rank``, ``rank + W``, ... of them.
+    """
+    mine = len(range(sampler.rank, batch, sampler.num_replicas))
+    indices = list(itertools.islice(sampler.stream(epoch, consumed), mine))
+    epoch, consumed = divmod(epoch * sampler.length + consumed + batch, sampler.length)
+    return indices, epoch, consumed
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,10 +327,17 @@ def _fire_fault(args: argparse.Namespace, rank: int, step: int, mode: str, snap:
 
 
 def params_digest(model: nn.Module) -> str:
-    """xxh3-64 over the raw bytes of every parameter, in ``named_parameters()`` order."""
+    """xxh3-64 over the raw bytes of every parameter, in ``named_parameters()`` order.
+
+    A sharded parameter (an FSDP2 DTensor) is gathered first, which is collective: under
+    ``--fsdp`` every rank calls this.
+    """
     h = xxhash.xxh3_64()
     for _, p in model.named_parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        full = p.detach()
+        if hasattr(full, "full_tensor"):
+            full = full.full_tensor()
+        h.update(full.cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -352,7 +398,26 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         "--batch",
         type=int,
         default=8,
-        help="global batch size, divisible by WORLD_SIZE (default 8)",
+        help="global batch size, at least WORLD_SIZE; rank r takes samples r, r+W, ... of it "
+        "(default 8)",
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1024,
+        help="size of the synthetic dataset: an epoch is this many samples (default 1024)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (fully_shard per block, then the whole model) "
+        "instead of wrapping it in DDP; needs a process group (ftrun or torchrun)",
+    )
+    p.add_argument(
+        "--sample-log",
+        metavar="FILE",
+        help="every rank appends one JSON line per step to FILE: step, rank, world size, "
+        "restart count, epoch and position before the step, and the sample indices it trained on",
     )
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
@@ -424,15 +489,19 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
 
-    for name in ("steps", "layers", "dim", "heads", "seq_len", "vocab", "batch"):
+    for name in ("steps", "layers", "dim", "heads", "seq_len", "vocab", "batch", "samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.dim % args.heads:
         p.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
-    if args.batch % world_size:
-        p.error(
-            f"--batch {args.batch} (global batch size) must be divisible by WORLD_SIZE={world_size}"
-        )
+    if args.batch < world_size:
+        p.error(f"--batch {args.batch} (global batch size) must be at least WORLD_SIZE="
+                f"{world_size}, so that every rank has a sample in every step")
+    if args.fsdp and "RANK" not in os.environ:
+        p.error("--fsdp needs a process group: run under ftrun or torchrun")
+    if args.fsdp and args.torch_save_dir:
+        p.error("--torch-save-dir saves rank 0's model, which under --fsdp is one shard: "
+                "use ftrun's snapshots (--persist-dir) with --fsdp")
     if not (args.pg_timeout > 0 and math.isfinite(args.pg_timeout)):
         p.error("--pg-timeout must be a positive number of seconds")
     if args.fail_at_step is not None:
@@ -466,14 +535,23 @@ def train(
     the steps this job resumed from (one per restore from a snapshot).
 
     The digest is computed on rank 0 only (other ranks return ""). Everything that references the
-    process group (DDP and its reducer) is local to this function, so it is gone before the
-    caller destroys the process group.
+    process group (DDP and its reducer, FSDP's DTensors) is local to this function, so it is gone
+    before the caller destroys the process group.
     """
+    if _Sampler is None:
+        raise SystemExit(f"{PREFIX}: cannot import ftrun, whose ResumableDistributedSampler "
+                         "orders the data: install it (pip install -e .) or set PYTHONPATH")
     distributed = dist.is_initialized()
     torch.manual_seed(args.seed)  # same on every rank, so every rank builds the same model
     model = GPT(args.vocab, args.seq_len, args.dim, args.heads, args.layers).to(device)
     train_model: nn.Module = model
-    if distributed:
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif distributed:
         device_ids = [device.index] if device.type == "cuda" else None
         # DDP with its default arguments: ftrun's snapshots record the gradient bucket layout
         # DDP settles on, and a restore reduces with it from the first step (ftrun._torch).
@@ -482,40 +560,57 @@ def train(
 
     last_loss = torch.zeros((), device=device)
     resumed_from: list[int] = []
-    start = 0
+    start = epoch = consumed = 0
     snap = None
     if args.snapshot_every != 0 and _Snapshotter is not None:
         snap = _Snapshotter(train_model, optimizer, every=args.snapshot_every)
         start = snap.restore()
         if start > 0:
-            # The history of restores travels inside the snapshots themselves.
+            # The history of restores travels inside the snapshots themselves. Everything in
+            # extra is the same on every rank, so it holds whichever old rank a rank of another
+            # world size restores it from.
             resumed_from = [*snap.extra["resumed_from"], start]
             last_loss = snap.extra["loss"].to(device)
-            print(f"{PREFIX}: rank {rank} resumed from step {start}", file=sys.stderr, flush=True)
+            epoch, consumed = int(snap.extra["epoch"]), int(snap.extra["consumed"])
+            print(f"{PREFIX}: rank {rank} resumed from step {start} (epoch {epoch}, "
+                  f"{consumed} samples consumed in it)", file=sys.stderr, flush=True)
 
     if args.torch_save_dir:
-        start, resumed_from, last_loss = _torch_load(
-            args, model, optimizer, start, resumed_from, last_loss, device
+        start, resumed_from, last_loss, epoch, consumed = _torch_load(
+            args, model, optimizer, (start, resumed_from, last_loss, epoch, consumed), device
         )
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    per_rank = args.batch // world_size
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    sampler = _Sampler(args.samples, world_size, rank, shuffle=True, seed=args.seed)
+    tokens = args.batch * args.seq_len  # the global batch's targets: each rank's loss is a share
     for step in range(start + 1, args.steps + 1):
-        inputs, targets = global_batch(args.seed, step, args.batch, args.seq_len, args.vocab)
-        inputs, targets = inputs[rows].to(device), targets[rows].to(device)
+        indices, next_epoch, next_consumed = step_indices(sampler, epoch, consumed, args.batch)
+        if args.sample_log:
+            _log_samples(args.sample_log, step, rank, world_size, restart, epoch, consumed,
+                         indices)
+        epoch, consumed = next_epoch, next_consumed
+        inputs, targets = samples(args.seed, indices, args.seq_len, args.vocab)
+        inputs, targets = inputs.to(device), targets.to(device)
         maybe_inject_fault(args, rank, step, before_forward=True, snap=snap)
         logits = train_model(inputs)
-        loss = F.cross_entropy(logits.view(-1, args.vocab), targets.reshape(-1))
+        # Sum over this rank's targets over all of the global batch's, times the world size
+        # that DDP and FSDP average gradients over: the gradient of the global batch's mean,
+        # however unevenly the batch is split.
+        loss_sum = F.cross_entropy(logits.view(-1, args.vocab), targets.reshape(-1),
+                                   reduction="sum")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss_sum * (world_size / tokens)).backward()
         maybe_inject_fault(args, rank, step)
         optimizer.step()
-        last_loss = loss.detach()
+        last_loss = loss_sum.detach().clone()
+        if distributed:
+            dist.all_reduce(last_loss)
+        last_loss /= tokens  # the mean over the global batch, the same on every rank
         if snap is not None:
-            snap.save(step, extra={"resumed_from": resumed_from, "loss": last_loss})
+            snap.save(step, extra={"resumed_from": resumed_from, "loss": last_loss,
+                                   "epoch": epoch, "consumed": consumed})
         if args.torch_save_dir and step % args.torch_save_every == 0 and rank == 0:
-            _torch_save(args, model, optimizer, step, resumed_from, last_loss)
+            _torch_save(args, model, optimizer, step, resumed_from, last_loss, epoch, consumed)
         if args.step_log and rank == 0:
             with open(args.step_log, "a") as f:
                 f.write(json.dumps({"time": time.time(), "step": step, "restart": restart}) + "\n")
@@ -526,13 +621,22 @@ def train(
     if snap is not None:
         snap.close()
 
-    # Mean over the global batch (equal slices, so the mean of the per-rank means).
-    if distributed:
-        last_loss = last_loss.clone()
-        dist.all_reduce(last_loss, op=dist.ReduceOp.SUM)
-        last_loss /= world_size
-    digest = params_digest(model) if rank == 0 else ""
-    return float(last_loss.item()), digest, resumed_from
+    # Under FSDP every rank takes part in gathering the full parameters.
+    digest = params_digest(model) if rank == 0 or args.fsdp else ""
+    return float(last_loss.item()), digest if rank == 0 else "", resumed_from
+
+
+def _log_samples(path: str, step: int, rank: int, world_size: int, restart: int, epoch: int,
+                 consumed: int, indices: list[int]) -> None:
+    """Append one line for ``--sample-log``, in one write, so that ranks never interleave."""
+    line = json.dumps({"step": step, "rank": rank, "world_size": world_size,
+                       "restart": restart, "epoch": epoch, "consumed": consumed,
+                       "indices": indices}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
 
 
 def _torch_save(
@@ -542,6 +646,8 @@ def _torch_save(
     step: int,
     resumed_from: list[int],
     loss: torch.Tensor,
+    epoch: int,
+    consumed: int,
 ) -> None:
     path = os.path.join(args.torch_save_dir, "checkpoint.pt")
     os.makedirs(args.torch_save_dir, exist_ok=True)
@@ -552,6 +658,8 @@ def _torch_save(
         "resumed_from": resumed_from,
         "loss": loss,
         "rng": torch.get_rng_state(),
+        "epoch": epoch,
+        "consumed": consumed,
     }
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -561,17 +669,17 @@ def _torch_load(
     args: argparse.Namespace,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    start: int,
-    resumed_from: list[int],
-    loss: torch.Tensor,
+    current: tuple[int, list[int], torch.Tensor, int, int],
     device: torch.device,
-) -> tuple[int, list[int], torch.Tensor]:
+) -> tuple[int, list[int], torch.Tensor, int, int]:
+    """``current`` (step, resumed_from, loss, epoch, consumed), or those of DIR/checkpoint.pt
+    when it holds a later step."""
     path = os.path.join(args.torch_save_dir, "checkpoint.pt")
     if not os.path.exists(path):
-        return start, resumed_from, loss
+        return current
     state = torch.load(path, map_location=device, weights_only=True)
-    if state["step"] <= start:
-        return start, resumed_from, loss
+    if state["step"] <= current[0]:
+        return current
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
     torch.set_rng_state(state["rng"])
@@ -579,7 +687,8 @@ def _torch_load(
     print(
         f"{PREFIX}: resumed from torch.save checkpoint of step {step}", file=sys.stderr, flush=True
     )
-    return step, [*state["resumed_from"], step], state["loss"]
+    return (step, [*state["resumed_from"], step], state["loss"], int(state["epoch"]),
+            int(state["consumed"]))
 
 
 def _on_sigusr1(signum: int, _frame: object) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Snapshotter", "progress", "__version__"]
+__all__ = ["ResumableDistributedSampler", "Snapshotter", "progress", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from ftrun.rank.snapshotter import Snapshotter
 
         return Snapshotter
+    if name == "ResumableDistributedSampler":
+        from ftrun.rank.data import ResumableDistributedSampler
+
+        return ResumableDistributedSampler
     raise AttributeError(f"module 'ftrun' has no attribute {name!r}")
