@@ -257,6 +257,15 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         (_cadence_text(snaps), ""),
         (f" | {snaps['skipped']} skipped" if snaps.get("skipped") else "", "bold yellow"),
     )
+    source = snaps.get("restored_from")
+    if source and source != "none":
+        fallback = source.startswith("disk")
+        restored = Text.assemble(
+            (f"restored step {snaps.get('base_step')} from {source}",
+             "bold yellow" if fallback else ""),
+            (" (no step was held in full in memory: fell back to the persisted checkpoint)"
+             if fallback else "", "bold yellow"))
+        return Group(table, line, *details, snap_line, restored)
     return Group(table, line, *details, snap_line)
 
 

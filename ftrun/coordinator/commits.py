@@ -93,6 +93,7 @@ class Epoch:
     replicated: dict[int, dict[int, set[str]]] = field(default_factory=dict)
     durable: int = -1  # newest committed step with m - 1 verified replicas of every shard
     durable_at: float = 0.0
+    source: str = ""  # where its ranks restored base_step from (memory, disk, none)
 
     def pending(self) -> dict[int, int]:
         """step -> verified ranks, for steps newer than the committed one that can still
@@ -328,6 +329,7 @@ class CommitTracker:
             "epoch": ep.epoch,
             "world_size": ep.world_size,
             "base_step": ep.base_step,
+            "restored_from": ep.source or None,
             "committed_step": ep.committed if ep.committed > 0 else None,
             "committed_age_s": round(time.time() - ep.committed_at, 3) if ep.committed > 0 else None,
             "pending_steps": sorted(ep.verified),
@@ -355,8 +357,11 @@ class CommitTracker:
                                             float(body.get("persist_interval_s") or 0.0))
             known = self._epochs.get(body["epoch"]) is not None
             ep: Epoch | None = self.begin(body["epoch"], body["base_step"], body["world_size"])
+            if ep is not None and body.get("source") and not ep.source:
+                ep.source = body["source"]
             if not known and ep is not None:
-                began = {"epoch": ep.epoch, "step": ep.base_step, "world_size": ep.world_size}
+                began = {"epoch": ep.epoch, "step": ep.base_step, "world_size": ep.world_size,
+                         "source": ep.source}
         elif kind == "snap_verified" and not body.get("ok", True):
             ep = self.failed(body["epoch"], body["rank"], body["step"])
         elif kind == "snap_verified":

@@ -96,7 +96,7 @@ SCHEMAS: dict[str, Schema] = {
     # decides which committed steps every store writes (ftrun.coordinator.commits).
     "snap_epoch": {"node_id": (str, True), "epoch": (str, True), "base_step": (int, True),
                    "world_size": (int, True), "persist_every": (int, False),
-                   "persist_interval_s": (float, False)},
+                   "persist_interval_s": (float, False), "source": (str, False)},
     "snap_verified": {"node_id": (str, True), "epoch": (str, True), "rank": (int, True),
                       "step": (int, True), "nbytes": (int, True), "ok": (bool, False)},
     "commit_query": {"epoch": (str, True)},
@@ -142,8 +142,10 @@ SCHEMAS: dict[str, Schema] = {
     # shard is of a dead step; its older buffer holds the last committed one).
     "snap_claim_reply": {"ok": (bool, True), "committed": (int, True), "buffer": (int, False)},
     "snap_flush": {"rank": (int, True)},
+    # ``source``: where the step came from ("memory", "memory, resharded from N ranks (from
+    # node(s) ...)", "disk (DIR)", "none"), shown by `ftrun status`.
     "snap_restored": {"rank": (int, True), "epoch": (str, True), "step": (int, True),
-                      "world_size": (int, True)},
+                      "world_size": (int, True), "source": (str, False)},
     "store_persist": {"reason": (str, True)},
     # Anyone with the job secret -> a node's store: what it holds (ftrun.snapshot.catalog).
     # ``rank``: only that rank's shards; ``hashes``: with their chunk hashes; ``replicas``:

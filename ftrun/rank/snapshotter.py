@@ -766,12 +766,12 @@ class Snapshotter:
                 log.warning("no step is complete and verified in the job's memory (%s); "
                             "restored step %d from %s", "none held in full by the live "
                             "stores" if not by_key else "none loaded", restored, source)
-        self._start_epoch(restored, distributed)
+        self._start_epoch(restored, distributed, source)
         self.resumed_from = restored
         self.source = source
         return restored
 
-    def _start_epoch(self, base_step: int, distributed: bool) -> None:
+    def _start_epoch(self, base_step: int, distributed: bool, source: str = "none") -> None:
         """Agree on a new epoch id and announce it; commits are counted per epoch."""
         assert self._chan is not None
         self._epoch = self._agree_epoch(distributed)
@@ -779,7 +779,8 @@ class Snapshotter:
         try:
             self._chan.request("snap_restored", {"rank": self.rank, "epoch": self._epoch,
                                                  "step": base_step,
-                                                 "world_size": self.world_size},
+                                                 "world_size": self.world_size,
+                                                 "source": source},
                                "ack", STORE_TIMEOUT_S, attempts=3)
         except UnreachableError as e:
             log.warning("could not tell the store about the new epoch: %s", e)

@@ -110,6 +110,7 @@ class SnapshotStore:
         self._dead: set[int] = set()  # uncommitted steps of the epoch that can never commit
         self._durable: int | None = None  # newest durable step, while replication runs
         self._durable_since = 0.0
+        self._source = ""  # where the epoch's ranks restored from
         self._durable_warned = False
         self._world_size = 0
         self._coord = (Client(cfg.coordinator, secret, cfg.run_id, f"store:{cfg.node_id}",
@@ -214,6 +215,8 @@ class SnapshotStore:
     def _epoch_body(self, epoch: str, base_step: int) -> dict[str, Any]:
         body: dict[str, Any] = {"node_id": self.cfg.node_id, "epoch": epoch,
                                 "base_step": base_step, "world_size": self._world_size}
+        if self._source:
+            body["source"] = self._source
         if self.cfg.persist_dir:
             # The coordinator schedules targets with these (every store passes the same).
             body["persist_every"] = self.cfg.persist_every
@@ -405,6 +408,7 @@ class SnapshotStore:
         if b["epoch"] != self._epoch:
             self._begin_epoch(b["epoch"], b["step"], restarted=False)
             self._world_size = b["world_size"]
+            self._source = b.get("source") or ""
             self._ask("snap_epoch", self._epoch_body(b["epoch"], b["step"]))
         return "ack", {"re": msg.id}
 
