@@ -296,9 +296,26 @@ def test_data_frames_round_trip_and_reply_id() -> None:
     msg = protocol.decode(frames, secret=SECRET, job=JOB)
     assert [bytes(f) for f in msg.frames] == data
     assert msg.re == "abc123" and msg.body == {"rank": 3}
-    # A signed header alone is the same MAC as a message without data frames always had.
+    # The MAC is over the header alone; the header names each frame's keyed digest.
+    assert frames[1] == hmac.new(SECRET, frames[0], hashlib.sha256).digest()
+    doc = json.loads(frames[0])
+    assert doc["fd"] == protocol.frame_digests(SECRET, doc["id"], data)
+    assert len(doc["fd"]) == 3 and all(len(d) == 32 for d in doc["fd"])
     plain = protocol.encode("ack", {}, secret=SECRET, job=JOB, sender="x")
-    assert plain[1] == hmac.new(SECRET, plain[0], hashlib.sha256).digest()
+    assert "fd" not in json.loads(plain[0])
+    # Frames arrive as zero-copy buffers too.
+    msg = protocol.decode([*frames[:2], *map(memoryview, data)], secret=SECRET, job=JOB)
+    assert [bytes(f) for f in msg.frames] == data
+
+
+def test_frame_digests_are_keyed_by_secret_and_id() -> None:
+    data = [b"chunk" * 100]
+    mine = protocol.frame_digests(SECRET, "ab12", data)
+    assert protocol.frame_digests(SECRET, "ab12", data) == mine
+    # Without the secret the digests cannot be computed; another id gives other digests, so
+    # a frame matching one message's digest says nothing about another's.
+    assert protocol.frame_digests(b"other" * 8, "ab12", data) != mine
+    assert protocol.frame_digests(SECRET, "ab13", data) != mine
 
 
 def test_tampered_data_frame_is_auth_error() -> None:
@@ -308,9 +325,24 @@ def test_tampered_data_frame_is_auth_error() -> None:
     flipped = bytearray(frames[3])
     flipped[0] ^= 1
     shifted = [frames[0], frames[1], b"chunk-on", b"echunk-two"]  # the same bytes, re-cut
-    for bad in ([*frames[:3], bytes(flipped)], shifted, frames[:3], [*frames, b"more"]):
+    swapped = [frames[0], frames[1], frames[3], frames[2]]
+    other = protocol.encode("snap_flush", {"rank": 3}, secret=SECRET, job=JOB, sender="x",
+                            data=[b"chunk-one", b"chunk-six"])
+    spliced = [*frames[:3], other[3]]  # an authentic frame of another message
+    for bad in ([*frames[:3], bytes(flipped)], shifted, swapped, spliced, frames[:3],
+                [*frames, b"more"]):
         with pytest.raises(AuthError):
             protocol.decode(bad, secret=SECRET, job=JOB)
+    # A header that names no digests cannot carry frames, even when signed.
+    bare = sign(header("snap_flush", {"rank": 3}))
+    with pytest.raises(AuthError, match="names no digests"):
+        protocol.decode([*bare, b"chunk-one"], secret=SECRET, job=JOB)
+    assert protocol.decode(bare, secret=SECRET, job=JOB).frames == ()
+    # Digests made without the job's secret, under a header signed with it, do not pass.
+    forged = header("snap_flush", {"rank": 3})
+    forged["fd"] = protocol.frame_digests(b"guess" * 8, forged["id"], [b"evil"])
+    with pytest.raises(AuthError, match="do not match"):
+        protocol.decode([*sign(forged), b"evil"], secret=SECRET, job=JOB)
 
 
 def test_data_frame_limits() -> None:

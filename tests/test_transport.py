@@ -162,6 +162,20 @@ def test_replies_to_sends(serving: Serving, caplog: pytest.LogCaptureFixture) ->
     assert any("does not accept 'bye'" in r.getMessage() for r in caplog.records)
 
 
+def test_poll_first_returns_with_the_first_reply(serving: Serving) -> None:
+    got: list[protocol.Message] = []
+    c = client(serving.url, on_reply=got.append)
+    try:
+        sent = c.send("snap_flush", {"rank": 5})
+        assert sent
+        # Far beyond the test timeout (240 s): only a return at the reply ends this call.
+        assert c.poll(3600.0, first=True) == 1
+        assert [(m.kind, m.re) for m in got] == [("snap_done", sent)]
+        assert c.poll(0.01, first=True) == 0  # nothing more arrives: back at the timeout
+    finally:
+        c.close()
+
+
 def test_no_answer_is_unreachable_with_address_and_hint(serving: Serving) -> None:
     c = client(serving.url)
     try:

@@ -233,16 +233,24 @@ class Client:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def poll(self, timeout_s: float) -> None:
+    def poll(self, timeout_s: float, *, first: bool = False) -> int:
         """Read what arrives within ``timeout_s``: replies to :meth:`send` go to ``on_reply``.
 
-        Raises AuthError when the peer refused our secret.
+        With ``first``, return as soon as one reply was delivered (and whatever else had
+        already arrived), not at the timeout: a sender with messages in flight wakes on its
+        first ack. Returns how many replies were delivered. Raises AuthError when the peer
+        refused our secret.
         """
         with self._lock:
-            self._read(None, time.monotonic() + timeout_s)
+            delivered = [0]
+            self._read(None, time.monotonic() + timeout_s, delivered if first else None)
+            return delivered[0]
 
-    def _read(self, want: str | None, deadline: float) -> Message | None:
-        """Read until the reply to ``want`` arrives (returned) or ``deadline`` passes."""
+    def _read(self, want: str | None, deadline: float,
+              stop_after: list[int] | None = None) -> Message | None:
+        """Read until the reply to ``want`` arrives (returned) or ``deadline`` passes; with
+        ``stop_after``, also once a reply was delivered and nothing more is waiting (its one
+        item counts the deliveries)."""
         sock = self._socket()
         while True:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
@@ -259,6 +267,9 @@ class Client:
                 return msg
             if msg.re is not None and msg.re in self._sent_set:
                 self._deliver(msg)
+                if stop_after is not None:
+                    stop_after[0] += 1
+                    deadline = 0.0  # take what is already here, then return
             else:
                 log.debug("dropped a stale %s from %s (reply to %s)", msg.kind, self, msg.re)
 
@@ -266,7 +277,8 @@ class Client:
         if len(frames) == 1 and frames[0].bytes == AUTH_REFUSED:
             raise AuthError(
                 f"{self} refused our secret; set FTRUN_SECRET or --state-dir to the job's "
-                "(the secret is <state dir>/jobs/<run id>/secret where the job started)"
+                "(the secret is <state dir>/jobs/<run id>/secret where the job started). With "
+                "the right secret, a data frame was altered on the way"
             )
         payload = [bytes(f.bytes) for f in frames[:2]] + [f.buffer for f in frames[2:]]
         try:

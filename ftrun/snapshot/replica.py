@@ -60,9 +60,7 @@ REQUEST_TIMEOUT_S = 5.0  # replica_begin / replica_end
 # (~2 GB/s measured): the wait for its answer grows with the shard.
 CREATE_BYTES_PER_S = 500e6
 POLL_S = 0.1
-ACK_POLL_S = 0.002
 SERVE_POLL_S = 0.1
-ACK_POLL_S = 0.002
 REPORT_TIMEOUT_S = 2.0
 BEHIND_WARN_EVERY_S = 60.0
 RETRY_S = 1.0  # a step whose transfer to a peer failed is sent again after this
@@ -569,9 +567,17 @@ class ReplicaSender:
 
     def _stream(self, client: Client, seg: shm.Segment, epoch: str, rank: int, step: int,
                 chunks: list[int], ranges: list[tuple[int, int]], pacer: _Pacer) -> list[int]:
-        """Send ``chunks`` pipelined (``window`` in flight); returns those refused."""
-        pending: set[int] = set()
+        """Send ``chunks`` pipelined (``window`` in flight); returns those refused.
+
+        Each chunk is copied out of the rank's segment before it is signed and sent (ZeroMQ
+        sends it later, from its I/O thread, and the rank may begin rewriting the segment at
+        any time): into one of ``window`` buffers allocated once per transfer, reused once the
+        chunk that last used it was acknowledged, so the copy never faults in fresh pages.
+        """
+        pending: dict[int, int] = {}  # chunk -> the buffer holding it
         refused: list[int] = []
+        size = max(hi - lo for lo, hi in ranges) if ranges else 0
+        free = [bytearray(size) for _ in range(min(self.window, len(chunks)))]
 
         def drain(limit: int) -> None:
             """Take acks until at most ``limit`` chunks are unanswered."""
@@ -579,7 +585,7 @@ class ReplicaSender:
             while True:
                 for i in [i for i in pending if (rank, step, i) in self._acks]:
                     ok, reason = self._acks.pop((rank, step, i))
-                    pending.discard(i)
+                    free.append(pending.pop(i))
                     if not ok:
                         refused.append(i)
                         log.warning("%s", reason)
@@ -589,21 +595,22 @@ class ReplicaSender:
                 if left <= 0:
                     raise Abandoned(f"abandoned: no ack from {client.peer} for "
                                     f"{self.ack_timeout_s:g} s")
-                # Client.poll reads until its timeout passes: keep it short, or each batch of
-                # acks would wait out the whole timeout.
-                client.poll(min(ACK_POLL_S, left))
+                client.poll(left, first=True)  # back at the first ack, not at the timeout
 
         for i in chunks:
             lo, hi = ranges[i]
             pacer.wait(hi - lo)
+            buf = free.pop()
+            data = memoryview(buf)[:hi - lo]
             h = self._check(seg, epoch, step)
-            data = bytes(seg.mm[h.data_off + lo:h.data_off + hi])
+            with memoryview(seg.mm) as mapped:  # released at once: the segment may close
+                data[:] = mapped[h.data_off + lo:h.data_off + hi]
             self._check(seg, epoch, step)  # still the same step after the copy: not torn
             if client.send("replica_chunk", {"origin": self.node_id, "rank": rank,
                                              "step": step, "chunk": i}, [data]) is None:
                 raise Abandoned(f"abandoned: {client.peer} does not take data")
             self.stats["bytes"] += hi - lo
-            pending.add(i)
+            pending[i] = buf
             drain(self.window - 1)
         drain(0)
         return sorted(refused)
