@@ -65,6 +65,10 @@ VENV = Path(sys.executable).parent
 PEER = ROOT / "bench" / "_replica_peer.py"
 TRAIN = ROOT / "examples" / "train.py"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# (c) c10d's dead-node detection as ftrun tunes it by default (keep-alive 2 s x 3, last call
+# 5 s), given to both launchers so that they differ only in what they do about the loss.
+RDZV_CONF = ("join_timeout=60,close_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3,"
+             "last_call_timeout=5")
 TAIL_STEPS = 8  # (b) steps run after the timed ones, while `ftrun status` is asked
 # -- common -------------------------------------------------------------------------------------
 
@@ -213,15 +217,17 @@ def snapshot_mb(args: argparse.Namespace) -> float:
 
 
 def classify(pid: int) -> str:
-    """``store``, ``rank`` or ``launcher`` (the launcher and its agent, everything else)."""
+    """``store``, ``rank`` or ``launcher`` (the launcher with its agent, and anything else)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
+            argv = f.read().split(b"\0")
     except OSError:
         return "launcher"
-    if b"ftrun.snapshot.store" in cmd:
+    if b"ftrun.snapshot.store" in argv:
         return "store"
-    return "rank" if b"train.py" in cmd else "launcher"
+    if any(a.endswith((b"/ftrun", b"/torchrun")) for a in argv[:2]):
+        return "launcher"  # its command line names train.py too
+    return "rank" if any(a.endswith(b"train.py") for a in argv) else "launcher"
 
 
 class CpuSampler:
@@ -296,7 +302,8 @@ def training_run(tag: str, extra: Sequence[str], args: argparse.Namespace,
     port = free_port()
     steplog = work / f"{run_id}.steps"
     cmd = [*ftrun_cmd("3", port, run_id, ["--replica-addr", "127.0.0.1", *extra]), str(TRAIN),
-           *model_args(args), "--steps", str(args.train_steps + TAIL_STEPS), "--snapshot-every", "1",
+           *model_args(args), "--steps", str(args.train_steps + TAIL_STEPS),
+           "--snapshot-every", "1",
            "--step-log", str(steplog)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FTRUN_STATE_DIR": str(work / "state")}
     job = Launchers(cmd, 3, env, work, run_id, ROOT)
@@ -372,14 +379,13 @@ def training_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- (c) node loss ----------------------------------------------------------------------------------
+# -- (c) node loss ------------------------------------------------------------------------------
 
 
-def torchrun_cmd(port: int, run_id: str) -> list[str]:
+def torchrun_cmd(port: int, run_id: str, conf: str) -> list[str]:
     return [str(VENV / "torchrun"), "--nnodes", "2:3", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-            "--rdzv-conf", "join_timeout=60,last_call_timeout=1,close_timeout=5,"
-            "keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts", "3"]
+            "--rdzv-conf", conf, "--max-restarts", "3"]
 
 
 def node_loss(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -391,14 +397,15 @@ def node_loss(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FTRUN_STATE_DIR": str(work / "state")}
     if launcher == "ftrun":
         cmd = [*ftrun_cmd("2:3", port, run_id, [
-            "--replicas", "2", "--replica-addr", "127.0.0.1", "--max-restarts", "3",
-            "--persist-dir", str(work / f"{run_id}-persist"), "--persist-every",
-            str(args.save_every)]), str(TRAIN), *train, "--snapshot-every", "1"]
+            "--rdzv-conf", args.rdzv_conf, "--replicas", "2", "--replica-addr", "127.0.0.1",
+            "--max-restarts", "3", "--persist-dir", str(work / f"{run_id}-persist"),
+            "--persist-every", str(args.save_every)]), str(TRAIN), *train, "--snapshot-every",
+            "1"]
     else:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        cmd = [*torchrun_cmd(port, run_id), str(TRAIN), *train, "--snapshot-every", "0",
-               "--torch-save-dir", str(work / f"{run_id}-ckpt"), "--torch-save-every",
-               str(args.save_every)]
+        cmd = [*torchrun_cmd(port, run_id, args.rdzv_conf), str(TRAIN), *train,
+               "--snapshot-every", "0", "--torch-save-dir", str(work / f"{run_id}-ckpt"),
+               "--torch-save-every", str(args.save_every)]
     job = Launchers(cmd, 3, env, work, run_id, ROOT)
     try:
         wait_steps(steplog, lambda s: any(x["step"] >= args.kill_step for x in s), job,
@@ -559,6 +566,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torchrun's torch.save and ftrun's --persist-every, in steps")
     b.add_argument("--step-sleep", type=float, default=0.1)
     b.add_argument("--loss-repeats", type=int, default=1)
+    b.add_argument("--rdzv-conf", default=RDZV_CONF,
+                   help="(c) the c10d tuning both launchers get (default: ftrun's own)")
     b.add_argument("--job-timeout", type=float, default=240.0)
     d = p.add_argument_group("(d) simulate")
     d.add_argument("--nodes", type=int, nargs="+", default=list(NODES))
@@ -635,10 +644,9 @@ def main(argv: list[str] | None = None) -> int:
                 "rendezvous store) is SIGKILLed at once; time from the kill to the first step "
                 "completed after it (rank 0's step log), and the steps done again. ftrun: "
                 f"--replicas 2, a snapshot every step, --persist-dir every {args.save_every} "
-                "steps. torchrun: c10d with --rdzv-conf join_timeout=60, last_call_timeout=1, "
-                "close_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, "
-                f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, train.py --torch-save-dir every "
-                f"{args.save_every} steps. --step-sleep {args.step_sleep}.\n\n"
+                "steps. torchrun: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, train.py "
+                f"--torch-save-dir every {args.save_every} steps. Both: c10d with --rdzv-conf "
+                f"{args.rdzv_conf}, --step-sleep {args.step_sleep}.\n\n"
                 f"{recovery_table(res_c)}")
             loads.append(load())
         if "simulate" in parts:

@@ -31,6 +31,6 @@ from ftrun.protocol.messages import (
 __all__ = [
     "AUTH_REFUSED", "MAC_BYTES", "MAX_CLOCK_SKEW_S", "MAX_DATA_FRAMES", "MAX_DEPTH",
     "MAX_FRAME_BYTES", "MAX_LIST_ITEMS", "MAX_MESSAGE_BYTES", "MAX_STRING_CHARS", "SCHEMAS",
-    "VERSION", "ListOf", "Message", "decode", "encode", "frame_digests", "join_endpoint", "new_id", "parse",
-    "split_endpoint", "validate", "verify", "zmq_url",
+    "VERSION", "ListOf", "Message", "decode", "encode", "frame_digests", "join_endpoint",
+    "new_id", "parse", "split_endpoint", "validate", "verify", "zmq_url",
 ]
