@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -275,7 +276,61 @@ def listening_pid(port: int, pids: Sequence[int]) -> int | None:
     return None
 
 
-def wait_steps(path: Path, cond: Callable[[list[dict[str, Any]]], bool], job: Launchers,
+class Hosts:
+    """One launcher per simulated host, each with shared memory of its own
+    (``FTRUN_SHM_DIR``): a killed host's snapshots are gone with it, as on a real host,
+    instead of being adopted from ``/dev/shm`` by a survivor."""
+
+    def __init__(self, cmd: Sequence[str], n: int, env: dict[str, str], work: Path,
+                 tag: str) -> None:
+        base = Path(os.environ.get("FTRUN_SHM_DIR", "/dev/shm"))
+        self.shm = [base / f"{tag}-host{i}" for i in range(n)]
+        self.nodes: list[Launchers] = []
+        for i, shm in enumerate(self.shm):
+            shm.mkdir(parents=True, exist_ok=True)
+            self.nodes.append(Launchers(cmd, 1, {**env, "FTRUN_SHM_DIR": str(shm)}, work,
+                                        f"{tag}-host{i}", ROOT))
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.pids[0] for n in self.nodes]
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [n.procs[0] for n in self.nodes]
+
+    def codes(self) -> list[int | None]:
+        return [n.codes()[0] for n in self.nodes]
+
+    def running(self) -> bool:
+        return any(n.running() for n in self.nodes)
+
+    def wait(self, timeout_s: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout_s
+        return [n.wait(max(0.0, deadline - time.monotonic()))[0] for n in self.nodes]
+
+    def lose(self, i: int) -> float:
+        """SIGKILL every process of host ``i`` at once and drop its memory; returns when."""
+        doomed = tree_pids(self.pids[i])
+        at = time.time()
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.nodes[i].kill()
+        shutil.rmtree(self.shm[i], ignore_errors=True)
+        return at
+
+    def kill(self) -> int:
+        left = sum(n.kill() for n in self.nodes)
+        for shm in self.shm:
+            shutil.rmtree(shm, ignore_errors=True)
+        return left
+
+    def tail(self) -> str:
+        return "\n".join(n.tail() for n in self.nodes)
+
+
+def wait_steps(path: Path, cond: Callable[[list[dict[str, Any]]], bool], job: Hosts,
                timeout_s: float, what: str, sampler: CpuSampler | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond(steps_of(path)):
@@ -306,7 +361,7 @@ def training_run(tag: str, extra: Sequence[str], args: argparse.Namespace,
            "--snapshot-every", "1",
            "--step-log", str(steplog)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FTRUN_STATE_DIR": str(work / "state")}
-    job = Launchers(cmd, 3, env, work, run_id, ROOT)
+    job = Hosts(cmd, 3, env, work, run_id)
     try:
         sampler = CpuSampler(job.pids)
         wait_steps(steplog, lambda s: len(s) >= args.train_warmup, job, args.job_timeout,
@@ -406,18 +461,14 @@ def node_loss(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, 
         cmd = [*torchrun_cmd(port, run_id, args.rdzv_conf), str(TRAIN), *train,
                "--snapshot-every", "0", "--torch-save-dir", str(work / f"{run_id}-ckpt"),
                "--torch-save-every", str(args.save_every)]
-    job = Launchers(cmd, 3, env, work, run_id, ROOT)
+    job = Hosts(cmd, 3, env, work, run_id)
     try:
         wait_steps(steplog, lambda s: any(x["step"] >= args.kill_step for x in s), job,
                    args.job_timeout, f"(c) {launcher}: step {args.kill_step}")
         host = listening_pid(port, [p for root in job.pids for p in tree_pids(root)])
         victim = next(i for i, root in enumerate(job.pids) if host not in tree_pids(root))
-        doomed = tree_pids(job.pids[victim])
         before = steps_of(steplog)
-        killed_at = time.time()
-        for pid in doomed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        killed_at = job.lose(victim)
         restart0 = max(s["restart"] for s in before)
         last_done = max(s["step"] for s in before if s["time"] <= killed_at)
         wait_steps(steplog, lambda s: any(x["restart"] > restart0 or x["time"] > killed_at
@@ -433,10 +484,13 @@ def node_loss(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, 
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
         codes = [p.poll() for p in survivors]
-        finished = max(s["step"] for s in steps_of(steplog)) == args.loss_steps
+        steps = steps_of(steplog)
+        finished = max(s["step"] for s in steps) == args.loss_steps
+        new = next((s for s in steps if s["time"] > killed_at and s["step"] > last_done), None)
     finally:
         left = job.kill()
     return {"launcher": launcher, "loss_to_step_s": first["time"] - killed_at,
+            "loss_to_new_step_s": new["time"] - killed_at if new else float("nan"),
             "resumed_from": first["step"] - 1, "last_done": last_done,
             "recomputed": max(0, last_done - (first["step"] - 1)), "victim": victim,
             "codes": codes, "finished": finished, "left": left}
@@ -455,17 +509,19 @@ def recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def recovery_table(res: dict[str, Any]) -> str:
     runs = res["runs"]
     t = {k: median([r["loss_to_step_s"] for r in v]) for k, v in runs.items()}
-    lines = ["| launcher | node loss -> next step (median s) | per run | resumed from / last "
-             "step done | steps recomputed | finished on 2 nodes | vs torchrun (goal <= 0.5) |",
-             "|---|---:|---|---|---:|---|---:|"]
+    n = {k: median([r["loss_to_new_step_s"] for r in v]) for k, v in runs.items()}
+    lines = ["| launcher | node loss -> next step (median s) | per run | vs torchrun (goal <= "
+             "0.5) | resumed from / last step done | steps recomputed | node loss -> first step "
+             "beyond the last one done (median s) | vs torchrun | finished on 2 nodes |",
+             "|---|---:|---|---:|---|---:|---:|---:|---|"]
     for k, v in runs.items():
         each = ", ".join(f"{r['loss_to_step_s']:.2f}" for r in v)
         where = ", ".join(f"{r['resumed_from']} / {r['last_done']}" for r in v)
         lines.append(
-            f"| {k} | {t[k]:.2f} | {each} | {where} | "
-            f"{', '.join(str(r['recomputed']) for r in v)} | "
-            f"{', '.join('yes' if r['finished'] else 'no' for r in v)} | "
-            f"**{t[k] / t['torchrun']:.2f}** |")
+            f"| {k} | {t[k]:.2f} | {each} | **{t[k] / t['torchrun']:.2f}** | {where} | "
+            f"{', '.join(str(r['recomputed']) for r in v)} | {n[k]:.2f} | "
+            f"{n[k] / n['torchrun']:.2f} | "
+            f"{', '.join('yes' if r['finished'] else 'no' for r in v)} |")
     return "\n".join(lines)
 
 
@@ -547,6 +603,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    choices=("all", "throughput", "training", "recovery", "simulate"))
     p.add_argument("--output", type=Path, help="append the results to this file (RESULTS.md)")
     p.add_argument("--json", type=Path, help="also write every measurement here")
+    p.add_argument("--work-dir", type=Path,
+                   help="keep the jobs' logs, step logs and checkpoints here (default: a "
+                   "temporary directory, removed)")
     a = p.add_argument_group("(a) throughput")
     a.add_argument("--size-mib", type=int, default=1024, help="the rank segment sent (MiB)")
     a.add_argument("--transfers", type=int, default=3, help="timed transfers each way")
@@ -561,7 +620,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--rate", type=float, default=20.0, help="--replica-rate MB/s")
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--loss-steps", type=int, default=40)
-    b.add_argument("--kill-step", type=int, default=15)
+    b.add_argument("--kill-step", type=int, default=13,
+                   help="(c) the step in which a host is lost (13: 3 steps after a save)")
     b.add_argument("--save-every", type=int, default=5,
                    help="torchrun's torch.save and ftrun's --persist-every, in steps")
     b.add_argument("--step-sleep", type=float, default=0.1)
@@ -605,8 +665,13 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[str] = []
     record: dict[str, Any] = {}
     ok = True
-    with tempfile.TemporaryDirectory(prefix="ftrun-bench-replicate-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.work_dir:
+            args.work_dir.mkdir(parents=True, exist_ok=True)
+            work = args.work_dir
+        else:
+            work = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="ftrun-bench-replicate-")))
         if "throughput" in parts:
             why = netns_available()
             if why and "netns" in args.where:
@@ -639,10 +704,13 @@ def main(argv: list[str] | None = None) -> int:
             res_c = recovery(args, work)
             record["recovery"] = res_c
             sections.append(
-                "(c) Node loss: 3 launchers of 1 rank each on this host, `--nnodes 2:3`; in "
-                f"step {args.kill_step} every process of one launcher (not the one hosting the "
-                "rendezvous store) is SIGKILLed at once; time from the kill to the first step "
-                "completed after it (rank 0's step log), and the steps done again. ftrun: "
+                "(c) Node loss: 3 launchers of 1 rank each on this host, each with shared memory "
+                "of its own (FTRUN_SHM_DIR), `--nnodes 2:3`; in step "
+                f"{args.kill_step} every process of one launcher (not the one hosting the "
+                "rendezvous store and the coordinator) is SIGKILLed at once and its shared "
+                "memory removed; time from the kill to the first step completed after it, and "
+                "to the first step beyond the last one completed before it (rank 0's step "
+                "log), and the steps done again. ftrun: "
                 f"--replicas 2, a snapshot every step, --persist-dir every {args.save_every} "
                 "steps. torchrun: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, train.py "
                 f"--torch-save-dir every {args.save_every} steps. Both: c10d with --rdzv-conf "
