@@ -7,11 +7,13 @@ rank's segment; nothing stands in for either end.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import torch
+import zmq
 from snapshot_helpers import stage_segment
 
 from ftrun.errors import IntegrityError
@@ -23,6 +25,7 @@ from ftrun.snapshot.replica import (
     Peer,
     ReplicaReceiver,
     ReplicaSender,
+    _Pacer,
     pack_hashes,
     replica_prefix,
 )
@@ -179,6 +182,30 @@ def test_sender_moves_on_when_a_newer_step_commits(job: Job) -> None:
     with pytest.raises(Abandoned, match="superseded"):
         sender.send_step(job.peer, EPOCH, 6)
     assert job.reports == []
+
+
+def test_chunk_buffers_in_flight_when_a_transfer_stops_are_never_reused(job: Job) -> None:
+    seg = job.stage(step=4)
+    # A peer that takes the chunks and never acknowledges one: they stay in flight.
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    sender = job.sender(lambda: (EPOCH, 4), window=2, ack_timeout_s=0.5)
+    try:
+        h = seg.header()
+        with pytest.raises(Abandoned, match="no ack"):
+            sender._stream(sender._client(Peer("silent", f"127.0.0.1:{port}")), seg, EPOCH, 0, 4,
+                           [0, 1, 2], verify.chunk_ranges(h.data_len, h.chunk_size),
+                           _Pacer(0, threading.Event()))
+        # Both buffers were in flight (window 2): neither is kept for the next transfer.
+        assert sender._pool == [], "a buffer ZeroMQ may still send from was kept for reuse"
+    finally:
+        silent.close(0)
+    # The sender goes on with fresh buffers: the next transfer lands verified.
+    assert sender.send_step(job.peer, EPOCH, 4) == 1
+    [rec] = job.replicas()
+    assert rec.state == "verified" and rec.hashes == seg.hashes()
+    assert len(sender._pool) == 2  # kept for the next transfer
 
 
 def test_keeps_the_newest_two_steps_per_origin_and_rank(job: Job) -> None:
