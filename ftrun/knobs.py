@@ -122,9 +122,10 @@ STORE_THREADS = Knob(
     "0: one per 8 CPUs, at least 2 and at most 8.",
 )
 REPLICAS = Knob(
-    "FTRUN_REPLICAS", "count", "1",
+    "FTRUN_REPLICAS", "count", "2",
     "Copies of every committed snapshot shard kept in memory across the job: the node's own "
-    "and m-1 replicas in peer nodes' stores (Gemini's group placement). 1: no replication.",
+    "and m-1 replicas in peer nodes' stores (Gemini's group placement). 1: no replication; "
+    "a job with no peer node (one node) replicates nothing and says so.",
 )
 REPLICA_ADDR = Knob(
     "FTRUN_REPLICA_ADDR", "host", "",

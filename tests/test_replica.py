@@ -23,6 +23,7 @@ from ftrun.snapshot import verify
 from ftrun.snapshot.replica import (
     Abandoned,
     Peer,
+    Refused,
     ReplicaReceiver,
     ReplicaSender,
     _Pacer,
@@ -277,8 +278,206 @@ def test_coordinator_answers_store_reports_with_the_placement() -> None:
         assert plans["n3"]["peers"] == [{"node_id": "n2", "addr": "127.0.0.1:2"}]
         doc = coord.status_document()["snapshots"]
         assert doc["replica_coverage"]["n2"] == {"peers": ["n3"], "replicated_step": None,
-                                                 "sent": 0, "superseded": 0, "abandoned": 0}
+                                                 "sent": 0, "superseded": 0, "abandoned": 0,
+                                                 "refused": None}
     finally:
         for c in clients.values():
             c.close()
         coord.stop(timeout_s=2)
+
+
+# -- room in the tmpfs, and a restarted store's replicas -------------------------------------
+
+
+def test_a_replica_that_does_not_fit_is_refused_with_the_reason(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    job.stage(step=5)
+    sender = job.sender(lambda: (EPOCH, 5))
+    real_free = shm.shm_free_bytes
+    # Only the free-space figure is changed: the receiver, its socket and segments are real.
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 8 << 20)
+    with pytest.raises(Refused, match=r"refused the replica of rank 0 step 5: .*MiB free"):
+        sender.send_step(job.peer, EPOCH, 5)
+    assert sender.stats["bytes"] == 0  # refused at replica_begin: no chunk was sent
+    assert job.receiver.refused is not None and "Enlarge /dev/shm" in job.receiver.refused
+    assert job.replicas() == [] and job.reports == []
+    assert not shm.list_segments(replica_prefix(job.run_id))
+    # The sender's loop survives it and counts it; the step is not retried until a newer one.
+    sender.set_peers([job.peer])
+    sender.send_pending()
+    assert sender.stats["abandoned"] == 1 and "refused" in sender.last_outcome
+    # Room again: the next step lands, and the refusal is no longer reported.
+    monkeypatch.setattr(shm, "shm_free_bytes", real_free)
+    for s in job.segs:
+        s.set_state(shm.VERIFIED, step=6)
+    sender.send_step(job.peer, EPOCH, 6)
+    assert job.receiver.refused is None and job.reports == [(ORIGIN, EPOCH, 0, 6)]
+
+
+def test_room_keeps_back_the_missing_second_buffer_of_local_ranks(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    seg = job.stage(step=5)  # this node's rank 0 has one buffer so far: room for b1 is kept
+    size = seg.path.stat().st_size
+    spare = os.statvfs(shm.SHM_DIR).f_blocks * os.statvfs(shm.SHM_DIR).f_frsize // 16
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: spare + size + (1 << 20) - 1)
+    assert job.receiver._room_for(1 << 20) is not None  # b1 would not fit after it
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: spare + size + (1 << 20))
+    assert job.receiver._room_for(1 << 20) is None
+    # Once the rank has both buffers, nothing more is kept back for it.
+    job.segs.append(stage_segment(job.run_id, 0, 1, STATE, step=6))
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: spare + (1 << 20))
+    assert job.receiver._room_for(1 << 20) is None
+
+
+
+def _restart_receiver(job: Job) -> ReplicaReceiver:
+    """What a store restart does to the receiver: the old one stops without removing its
+    segments (the process died), a new one of the same node starts."""
+    job.receiver.stop(unlink=False)
+    job.reports.clear()
+    job.receiver = ReplicaReceiver(job.run_id, HOLDER, os.getpid(), SECRET,
+                                   lambda *a: job.reports.append(a))
+    job.address = job.receiver.start("127.0.0.1")
+    job.peer = Peer(HOLDER, job.address)
+    assert job.receiver.adopted.wait(30), "the new receiver never finished adopting"
+    return job.receiver
+
+
+def test_a_restarted_store_adopts_its_verified_replicas_and_reports_them(job: Job) -> None:
+    job.stage(step=5)
+    job.stage(step=5, rank=1)
+    current = [5]
+    sender = job.sender(lambda: (EPOCH, current[0]))
+    sender.send_step(job.peer, EPOCH, 5)
+    current[0] = 7
+    for s in job.segs:
+        s.set_state(shm.VERIFIED, step=7)
+    sender.send_step(job.peer, EPOCH, 7)
+    before = {(r.rank, r.step, r.segment) for r in job.replicas()}
+    assert len(before) == 4
+
+    receiver = _restart_receiver(job)
+    recs = job.replicas()
+    assert {(r.rank, r.step, r.segment) for r in recs} == before
+    assert all(r.state == "verified" and r.origin == ORIGIN and r.hashes for r in recs)
+    assert sorted(job.reports) == sorted((ORIGIN, EPOCH, r, s) for r in (0, 1) for s in (5, 7))
+    assert sorted(receiver.verified()) == sorted(job.reports)
+    # A sender asking to send an adopted step is told it is there already.
+    new_sender = job.sender(lambda: (EPOCH, 7))
+    new_sender.send_step(job.peer, EPOCH, 7)
+    assert new_sender.stats["bytes"] == 0
+    # The next step goes into the slot of the oldest adopted one, under its own name.
+    current[0] = 9
+    for s in job.segs:
+        s.set_state(shm.VERIFIED, step=9)
+    sender.send_step(job.peer, EPOCH, 9)
+    assert sorted((r.rank, r.step) for r in job.replicas()) == [(0, 7), (0, 9), (1, 7), (1, 9)]
+    assert {r.segment for r in job.replicas()} == {seg for _, _, seg in before}
+
+
+def test_a_restarted_store_drops_damaged_and_torn_replicas(job: Job) -> None:
+    job.stage(step=5)
+    job.stage(step=5, rank=1)
+    job.stage(step=5, rank=2)
+    sender = job.sender(lambda: (EPOCH, 5))
+    sender.send_step(job.peer, EPOCH, 5)
+    by_rank = {r.rank: r.segment for r in job.replicas()}
+    flipped = shm.Segment.open(by_rank[1])
+    h = flipped.header()
+    flipped.mm[h.data_off + h.chunk_size + 7] ^= 0x10  # a bad DIMM on the holder
+    flipped.close()
+    torn = shm.Segment.open(by_rank[2])
+    torn.set_state(shm.WRITING)  # the store died in the middle of receiving it
+    torn.close()
+
+    _restart_receiver(job)
+    assert [(r.rank, r.state) for r in job.replicas()] == [(0, "verified")]
+    assert job.reports == [(ORIGIN, EPOCH, 0, 5)]
+    left = {p.name for p in shm.list_segments(replica_prefix(job.run_id))}
+    assert left == {by_rank[0]}  # the damaged and the torn ones are gone
+    # Their senders send them again, in full.
+    sender.send_step(job.peer, EPOCH, 5)
+    assert sorted((r.rank, r.state) for r in job.replicas()) == [
+        (0, "verified"), (1, "verified"), (2, "verified")]
+
+
+# -- durable with fewer nodes than copies; lag; who holds what ---------------------------------
+
+
+def _tracker(m: int, nodes: int, world: int = 2):
+    """A tracker of an epoch of ``world`` ranks, with ``nodes`` live nodes taking replicas."""
+    from ftrun.coordinator.commits import CommitTracker
+
+    t = CommitTracker(final_settle_s=0.0)
+    t.replicas = m
+    t.set_replica_nodes(nodes)
+    t.handle("snap_epoch", {"node_id": "a", "epoch": EPOCH, "base_step": 0, "world_size": world})
+    return t
+
+
+def _replicate(t, step: int, ranks: tuple[int, ...] = (0, 1), holder: str = "b") -> None:
+    for rank in ranks:
+        t.replica_verified(EPOCH, holder, "a", rank, step)
+
+
+def _commit(t, step: int, world: int = 2) -> None:
+    for rank in range(world):
+        t.handle("snap_verified", {"node_id": "a", "epoch": EPOCH, "rank": rank, "step": step,
+                                   "nbytes": 10})
+
+
+def test_one_node_says_durable_is_not_possible_instead_of_waiting() -> None:
+    from ftrun.cli.status import _replica_text
+    from ftrun.coordinator.commits import NO_PEER
+
+    t = _tracker(2, nodes=1)
+    _commit(t, 4)
+    doc = t.summary()
+    assert doc is not None
+    assert doc["durable_off"] == NO_PEER and doc["durable_step"] is None
+    assert doc["durable_lag_steps"] is None and doc["replica_holders"] == {}
+    assert _replica_text(doc) == f" | durable n/a: {NO_PEER}"
+    # A second node joins: durable becomes possible, and is waited for.
+    t.set_replica_nodes(2)
+    doc = t.summary()
+    assert doc is not None and doc["durable_off"] is None and doc["durable_lag_steps"] == 4
+    assert "nothing durable yet, 4 step(s)" in _replica_text(doc)
+
+
+def test_with_fewer_nodes_than_copies_the_replicas_that_can_exist_count() -> None:
+    from ftrun.cli.status import _replica_text
+
+    t = _tracker(3, nodes=3)
+    _commit(t, 4)
+    _replicate(t, 4)
+    ep = t.get(EPOCH)
+    assert ep is not None and ep.durable == -1  # 3 nodes: two replicas each needed
+    t.set_replica_nodes(2)  # a node is gone: one replica is all there can be
+    assert ep.durable == 4
+    doc = t.summary()
+    assert doc is not None and doc["replica_nodes"] == 2
+    assert "durable step 4 (2 of 3 copies: 2 live node(s)" in _replica_text(doc)
+
+
+def test_summary_says_how_far_durable_lags_and_who_holds_each_shard() -> None:
+    from ftrun.cli.status import _replica_text
+
+    t = _tracker(2, nodes=2)
+    _commit(t, 4)
+    _replicate(t, 4)
+    _commit(t, 6)
+    _commit(t, 8)
+    _replicate(t, 8, ranks=(0,))  # rank 1's replica of step 8 not yet
+    ep = t.get(EPOCH)
+    assert ep is not None
+    ep.commit_times[4] = ep.committed_at - 12.5  # step 4 committed 12.5 s before step 8
+    doc = t.summary()
+    assert doc is not None
+    assert doc["durable_step"] == 4 and doc["durable_lag_steps"] == 4
+    assert doc["durable_lag_s"] == 12.5
+    assert doc["replica_holders"] == {"4": {"0": ["b"], "1": ["b"]}, "8": {"0": ["b"]}}
+    assert ", 4 step(s) / 12.5 s behind committed" in _replica_text(doc)
+    _replicate(t, 8, ranks=(1,))
+    doc = t.summary()
+    assert doc is not None and doc["durable_step"] == 8 and doc["durable_lag_steps"] == 0
+    assert doc["durable_lag_s"] == 0.0 and "behind" not in _replica_text(doc)

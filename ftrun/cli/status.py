@@ -270,15 +270,28 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
 
 
 def _replica_text(snaps: dict[str, Any]) -> str:
-    """``durable step S, replicas N/M nodes``: with replication only."""
+    """``durable step S, N step(s) / T behind (m copies; n/N node(s) replicated)``, or why
+    nothing can be durable (one node): with replication only."""
     m = snaps.get("replicas") or 1
     if m <= 1:
         return ""
+    off = snaps.get("durable_off")
+    if off:
+        return f" | durable n/a: {off}"
     durable = snaps.get("durable_step")
     coverage = snaps.get("replica_coverage") or {}
     covered = sum(1 for c in coverage.values() if c.get("replicated_step") is not None)
+    lag_steps, lag_s = snaps.get("durable_lag_steps"), snaps.get("durable_lag_s")
+    lag = (f", {lag_steps} step(s) / {lag_s:.1f} s behind committed"
+           if lag_steps and lag_s is not None else "")
+    nodes = snaps.get("replica_nodes")
+    copies = (f"{m} copies" if nodes is None or nodes >= m
+              else f"{nodes} of {m} copies: {nodes} live node(s)")
+    refused = [f"{node} refuses replicas: {c['refused']}" for node, c in sorted(coverage.items())
+               if c.get("refused")]
     return (f" | {f'durable step {durable}' if durable is not None else 'nothing durable yet'}"
-            f" ({m} copies; {covered}/{len(coverage)} node(s) replicated)")
+            f"{lag} ({copies}; {covered}/{len(coverage)} node(s) replicated)"
+            + "".join(f" | {r}" for r in refused))
 
 
 def _cadence_text(snaps: dict[str, Any]) -> str:

@@ -31,8 +31,13 @@ is dead overwrite that shard instead, and its older buffer, the last committed s
 
 **Durable steps.** With replicas (``--replicas m``), a committed step is also *durable* once
 every rank's shard of it has ``m - 1`` verified replicas on other nodes (their stores report
-each one, ftrun.snapshot.replica). Senders skip to the newest committed step, so durable steps
-are a subset of committed ones, and ``durable`` never passes ``committed``.
+each one, ftrun.snapshot.replica). Durable steps are a subset of committed ones, and
+``durable`` never passes ``committed``. With fewer live nodes taking replicas than m, only
+``nodes - 1`` replicas can exist: that many count. With one such node (a one-node job) there
+is no peer at all: nothing can become durable, and the summary says so (``durable_off``)
+instead of waiting for it. The summary also says how far durable lags committed, in steps
+and in seconds between their commits, and which nodes hold a verified replica of each rank's
+shard of the durable step and of newer ones.
 
 Everything here can be rebuilt from the stores: they report again after a coordinator
 restart. The same tracker runs inside a store that has no coordinator (a one-node job).
@@ -47,6 +52,7 @@ from typing import Any
 
 MAX_PENDING_STEPS = 64  # steps tracked per epoch; older incomplete ones are dropped
 MAX_TARGETS = 8  # targets listed in a reply: far more than can pass between two replies
+NO_PEER = "one node: no peer node to hold replicas"
 # The final target waits this long for a step that some ranks have verified and others not
 # yet (the end of a job: nodes stop a moment apart). A step that never completes (workers
 # killed mid-step) only delays the decision by this much.
@@ -94,6 +100,7 @@ class Epoch:
     durable: int = -1  # newest committed step with m - 1 verified replicas of every shard
     durable_at: float = 0.0
     source: str = ""  # where its ranks restored base_step from (memory, disk, none)
+    commit_times: dict[int, float] = field(default_factory=dict)  # step -> when it committed
 
     def pending(self) -> dict[int, int]:
         """step -> verified ranks, for steps newer than the committed one that can still
@@ -167,6 +174,7 @@ class CommitTracker:
         self.new_targets: list[TargetEvent] = []  # drained by whoever logs events
         self.skipped: list[tuple[int, list[str]]] = []  # (step, nodes still writing): drained
         self.replicas = 1  # m, as the stores report it (1: no replication, nothing durable)
+        self.replica_nodes: int | None = None  # live nodes taking replicas (None: not known)
 
     def begin(self, epoch: str, base_step: int, world_size: int) -> Epoch:
         ep = self._epochs.get(epoch)
@@ -197,6 +205,9 @@ class CommitTracker:
         if len(ranks) >= ep.world_size:
             ep.committed, ep.committed_at = step, time.time()
             ep.commits += 1
+            ep.commit_times[step] = ep.committed_at
+            while len(ep.commit_times) > MAX_PENDING_STEPS:
+                del ep.commit_times[min(ep.commit_times)]
             for old in [s for s in ep.verified if s <= step]:
                 del ep.verified[old]
             ep.dead = {s for s in ep.dead if s > step}
@@ -227,11 +238,40 @@ class CommitTracker:
         self._check_durable(ep, step)
         return ep
 
+    def needed(self) -> int:
+        """Verified replicas every shard needs for durable: m - 1, or fewer when fewer nodes
+        take replicas (0: none possible, nothing is ever durable)."""
+        if self.replicas <= 1:
+            return 0
+        if self.replica_nodes is None:
+            return self.replicas - 1
+        return max(0, min(self.replicas, self.replica_nodes) - 1)
+
+    def durable_off(self) -> str | None:
+        """Why no step can become durable now (None: replicas are on and possible)."""
+        if self.replicas <= 1:
+            return "replication off (--replicas 1)"
+        if self.needed() <= 0:
+            return NO_PEER
+        return None
+
+    def set_replica_nodes(self, n: int) -> None:
+        """The live nodes that take replicas; a step already fully replicated for the new
+        count becomes durable now."""
+        if n == self.replica_nodes:
+            return
+        self.replica_nodes = n
+        ep = self.latest()
+        if ep is not None:
+            for step in sorted(ep.replicated, reverse=True):
+                self._check_durable(ep, step)
+
     def _check_durable(self, ep: Epoch, step: int) -> None:
-        if self.replicas <= 1 or step > ep.committed or step <= ep.durable:
+        need = self.needed()
+        if need <= 0 or step > ep.committed or step <= ep.durable:
             return
         ranks = ep.replicated.get(step, {})
-        if all(len(ranks.get(r, ())) >= self.replicas - 1 for r in range(ep.world_size)):
+        if all(len(ranks.get(r, ())) >= need for r in range(ep.world_size)):
             ep.durable, ep.durable_at = step, time.time()
             for old in [s for s in ep.replicated if s < step]:
                 del ep.replicated[old]
@@ -240,14 +280,47 @@ class CommitTracker:
         """The newest step of the latest epoch whose shards of ``ranks`` all have ``m - 1``
         verified replicas (a node's replica coverage), or None."""
         ep = self.latest()
-        if ep is None or self.replicas <= 1 or not ranks:
+        need = self.needed()
+        if ep is None or need <= 0 or not ranks:
             return None
         best = ep.durable if ep.durable > 0 else None
         for step, held in ep.replicated.items():
             if (best is None or step > best) and all(
-                    len(held.get(r, ())) >= self.replicas - 1 for r in ranks):
+                    len(held.get(r, ())) >= need for r in ranks):
                 best = step
         return best
+
+    def holders(self, ep: Epoch) -> dict[str, dict[str, list[str]]]:
+        """step -> rank -> nodes holding a verified replica of that rank's shard, for the
+        durable step and the newest committed step any replica of which is verified."""
+        steps = {ep.durable} | {max((s for s in ep.replicated if s <= ep.committed),
+                                    default=-1)}
+        return {str(step): {str(r): sorted(nodes) for r, nodes in sorted(ep.replicated[step].items())}
+                for step in sorted(steps) if step > 0 and step in ep.replicated}
+
+    def _durable_fields(self, ep: Epoch) -> dict[str, Any]:
+        off = self.durable_off()
+        durable = ep.durable if ep.durable > 0 and off is None else None
+        lag_steps = lag_s = None
+        if off is None and ep.committed > 0:
+            # How far durable trails committed: in steps, and in the time between the two
+            # steps' commits (unknown when the durable step committed before this
+            # coordinator started: then since the epoch began here).
+            base = ep.durable if durable is not None else ep.base_step
+            lag_steps = ep.committed - max(base, 0)
+            since = ep.commit_times.get(base, ep.created_at) if durable is not None \
+                else ep.created_at
+            lag_s = round(max(0.0, ep.committed_at - since), 3) if lag_steps else 0.0
+        return {
+            "replicas": self.replicas,
+            "replica_nodes": self.replica_nodes,
+            "durable_off": off if self.replicas > 1 else None,
+            "durable_step": durable,
+            "durable_age_s": round(time.time() - ep.durable_at, 3) if durable else None,
+            "durable_lag_steps": lag_steps,
+            "durable_lag_s": lag_s,
+            "replica_holders": self.holders(ep) if off is None else {},
+        }
 
     def _on_commit(self, ep: Epoch, step: int) -> None:
         if ep.final is not None or not (self.policy.every or self.policy.interval_s):
@@ -336,9 +409,7 @@ class CommitTracker:
             "dead_steps": ep.live_dead(),
             "bytes_per_rank": {str(r): b for r, b in sorted(ep.nbytes.items())},
             "persisted_step": min(persisted) if persisted else None,
-            "replicas": self.replicas,
-            "durable_step": ep.durable if ep.durable > 0 else None,
-            "durable_age_s": round(time.time() - ep.durable_at, 3) if ep.durable > 0 else None,
+            **self._durable_fields(ep),
             # Steps per committed snapshot in this epoch: the interval, plus what skips cost.
             "effective_every": (round((ep.committed - ep.base_step) / ep.commits, 1)
                                 if ep.commits else None),

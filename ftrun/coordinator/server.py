@@ -408,12 +408,19 @@ class Coordinator:
         """Group placement over the live stores (recomputed from the membership each time).
         Caller holds the lock."""
         members = self._replica_members()
+        # Fewer live members than m: fewer replicas can exist, and durable counts those.
+        self._commits.set_replica_nodes(len(members))
         return group_placement(sorted(members), self._commits.replicas), members
 
     def _replica_plan(self, node_id: str) -> dict[str, Any]:
         placement, members = self._placement()
         peers = [{"node_id": p, "addr": members[p]} for p in placement.get(node_id, [])]
-        return {"replicas": self._commits.replicas, "members": len(members), "peers": peers}
+        plan: dict[str, Any] = {"replicas": self._commits.replicas, "members": len(members),
+                                "peers": peers}
+        off = self._commits.durable_off()
+        if off:
+            plan["off"] = off  # the store says once that it replicates nothing, and why
+        return plan
 
     def _on_replica_verified(self, msg: protocol.Message) -> Reply:
         b = msg.body
@@ -632,7 +639,9 @@ class Coordinator:
             node: {"peers": placement.get(node, []),
                    "replicated_step": self._commits.covered(list(r.get("ranks") or [])),
                    "sent": r.get("replica_sent", 0), "superseded": r.get("replica_superseded", 0),
-                   "abandoned": r.get("replica_abandoned", 0)}
+                   "abandoned": r.get("replica_abandoned", 0),
+                   # why this node's store last refused to hold a peer's replica (full /dev/shm)
+                   "refused": r.get("replica_refused")}
             for node, r in sorted(self._store_reports.items())
         }
 

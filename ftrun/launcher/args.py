@@ -41,7 +41,7 @@ class FtrunOptions:
     snapshot_every: str = "1"
     snapshot_wait_s: float = 0.0
     store_threads: int = 0
-    replicas: int = 1
+    replicas: int = 2
     replica_addr: str | None = None
     replica_rate_mb_s: float = 0.0
 
@@ -135,7 +135,8 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "2, at most 8)."),
     ("--replicas", knobs.REPLICAS, int,
      "Copies of every committed snapshot shard in memory across the job: the node's own and "
-     "m-1 replicas in peer nodes' stores, placed in disjoint groups of m (1: no replication)."),
+     "m-1 replicas in peer nodes' stores, placed in disjoint groups of m (default 2; 1: no "
+     "replication; a one-node job has no peer and replicates nothing)."),
     ("--replica-addr", knobs.REPLICA_ADDR, str,
      "Address (interface) this node's store takes replicas on; default: this node's address "
      "toward the rendezvous endpoint."),

@@ -127,7 +127,7 @@ SCHEMAS: dict[str, Schema] = {
                      "replica_addr": (str, False), "replicas": (int, False),
                      "shard_addr": (str, False),
                      "replica_sent": (int, False), "replica_superseded": (int, False),
-                     "replica_abandoned": (int, False)},
+                     "replica_abandoned": (int, False), "replica_refused": (str, False)},
     # Rank <-> its node's store (ipc, same secret).
     # ``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now;
     # ``base``: the step its epoch resumed from (a restarted store learns the epoch from it).
@@ -155,7 +155,8 @@ SCHEMAS: dict[str, Schema] = {
     "catalog_reply": {"node_id": (str, True), "records": (ListOf(dict), True)},
     # Replicas (ftrun.snapshot.replica). Coordinator -> store, answering its store_report:
     # the peers that hold this node's replicas (placement over the live stores), and m.
-    "replica_plan": {"replicas": (int, True), "members": (int, True),
+    # ``off``: why no step can be durable now (one node: no peer).
+    "replica_plan": {"replicas": (int, True), "members": (int, True), "off": ((str, _NONE), False),
                      "peers": (ListOf({"node_id": (str, True), "addr": (str, True)}), True)},
     # Sender store -> receiver store. replica_begin carries two binary frames: the shard's
     # manifest and its chunk hash table (xxh3-64, little-endian u64 each); ``have``: this
@@ -166,7 +167,8 @@ SCHEMAS: dict[str, Schema] = {
     "replica_begin": {"origin": (str, True), "epoch": (str, True), "rank": (int, True),
                       "step": (int, True), "data_len": (int, True), "chunk_size": (int, True),
                       "n_tensors": (int, True)},
-    "replica_ready": {"have": (bool, True)},
+    # ``refused``: no room for this replica here (the reason); nothing more is sent.
+    "replica_ready": {"have": (bool, True), "refused": (str, False)},
     "replica_chunk": {"origin": (str, True), "rank": (int, True), "step": (int, True),
                       "chunk": (int, True)},
     "replica_ack": {"rank": (int, True), "step": (int, True), "chunk": (int, True),

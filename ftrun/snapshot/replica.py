@@ -25,8 +25,22 @@ process and never on the store's message loop:
 Replica segments are named ``<job prefix minus its dash>.rep-<holder>-<origin>-r<rank>-s<slot>``
 (holder and origin as short hashes of their node ids): nothing that lists a node's own rank
 segments (the job prefix ends in ``-``) ever sees them, and two stores of one job on a host
-never share one. A store's replicas are removed when it stops (the job's end), and by the
-usual leftover cleaning once its launcher is gone.
+never share one. The origin's full node id is written at the end of the segment's manifest
+slot (past the manifest, outside its hash). A store's replicas are removed when it stops (the
+job's end), and by the usual leftover cleaning once its launcher is gone.
+
+**Capacity.** A replica segment takes room in the same tmpfs as the node's own rank buffers.
+Before creating one the receiver checks the free space (``statvfs``), keeping back room for
+the second buffer of every local rank that has only one so far and a sixteenth of the tmpfs
+for everything else that uses it; a replica that does not fit is refused at
+``replica_begin`` with the reason in the reply (``refused``). The sender gives that step up
+for that peer (its failure log is rate-limited), the store reports the reason
+(``replica_refused``, shown in ``ftrun status``), and nothing on the training path notices.
+
+**Restarted store.** A store that crashed and was restarted by its launcher adopts the replica
+segments its predecessor held: each verified one is checked again (its manifest and hash
+table against their own hashes, every chunk against the table), registered in the catalog,
+and reported to the coordinator again; torn or damaged ones are removed (peers send again).
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun import protocol
-from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
+from ftrun.errors import ConfigError, FtrunError, IntegrityError, ProtocolError, UnreachableError
 from ftrun.protocol.transport import Client, RateLimiter, Reply, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
@@ -65,6 +79,11 @@ SERVE_POLL_S = 0.1
 REPORT_TIMEOUT_S = 2.0
 BEHIND_WARN_EVERY_S = 60.0
 RETRY_S = 1.0  # a step whose transfer to a peer failed is sent again after this
+# The origin's node id, at the end of a replica's manifest slot: magic, length, utf-8 id.
+ORIGIN_MAGIC = b"FTRUNOR1"
+ORIGIN_SLOT = 1024  # bytes kept at the end of the manifest slot for it
+SHM_SPARE_FRACTION = 16  # 1/16 of the tmpfs stays free for other users of it
+_REPLICA_RE = re.compile(r"-r(\d+)-s(\d+)$")
 
 
 def replica_prefix(run_id: str) -> str:
@@ -83,6 +102,36 @@ def replica_name(run_id: str, holder: str, origin: str, rank: int, slot: int) ->
 
 def holder_prefix(run_id: str, holder: str) -> str:
     return f"{replica_prefix(run_id)}{_node_tag(holder)}-"
+
+
+def write_origin(seg: shm.Segment, origin: str) -> None:
+    """Record ``origin`` at the end of the manifest slot of ``seg``."""
+    blob = origin.encode()
+    if len(blob) > ORIGIN_SLOT - len(ORIGIN_MAGIC) - 2:
+        raise ProtocolError(f"node id {origin[:80]!r}... is {len(blob)} bytes; at most "
+                            f"{ORIGIN_SLOT - len(ORIGIN_MAGIC) - 2} fit")
+    h = seg.header()
+    end = shm.HEADER_SIZE + h.manifest_cap
+    seg.mm[end - ORIGIN_SLOT:end] = (blob + struct.pack("<H", len(blob)) + ORIGIN_MAGIC).rjust(
+        ORIGIN_SLOT, b"\0")
+
+
+def read_origin(seg: shm.Segment) -> str | None:
+    """The origin recorded by :func:`write_origin`, or None."""
+    h = seg.header()
+    end = shm.HEADER_SIZE + h.manifest_cap
+    if h.manifest_cap < ORIGIN_SLOT + h.manifest_len:
+        return None
+    tail = bytes(seg.mm[end - ORIGIN_SLOT:end])
+    if tail[-len(ORIGIN_MAGIC):] != ORIGIN_MAGIC:
+        return None
+    (n,) = struct.unpack("<H", tail[-len(ORIGIN_MAGIC) - 2:-len(ORIGIN_MAGIC)])
+    if n > ORIGIN_SLOT - len(ORIGIN_MAGIC) - 2:
+        return None
+    try:
+        return tail[-len(ORIGIN_MAGIC) - 2 - n:-len(ORIGIN_MAGIC) - 2].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:
@@ -106,6 +155,7 @@ class _Slot:
     seg: shm.Segment
     origin: str
     rank: int
+    number: int  # the slot in the segment's name (s<number>)
     step: int = -1
     epoch: str = ""
     verified: bool = False
@@ -120,7 +170,9 @@ class ReplicaReceiver:
     """Takes replicas from peers' senders on a TCP socket of its own (one thread).
 
     ``report(origin, epoch, rank, step)`` is called, on this thread, for every replica that
-    became verified (the store tells the coordinator).
+    became verified (the store tells the coordinator), and for every one adopted from a
+    previous store of this node. ``refused`` is why the last replica was refused for want of
+    room (None once one fits again).
     """
 
     def __init__(self, run_id: str, node_id: str, owner_pid: int, secret: bytes,
@@ -140,16 +192,15 @@ class ReplicaReceiver:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.address = ""
+        self.refused: str | None = None
+        self._refusals = RateLimiter(BEHIND_WARN_EVERY_S)
+        self.adopted = threading.Event()  # set once the previous store's replicas are taken
 
     def start(self, host: str) -> str:
-        """Bind ``host`` on a port the OS picks, serve on a thread; returns ``host:port``."""
-        # Replicas a previous store of this launcher left cannot be told apart from torn
-        # ones (their origins are not recorded on disk): they go, peers send again.
-        for path in shm.list_segments(holder_prefix(self.run_id, self.node_id)):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        """Bind ``host`` on a port the OS picks, serve on a thread; returns ``host:port``.
+
+        The thread first adopts the replicas a previous store of this node left (re-hashing
+        them takes time; peers' requests queue on the socket meanwhile)."""
         bind_host = f"[{host}]" if ":" in host else host
         bound = self._server.bind(f"tcp://{bind_host}:*")
         self.address = protocol.join_endpoint(host, int(bound.rsplit(":", 1)[1]))
@@ -160,6 +211,16 @@ class ReplicaReceiver:
         return self.address
 
     def _serve(self) -> None:
+        try:
+            adopted = self.adopt()
+        except Exception:  # noqa: BLE001 - without them, peers send again
+            log.exception("adopting the replicas of a previous store failed; peers send again")
+            adopted = []
+        finally:
+            self.adopted.set()
+        for s in adopted:
+            if self._report is not None and not self._stop.is_set():
+                self._report(s.origin, s.epoch, s.rank, s.step)
         while not self._stop.is_set():
             try:
                 self._server.serve_once(SERVE_POLL_S, max_messages=64)
@@ -180,6 +241,94 @@ class ReplicaReceiver:
                 slot.seg.unlink()
             else:
                 slot.seg.close()
+
+    # -- adopting a previous store's replicas --------------------------------------------------
+    def adopt(self) -> list[_Slot]:
+        """Take over the replica segments of this node left by a previous store (it crashed
+        and was restarted): the verified ones whose data still matches their hash table are
+        kept, everything else is removed. Returns the slots adopted."""
+        adopted: list[_Slot] = []
+        dropped: list[str] = []
+        for path in shm.list_segments(holder_prefix(self.run_id, self.node_id)):
+            try:
+                seg = shm.Segment.open(path)
+            except (OSError, IntegrityError, ValueError) as e:
+                dropped.append(f"{path.name} ({e})")
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                continue
+            try:
+                slot = self._adopt_one(seg)
+            except (IntegrityError, ProtocolError, ValueError, KeyError) as e:
+                dropped.append(f"{seg.name} ({e})")
+                seg.unlink()
+                continue
+            with self._lock:
+                slots = self._slots.setdefault((slot.origin, slot.rank), [])
+                if len(slots) >= KEEP_STEPS or any(s.number == slot.number for s in slots):
+                    dropped.append(f"{seg.name} (a slot too many)")
+                    seg.unlink()
+                    continue
+                slots.append(slot)
+            adopted.append(slot)
+        if adopted or dropped:
+            log.info("adopted %d replica(s) a previous store of this node held%s%s",
+                     len(adopted), "; removed " if dropped else "", "; ".join(dropped[:4]))
+        return adopted
+
+    def _adopt_one(self, seg: shm.Segment) -> _Slot:
+        m = _REPLICA_RE.search(seg.name)
+        if m is None:
+            raise ValueError("not named like a replica segment")
+        rank, number = int(m.group(1)), int(m.group(2))
+        h = seg.header()
+        if h.state != shm.VERIFIED:
+            raise IntegrityError(f"{h.state_name}, not verified (a transfer was cut)")
+        origin = read_origin(seg)
+        if origin is None:
+            raise IntegrityError("no origin node recorded")
+        if replica_name(self.run_id, self.node_id, origin, rank, number) != seg.name:
+            raise IntegrityError(f"its recorded origin {origin!r} does not match its name")
+        if number >= KEEP_STEPS:
+            raise ValueError(f"slot {number} beyond the {KEEP_STEPS} kept")
+        doc = parse_manifest(seg.manifest_bytes(h))
+        hashes = seg.hashes(h)
+        bad = verify.bad_chunks(seg.data(h), h.chunk_size, hashes)
+        if bad:
+            raise IntegrityError(verify.describe(doc, h.chunk_size, bad, h.data_len))
+        n = len(hashes)
+        return _Slot(seg.name, seg, origin, rank, number, h.step, h.epoch, True, doc, hashes,
+                     set(range(n)), {}, time.monotonic())
+
+    # -- room ----------------------------------------------------------------------------------
+    def _room_for(self, nbytes: int) -> str | None:
+        """Why a new replica segment of ``nbytes`` does not fit in the tmpfs (None: it does).
+        Kept back: the second buffer of every local rank that has one so far (it creates the
+        other at its next snapshot), and 1/SHM_SPARE_FRACTION of the tmpfs."""
+        free = shm.shm_free_bytes()
+        total = os.statvfs(shm.SHM_DIR)
+        size = total.f_blocks * total.f_frsize
+        own: dict[int, list[int]] = {}
+        for path in shm.list_segments(shm.job_prefix(self.run_id)):
+            m = re.search(r"-r(\d+)-b(\d+)$", path.name)
+            if m is None:
+                continue
+            try:
+                own.setdefault(int(m.group(1)), []).append(path.stat().st_size)
+            except OSError:
+                continue
+        ranks_reserve = sum(max(sizes) for sizes in own.values() if len(sizes) < 2)
+        keep = ranks_reserve + size // SHM_SPARE_FRACTION
+        if nbytes + keep <= free:
+            return None
+        mib = 2**20
+        return (f"{shm.SHM_DIR} on {self.node_id} has {free / mib:.0f} MiB free of "
+                f"{size / mib:.0f} MiB; a replica of {nbytes / mib:.0f} MiB would leave less "
+                f"than the {keep / mib:.0f} MiB kept for this node's own rank buffers "
+                f"({ranks_reserve / mib:.0f} MiB) and other users (1/{SHM_SPARE_FRACTION}). "
+                "Enlarge /dev/shm (Docker --shm-size), or lower --replicas")
 
     # -- what is held ---------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -204,14 +353,15 @@ class ReplicaReceiver:
                 h = s.seg.header()
             except IntegrityError:
                 continue
-            out.append(Record(s.name, s.rank, int(s.name.rsplit("-s", 1)[1]), s.origin,
+            out.append(Record(s.name, s.rank, s.number, s.origin,
                               h.step, h.epoch, h.state_name, h.data_len, h.chunk_size,
                               list(s.hashes) if s.verified else None))
         return sorted(out, key=lambda r: (r.origin, r.rank, r.buffer))
 
     # -- handlers (the receiver thread) -------------------------------------------------------
     def _slot_for(self, origin: str, rank: int, step: int, epoch: str) -> tuple[_Slot | None, int]:
-        """(a slot already holding this step verified, or None; the slot index to fill)."""
+        """(a slot already holding this step verified, or None; the slot index to fill: the
+        list's length for a new one)."""
         slots = self._slots.get((origin, rank), [])
         for s in slots:
             if s.verified and s.step == step and s.epoch == epoch:
@@ -243,8 +393,21 @@ class ReplicaReceiver:
                 return Reply("replica_ready", {"have": True})
             slots = self._slots.setdefault((origin, rank), [])
             old = slots[index] if index < len(slots) else None
-            seg = self._segment(old, origin, rank, index, manifest, b["n_tensors"], data_len,
+            number = old.number if old is not None else min(
+                set(range(KEEP_STEPS)) - {s.number for s in slots})
+            seg = self._segment(old, origin, rank, number, manifest, b["n_tensors"], data_len,
                                 chunk_size)
+            if seg is None:
+                assert self.refused is not None
+                allowed, suppressed = self._refusals.allow("room")
+                if allowed:
+                    log.warning("replica of rank %d step %d from %s refused: %s%s", rank, step,
+                                origin, self.refused,
+                                f" ({suppressed} more refused)" if suppressed else "")
+                return Reply("replica_ready", {"have": False, "refused": self.refused})
+            if old is not None and seg is not old.seg:
+                old.seg.close()
+            write_origin(seg, origin)
             # Torn until every chunk is in and checked.
             seg.set_state(shm.WRITING, step=step, epoch=epoch, data_len=data_len,
                           n_tensors=b["n_tensors"], manifest_len=0, manifest_xxh3=0,
@@ -252,7 +415,7 @@ class ReplicaReceiver:
             xm = seg.write_manifest(manifest)
             seg.set_state(shm.WRITING, manifest_len=len(manifest), manifest_xxh3=xm)
             xh = seg.write_hashes(hashes)
-            slot = _Slot(seg.name, seg, origin, rank, step, epoch, False, doc, hashes)
+            slot = _Slot(seg.name, seg, origin, rank, number, step, epoch, False, doc, hashes)
             slot.seg.set_state(shm.WRITING, hashes_xxh3=xh)
             if index < len(slots):
                 slots[index] = slot
@@ -260,20 +423,29 @@ class ReplicaReceiver:
                 slots.append(slot)
         return Reply("replica_ready", {"have": False})
 
-    def _segment(self, old: _Slot | None, origin: str, rank: int, index: int, manifest: bytes,
-                 n_tensors: int, data_len: int, chunk_size: int) -> shm.Segment:
-        """The slot's segment, re-created when this shard does not fit its layout."""
+    def _segment(self, old: _Slot | None, origin: str, rank: int, number: int, manifest: bytes,
+                 n_tensors: int, data_len: int, chunk_size: int) -> shm.Segment | None:
+        """The slot's segment, re-created when this shard does not fit its layout; None (and
+        ``refused`` says why) when a new one does not fit in the tmpfs."""
         if old is not None:
             h = old.seg.header()
             n = shm.chunk_count(data_len, chunk_size)
-            if (h.chunk_size == chunk_size and h.manifest_cap >= len(manifest)
+            if (h.chunk_size == chunk_size and h.manifest_cap >= len(manifest) + ORIGIN_SLOT
                     and h.hash_slots >= max(1, n) and h.data_off + data_len <= h.capacity):
                 return old.seg
-            old.seg.close()
-        name = replica_name(self.run_id, self.node_id, origin, rank, index)
-        return shm.Segment.create(name, manifest_cap=2 * len(manifest) + 4096,
-                                  n_tensors=n_tensors, data_len=data_len,
-                                  owner_pid=self.owner_pid, chunk_size=chunk_size)
+        manifest_cap = 2 * len(manifest) + 4096
+        capacity = shm.layout_for(manifest_cap, data_len, chunk_size)[2]
+        self.refused = self._room_for(capacity)
+        if self.refused is not None:
+            return None
+        name = replica_name(self.run_id, self.node_id, origin, rank, number)
+        try:
+            return shm.Segment.create(name, manifest_cap=manifest_cap, n_tensors=n_tensors,
+                                      data_len=data_len, owner_pid=self.owner_pid,
+                                      chunk_size=chunk_size)
+        except ConfigError as e:  # posix_fallocate found less room than statvfs said
+            self.refused = str(e)
+            return None
 
     def _find(self, origin: str, rank: int, step: int) -> _Slot | None:
         for s in self._slots.get((origin, rank), []):
@@ -345,6 +517,10 @@ class ReplicaReceiver:
 
 class Abandoned(Exception):
     """The transfer of a step stops: why is the message."""
+
+
+class Refused(FtrunError):
+    """The peer has no room for the replica (its reason is the message)."""
 
 
 class _Pacer:
@@ -555,6 +731,9 @@ class ReplicaSender:
             frames=[manifest, table])
         if ready.body["have"]:
             return
+        if ready.body.get("refused"):
+            raise Refused(f"{peer.node_id} refused the replica of rank {rank} step {step}: "
+                          f"{ready.body['refused']}")
         ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
         refused = self._stream(client, seg, epoch, rank, step, list(range(len(ranges))),
                                ranges, pacer)
@@ -656,6 +835,7 @@ class Replication:
         self.receiver = ReplicaReceiver(run_id, node_id, owner_pid, secret, self._report)
         self.sender = ReplicaSender(run_id, node_id, owner_pid, secret, committed,
                                     rate_bytes_s=cfg.rate_bytes_s)
+        self._off: str | None = None  # why nothing is replicated now (no peer node)
 
     def start(self) -> str:
         address = self.receiver.start(self.cfg.host)
@@ -677,14 +857,29 @@ class Replication:
             self._report(origin, epoch, rank, step)
 
     def set_plan(self, body: dict[str, Any]) -> None:
-        """Take the coordinator's ``replica_plan``: this node's peers."""
-        self.sender.set_peers([Peer(p["node_id"], p["addr"]) for p in body["peers"]])
+        """Take the coordinator's ``replica_plan``: this node's peers. Says once (and again
+        after peers came and went) when there is no peer to replicate to."""
+        peers = [Peer(p["node_id"], p["addr"]) for p in body["peers"]]
+        off = body.get("off") if not peers else None
+        if off != self._off:
+            if off:
+                log.warning("replicas are off: %s (%d live node(s) take replicas; --replicas "
+                            "%d needs %d); snapshots stay on this node only", off,
+                            body["members"], self.cfg.replicas, self.cfg.replicas)
+            elif self._off:
+                log.info("replicas are on again: %d live node(s) take replicas",
+                         body["members"])
+            self._off = off
+        self.sender.set_peers(peers)
 
     def report_fields(self) -> dict[str, Any]:
         stats = self.sender.stats
-        return {"replica_addr": self.receiver.address, "replicas": self.cfg.replicas,
-                "replica_sent": stats["sent"], "replica_superseded": stats["superseded"],
-                "replica_abandoned": stats["abandoned"]}
+        out = {"replica_addr": self.receiver.address, "replicas": self.cfg.replicas,
+               "replica_sent": stats["sent"], "replica_superseded": stats["superseded"],
+               "replica_abandoned": stats["abandoned"]}
+        if self.receiver.refused:
+            out["replica_refused"] = self.receiver.refused
+        return out
 
     def stop(self, unlink: bool) -> None:
         self.sender.stop()

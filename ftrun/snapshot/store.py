@@ -774,7 +774,15 @@ class SnapshotStore:
             self._shutdown()
 
     def _start_replication(self) -> None:
-        if self.cfg.replicas <= 1 or self.cfg.coordinator is None:
+        """Start the replica sender and receiver; the receiver first adopts the replicas a
+        previous store of this node held (it crashed and the launcher restarted it) and
+        reports them to the coordinator again."""
+        if self.cfg.replicas <= 1:
+            return
+        if self.cfg.coordinator is None:
+            log.warning("replicas are off: this job has no coordinator, so no peer node to "
+                        "hold them (--replicas %d); snapshots stay on this node only",
+                        self.cfg.replicas)
             return
         from ftrun.snapshot.replica import ReplicaConfig, Replication
 
