@@ -326,3 +326,85 @@ def test_coordinator_unreachable_job_without_segments(run: Run, workdir: Path,
     assert "not reachable" in doc["coordinator"]["note"]
     code, out, _err = run(run_id)
     assert code == exit_codes.OK and "not reachable" in out and "no staged or verified" in out
+
+
+# -- durable steps and replica locations (a real coordinator) -----------------------------------
+
+
+@pytest.fixture
+def coordinator(workdir: Path) -> Iterator[tuple[str, Callable[..., Any]]]:
+    """A real coordinator of a made-up job, its job file written; yields the run id and a
+    function sending it a message as a store would."""
+    from ftrun.coordinator.server import Coordinator
+    from ftrun.protocol.transport import Client
+
+    run_id = f"ti{uuid.uuid4().hex[:10]}"
+    state = str(workdir / "state")
+    secret = jobs.load_secret(run_id, state)
+    coord = Coordinator(run_id, secret, bind_host="127.0.0.1")
+    coord.start()
+    jobs.write_job_file(jobs.JobFile(run_id, coord.endpoint, "host", os.getpid(), time.time()),
+                        state)
+    client = Client(coord.endpoint, secret, run_id, "test-store", peer="coordinator")
+
+    def send(kind: str, **body: Any) -> Any:
+        return client.request(kind, body, None, 5.0).body
+
+    try:
+        yield run_id, send
+    finally:
+        client.close()
+        coord.stop(timeout_s=2)
+
+
+def _store_report(send: Callable[..., Any], node: str, ranks: list[int]) -> Any:
+    return send("store_report", node_id=node, bytes=0, segments=0, persisted_step=None,
+                ranks=ranks, replicas=2, replica_addr=f"127.0.0.1:{ranks[0] + 1}")
+
+
+def test_committed_durable_and_replica_locations(run: Run,
+                                                 coordinator: tuple[str, Any]) -> None:
+    run_id, send = coordinator
+    for node, rank in (("n0", 0), ("n1", 1)):
+        _store_report(send, node, [rank])
+    send("snap_epoch", node_id="n0", epoch="e1", base_step=0, world_size=2)
+    for step in (4, 6):
+        for node, rank in (("n0", 0), ("n1", 1)):
+            send("snap_verified", node_id=node, epoch="e1", rank=rank, step=step, nbytes=8)
+    # Step 4: each node holds the other's shard. Step 6: only rank 0's replica so far.
+    send("replica_verified", node_id="n1", origin="n0", epoch="e1", rank=0, step=4)
+    send("replica_verified", node_id="n0", origin="n1", epoch="e1", rank=1, step=4)
+    send("replica_verified", node_id="n1", origin="n0", epoch="e1", rank=0, step=6)
+
+    code, doc = run_json(run, run_id)
+    assert code == exit_codes.OK
+    d = doc["durability"]
+    assert (d["replicas"], d["committed_step"], d["durable_step"], d["durable_off"],
+            d["durable_lag_steps"]) == (2, 6, 4, None, 2)
+    assert d["shards"] == [
+        {"step": 4, "rank": 0, "node": "n0", "replicas": ["n1"], "durable": True},
+        {"step": 4, "rank": 1, "node": "n1", "replicas": ["n0"], "durable": True},
+        {"step": 6, "rank": 0, "node": "n0", "replicas": ["n1"], "durable": False},
+        {"step": 6, "rank": 1, "node": "n1", "replicas": [], "durable": False},
+    ]
+    code, out, _err = run(run_id)
+    assert code == exit_codes.OK
+    assert "committed step 6; durable step 4 (2 step(s)" in out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["4", "(durable)", "1", "n1", "n0"] in rows and ["6", "1", "n1", "none"] in rows
+
+
+def test_one_node_shows_durable_as_not_possible(run: Run,
+                                                coordinator: tuple[str, Any]) -> None:
+    run_id, send = coordinator
+    plan = _store_report(send, "n0", [0, 1])
+    assert plan["peers"] == [] and "no peer node" in plan["off"]
+    send("snap_epoch", node_id="n0", epoch="e1", base_step=0, world_size=2)
+    for rank in (0, 1):
+        send("snap_verified", node_id="n0", epoch="e1", rank=rank, step=3, nbytes=8)
+    code, doc = run_json(run, run_id)
+    assert code == exit_codes.OK
+    d = doc["durability"]
+    assert d["durable_off"] == plan["off"] and d["durable_step"] is None and d["shards"] == []
+    code, out, _err = run(run_id)
+    assert "committed step 3; durable n/a: one node: no peer node" in out

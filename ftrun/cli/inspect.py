@@ -5,7 +5,8 @@ one ``rank_<r>`` directory: steps (complete or partial), the ranks of the chosen
 their tensors. RUN_ID is a job running on this host: its stores on this host say which
 segments hold which shards (their catalogs; when none answers, the job's segments are looked
 up by name in /dev/shm), the segments are read, and the coordinator, when it answers, adds
-what it has committed. ``--verify`` re-hashes the chosen step: every tensor on disk, every chunk in
+what it has committed and, with replicas, what is durable and which nodes hold a verified
+replica of each rank's shard. ``--verify`` re-hashes the chosen step: every tensor on disk, every chunk in
 memory.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
@@ -440,9 +441,35 @@ def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None)
         "version": INSPECT_VERSION, "kind": "live", "run_id": run_id,
         "host": socket.gethostname(), "shm_dir": str(segment.SHM_DIR), "stores": stores,
         "segments": segments,
-        "coordinator": coordinator, "step": chosen, "ranks": ranks, "totals": _totals(ranks),
-        "verify": verified, "problems": problems,
+        "coordinator": coordinator, "durability": _durability(coordinator), "step": chosen,
+        "ranks": ranks, "totals": _totals(ranks), "verify": verified, "problems": problems,
     }
+
+
+def _durability(coordinator: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Committed and durable steps, and where each rank's shard of them is: the node whose
+    ranks wrote it and the nodes holding a verified replica (the coordinator's view). None
+    without replication or without an answer from the coordinator."""
+    snaps = (coordinator or {}).get("snapshots") or {}
+    if (snaps.get("replicas") or 1) <= 1:
+        return None
+    own = {int(r): node for node, st in sorted((snaps.get("stores") or {}).items())
+           for r in st.get("ranks") or ()}
+    holders: dict[str, dict[str, list[str]]] = snaps.get("replica_holders") or {}
+    world = snaps.get("world_size")
+    durable = snaps.get("durable_step")
+    shards = []
+    for step in sorted(holders, key=int):
+        ranks = range(world) if isinstance(world, int) else sorted(map(int, holders[step]))
+        for r in ranks:
+            shards.append({"step": int(step), "rank": r, "node": own.get(r),
+                           "replicas": holders[step].get(str(r), []),
+                           "durable": int(step) == durable})
+    return {"replicas": snaps["replicas"], "replica_nodes": snaps.get("replica_nodes"),
+            "committed_step": snaps.get("committed_step"), "durable_step": durable,
+            "durable_off": snaps.get("durable_off"),
+            "durable_lag_steps": snaps.get("durable_lag_steps"),
+            "durable_lag_s": snaps.get("durable_lag_s"), "shards": shards}
 
 
 def _verify_segment(info: _SegInfo, out: dict[str, Any], advance: Callable[[int], None]) -> None:
@@ -605,8 +632,36 @@ def _render_live(doc: dict[str, Any], console: Console) -> None:
     else:
         console.print(Text(coord["note"] or "coordinator: no snapshot information",
                            style="yellow"))
+    if doc.get("durability"):
+        _render_durability(doc["durability"], console)
     if doc["step"] is None:
         console.print(Text("no staged or verified snapshot in memory", style="yellow"))
+
+
+def _render_durability(d: dict[str, Any], console: Console) -> None:
+    committed = d["committed_step"]
+    head = f"committed step {committed}" if committed is not None else "nothing committed"
+    if d["durable_off"]:
+        console.print(Text(f"{head}; durable n/a: {d['durable_off']}", style="yellow"))
+        return
+    durable = d["durable_step"]
+    lag = (f" ({d['durable_lag_steps']} step(s) / {d['durable_lag_s']:.1f} s behind)"
+           if d["durable_lag_steps"] and d["durable_lag_s"] is not None else "")
+    console.print(Text(f"{head}; " + (f"durable step {durable}{lag}" if durable is not None
+                                      else f"nothing durable yet{lag}")
+                       + f"; {d['replicas']} copies of every shard"))
+    if not d["shards"]:
+        console.print(Text("no verified replica reported yet", style="dim"))
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("step", "rank", "node", "verified replicas on"):
+        table.add_column(column, no_wrap=True)
+    for sh in d["shards"]:
+        step = f"{sh['step']}" + (" (durable)" if sh["durable"] else "")
+        table.add_row(step, str(sh["rank"]), Text(sh["node"] or "?"),
+                      Text(", ".join(sh["replicas"]) or "none",
+                           style="" if sh["replicas"] else "yellow"))
+    console.print(table)
 
 
 def _render_verify(verified: dict[str, Any] | None, console: Console) -> None:
