@@ -171,7 +171,7 @@ def test_sender_abandons_a_step_rewritten_under_it(job: Job) -> None:
     assert all(r.state != "verified" for r in job.replicas()) and job.reports == []
 
 
-def test_sender_moves_on_when_a_newer_step_commits(job: Job) -> None:
+def test_sender_finishes_the_step_in_flight_when_newer_ones_commit(job: Job) -> None:
     job.stage(step=6)
     newest = [6]
 
@@ -180,7 +180,20 @@ def test_sender_moves_on_when_a_newer_step_commits(job: Job) -> None:
         return EPOCH, newest[0]
 
     sender = job.sender(committed)
-    with pytest.raises(Abandoned, match="superseded"):
+    assert sender.send_step(job.peer, EPOCH, 6) == 1  # not dropped for a newer step
+    assert newest[0] > 8 and job.reports == [(ORIGIN, EPOCH, 0, 6)]
+
+
+def test_sender_drops_the_step_in_flight_when_the_workers_restart(job: Job) -> None:
+    job.stage(step=6)
+    calls = []
+
+    def committed() -> tuple[str, int]:
+        calls.append(1)
+        return ("e2", 3) if len(calls) >= 3 else (EPOCH, 6)  # a new epoch mid-transfer
+
+    sender = job.sender(committed)
+    with pytest.raises(Abandoned, match="superseded by step 3 of a new epoch"):
         sender.send_step(job.peer, EPOCH, 6)
     assert job.reports == []
 

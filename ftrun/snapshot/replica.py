@@ -11,8 +11,11 @@ process and never on the store's message loop:
   chunk (4 MiB: the unit the rank hashed), several in flight, then ``replica_end``. It reads
   the segment header before and after copying each chunk: if the rank has begun rewriting
   the buffer (it never asks the sender), the transfer of that step is abandoned; a rank never
-  waits for replication. When a newer step commits meanwhile, the sender drops the older
-  one and moves on (superseded). An optional rate cap paces the chunks.
+  waits for replication. A step in flight is finished even when newer steps commit
+  meanwhile (else nothing would become durable while a transfer takes longer than the
+  snapshot interval); the next round takes the newest committed step, skipping those
+  between. Only a new epoch (the workers restarted) drops the step in flight (superseded).
+  An optional rate cap paces the chunks.
 - :class:`ReplicaReceiver` (one thread, its own TCP socket) checks every chunk's xxh3 against
   the hash table it was sent (:mod:`ftrun.snapshot.verify`), writes it into a replica segment
   it owns, and marks the replica verified only once every chunk has been checked. A chunk
@@ -619,7 +622,8 @@ class ReplicaSender:
 
     # -- one round ----------------------------------------------------------------------------
     def send_pending(self) -> None:
-        """Send the newest committed step to every peer that does not have it yet."""
+        """Send the newest committed step to every peer that does not have it yet (steps
+        that committed while the previous one was in flight are skipped)."""
         epoch, step = self._committed()
         if not epoch or step <= 0:
             return
@@ -708,9 +712,13 @@ class ReplicaSender:
         if h.state != shm.VERIFIED or h.step != step or h.epoch != epoch:
             raise Abandoned(f"abandoned: {seg.name} was rewritten (now step {h.step}, "
                             f"{h.state_name})")
+        # A newer commit does not stop the step in flight: dropping it for the newest would
+        # leave nothing durable whenever a transfer takes longer than the snapshot interval.
+        # It ends when the rank reclaims the buffer (above: one interval after the next
+        # commit at the earliest), or when the workers restart (a new epoch).
         now_epoch, now_step = self._committed()
-        if now_epoch != epoch or now_step > step:
-            raise Abandoned(f"superseded by step {now_step}")
+        if now_epoch != epoch:
+            raise Abandoned(f"superseded by step {now_step} of a new epoch")
         if self._stop.is_set():
             raise Abandoned("abandoned: the store is stopping")
         return h
