@@ -494,3 +494,39 @@ def test_summary_says_how_far_durable_lags_and_who_holds_each_shard() -> None:
     doc = t.summary()
     assert doc is not None and doc["durable_step"] == 8 and doc["durable_lag_steps"] == 0
     assert doc["durable_lag_s"] == 0.0 and "behind" not in _replica_text(doc)
+
+
+def test_a_refusal_reaches_the_coordinators_coverage_and_status(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrun.cli.status import _replica_text
+    from ftrun.coordinator.server import Coordinator
+    from ftrun.snapshot.replica import ReplicaConfig, Replication
+
+    coord = Coordinator(job.run_id, SECRET, bind_host="127.0.0.1")
+    coord.start()
+    holder = Replication(ReplicaConfig(2, "127.0.0.1"), job.run_id, HOLDER, os.getpid(), SECRET,
+                         lambda: ("", -1), coord.endpoint)
+    client = Client(coord.endpoint, SECRET, job.run_id, "test-store", peer="coordinator")
+    try:
+        peer = Peer(HOLDER, holder.start())
+        job.stage(step=5)
+        monkeypatch.setattr(shm, "shm_free_bytes", lambda: 1 << 20)
+        with pytest.raises(Refused):
+            job.sender(lambda: (EPOCH, 5)).send_step(peer, EPOCH, 5)
+        fields = holder.report_fields()
+        assert "MiB free" in fields["replica_refused"]
+        for node, ranks, extra in ((ORIGIN, [0], {"replica_addr": "127.0.0.1:1", "replicas": 2}),
+                                   (HOLDER, [1], fields)):
+            client.request("store_report", {"node_id": node, "bytes": 0, "segments": 0,
+                                            "persisted_step": None, "ranks": ranks, **extra},
+                           "replica_plan", 5.0)
+        client.request("snap_epoch", {"node_id": ORIGIN, "epoch": EPOCH, "base_step": 0,
+                                      "world_size": 2}, "commit_info", 5.0)
+        snaps = coord.status_document()["snapshots"]
+        assert snaps["replica_coverage"][HOLDER]["refused"] == fields["replica_refused"]
+        assert snaps["replica_coverage"][ORIGIN]["refused"] is None
+        assert f"{HOLDER} refuses replicas: " in _replica_text(snaps)
+    finally:
+        client.close()
+        holder.stop(unlink=True)
+        coord.stop(timeout_s=2)
