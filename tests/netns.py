@@ -1,9 +1,11 @@
 """Network namespaces as hosts: a bridge and n namespaces, each with its own address.
 
 A :class:`Cluster` gives every "host" what a real one has apart from its own kernel: its
-own network stack (address ``10.X.Y.i+1/24`` on ``eth0``, a loopback of its own) and its
-own shared-memory directory (``FTRUN_SHM_DIR``), so that a killed host's snapshots are
-gone with it. The state directory is shared by all hosts, as a shared home is on a
+own network stack (address ``10.X.Y.i+1/24`` on ``eth0``, a loopback of its own), its own
+host name, which resolves to that address on every host of the cluster (``ip netns exec``
+mounts ``/etc/netns/NAME/hosts`` over ``/etc/hosts``; torch publishes the host name as
+the workers' master address), and its own shared-memory directory (``FTRUN_SHM_DIR``), so
+that a killed host's snapshots are gone with it. The state directory is shared by all hosts, as a shared home is on a
 cluster. Processes run through ``ip netns exec``, each in a session of its own, with its
 output in a log file under the test's temporary directory.
 
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIRE_ENV = "FTRUN_REQUIRE_NETNS"
 # Clusters record their owner here, so that one left by a killed test run can be swept.
 REGISTRY = Path("/run/ftrun-netns")
+ETC_NETNS = Path("/etc/netns")  # ip netns exec mounts the files of ETC_NETNS/NAME over /etc
 IP_TIMEOUT_S = 30.0
 KILL_TIMEOUT_S = 30.0
 
@@ -151,6 +154,7 @@ def _teardown(namespaces: Sequence[str], veths: Sequence[str], bridge: str,
         out = _ip("netns", "del", ns, check=False)
         if out.returncode != 0 and "No such file" not in out.stderr:
             errors.append(f"ip netns del {ns}: {out.stderr.strip()}")
+        shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
     for dev in [*veths, bridge]:
         # Deleting a namespace deletes its end of each veth pair, and with it the pair.
         if Path(f"/sys/class/net/{dev}").exists():
@@ -222,6 +226,11 @@ class Cluster:
             _ip("link", "set", "eth0", "up", ns=ns)
             _ip("link", "set", "lo", "up", ns=ns)
             self.shm_dir(i).mkdir(parents=True, exist_ok=True)
+        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
+            f"{self.addr(i)} {ns}\n" for i, ns in enumerate(self.namespaces))
+        for ns in self.namespaces:
+            (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / ns / "hosts").write_text(hosts)
 
     def close(self, raise_errors: bool = False) -> None:
         """Kill every process of every host, delete namespaces, links and memory."""
@@ -245,6 +254,15 @@ class Cluster:
         """Host ``i``'s address on the bridge."""
         return f"{self.subnet}.{i + 1}"
 
+    def hostname(self, i: int) -> str:
+        """Host ``i``'s name (its namespace's), resolving to :meth:`addr` on every host."""
+        return self.namespaces[i]
+
+    def _argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        # A UTS namespace of its own per process, named as the host.
+        return ["ip", "netns", "exec", self.namespaces[i], "unshare", "--uts", "--", "sh",
+                "-c", 'hostname "$0" && exec "$@"', self.hostname(i), *argv]
+
     def shm_dir(self, i: int) -> Path:
         """Host ``i``'s shared memory (its FTRUN_SHM_DIR)."""
         return self.shm_root / str(i)
@@ -264,7 +282,7 @@ class Cluster:
         log_path = self.tmp_path / f"{name or f'host{i}'}.{len(self.procs)}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.namespaces[i], *argv], stdout=out,
+                self._argv(i, argv), stdout=out,
                 stderr=subprocess.STDOUT, text=True, env=self.env(i, env), cwd=cwd,
                 start_new_session=True,
             )
@@ -282,7 +300,7 @@ class Cluster:
     def exec(self, i: int, argv: Sequence[str], timeout_s: float = 60,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """Run a short command on host ``i`` and return its output."""
-        return subprocess.run(["ip", "netns", "exec", self.namespaces[i], *argv],
+        return subprocess.run(self._argv(i, argv),
                               capture_output=True, text=True, timeout=timeout_s,
                               env=self.env(i, env), cwd=ROOT)
 
