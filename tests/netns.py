@@ -355,8 +355,8 @@ class Cluster:
                         "dev", "eth0", "root"], capture_output=True, timeout=IP_TIMEOUT_S)
 
 
-@pytest.fixture
-def cluster_factory(tmp_path: Path) -> Iterator[type[Cluster]]:
+@pytest.fixture(name="cluster_factory")
+def cluster_fixture(tmp_path: Path) -> Iterator[type[Cluster]]:
     """``cluster_factory(n)`` -> an entered :class:`Cluster`, closed at teardown.
 
     Skips (or fails under FTRUN_REQUIRE_NETNS=1) where namespaces are unavailable. Uses the
