@@ -573,7 +573,8 @@ def train(
             last_loss = snap.extra["loss"].to(device)
             epoch, consumed = int(snap.extra["epoch"]), int(snap.extra["consumed"])
             print(f"{PREFIX}: rank {rank} resumed from step {start} (epoch {epoch}, "
-                  f"{consumed} samples consumed in it)", file=sys.stderr, flush=True)
+                  f"{consumed} samples consumed in it), from {snap.source}", file=sys.stderr,
+                  flush=True)
 
     if args.torch_save_dir:
         start, resumed_from, last_loss, epoch, consumed = _torch_load(

@@ -194,6 +194,32 @@ def is_this_host(host: str) -> bool:
     return bool(_matches_machine_hostname(host))
 
 
+def rendezvous_view(handler: Any) -> tuple[int, frozenset[str], frozenset[str]] | None:
+    """What a c10d rendezvous handler last read of its state: (round, the round's
+    participants, every node it still counts: participants, nodes with a live keep-alive,
+    waiting and spare ones); None for another kind of handler.
+
+    Reads ``DynamicRendezvousHandler._state_holder.state`` (``round``, ``participants``,
+    ``last_heartbeats``, ``wait_list``, ``redundancy_list``) and ``_this_node``, refreshed by
+    the agent's ``num_nodes_waiting()`` on every monitor tick. A node whose keep-alives
+    stopped is removed from all of them by whichever node syncs next.
+    """
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    if state is None or not hasattr(state, "participants"):
+        return None
+    members = frozenset(str(n) for n in state.participants)
+    present = members | frozenset(str(n) for n in (
+        *state.last_heartbeats, *state.wait_list, *getattr(state, "redundancy_list", ())))
+    return int(state.round), members, present
+
+
+def rendezvous_node(handler: Any) -> str | None:
+    """This node's name in the c10d rendezvous state (``_this_node``), or None."""
+    node = getattr(handler, "_this_node", None)
+    return None if node is None else str(node)
+
+
 def run_torchrun(args: Any, make_agent: Callable[..., Any]) -> None:
     """``torch.distributed.run.run(args)``, with ``make_agent(**kwargs)`` building the agent
     where torch's ``launch_agent`` builds a ``LocalElasticAgent(**kwargs)``."""

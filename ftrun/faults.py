@@ -3,7 +3,9 @@
 ``corrupt_newest_snapshot`` has the node's store flip one byte in the data of a rank's newest
 verified snapshot, exactly as a bad DIMM or a stray write would. ftrun must then refuse to load it and fall
 back to an older committed step; tests assert both. ``corrupt_persisted`` does the same to a
-step persisted on disk (bit rot, a torn copy).
+step persisted on disk (bit rot, a torn copy). ``corrupt_replica`` flips a byte of the newest
+verified replica this host holds of another node's rank: once that node is lost, the replica
+is the only copy of its step, and a restore must refuse it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,50 @@ def corrupt_newest_snapshot(rank: int, run_id: str | None = None,
             time.sleep(0.05)
     finally:
         chan.close()
+
+
+def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corruption:
+    """Flip one byte in the data of the newest verified replica this host holds of ``origin``'s
+    shards (of ``rank`` if given), leaving its state and hashes as they are.
+
+    Runs on the holding host (FTRUN_SHM_DIR as its store's). Meant for after the origin is
+    lost: a live origin's sender would soon replace the replica with a newer step.
+    """
+    from ftrun.errors import IntegrityError
+    from ftrun.snapshot import segment as shm
+    from ftrun.snapshot.replica import holder_prefix, replica_name, replica_prefix
+
+    # Replica names: holder_prefix(holder) + origin's tag + "-r{rank}-s{slot}".
+    origin_tag = replica_name(run_id, "-", origin, 0, 0)[len(holder_prefix(run_id, "-")):]
+    origin_part = "-" + origin_tag.removesuffix("-r0-s0") + "-r"
+    newest: tuple[int, shm.Segment] | None = None
+    for path in shm.list_segments(replica_prefix(run_id)):
+        if origin_part not in path.name or (rank is not None and f"-r{rank}-s" not in path.name):
+            continue
+        try:
+            seg = shm.Segment.open(path)
+            h = seg.header()
+        except (OSError, IntegrityError, ValueError):
+            continue
+        if h.state == shm.VERIFIED and (newest is None or h.step > newest[0]):
+            if newest is not None:
+                newest[1].close()
+            newest = (h.step, seg)
+        else:
+            seg.close()
+    if newest is None:
+        raise FtrunError(f"this host ({shm.SHM_DIR}) holds no verified replica of {origin}'s "
+                         f"shards{'' if rank is None else f' of rank {rank}'} in job {run_id}")
+    step, seg = newest
+    try:
+        h = seg.header()
+        offset = h.data_len // 2
+        seg.mm[h.data_off + offset] ^= 0xFF
+    finally:
+        seg.close()
+    log.warning("fault injection: flipped byte %d of the replica of %s's shard of step %d (%s)",
+                offset, origin, step, seg.name)
+    return Corruption(seg.name, step, offset)
 
 
 @dataclass(frozen=True)

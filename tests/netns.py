@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -122,18 +122,26 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def _kill_all(ns: str, timeout_s: float = KILL_TIMEOUT_S) -> list[int]:
-    """SIGKILL every process in ``ns`` until none is left (a launcher may fork meanwhile)."""
+def _kill_all(ns: str, timeout_s: float = KILL_TIMEOUT_S,
+              reap: Callable[[], object] | None = None) -> list[int]:
+    """SIGKILL every process in ``ns`` until none is left (a launcher may fork meanwhile).
+
+    ``reap`` collects the caller's own children among them: a killed child stays listed
+    until its parent waits for it.
+    """
     killed: list[int] = []
     deadline = time.monotonic() + timeout_s
     while True:
+        if reap is not None:
+            reap()
         pids = [p for p in _ns_pids(ns) if p != os.getpid()]
         if not pids:
             return killed
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                if pid not in killed:
+                    killed.append(pid)
             except ProcessLookupError:
                 pass
         if time.monotonic() > deadline:
@@ -320,12 +328,12 @@ class Cluster:
         Returns the PIDs killed; raises when there was nothing to kill, so a test cannot
         believe it killed a host that was already gone.
         """
-        killed = _kill_all(self.namespaces[i])
+        mine = [proc for host, proc in self.procs if host == i]
+        killed = _kill_all(self.namespaces[i], reap=lambda: [p.poll() for p in mine])
         if not killed:
             raise AssertionError(f"host {i} had no process to kill")
-        for host, proc in self.procs:
-            if host == i:
-                proc.wait(timeout=KILL_TIMEOUT_S)
+        for proc in mine:
+            proc.wait(timeout=KILL_TIMEOUT_S)
         if lose_memory:
             shutil.rmtree(self.shm_dir(i), ignore_errors=True)
             self.shm_dir(i).mkdir(parents=True, exist_ok=True)

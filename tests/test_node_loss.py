@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+import signal
+import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import wait_for
-from netns import Cluster, cluster_factory  # noqa: F401  (the fixture)
+from conftest import TRAIN, read_events, result_line, wait_for
+from netns import Cluster, cluster_fixture, require_netns  # noqa: F401  (the fixture)
+
+from ftrun import jobs
+from ftrun.rank.progress import read_progress
+from ftrun.snapshot import persist
+
+log = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.integration]
 
@@ -35,7 +51,7 @@ def _connect(c: Cluster, i: int, host: str, port: int, timeout_s: float = 5) -> 
     return out.stdout.strip()
 
 
-def test_hosts_reach_each_other_and_keep_their_own_loopback(cluster_factory) -> None:  # noqa: F811
+def test_hosts_reach_each_other_and_keep_their_own_loopback(cluster_factory) -> None:
     c = cluster_factory(3)
     servers = []
     for i in range(3):
@@ -50,6 +66,12 @@ def test_hosts_reach_each_other_and_keep_their_own_loopback(cluster_factory) -> 
             assert _connect(c, i, c.addr(j), 7001) == f"got {c.addr(j)}@{j}"
         # each host's loopback is its own
         assert _connect(c, i, "127.0.0.1", 7001) == f"got 127.0.0.1@{i}"
+    # every host has its own name, which resolves to its address on every host
+    for i in range(3):
+        names = [c.hostname(j) for j in range(3)]
+        out = c.exec(i, [sys.executable, "-c", "import socket, sys; print(socket.gethostname(), "
+                         "*[socket.gethostbyname(n) for n in sys.argv[1:]])", *names])
+        assert out.stdout.split() == [c.hostname(i), *[c.addr(j) for j in range(3)]], out
     # a cut link isolates the host both ways; restoring it brings it back
     c.cut_link(1)
     assert _connect(c, 0, c.addr(1), 7001, 2) == "error TimeoutError"
@@ -70,3 +92,383 @@ def test_hosts_reach_each_other_and_keep_their_own_loopback(cluster_factory) -> 
     assert not any(c.shm_dir(2).iterdir())  # its memory is gone with it
     assert len(c.pids(0)) == 2 and len(c.pids(1)) == 2
     assert _connect(c, 0, c.addr(2), 7001, 2).startswith("error")
+
+
+# ---- ftrun jobs on namespaces ---------------------------------------------------------------
+#
+# Every job: one rank per host, gloo on CPU, a snapshot of every step, 2 copies of every
+# shard (--replicas 2), the rendezvous store and the coordinator on host 0 (the launcher
+# there hosts them), and a spare, where there is one, started with the very same command.
+# Host 0 is never the victim except in the test of the coordinator's host.
+
+PORT = "29400"  # every cluster has network stacks of its own: no other job can hold it
+STEPS = 24
+KILL_AT = 8  # steps done before the fault
+RESUMED = re.compile(r"rank (\d+) resumed from step (\d+) \(.*?\), from (.+)$", re.M)
+
+
+class Job:
+    """One ftrun job on a cluster: its command, its nodes, its status and events."""
+
+    def __init__(self, c: Cluster, state_dir: Path, name: str) -> None:
+        self.c = c
+        self.state_dir = state_dir
+        self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.result = c.tmp_path / f"{self.run_id}.result.json"
+        self.steps_file = c.tmp_path / f"{self.run_id}.steps.jsonl"
+        self.nodes: list[subprocess.Popen[str]] = []
+
+    def command(self, nnodes: str, *extra: str, endpoint: str | None = None,
+                steps: int = STEPS, train_args: Sequence[str] = ()) -> list[str]:
+        return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint or f"{self.c.hostname(0)}:{PORT}",
+                "--rdzv-id", self.run_id, "--replicas", "2", "--max-restarts", "3", *extra,
+                TRAIN, "--steps", str(steps), "--batch", "12", "--snapshot-every", "1",
+                "--step-sleep", "0.15", "--step-log", str(self.steps_file),
+                "--result", str(self.result), *train_args]
+
+    def start(self, hosts: Sequence[int], nnodes: str, *extra: str,
+              **kw: Any) -> list[subprocess.Popen[str]]:
+        cmd = self.command(nnodes, *extra, **kw)
+        self.nodes += [self.c.ftrun(i, *cmd, name=f"{self.run_id}.host{i}") for i in hosts]
+        return self.nodes
+
+    def live(self) -> list[subprocess.Popen[str]]:
+        return [p for p in self.nodes if p.host not in self.c.lost]  # type: ignore[attr-defined]
+
+    def output(self) -> str:
+        return "".join(self.c.output(p) for p in self.nodes)
+
+    def steps(self) -> list[dict]:
+        if not self.steps_file.exists():
+            return []
+        return [json.loads(ln) for ln in self.steps_file.read_text().splitlines() if ln.strip()]
+
+    def events(self) -> list[dict]:
+        return read_events(self.state_dir, self.run_id)
+
+    def wait_step(self, step: int, timeout_s: float = 150) -> None:
+        def reached() -> bool:
+            for p in self.live():
+                assert p.poll() is None, \
+                    f"host {p.host} exited early:\n{self.c.output(p)[-3000:]}"  # type: ignore[attr-defined]
+            return any(r["step"] >= step for r in self.steps())
+
+        wait_for(reached, timeout_s, f"step {step} of {self.run_id}", interval_s=0.1)
+
+    def status(self, host: int = 0) -> dict:
+        """``ftrun status --json``, run on ``host`` (the coordinator is on the bridge)."""
+        out = self.c.exec(host, [sys.executable, "-m", "ftrun", "status", self.run_id, "--json"])
+        assert out.returncode in (0, 3), f"ftrun status failed ({out.returncode}): {out.stderr}"
+        return json.loads(out.stdout)
+
+    def status_text(self, host: int = 0) -> str:
+        out = self.c.exec(host, [sys.executable, "-m", "ftrun", "status", self.run_id])
+        assert out.returncode in (0, 3), f"ftrun status failed ({out.returncode}): {out.stderr}"
+        return out.stdout
+
+    def hosts_with_ranks(self, doc: dict) -> dict[int, list[int]]:
+        """host index -> its ranks, for the nodes training now."""
+        return {self.c.namespaces.index(n["host"]): n["ranks"] for n in doc["nodes"]
+                if n["state"] == "healthy" and not (n["lost"] or n["left"])}
+
+    def wait_durable(self, at_least: int, host: int = 0, timeout_s: float = 60) -> dict:
+        """The status once a step >= ``at_least`` is durable and every node reports coverage."""
+        def durable() -> dict | None:
+            doc = self.status(host)
+            snaps = doc.get("snapshots") or {}
+            return doc if (snaps.get("durable_step") or 0) >= at_least else None
+
+        return wait_for(durable, timeout_s, f"a durable step >= {at_least}", interval_s=0.3)
+
+    def finish(self, timeout_s: float = 180) -> str:
+        """Wait for every live node; all must succeed. Returns the final params_xxh3."""
+        for p in self.live():
+            code = self.c.wait(p, timeout_s)
+            assert code == 0, f"host {p.host} exited {code}:\n{self.c.output(p)[-4000:]}"  # type: ignore[attr-defined]
+        return result_line(self.output()).split("params_xxh3=")[1].strip()
+
+    def resumes(self) -> list[tuple[int, int, str]]:
+        """(rank, step, source) of every rank that resumed from a snapshot."""
+        return [(int(r), int(s), src) for r, s, src in RESUMED.findall(self.output())]
+
+    def resumed_after(self, t_fault: float) -> float:
+        """Seconds from the fault to the first step completed by the restarted workers."""
+        starts = [e["ts"] for e in self.events()
+                  if e["type"] == "workers_started" and e["ts"] > t_fault]
+        assert starts, f"no workers started after the fault: {[e['type'] for e in self.events()]}"
+        later = [r["time"] for r in self.steps() if r["time"] > min(starts)]
+        assert later, "no step completed after the restart"
+        return min(later) - t_fault
+
+
+def _running(cluster_factory: Any, state_dir: Path, name: str, hosts: int, nnodes: str,
+             *extra: str, **kw: Any) -> tuple[Cluster, Job, dict]:
+    """A job on all ``hosts`` hosts, once it trained KILL_AT steps and a step is durable;
+    with its status then."""
+    c = cluster_factory(hosts)
+    job = Job(c, state_dir, name)
+    job.start(range(hosts), nnodes, *extra, **kw)
+    job.wait_step(KILL_AT)
+    return c, job, job.wait_durable(KILL_AT - 2)
+
+
+def _victim(job: Job, doc: dict, avoid: Sequence[int] = (0,)) -> int:
+    hosts = sorted(h for h in job.hosts_with_ranks(doc) if h not in avoid)
+    assert hosts, f"no host to pick among {job.hosts_with_ranks(doc)} (avoiding {avoid})"
+    return hosts[0]
+
+
+def _kill(job: Job, *hosts: int) -> float:
+    """SIGKILL every process of ``hosts`` at once; returns the time of the kill."""
+    t = time.time()
+    for h in hosts:
+        killed = job.c.kill_host(h)
+        log.info("host %d (%s) killed: pids %s", h, job.c.hostname(h), killed)
+    return t
+
+
+@pytest.fixture(scope="module")
+def reference_3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_xxh3 of the fault-free job on 3 hosts: the command of every test with a spare."""
+    require_netns()
+    tmp = tmp_path_factory.mktemp("reference3")
+    with Cluster(3, tmp) as c:
+        job = Job(c, c.state_dir, "ref3")
+        job.start(range(3), "3")
+        return job.finish()
+
+
+def test_host_killed_with_spare_matches_fault_free(cluster_factory, state_dir: Path,
+                                                   exact_steps: None, reference_3: str) -> None:
+    """3 hosts train, a 4th waits as the spare; one training host is killed (processes and
+    memory). The spare joins, the lost rank's shard comes from its replica, every rank resumes
+    from memory at a step at least as new as the last durable one before the kill, and the
+    final weights equal the fault-free run's."""
+    c, job, doc = _running(cluster_factory, state_dir, "spare", 4, "3")
+    training = job.hosts_with_ranks(doc)
+    [spare] = set(range(4)) - set(training)
+    victim = _victim(job, doc)
+    durable = doc["snapshots"]["durable_step"]
+    t_kill = _kill(job, victim)
+    assert job.finish() == reference_3
+    resumed = json.loads(job.result.read_text())["resumed_from"]
+    assert len(resumed) == 1 and resumed[0] >= durable, (resumed, durable)
+    assert {(s, src.split(" ")[0]) for _, s, src in job.resumes()} == {(resumed[0], "memory")}, \
+        job.resumes()
+    spare_node = [e for e in job.events() if e["type"] == "workers_started"
+                  and e["node"].startswith(c.hostname(spare) + "/")]
+    assert spare_node and spare_node[0]["ts"] > t_kill, "the spare never started workers"
+    log.info("spare: host %d killed at step >= %d, durable %d, resumed from %d in %.1f s",
+             victim, KILL_AT, durable, resumed[0], job.resumed_after(t_kill))
+
+
+def test_host_killed_under_min_max_continues_on_fewer_hosts(cluster_factory,
+                                                            state_dir: Path, exact_steps: None,
+                                                            tmp_path: Path) -> None:
+    """``--nnodes 2:3``, no spare: one of 3 training hosts is killed and the job completes on
+    the 2 survivors, resharding step S (the newest durable one) from memory onto 2 ranks.
+
+    Compared with a reference that takes the same path without a fault: the same command on
+    3 hosts trains to step S and writes it to disk (``--persist-dir``, the final persist at
+    the end of the job), then the same command on 2 hosts restores S from disk, resharded
+    onto 2 ranks, and trains to the end. Up to S both runs are the fault-free 3-rank run;
+    after S both train on 2 ranks from the same state, so the final weights are equal.
+    """
+    c, job, doc = _running(cluster_factory, state_dir, "shrink", 3, "2:3")
+    durable = doc["snapshots"]["durable_step"]
+    victim = _victim(job, doc)
+    t_kill = _kill(job, victim)
+    got = job.finish()
+    result = json.loads(job.result.read_text())
+    assert result["world_size"] == 2
+    [step] = result["resumed_from"]
+    assert step >= durable, (step, durable)
+    assert {(s, src) for _, s, src in job.resumes()} == \
+        {(step, "memory, resharded from 3 ranks")}, job.resumes()
+    log.info("shrink: host %d killed at step >= %d, durable %d, resumed from %d on 2 ranks "
+             "in %.1f s", victim, KILL_AT, durable, step, job.resumed_after(t_kill))
+
+    # The reference: 3 hosts to step S, on disk; then 2 hosts from there.
+    ckpt = tmp_path / "reference-ckpt"
+    first = Job(c, state_dir, "shrink-ref")
+    first.start(range(3), "3", "--persist-dir", str(ckpt), steps=step)
+    first.finish()
+    second = Job(c, state_dir, "shrink-ref2")
+    second.start(range(2), "2", "--persist-dir", str(ckpt))
+    assert second.finish() == got
+    assert {(s, src.split(" ")[0]) for _, s, src in second.resumes()} == {(step, "disk")}
+
+
+def test_link_cut_with_spare_no_split_brain(cluster_factory, state_dir: Path,
+                                            exact_steps: None, reference_3: str) -> None:
+    """A training host's link goes down (its processes live on, unreachable). The survivors
+    drop it and take the spare within seconds; the cut host trains no further step and forms
+    no job of its own; the job ends bit-identical with the fault-free run."""
+    c, job, doc = _running(cluster_factory, state_dir, "cut", 4, "3")
+    victim = _victim(job, doc)
+    cut_node = next(n for n in doc["nodes"] if n["host"] == c.hostname(victim))
+    progress = _progress_path(job, cut_node["node_id"])
+    t_cut = time.time()
+    c.cut_link(victim)
+    step_at_cut = read_progress(str(progress)).step
+    survivors = [p for p in job.nodes if p.host != victim]  # type: ignore[attr-defined]
+    for p in survivors:
+        code = c.wait(p, 180)
+        assert code == 0, f"host {p.host} exited {code}:\n{c.output(p)[-4000:]}"  # type: ignore[attr-defined]
+    assert result_line("".join(c.output(p) for p in survivors)).split("params_xxh3=")[1].strip() \
+        == reference_3
+    [cut] = [p for p in job.nodes if p.host == victim]  # type: ignore[attr-defined]
+    # The cut host trained no step after the cut (one in flight may end) and printed no
+    # result of a job of its own.
+    after = read_progress(str(progress))
+    assert after is None or after.step <= step_at_cut + 1, (step_at_cut, after)
+    assert "ftrun-example: step=" not in c.output(cut)
+    lost = [e for e in job.events() if e["type"] == "node_lost"
+            and e["node"] == cut_node["node_id"]]
+    assert lost, "the coordinator never marked the cut host lost"
+    log.info("cut: host %d cut at step %d, training resumed in %.1f s; cut launcher %s",
+             victim, step_at_cut, job.resumed_after(t_cut),
+             "still waiting" if cut.poll() is None else f"exited {cut.returncode}")
+
+
+def test_link_cut_under_min_max_survivors_go_on_without_it(cluster_factory, state_dir: Path,
+                                                          exact_steps: None) -> None:
+    """``--nnodes 2:3``, no spare: a training host's link is cut. Nothing fails on the
+    survivors: their ranks wait in a collective for the cut host (for the process-group
+    timeout, 300 s here). Their launchers see the rendezvous drop it for missed keep-alives
+    and restart the workers without it within seconds; the job completes on 2 hosts."""
+    c, job, doc = _running(cluster_factory, state_dir, "cutmin", 3, "2:3",
+                           train_args=("--pg-timeout", "300"))
+    victim = _victim(job, doc)
+    t_cut = time.time()
+    c.cut_link(victim)
+    survivors = [p for p in job.nodes if p.host != victim]  # type: ignore[attr-defined]
+    for p in survivors:
+        code = c.wait(p, 200)
+        assert code == 0, f"host {p.host} exited {code}:\n{c.output(p)[-4000:]}"  # type: ignore[attr-defined]
+    assert json.loads(job.result.read_text())["world_size"] == 2
+    dropped = [e for e in job.events() if e["type"] == "node_dropped"]
+    assert dropped and all(any(n.startswith(c.hostname(victim) + "_") for n in e["nodes"])
+                           for e in dropped), dropped
+    assert {e["node"].split("/")[0] for e in dropped} == \
+        {c.hostname(p.host) for p in survivors}  # type: ignore[attr-defined]
+    log.info("cut under MIN:MAX: host %d cut, dropped after %.1f s, training resumed in %.1f s",
+             victim, min(e["ts"] for e in dropped) - t_cut, job.resumed_after(t_cut))
+
+
+def _progress_path(job: Job, node_id: str) -> Path:
+    """The progress file of local rank 0 of ``node_id`` (next to its store's socket)."""
+    [url] = [s["url"] for s in jobs.store_urls(job.run_id) if s["node_id"] == node_id]
+    assert url.startswith("ipc:///"), url
+    return Path(url.removeprefix("ipc://")).parent / "progress-0"
+
+
+def _groups(job: Job, doc: dict) -> dict[int, int]:
+    """host -> the host holding its replica (2 copies: each host's one peer)."""
+    by_node = {n["node_id"]: job.c.namespaces.index(n["host"]) for n in doc["nodes"]}
+    out = {}
+    for node, cov in doc["snapshots"]["replica_coverage"].items():
+        [peer] = cov["peers"]
+        out[by_node[node]] = by_node[peer]
+    return out
+
+
+def test_two_hosts_of_different_groups_killed_recover_from_memory(
+        cluster_factory, state_dir: Path, exact_steps: None) -> None:
+    """4 hosts in 2 replica groups of 2, ``--nnodes 2:4``: one host of each group is killed at
+    once. Every shard still has a copy on a survivor, so the 2 survivors resume from memory
+    (resharded from 4 ranks onto 2), at a step no older than the last durable one."""
+    c, job, doc = _running(cluster_factory, state_dir, "two", 4, "2:4")
+    durable = doc["snapshots"]["durable_step"]
+    peer = _groups(job, doc)
+    assert len(peer) == 4 and all(peer[peer[h]] == h for h in peer), peer  # disjoint pairs
+    x = _victim(job, doc)
+    y = next(h for h in range(4) if h not in (0, x, peer[x]))
+    t_kill = _kill(job, x, y)
+    job.finish()
+    result = json.loads(job.result.read_text())
+    assert result["world_size"] == 2
+    [step] = result["resumed_from"]
+    assert step >= durable, (step, durable)
+    assert {(s, src.split(",")[0]) for _, s, src in job.resumes()} == {(step, "memory")}, \
+        job.resumes()
+    log.info("two groups: hosts %d and %d killed, durable %d, resumed from %d in %.1f s",
+             x, y, durable, step, job.resumed_after(t_kill))
+
+
+def test_whole_group_killed_falls_back_to_disk(cluster_factory, state_dir: Path,
+                                              exact_steps: None, tmp_path: Path) -> None:
+    """Both hosts of one replica group are killed: their shards are in no live memory, so
+    the survivors resume from the newest step complete on disk (``--persist-dir``), and the
+    log and ``ftrun status`` say that the restore came from disk."""
+    ckpt = tmp_path / "ckpt"
+    c, job, doc = _running(cluster_factory, state_dir, "group", 4, "2:4", "--persist-dir",
+                           str(ckpt), "--persist-every", "3")
+    peer = _groups(job, doc)
+    x = next(h for h in range(1, 4) if peer[h] != 0)
+    t_kill = _kill(job, x, peer[x])
+    on_disk = [s.step for s in persist.list_steps(ckpt) if s.complete]
+    assert on_disk, f"nothing complete in {ckpt} at the kill"
+    job.finish()
+    [step] = json.loads(job.result.read_text())["resumed_from"]
+    assert step == max(on_disk), (step, on_disk)
+    assert {(s, src.split(" ")[0]) for _, s, src in job.resumes()} == {(step, "disk")}, \
+        job.resumes()
+    restores = [e for e in job.events() if e["type"] == "restore" and e.get("step") == step]
+    assert restores and all(str(e.get("source", "")).startswith("disk") for e in restores), \
+        restores
+    log.info("whole group: hosts %d and %d killed, resumed from disk step %d in %.1f s",
+             x, peer[x], step, job.resumed_after(t_kill))
+
+
+def test_corrupted_replica_is_refused_and_an_older_copy_used(
+        cluster_factory, state_dir: Path, exact_steps: None, reference_3: str) -> None:
+    """A training host is killed; on the host that holds its replicas, one byte of the
+    newest replica (step S, now the only copy of that shard) is flipped. The restore detects
+    it and does not load S: it resumes from memory from an older step, whose replica of the
+    lost shard is intact, and ends bit-identical with the fault-free run (the spare joins)."""
+    c, job, doc = _running(cluster_factory, state_dir, "corrupt", 4, "3")
+    victim = _victim(job, doc)
+    holder = _groups(job, doc)[victim]
+    [origin] = [n["node_id"] for n in doc["nodes"] if n["host"] == c.hostname(victim)]
+    t_kill = _kill(job, victim)
+    fault = c.exec(holder, [sys.executable, "-c", "import dataclasses, json, sys; "
+                            "from ftrun import faults; print(json.dumps(dataclasses.asdict("
+                            "faults.corrupt_replica(sys.argv[1], sys.argv[2]))))",
+                            job.run_id, origin])
+    assert fault.returncode == 0, fault.stderr
+    corrupted = json.loads(fault.stdout)
+    assert job.finish() == reference_3
+    [step] = json.loads(job.result.read_text())["resumed_from"]
+    assert 0 < step < corrupted["step"], (step, corrupted)
+    assert {src.split(" ")[0] for _, _, src in job.resumes()} == {"memory"}, job.resumes()
+    log.info("corrupt replica: step %d refused, resumed from %d in %.1f s",
+             corrupted["step"], step, job.resumed_after(t_kill))
+
+
+def test_standalone_coordinator_outlives_the_host_that_would_host_it(
+        cluster_factory, state_dir: Path, exact_steps: None, reference_3: str) -> None:
+    """``ftrun coordinator`` runs on a host of its own (host 4). The launchers, with the same
+    endpoint as ever, leave it to host the rendezvous store and the coordinator; host 0,
+    whose launcher would otherwise have hosted both, is killed, and the job completes with
+    the spare, bit-identical."""
+    c = cluster_factory(5)
+    job = Job(c, state_dir, "coord")
+    endpoint = f"{c.hostname(4)}:{PORT}"
+    coord = c.ftrun(4, "coordinator", "--rdzv-endpoint", endpoint, "--rdzv-id", job.run_id,
+                    name="coordinator")
+    wait_for(lambda: (state_dir / "jobs" / job.run_id / "job.json").exists(), 60,
+             "the standalone coordinator's job file")
+    job.start(range(4), "3", "--rdzv-conf", "is_host=0", endpoint=endpoint)
+    job.wait_step(KILL_AT)
+    doc = job.wait_durable(KILL_AT - 2, host=4)
+    if 0 not in job.hosts_with_ranks(doc):
+        pytest.fail(f"host 0 is the spare here; the test kills a training host 0: {doc['nodes']}")
+    t_kill = _kill(job, 0)
+    assert job.finish() == reference_3
+    assert json.loads(job.result.read_text())["world_size"] == 3
+    log.info("standalone coordinator: host 0 killed, training resumed in %.1f s",
+             job.resumed_after(t_kill))
+    coord.send_signal(signal.SIGTERM)
+    assert c.wait(coord, 30) == 0

@@ -12,8 +12,12 @@ them through :func:`ftrun._torch.agent_class`, under public names):
   reported ``suspect`` at once, long before it is killed;
 - a prompt stop of frozen workers: SIGTERM stays pending on a stopped process, which made
   torchrun wait out its whole shutdown timeout, so stopped workers get SIGKILL at once;
+- a lost member caught at once: a node that the c10d rendezvous dropped for missed
+  keep-alives (its host died or its link was cut) restarts the workers of the survivors,
+  which would otherwise wait in a collective for the process-group timeout; a node that
+  finds itself dropped restarts its own workers and rejoins the job rather than training on;
 - reports to the coordinator: node state for the heartbeat, and events for rendezvous,
-  starts, failures, hangs and restarts.
+  starts, failures, hangs, dropped nodes and restarts.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ log = logging.getLogger(__name__)
 # A rank frozen by SIGSTOP blocks every collective; with --hang-timeout off it is still
 # killed after this long.
 STOPPED_LIMIT_S = 10.0
+# A member of the round missing from the rendezvous state for this long was dropped for
+# missed keep-alives: a node that restarts leaves the round and enters the wait list in
+# consecutive syncs, well within it.
+DROPPED_GRACE_S = 2.0
 
 
 class EventSink(Protocol):
@@ -106,6 +114,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._watches: dict[int, RankWatch] = {}  # by local rank; new at every (re)start
         self._verdicts: dict[int, Verdict] = {}  # replaced whole by the agent thread
         self._lock = threading.Lock()
+        self._round: tuple[int, frozenset[str]] | None = None  # rendezvous round, members
+        self._missing_since: dict[str, float] = {}
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------
@@ -150,6 +160,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._phase = NodeState.RENDEZVOUS
         t0 = time.monotonic()
         super().rendezvous(worker_group)
+        view = _torch.rendezvous_view(worker_group.spec.rdzv_handler)
+        self._round = (view[0], view[1]) if view is not None else None
+        self._missing_since = {}
         self._ctx.sink.event(
             "rendezvous",
             group_rank=worker_group.group_rank,
@@ -190,6 +203,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                 self._ctx.sink.event("store_restarted", exitcode=code, pid=store.pid,
                                      restarts=store.restarts)
         if result.state == WorkerState.HEALTHY:
+            dropped = self._dropped_members(worker_group)
+            if dropped:
+                return self._on_dropped(worker_group, dropped)
             # A hung rank is killed here; the next tick sees it die like any crashed worker,
             # so torch's own failure path (restart or failure summary) takes it from there.
             self._watch_workers(worker_group)
@@ -222,6 +238,37 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         super().shutdown(death_sig, timeout)
 
     # ---- ftrun's checks ---------------------------------------------------------------
+    def _dropped_members(self, worker_group: WorkerGroup) -> list[str]:
+        """Members of this node's round that the rendezvous dropped (this node included)."""
+        if self._round is None:
+            return []
+        view = _torch.rendezvous_view(worker_group.spec.rdzv_handler)
+        if view is None or view[0] != self._round[0]:
+            return []  # a new round: torch's own path brings this node into it
+        now = time.monotonic()
+        gone = self._round[1] - view[2]
+        self._missing_since = {n: self._missing_since.get(n, now) for n in gone}
+        return sorted(n for n, t in self._missing_since.items() if now - t >= DROPPED_GRACE_S)
+
+    def _on_dropped(self, worker_group: WorkerGroup, dropped: list[str]) -> RunResult:
+        """Restart this node's workers (torch's failure path: a restart is counted)."""
+        me = _torch.rendezvous_node(worker_group.spec.rdzv_handler)
+        if me in dropped:
+            log.error("this node was dropped from rendezvous round %d (its keep-alives did not "
+                      "reach the rendezvous store): stopping its workers to rejoin the job",
+                      self._round[0] if self._round else -1)
+            reason = "this node was dropped from the rendezvous"
+        else:
+            log.error("node(s) %s dropped out of rendezvous round %d (no keep-alive within the "
+                      "c10d timeout; host dead or unreachable): restarting the workers without "
+                      "them", ", ".join(dropped), self._round[0] if self._round else -1)
+            reason = f"node(s) {', '.join(dropped)} dropped from the rendezvous"
+        self._last_error = reason
+        self._ctx.sink.event("node_dropped", nodes=dropped, self_dropped=me in dropped,
+                             round=self._round[0] if self._round else None)
+        self._round = None  # once per round
+        return RunResult(state=WorkerState.UNHEALTHY)
+
     def _report_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
         by_global = {w.global_rank: w for w in worker_group.workers}
         first: tuple[float, str] | None = None

@@ -152,6 +152,28 @@ def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
     )
 
 
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine's (network namespace's) interfaces:
+    only there can a socket bind to it."""
+    try:
+        if Path("/proc/sys/net/ipv4/ip_nonlocal_bind").read_text().strip() != "0":
+            return False  # any address binds: binding proves nothing
+    except OSError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
+
+
 def plan_rendezvous(
     args: argparse.Namespace, explicit: set[str], external: bool, node0_hosts: bool = False,
 ) -> RendezvousPlan | None:
@@ -199,8 +221,11 @@ def plan_rendezvous(
         # its name may resolve oddly), and the first to bind would win under torch's rule.
         is_host = args.node_rank == 0
     else:
-        # torch's own rule: the launcher on the endpoint's host that binds first.
-        is_host = _torch.is_this_host(host)
+        # torch's own rule: the launcher on the endpoint's host that binds first. torch
+        # compares the endpoint with what this machine's name resolves to, which misses an
+        # address on a second interface (or in a network namespace): one of this machine's
+        # own addresses counts as well.
+        is_host = _torch.is_this_host(host) or is_local_address(host)
     store = None
     if is_host:
         try:
