@@ -447,6 +447,21 @@ def test_corrupted_replica_is_refused_and_an_older_copy_used(
              corrupted["step"], step, job.resumed_after(t_kill))
 
 
+def test_losing_the_launcher_that_hosts_the_store_ends_the_job(cluster_factory,
+                                                              state_dir: Path) -> None:
+    """Without a standalone coordinator, host 0's launcher hosts the rendezvous store and the
+    coordinator. Killing host 0 ends the job: every other launcher, the spare's too, exits
+    with code 1 saying the rendezvous failed, and its store removes the job's segments."""
+    c, job, _ = _running(cluster_factory, state_dir, "host0", 4, "3")
+    t_kill = _kill(job, 0)
+    for p in job.live():
+        assert c.wait(p, 120) == 1, c.output(p)[-3000:]
+        assert "rendezvous failed: RendezvousConnectionError" in c.output(p), c.output(p)[-3000:]
+    assert not any(any(c.shm_dir(i).iterdir()) for i in range(1, 4))
+    log.info("host 0 (the store's) killed: every other launcher exited %.1f s later",
+             time.time() - t_kill)
+
+
 def test_standalone_coordinator_outlives_the_host_that_would_host_it(
         cluster_factory, state_dir: Path, exact_steps: None, reference_3: str) -> None:
     """``ftrun coordinator`` runs on a host of its own (host 4). The launchers, with the same
