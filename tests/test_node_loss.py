@@ -404,12 +404,24 @@ def test_whole_group_killed_falls_back_to_disk(cluster_factory, state_dir: Path,
     log and ``ftrun status`` say that the restore came from disk."""
     ckpt = tmp_path / "ckpt"
     c, job, doc = _running(cluster_factory, state_dir, "group", 4, "2:4", "--persist-dir",
-                           str(ckpt), "--persist-every", "3")
+                           str(ckpt), "--persist-every", "3", steps=40)
     peer = _groups(job, doc)
     x = next(h for h in range(1, 4) if peer[h] != 0)
     t_kill = _kill(job, x, peer[x])
     on_disk = [s.step for s in persist.list_steps(ckpt) if s.complete]
     assert on_disk, f"nothing complete in {ckpt} at the kill"
+
+    def restored() -> dict | None:  # while the survivors train on
+        for p in job.live():
+            assert p.poll() is None, f"host {p.host} exited:\n{c.output(p)[-3000:]}"  # type: ignore[attr-defined]
+        snaps = job.status(0).get("snapshots") or {}
+        return snaps if snaps.get("world_size") == 2 and snaps.get("restore_source") else None
+
+    snaps = wait_for(restored, 150, "ftrun status to show the restore", interval_s=0.5)
+    assert snaps["base_step"] == max(on_disk) and snaps["restore_source"].startswith("disk"), \
+        snaps
+    text = job.status_text(0)
+    assert f"resumed from step {max(on_disk)}, from disk" in text, text
     job.finish()
     [step] = json.loads(job.result.read_text())["resumed_from"]
     assert step == max(on_disk), (step, on_disk)
@@ -427,8 +439,12 @@ def test_corrupted_replica_is_refused_and_an_older_copy_used(
     """A training host is killed; on the host that holds its replicas, one byte of the
     newest replica (step S, now the only copy of that shard) is flipped. The restore detects
     it and does not load S: it resumes from memory from an older step, whose replica of the
-    lost shard is intact, and ends bit-identical with the fault-free run (the spare joins)."""
-    c, job, doc = _running(cluster_factory, state_dir, "corrupt", 4, "3")
+    lost shard is intact, and ends bit-identical with the fault-free run (the spare joins).
+
+    Steps take 0.5 s here, so that every step is replicated before the next one commits:
+    the replica of the step before S is then held too (a store keeps two per shard)."""
+    c, job, doc = _running(cluster_factory, state_dir, "corrupt", 4, "3",
+                           train_args=("--step-sleep", "0.5"))
     victim = _victim(job, doc)
     holder = _groups(job, doc)[victim]
     [origin] = [n["node_id"] for n in doc["nodes"] if n["host"] == c.hostname(victim)]
@@ -439,10 +455,12 @@ def test_corrupted_replica_is_refused_and_an_older_copy_used(
                             job.run_id, origin])
     assert fault.returncode == 0, fault.stderr
     corrupted = json.loads(fault.stdout)
+    log.info("corrupted on host %d: %s", holder, corrupted)
     assert job.finish() == reference_3
     [step] = json.loads(job.result.read_text())["resumed_from"]
     assert 0 < step < corrupted["step"], (step, corrupted)
     assert {src.split(" ")[0] for _, _, src in job.resumes()} == {"memory"}, job.resumes()
+    assert "does not match its hash" in job.output(), job.output()[-4000:]
     log.info("corrupt replica: step %d refused, resumed from %d in %.1f s",
              corrupted["step"], step, job.resumed_after(t_kill))
 
