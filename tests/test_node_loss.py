@@ -119,10 +119,12 @@ class Job:
         self.nodes: list[subprocess.Popen[str]] = []
 
     def command(self, nnodes: str, *extra: str, endpoint: str | None = None,
-                steps: int = STEPS, train_args: Sequence[str] = ()) -> list[str]:
+                steps: int = STEPS, train_args: Sequence[str] = (),
+                replicas: int = 2) -> list[str]:
         return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", endpoint or f"{self.c.hostname(0)}:{PORT}",
-                "--rdzv-id", self.run_id, "--replicas", "2", "--max-restarts", "3", *extra,
+                "--rdzv-id", self.run_id, "--replicas", str(replicas), "--max-restarts", "3",
+                *extra,
                 TRAIN, "--steps", str(steps), "--batch", "12", "--snapshot-every", "1",
                 "--step-sleep", "0.15", "--step-log", str(self.steps_file),
                 "--result", str(self.result), *train_args]
@@ -434,35 +436,47 @@ def test_whole_group_killed_falls_back_to_disk(cluster_factory, state_dir: Path,
              x, peer[x], step, job.resumed_after(t_kill))
 
 
-def test_corrupted_replica_is_refused_and_an_older_copy_used(
+def test_corrupted_replica_is_refused_and_the_other_copy_used(
         cluster_factory, state_dir: Path, exact_steps: None, reference_3: str) -> None:
-    """A training host is killed; on the host that holds its replicas, one byte of the
-    newest replica (step S, now the only copy of that shard) is flipped. The restore detects
-    it and does not load S: it resumes from memory from an older step, whose replica of the
-    lost shard is intact, and ends bit-identical with the fault-free run (the spare joins).
+    """3 training hosts and a spare, 3 copies of every shard (``--replicas 3``). The host of
+    rank 1 is killed; one byte of the newest replica of its shard (step S) is flipped on the
+    holder that the new rank 1 reads first. That rank finds the chunk does not match its
+    hash, reads it from the other holder's copy, and the job resumes from S itself, from
+    memory, ending bit-identical with the fault-free run.
 
-    Steps take 0.5 s here, so that every step is replicated before the next one commits:
-    the replica of the step before S is then held too (a store keeps two per shard)."""
-    c, job, doc = _running(cluster_factory, state_dir, "corrupt", 4, "3",
+    Who reads first is fixed: torch numbers a round's nodes in the order of their names
+    (host order here), and a rank reads a shard from its own node's copy, else from the
+    holders in the order of their node ids. Steps take 0.5 s, so that every step reaches
+    both peers before the next one commits."""
+    c, job, doc = _running(cluster_factory, state_dir, "corrupt", 4, "3", replicas=3,
                            train_args=("--step-sleep", "0.5"))
-    victim = _victim(job, doc)
-    holder = _groups(job, doc)[victim]
-    [origin] = [n["node_id"] for n in doc["nodes"] if n["host"] == c.hostname(victim)]
-    t_kill = _kill(job, victim)
-    fault = c.exec(holder, [sys.executable, "-c", "import dataclasses, json, sys; "
-                            "from ftrun import faults; print(json.dumps(dataclasses.asdict("
-                            "faults.corrupt_replica(sys.argv[1], sys.argv[2]))))",
-                            job.run_id, origin])
+    training = sorted(job.hosts_with_ranks(doc))
+    x = training[1]  # rank 1
+    [spare] = set(range(4)) - set(training)
+    reader = sorted(set(training) - {x} | {spare})[1]  # rank 1 of the next round
+    by_node = {n["node_id"]: c.namespaces.index(n["host"]) for n in doc["nodes"]}
+    origin = next(node for node, h in by_node.items() if h == x)
+    holders = sorted(by_node[p] for p in doc["snapshots"]["replica_coverage"][origin]["peers"])
+    assert len(holders) == 2, holders
+    first = reader if reader in holders else holders[0]
+    t_kill = _kill(job, x)
+    fault = c.exec(first, [sys.executable, "-c", "import dataclasses, json, sys; "
+                           "from ftrun import faults; print(json.dumps(dataclasses.asdict("
+                           "faults.corrupt_replica(sys.argv[1], sys.argv[2]))))",
+                           job.run_id, origin])
     assert fault.returncode == 0, fault.stderr
     corrupted = json.loads(fault.stdout)
-    log.info("corrupted on host %d: %s", holder, corrupted)
+    log.info("host %d killed; replica corrupted on host %d (of holders %s, read by host %d): %s",
+             x, first, holders, reader, corrupted)
     assert job.finish() == reference_3
-    [step] = json.loads(job.result.read_text())["resumed_from"]
-    assert 0 < step < corrupted["step"], (step, corrupted)
+    assert json.loads(job.result.read_text())["resumed_from"] == [corrupted["step"]]
     assert {src.split(" ")[0] for _, _, src in job.resumes()} == {"memory"}, job.resumes()
-    assert "does not match its hash" in job.output(), job.output()[-4000:]
-    log.info("corrupt replica: step %d refused, resumed from %d in %.1f s",
-             corrupted["step"], step, job.resumed_after(t_kill))
+    [read_by] = [p for p in job.nodes if p.host == reader]  # type: ignore[attr-defined]
+    refused = [ln for ln in c.output(read_by).splitlines() if "does not match its hash" in ln
+               and f"shard of step {corrupted['step']}" in ln]
+    assert refused, c.output(read_by)[-4000:]
+    log.info("corrupt replica: step %d's copy on host %d refused, the other used; resumed "
+             "in %.1f s", corrupted["step"], first, job.resumed_after(t_kill))
 
 
 def test_losing_the_launcher_that_hosts_the_store_ends_the_job(cluster_factory,
