@@ -417,13 +417,13 @@ def test_whole_group_killed_falls_back_to_disk(cluster_factory, state_dir: Path,
         for p in job.live():
             assert p.poll() is None, f"host {p.host} exited:\n{c.output(p)[-3000:]}"  # type: ignore[attr-defined]
         snaps = job.status(0).get("snapshots") or {}
-        return snaps if snaps.get("world_size") == 2 and snaps.get("restore_source") else None
+        return snaps if snaps.get("world_size") == 2 and snaps.get("restored_from") else None
 
     snaps = wait_for(restored, 150, "ftrun status to show the restore", interval_s=0.5)
-    assert snaps["base_step"] == max(on_disk) and snaps["restore_source"].startswith("disk"), \
+    assert snaps["base_step"] == max(on_disk) and snaps["restored_from"].startswith("disk"), \
         snaps
     text = job.status_text(0)
-    assert f"resumed from step {max(on_disk)}, from disk" in text, text
+    assert f"restored step {max(on_disk)} from disk" in text, text
     job.finish()
     [step] = json.loads(job.result.read_text())["resumed_from"]
     assert step == max(on_disk), (step, on_disk)
