@@ -72,6 +72,12 @@ def test_hosts_reach_each_other_and_keep_their_own_loopback(cluster_factory) -> 
         out = c.exec(i, [sys.executable, "-c", "import socket, sys; print(socket.gethostname(), "
                          "*[socket.gethostbyname(n) for n in sys.argv[1:]])", *names])
         assert out.stdout.split() == [c.hostname(i), *[c.addr(j) for j in range(3)]], out
+    # the launcher knows host 0's address as its own there only (it hosts the rendezvous
+    # store by its address, whatever the host name resolves to)
+    check = "from ftrun.launcher.launch import is_local_address as f; import sys; " \
+            "print(f(sys.argv[1]), f(sys.argv[2]))"
+    assert c.exec(0, [sys.executable, "-c", check, c.addr(0), c.addr(1)]).stdout.split() == \
+        ["True", "False"]
     # a cut link isolates the host both ways; restoring it brings it back
     c.cut_link(1)
     assert _connect(c, 0, c.addr(1), 7001, 2) == "error TimeoutError"
