@@ -359,7 +359,8 @@ def test_link_cut_under_min_max_survivors_go_on_without_it(cluster_factory, stat
     dropped = [e for e in job.events() if e["type"] == "node_dropped"]
     assert dropped and all(any(n.startswith(c.hostname(victim) + "_") for n in e["nodes"])
                            for e in dropped), dropped
-    assert {e["node"].split("/")[0] for e in dropped} == \
+    # A survivor acts on it (the other may see its workers fail first, from that restart).
+    assert {e["node"].split("/")[0] for e in dropped} <= \
         {c.hostname(p.host) for p in survivors}  # type: ignore[attr-defined]
     log.info("cut under MIN:MAX: host %d cut, dropped after %.1f s, training resumed in %.1f s",
              victim, min(e["ts"] for e in dropped) - t_cut, job.resumed_after(t_cut))
