@@ -275,3 +275,37 @@ def test_torch_calls_the_agent_hooks_and_the_accessors_read_its_state(tmp_path: 
     assert seen["remaining_before_restart"] == 0  # torch counts the restart down first
     for started, from_accessor in seen["pids"]:
         assert started == from_accessor and sorted(started) == [0, 1]
+
+
+def test_rendezvous_state_seen_through_the_c10d_handler() -> None:
+    """rendezvous_view/rendezvous_node read DynamicRendezvousHandler's private state: a real
+    c10d handler, after one rendezvous of one node, shows its round, itself as participant,
+    and its own name."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        create_backend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        _RendezvousState,
+    )
+
+    for name in ("round", "participants", "last_heartbeats", "wait_list", "redundancy_list"):
+        assert name in _RendezvousState().__dict__, name
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "seam", 1, 1,
+                                  is_host="0", timeout="30")
+    backend, _ = create_backend(params)
+    handler = DynamicRendezvousHandler.from_backend("seam", store, backend, 1, 1)
+    try:
+        assert _torch.rendezvous_view(object()) is None
+        handler.next_rendezvous()
+        view = _torch.rendezvous_view(handler)
+        node = _torch.rendezvous_node(handler)
+        assert view is not None and node is not None
+        round_, members, present = view
+        assert round_ >= 0 and members == frozenset({node}) and node in present
+    finally:
+        handler.shutdown()
