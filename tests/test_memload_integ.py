@@ -1,8 +1,9 @@
 """Restores from the job's memory onto another number of ranks, across launchers as nodes.
 
-Four launchers on this host act as nodes of one c10d job, one rank each, with
-``--replicas 2``. Each node gets shared memory of its own (FTRUN_SHM_DIR), as separate hosts
-have: a killed node's snapshots are gone with it, and no other store can adopt them.
+Four hosts, each a network namespace with an address, a host name and shared memory of its
+own (tests/netns.py), run one launcher each of one c10d job, one rank per node, with the
+default ``--replicas 2`` (replicas and shard reads go over the rendezvous interface). A
+killed host's processes and memory are gone with it.
 
 - 4 → 3: a node is killed under ``--nnodes 3:4``; the three survivors re-rendezvous and
   every rank loads the newest step held in full across the live stores, which is complete
@@ -18,15 +19,13 @@ new world size must equal, bit for bit, the state the old world size had at that
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import Procs, free_port, wait_for
+from conftest import free_port, wait_for
+from netns import Cluster, cluster_fixture  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -35,52 +34,38 @@ STATE = re.compile(r"^(state|restored): step=(\d+) hash=(\w+) optim=(\w+) world=
 
 
 class Nodes:
-    """Launchers of one job on this host, each with shared memory of its own."""
+    """Launchers of one job, one per host of a namespace cluster."""
 
-    def __init__(self, procs: Procs, tmp_path: Path, worker_args: list[str]) -> None:
-        self.procs = procs
+    def __init__(self, cluster: Cluster, worker_args: list[str]) -> None:
+        self.c = cluster
         self.run_id = f"mem-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.worker_args = worker_args
-        self.dirs: list[Path] = []
         self.nodes: list = []
 
     def start(self, nnodes: str) -> None:
-        """Start a node; the first one hosts the rendezvous store and the coordinator (the
-        others start once it does)."""
+        """Start a node on the next host; the first one hosts the rendezvous store and the
+        coordinator (the others start once it does)."""
         i = len(self.nodes)
-        shm = Path(f"/dev/shm/ftrun-test-{self.run_id}-n{i}")
-        shm.mkdir(mode=0o700)
-        self.dirs.append(shm)
-        self.nodes.append(self.procs.ftrun(
-            "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
-            "--replicas", "2", "--replica-addr", "127.0.0.1", "--max-restarts", "3",
-            WORKER, *self.worker_args, env={"FTRUN_SHM_DIR": str(shm)}, name=f"node{i}"))
+        self.nodes.append(self.c.ftrun(
+            i, "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{self.c.addr(0)}:{self.port}", "--rdzv-id", self.run_id,
+            "--max-restarts", "3", WORKER, *self.worker_args, name=f"node{i}"))
         if i == 0:
-            wait_for(lambda: "coordinator of job" in self.procs.output(self.nodes[0]), 60,
+            wait_for(lambda: "coordinator of job" in self.c.output(self.nodes[0]), 60,
                      "the first node to host the rendezvous store")
 
     def output(self) -> str:
-        return "\n".join(self.procs.output(n) for n in self.nodes)
+        return "\n".join(self.c.output(n) for n in self.nodes)
 
     def states(self, what: str = "state") -> list[tuple[int, str, str, int]]:
         return [(int(s), h, o, int(w)) for kind, s, h, o, w in STATE.findall(self.output())
                 if kind == what]
 
-    def cleanup(self) -> None:
-        self.procs.cleanup()
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
-
 
 @pytest.fixture
-def job(procs: Procs, tmp_path: Path, request: pytest.FixtureRequest):
-    nodes = Nodes(procs, tmp_path, request.param)
-    try:
-        yield nodes
-    finally:
-        nodes.cleanup()
+def job(cluster_factory, request: pytest.FixtureRequest) -> Nodes:
+    return Nodes(cluster_factory(5), request.param)
 
 
 def _check_resumed(nodes: Nodes, old: int, new: int) -> int:
@@ -104,9 +89,7 @@ def test_four_ranks_to_three_after_a_lost_node_and_back_to_four(job: Nodes) -> N
         job.start("3:4")
     wait_for(lambda: len([s for s in job.states() if s[3] == 4]) >= 6, 240,
              "six steps on 4 ranks")
-    victim = job.nodes[3]  # not the first: it hosts the rendezvous store
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait(30)
+    job.c.kill_host(3)  # not the first: it hosts the rendezvous store
     wait_for(lambda: len([s for s in job.states() if s[3] == 3]) >= 4, 240,
              "four steps on 3 ranks after the node was lost")
     _check_resumed(job, 4, 3)
@@ -117,7 +100,7 @@ def test_four_ranks_to_three_after_a_lost_node_and_back_to_four(job: Nodes) -> N
 
     job.start("3:4")  # a node joins: the job grows back to 4 ranks
     for node in job.nodes[:3] + job.nodes[4:]:
-        assert job.procs.wait(node, 240) == 0, job.output()[-6000:]
+        assert job.c.wait(node, 240) == 0, job.output()[-6000:]
     _check_resumed(job, 3, 4)
     out = job.output()
     assert re.search(r"^source: memory, resharded from 3 ranks", out, re.M), out[-6000:]
