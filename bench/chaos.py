@@ -193,13 +193,16 @@ def expected_resume(f: Fault, base: int, marker_corrupted: int | None = None) ->
 
     A rank that fails in step S leaves every rank's snapshot of S-2 committed (a rank's save
     of S-1 overwrote its older buffer only once S-2 was committed), and normally S-1 too; a
-    killed rank may die before its copy of S-1 completed. ``corrupt`` spoils the newest
-    snapshot (S-1, after waiting for it), so exactly the one before it must be used. Steps
-    not taken in this incarnation are only on disk: then the restore falls back to ``base``.
+    killed rank may die before its copy of S-1 completed. ``corrupt`` spoils the rank's own
+    copy of its newest snapshot (S-1, after waiting for it): the restore reads that shard from
+    its replica on the other node when the step was durable (the jobs run with the default
+    ``--replicas 2``), else uses the step before it; the corrupt bytes are never loaded (the
+    final weights say so). Steps not taken in this incarnation are only on disk: then the
+    restore falls back to ``base``.
     """
     if f.kind == "corrupt":
         assert marker_corrupted is not None
-        candidates = [marker_corrupted - 1]
+        candidates = [marker_corrupted, marker_corrupted - 1]
     else:
         candidates = [f.step - 1, f.step - 2]
     inside = [s for s in candidates if s > base]
