@@ -750,12 +750,12 @@ class Snapshotter:
         restored, source = 0, "none"
         for key in self._agree_candidates(list(by_key), distributed):
             cand = by_key[key]
-            tree, how = self._load_candidate(cand, local)
+            tree, how, own = self._load_candidate(cand, local)
             if self._all(tree is not None, distributed):
                 assert tree is not None
                 self._apply(tree)
-                if cand.world_size == self.world_size and local.get(cand.step) is not None:
-                    self._newest = (local[cand.step], cand.step)
+                if own is not None:  # its own buffer holds the step: the next save keeps it
+                    self._newest = (own, cand.step)
                 restored, source = cand.step, how
                 break
             log.warning("step %d (%d ranks) could not be loaded on some rank; trying an older "
@@ -863,11 +863,12 @@ class Snapshotter:
             common &= set(theirs or [])
         return sorted(common, key=lambda k: (-k[0], k[1], k[2]))
 
-    def _load_candidate(self, cand: shards.Candidate,
-                        local: dict[int, int]) -> tuple[dict[str, Any] | None, str]:
+    def _load_candidate(self, cand: shards.Candidate, local: dict[int, int]) -> tuple[
+            dict[str, Any] | None, str, int | None]:
         """This rank's state from a step held in full across the job: (tree or None, where
-        from). Its own buffer when it holds it; else the shard of the same rank from whichever
-        node holds it; else, taken by another number of ranks, resharded from theirs."""
+        from, its own buffer when that is what was loaded). Its own buffer when it holds it;
+        else the shard of the same rank from whichever node holds it; else, taken by another
+        number of ranks, resharded from theirs."""
         from ftrun.snapshot import memload
 
         node = knobs.NODE_ID.get()
@@ -881,7 +882,7 @@ class Snapshotter:
             if own:
                 tree = self._load_memory(buffer, cand.step)  # type: ignore[arg-type]
                 if tree is not None:
-                    return tree, "memory"
+                    return tree, "memory", buffer
         old_ranks = [self.rank] if cand.world_size == self.world_size else list(cand.holders)
         readers = {old: shards.ShardReader(cand.holders[old], node, self._secret, self.run_id,
                                            f"rank:{self.rank}") for old in old_ranks}
@@ -899,14 +900,14 @@ class Snapshotter:
         except Exception as e:  # noqa: BLE001 - any failure: the ranks try an older step
             log.error("rank %d: step %d (%d ranks) held in memory could not be loaded: %s",
                       self.rank, cand.step, cand.world_size, e)
-            return None, ""
+            return None, "", None
         finally:
             for r in readers.values():
                 r.close()
         sources = sorted({n for r in readers.values() for n in r.sources})
         if sources and sources != [node]:
             how += f" (from node(s) {', '.join(sources)})"
-        return tree, how
+        return tree, how, None
 
     def _all(self, ok: bool, distributed: bool) -> bool:
         if not distributed:
