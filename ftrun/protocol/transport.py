@@ -385,6 +385,13 @@ class Server:
         self._sock = sock
         return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
+    def bind_tcp(self, host: str, context: zmq.Context[Any] | None = None) -> str:
+        """Bind ``host`` on a port the OS picks; returns the ``host:port`` peers use."""
+        from ftrun.protocol.endpoints import join_endpoint
+
+        bound = self.bind(f"tcp://{join_endpoint(host, 0).rsplit(':', 1)[0]}:*", context)
+        return join_endpoint(host, int(bound.rsplit(":", 1)[1]))
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close(0)

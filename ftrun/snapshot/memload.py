@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot.fallback import RESHARDED_ROOTS, overlay, resharded_keys
 from ftrun.snapshot.manifest import TensorEntry, entries, tensor_view, unflatten
-from ftrun.snapshot.persist import StepLayout
+from ftrun.snapshot.persist import StepLayout, drop_rank_local
 from ftrun.snapshot.shards import ShardReader
 
 log = logging.getLogger("ftrun.restore")
@@ -98,12 +97,7 @@ def memory_layout(docs: dict[int, dict[str, Any]]) -> tuple[
             have.chunks.append(ChunkStorageMetadata(offsets=torch.Size(e.goffsets),
                                                     sizes=torch.Size(e.shape)))
             storage[MetadataIndex(fqn, torch.Size(e.goffsets))] = (old, e)
-    for fqn, tmd in tensors.items():
-        if sum(math.prod(c.sizes) for c in tmd.chunks) != math.prod(tmd.size):
-            local.add(fqn)
-    for fqn in local:
-        tensors.pop(fqn, None)
-    storage = {i: v for i, v in storage.items() if i.fqn not in local}
+    storage = drop_rank_local(tensors, storage, local)
     return StepLayout(Metadata(state_dict_metadata=tensors), sorted(local)), storage
 
 

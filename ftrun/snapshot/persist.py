@@ -491,7 +491,6 @@ def merge_layout(step: StepDir) -> StepLayout:
     whose chunks do not cover it, is rank-local: it stays in the rank directories only.
     """
     import dataclasses
-    import math
 
     from torch.distributed.checkpoint.metadata import (
         Metadata,
@@ -529,14 +528,23 @@ def merge_layout(step: StepDir) -> StepLayout:
             if owner is not None and owner[0] == rd.rank:
                 storage[MetadataIndex(index.fqn, index.offset)] = dataclasses.replace(
                     info, relative_path=f"{rd.path.name}/{info.relative_path}")
+    storage = drop_rank_local(tensors, storage, local)
+    return StepLayout(Metadata(state_dict_metadata=tensors, storage_data=storage),
+                      sorted(local))
+
+
+def drop_rank_local(tensors: dict[str, Any], storage: dict[Any, Any],
+                    local: set[str]) -> dict[Any, Any]:
+    """Add to ``local`` every tensor whose chunks do not cover it, take every rank-local
+    tensor out of ``tensors`` (in place); returns ``storage`` without their chunks."""
+    import math
+
     for fqn, tmd in tensors.items():
         if sum(math.prod(c.sizes) for c in tmd.chunks) != math.prod(tmd.size):
             local.add(fqn)
     for fqn in local:
         tensors.pop(fqn, None)
-    storage = {i: v for i, v in storage.items() if i.fqn not in local}
-    return StepLayout(Metadata(state_dict_metadata=tensors, storage_data=storage),
-                      sorted(local))
+    return {i: v for i, v in storage.items() if i.fqn not in local}
 
 
 def finalize_step(persist_dir: PathLike, step: int, world_size: int | None = None) -> bool:

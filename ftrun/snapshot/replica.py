@@ -204,9 +204,7 @@ class ReplicaReceiver:
 
         The thread first adopts the replicas a previous store of this node left (re-hashing
         them takes time; peers' requests queue on the socket meanwhile)."""
-        bind_host = f"[{host}]" if ":" in host else host
-        bound = self._server.bind(f"tcp://{bind_host}:*")
-        self.address = protocol.join_endpoint(host, int(bound.rsplit(":", 1)[1]))
+        self.address = self._server.bind_tcp(host)
         self._thread = threading.Thread(target=self._serve, name="ftrun-replica-recv",
                                         daemon=True)
         self._thread.start()

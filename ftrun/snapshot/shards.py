@@ -87,9 +87,7 @@ class ShardService:
         self.address = ""
 
     def start(self, host: str) -> str:
-        bind_host = f"[{host}]" if ":" in host else host
-        bound = self._server.bind(f"tcp://{bind_host}:*")
-        self.address = protocol.join_endpoint(host, int(bound.rsplit(":", 1)[1]))
+        self.address = self._server.bind_tcp(host)
         self._thread = threading.Thread(target=self._serve, name="ftrun-shards", daemon=True)
         self._thread.start()
         log.info("serving this node's shards on %s", self.address)
