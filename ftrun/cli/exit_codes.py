@@ -10,6 +10,9 @@ JOB_FAILED = 4  # `status`: the job reports failed workers and no restarts left
 UNREACHABLE = 5  # the coordinator did not answer in time
 AUTH = 6  # the coordinator refused the secret
 NOT_FOUND = 7  # no such job in the state directory
+# The launcher's host was isolated by the coordinator (ftrun.coordinator.detect: a hung or
+# slow rank, or a slow link, named on this host; or the host is on the job's exclude list).
+ISOLATED = 8
 
 
 def for_error(e: BaseException) -> int:

@@ -80,6 +80,10 @@ SCHEMAS: dict[str, Schema] = {
         "workers": (ListOf(WORKER_SCHEMA), True),
         "last_error": ((str, _NONE), True),
         "extra": (dict, False),
+        # Directives this launcher carried out (their ids), until the coordinator stops
+        # sending them; where its probe service listens (ftrun.launcher.probe).
+        "acked": (ListOf(str), False),
+        "probe_addr": (str, False),
     },
     "event": {"node_id": (str, True), "type": (str, True), "data": (dict, True)},
     "bye": {"node_id": (str, True), "state": (str, True), "exitcode": (int, True)},
@@ -195,6 +199,40 @@ SCHEMAS: dict[str, Schema] = {
     # live stores (node -> address), where a restore looks for shards.
     "stores_request": {},
     "stores_reply": {"stores": (ListOf({"node_id": (str, True), "addr": (str, True)}), True)},
+    # Detection (ftrun.rank.collectives -> the coordinator's detect endpoint, analysed by
+    # ftrun.coordinator.detect). One rank's collective counters, from torch's Flight Recorder
+    # (pg_status), sampled every ``interval_s`` on the rank's own monotonic clock; every time
+    # is a local duration, never a clock reading. ``seq``: this process's report number.
+    # Per process group ``pg`` (torch's group name, the same on every member) of ``size``
+    # ranks: ``enqueued``/``completed``: the last collective sequence numbers; ``waiting_s``:
+    # how long op ``completed + 1`` has been enqueued and not completed (null: none pending);
+    # ``op``/``bytes``: what that op is, when known; ``done``: ops completed since the last
+    # report that took at least one interval, as [seq, duration_s] (the others took less).
+    "coll_report": {
+        "node_id": (str, True), "host": (str, True), "rank": (int, True),
+        "world_size": (int, True), "restart": (int, True), "pid": (int, True),
+        "backend": (str, True), "seq": (int, True), "interval_s": (float, True),
+        "groups": (ListOf({
+            "pg": (str, True), "size": (int, True), "enqueued": (int, True),
+            "completed": (int, True), "waiting_s": ((float, _NONE), True),
+            "op": (str, False), "bytes": (int, False), "ranks": (ListOf(int), False),
+            "done": (ListOf(list), False),
+        }), True),
+    },
+    # Coordinator -> launcher, in reply to its heartbeats until the heartbeat acks them by
+    # id: orders (``action`` restart | isolate | probe) with their ``data``.
+    "directives": {"directives": (ListOf({"id": (str, True), "action": (str, True),
+                                          "data": (dict, True)}), True)},
+    # Launcher -> a peer launcher's probe service: ``size`` bytes in one data frame, echoed
+    # back as a probe_ack (ftrun.launcher.probe).
+    "probe": {"size": (int, True)},
+    "probe_ack": {"size": (int, True)},
+    # Launcher -> coordinator: what probing each peer measured for directive ``id``.
+    "probe_result": {"node_id": (str, True), "host": (str, True), "id": (str, True),
+                     "results": (ListOf({"peer": (str, True), "host": (str, True),
+                                         "rtt_s": ((float, _NONE), True),
+                                         "mb_s": ((float, _NONE), True),
+                                         "error": (str, False)}), True)},
     # Fault injection (tests, drills): the store flips a byte of ``rank``'s newest verified
     # shard, as a bad DIMM would, and says which.
     "fault_corrupt": {"rank": (int, True)},
