@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import signal
-import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TRAIN, read_events, result_line, wait_for
-from netns import Cluster, cluster_fixture, require_netns  # noqa: F401  (the fixture)
+from conftest import result_line, wait_for
+from netns import (  # noqa: F401  (the fixture)
+    KILL_AT,
+    PORT,
+    STEPS,
+    Cluster,
+    Job,
+    cluster_fixture,
+    require_netns,
+)
 
 from ftrun import jobs
 from ftrun.rank.progress import read_progress
@@ -106,109 +111,6 @@ def test_hosts_reach_each_other_and_keep_their_own_loopback(cluster_factory) -> 
 # shard (--replicas 2), the rendezvous store and the coordinator on host 0 (the launcher
 # there hosts them), and a spare, where there is one, started with the very same command.
 # Host 0 is never the victim except in the test of the coordinator's host.
-
-PORT = "29400"  # every cluster has network stacks of its own: no other job can hold it
-STEPS = 24
-KILL_AT = 8  # steps done before the fault
-RESUMED = re.compile(r"rank (\d+) resumed from step (\d+) \(.*?\), from (.+)$", re.M)
-
-
-class Job:
-    """One ftrun job on a cluster: its command, its nodes, its status and events."""
-
-    def __init__(self, c: Cluster, state_dir: Path, name: str) -> None:
-        self.c = c
-        self.state_dir = state_dir
-        self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
-        self.result = c.tmp_path / f"{self.run_id}.result.json"
-        self.steps_file = c.tmp_path / f"{self.run_id}.steps.jsonl"
-        self.nodes: list[subprocess.Popen[str]] = []
-
-    def command(self, nnodes: str, *extra: str, endpoint: str | None = None,
-                steps: int = STEPS, train_args: Sequence[str] = (),
-                replicas: int = 2) -> list[str]:
-        return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", endpoint or f"{self.c.hostname(0)}:{PORT}",
-                "--rdzv-id", self.run_id, "--replicas", str(replicas), "--max-restarts", "3",
-                *extra,
-                TRAIN, "--steps", str(steps), "--batch", "12", "--snapshot-every", "1",
-                "--step-sleep", "0.15", "--step-log", str(self.steps_file),
-                "--result", str(self.result), *train_args]
-
-    def start(self, hosts: Sequence[int], nnodes: str, *extra: str,
-              **kw: Any) -> list[subprocess.Popen[str]]:
-        cmd = self.command(nnodes, *extra, **kw)
-        self.nodes += [self.c.ftrun(i, *cmd, name=f"{self.run_id}.host{i}") for i in hosts]
-        return self.nodes
-
-    def live(self) -> list[subprocess.Popen[str]]:
-        return [p for p in self.nodes if p.host not in self.c.lost]  # type: ignore[attr-defined]
-
-    def output(self) -> str:
-        return "".join(self.c.output(p) for p in self.nodes)
-
-    def steps(self) -> list[dict]:
-        if not self.steps_file.exists():
-            return []
-        return [json.loads(ln) for ln in self.steps_file.read_text().splitlines() if ln.strip()]
-
-    def events(self) -> list[dict]:
-        return read_events(self.state_dir, self.run_id)
-
-    def wait_step(self, step: int, timeout_s: float = 150) -> None:
-        def reached() -> bool:
-            for p in self.live():
-                assert p.poll() is None, \
-                    f"host {p.host} exited early:\n{self.c.output(p)[-3000:]}"  # type: ignore[attr-defined]
-            return any(r["step"] >= step for r in self.steps())
-
-        wait_for(reached, timeout_s, f"step {step} of {self.run_id}", interval_s=0.1)
-
-    def status(self, host: int = 0) -> dict:
-        """``ftrun status --json``, run on ``host`` (the coordinator is on the bridge)."""
-        out = self.c.exec(host, [sys.executable, "-m", "ftrun", "status", self.run_id, "--json"])
-        assert out.returncode in (0, 3), f"ftrun status failed ({out.returncode}): {out.stderr}"
-        return json.loads(out.stdout)
-
-    def status_text(self, host: int = 0) -> str:
-        out = self.c.exec(host, [sys.executable, "-m", "ftrun", "status", self.run_id])
-        assert out.returncode in (0, 3), f"ftrun status failed ({out.returncode}): {out.stderr}"
-        return out.stdout
-
-    def hosts_with_ranks(self, doc: dict) -> dict[int, list[int]]:
-        """host index -> its ranks, for the nodes training now."""
-        return {self.c.namespaces.index(n["host"]): n["ranks"] for n in doc["nodes"]
-                if n["state"] == "healthy" and not (n["lost"] or n["left"])}
-
-    def wait_durable(self, at_least: int, host: int = 0, timeout_s: float = 60) -> dict:
-        """The status once a step >= ``at_least`` is durable and every node reports coverage."""
-        def durable() -> dict | None:
-            doc = self.status(host)
-            snaps = doc.get("snapshots") or {}
-            return doc if (snaps.get("durable_step") or 0) >= at_least else None
-
-        return wait_for(durable, timeout_s, f"a durable step >= {at_least}", interval_s=0.3)
-
-    def finish(self, timeout_s: float = 180) -> str:
-        """Wait for every live node; all must succeed. Returns the final params_xxh3."""
-        for p in self.live():
-            code = self.c.wait(p, timeout_s)
-            assert code == 0, f"host {p.host} exited {code}:\n{self.c.output(p)[-4000:]}"  # type: ignore[attr-defined]
-        return result_line(self.output()).split("params_xxh3=")[1].strip()
-
-    def resumes(self) -> list[tuple[int, int, str]]:
-        """(rank, step, source) of every rank that resumed from a snapshot."""
-        return [(int(r), int(s), src) for r, s, src in RESUMED.findall(self.output())]
-
-    def resumed_after(self, t_fault: float) -> float:
-        """Seconds from the fault to the first step completed by the restarted workers."""
-        starts = [e["ts"] for e in self.events()
-                  if e["type"] == "workers_started" and e["ts"] > t_fault]
-        assert starts, f"no workers started after the fault: {[e['type'] for e in self.events()]}"
-        later = [r["time"] for r in self.steps() if r["time"] > min(starts)]
-        assert later, "no step completed after the restart"
-        return min(later) - t_fault
-
 
 def _running(cluster_factory: Any, state_dir: Path, name: str, hosts: int, nnodes: str,
              *extra: str, **kw: Any) -> tuple[Cluster, Job, dict]:
