@@ -499,3 +499,14 @@ class Job:
         later = [r["time"] for r in self.steps() if r["time"] > min(starts)]
         assert later, "no step completed after the restart"
         return min(later) - t_fault
+
+
+@pytest.fixture(scope="session", name="reference_3")
+def reference_3_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_xxh3 of the fault-free job on 3 hosts: the command of every test with a spare (once per test session)."""
+    require_netns()
+    tmp = tmp_path_factory.mktemp("reference3")
+    with Cluster(3, tmp) as c:
+        job = Job(c, c.state_dir, "ref3")
+        job.start(range(3), "3")
+        return job.finish()

@@ -20,6 +20,7 @@ from netns import (  # noqa: F401  (the fixture)
     Cluster,
     Job,
     cluster_fixture,
+    reference_3_fixture,
     require_netns,
 )
 
@@ -136,17 +137,6 @@ def _kill(job: Job, *hosts: int) -> float:
         killed = job.c.kill_host(h)
         log.info("host %d (%s) killed: pids %s", h, job.c.hostname(h), killed)
     return t
-
-
-@pytest.fixture(scope="module")
-def reference_3(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """params_xxh3 of the fault-free job on 3 hosts: the command of every test with a spare."""
-    require_netns()
-    tmp = tmp_path_factory.mktemp("reference3")
-    with Cluster(3, tmp) as c:
-        job = Job(c, c.state_dir, "ref3")
-        job.start(range(3), "3")
-        return job.finish()
 
 
 def test_host_killed_with_spare_matches_fault_free(cluster_factory, state_dir: Path,
