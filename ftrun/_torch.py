@@ -318,3 +318,19 @@ def agent_class() -> type:
             self.shutdown(death_sig, timeout)
 
     return ElasticAgent
+
+
+# --------------------------------------------------------------------------------------------
+# Leaving a job without closing its rendezvous (an isolated host)
+# --------------------------------------------------------------------------------------------
+
+
+def rendezvous_keeping_error() -> type:
+    """The exception class torch's elastic launch treats as a death signal:
+    ``SimpleElasticAgent.run`` stops the workers with its ``sigval`` (``_shutdown(sigval)``)
+    and ``launch_agent`` then skips ``rdzv_handler.shutdown()``, which would close the
+    rendezvous for every node. A subclass raised from the agent's monitor tick ends one
+    launcher and leaves the others free to re-rendezvous without it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException

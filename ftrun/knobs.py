@@ -57,6 +57,22 @@ HANG_TIMEOUT = Knob(
     "for this long, or sat stopped (SIGSTOP) for a third of it (at least 1 s). 0 turns the "
     "progress check off; stopped ranks are then killed after 10 s.",
 )
+ON_HANG = Knob(
+    "FTRUN_ON_HANG", "warn|restart|isolate", "restart",
+    "What the coordinator does when its collective analysis names a hung rank: warn (log and "
+    "record it), restart (kill the culprit ranks; every node restarts from the snapshot) or "
+    "isolate (also exclude the culprit's host: its launcher exits with code 8).",
+)
+ON_SLOW = Knob(
+    "FTRUN_ON_SLOW", "warn|isolate", "warn",
+    "What the coordinator does when its analysis names a slow rank, host or link: warn, or "
+    "isolate the host (its launcher exits with code 8; the others restart without it).",
+)
+ISOLATE_HOOK = Knob(
+    "FTRUN_ISOLATE_HOOK", "command", "",
+    "Shell command the coordinator runs with an isolated host's name as its argument (for "
+    "example a Slurm drain). Unset: none.",
+)
 LOG_LEVEL = Knob(
     "FTRUN_LOG_LEVEL", "str", "INFO", "Log level of ftrun's own logger.", "any",
 )

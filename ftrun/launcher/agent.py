@@ -17,16 +17,24 @@ them through :func:`ftrun._torch.agent_class`, under public names):
   which would otherwise wait in a collective for the process-group timeout; a node that
   finds itself dropped restarts its own workers and rejoins the job rather than training on;
 - reports to the coordinator: node state for the heartbeat, and events for rendezvous,
-  starts, failures, hangs, dropped nodes and restarts.
+  starts, failures, hangs, dropped nodes and restarts;
+- the coordinator's directives, queued by the node reporter's thread and carried out on the
+  agent's own thread at its next monitor tick: ``restart`` SIGKILLs the named local ranks
+  (torch's failure path restarts the group; a rank stuck in a collective dies at once),
+  ``isolate`` SIGKILLs every worker and raises :class:`HostIsolated`, which ends the
+  launcher without closing the rendezvous for the other nodes, and ``probe`` starts the
+  link probes on a thread of their own.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,6 +64,21 @@ STOPPED_LIMIT_S = 10.0
 DROPPED_GRACE_S = 2.0
 
 
+class HostIsolated(_torch.rendezvous_keeping_error()):  # type: ignore[misc]
+    """The coordinator isolated this node's host: its workers were stopped and its launcher
+    must exit with ``ISOLATED`` while the rendezvous stays open for the other nodes.
+
+    It derives from the error torch's launch path treats as a death signal: torch's agent
+    then stops the workers with ``sigval`` (SIGKILL) and its ``launch_agent`` leaves the
+    rendezvous open, as for a launcher stopped by a signal (see ftrun._torch).
+    """
+
+    def __init__(self, reason: str, evidence: dict[str, Any] | None = None) -> None:
+        super().__init__(f"host isolated by the coordinator: {reason}", signal.SIGKILL)
+        self.reason = reason
+        self.evidence = evidence or {}
+
+
 class EventSink(Protocol):
     def event(self, type: str, **data: Any) -> None: ...
 
@@ -77,6 +100,17 @@ class AgentContext:
     sink: EventSink = field(default_factory=_NoSink)
     agent: FtrunAgent | None = None
     store: StoreProcess | None = None
+    # The coordinator's directives ({"id", "action", "data"}), put by the reporter's thread
+    # and taken by the agent's; ``run_probe`` starts a probe directive on a thread of its own.
+    directives: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
+    run_probe: Callable[[dict[str, Any]], None] | None = None
+
+    def on_directive(self, directive: dict[str, Any]) -> None:
+        """Queue a directive for the agent (thread-safe, never blocks). An ``isolate``
+        arriving while the agent waits in a rendezvous interrupts that wait."""
+        self.directives.put(directive)
+        if directive.get("action") == "isolate" and self.agent is not None:
+            self.agent.interrupt_rendezvous()
 
 
 def proc_state(pid: int) -> str | None:
@@ -116,6 +150,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._round: tuple[int, frozenset[str]] | None = None  # rendezvous round, members
         self._missing_since: dict[str, float] = {}
+        self._in_rendezvous = False
+        self._isolated: HostIsolated | None = None
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------
@@ -158,8 +194,14 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
     # ---- torch's extension points ---------------------------------------------------
     def rendezvous(self, worker_group: WorkerGroup) -> None:
         self._phase = NodeState.RENDEZVOUS
+        # An isolated host must not join a round: the others would restart to take it in.
+        self._carry_out_directives(worker_group, running=False)
         t0 = time.monotonic()
-        super().rendezvous(worker_group)
+        self._in_rendezvous = True
+        try:
+            super().rendezvous(worker_group)
+        finally:
+            self._in_rendezvous = False
         view = _torch.rendezvous_view(worker_group.spec.rdzv_handler)
         self._round = (view[0], view[1]) if view is not None else None
         self._missing_since = {}
@@ -195,6 +237,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         return pids
 
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._carry_out_directives(worker_group, running=True)
         result = super().monitor_workers(worker_group)
         store = self._ctx.store
         if store is not None:
@@ -236,6 +279,91 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                 except ProcessLookupError:
                     pass
         super().shutdown(death_sig, timeout)
+
+    # ---- the coordinator's directives -------------------------------------------------
+    def interrupt_rendezvous(self) -> None:
+        """Called from the reporter's thread when an ``isolate`` arrives: a rendezvous wait
+        can last minutes, so the agent's thread is interrupted with SIGUSR2 (its handler,
+        :meth:`on_interrupt`, raises there); at any other time the next monitor tick acts."""
+        if self._in_rendezvous:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR2)
+
+    def on_interrupt(self) -> None:
+        """SIGUSR2's handler on the agent's (main) thread: leave the rendezvous wait for a
+        pending ``isolate``; nothing otherwise."""
+        if self._in_rendezvous and self._isolated is None:
+            self._in_rendezvous = False
+            self._carry_out_directives(None, running=False)
+
+    def _carry_out_directives(self, worker_group: WorkerGroup | None, running: bool) -> None:
+        """Take every queued directive and act on it, on the agent's thread. Raises
+        :class:`HostIsolated` for an ``isolate``."""
+        while True:
+            try:
+                directive = self._ctx.directives.get_nowait()
+            except queue.Empty:
+                return
+            action = directive.get("action")
+            data = directive.get("data") or {}
+            did = directive.get("id")
+            if action == "isolate":
+                self._isolate(str(data.get("reason") or "no reason given"),
+                              data.get("evidence") if isinstance(data.get("evidence"), dict)
+                              else {}, did)
+            elif action == "restart":
+                if running and worker_group is not None:
+                    self._kill_ranks(worker_group, data.get("ranks") or [],
+                                     str(data.get("reason") or "no reason given"), did)
+                else:
+                    log.info("directive %s: restart of ranks %s while no workers run; nothing "
+                             "to kill", did, data.get("ranks"))
+            elif action == "probe":
+                if self._ctx.run_probe is None:
+                    log.warning("directive %s: probe, but this launcher has no probe service",
+                                did)
+                else:
+                    self._ctx.run_probe(directive)
+            else:
+                log.warning("directive %s: unknown action %r ignored (a newer coordinator?)",
+                            did, action)
+
+    def _kill_ranks(self, worker_group: WorkerGroup, ranks: list[Any], reason: str,
+                    did: Any) -> None:
+        pids = self.worker_pids()
+        wanted = {r for r in ranks if isinstance(r, int)}
+        killed = []
+        for w in worker_group.workers:
+            pid = pids.get(w.local_rank)
+            if w.global_rank not in wanted or pid is None:
+                continue
+            log.error("rank %d (local %d, pid %d) killed by the coordinator: %s; the workers "
+                      "restart", w.global_rank, w.local_rank, pid, reason)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(w.global_rank)
+        if killed:
+            self._last_error = f"rank(s) {', '.join(map(str, killed))} killed: {reason}"[:1024]
+        self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted), killed=killed,
+                             reason=reason)
+
+    def _isolate(self, reason: str, evidence: dict[str, Any], did: Any) -> None:
+        pids = self.worker_pids()
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)  # stopped or hung ones too, all at once
+            except ProcessLookupError:
+                pass
+        log.error("this host (%s) was isolated by the coordinator: %s. Its %d worker(s) were "
+                  "killed and this launcher leaves the job; the other nodes continue without "
+                  "it", self._ctx.host, reason, len(pids))
+        self._last_error = f"host isolated: {reason}"[:1024]
+        self._phase = NodeState.FAILED
+        self._ctx.sink.event("host_isolated", id=did, host=self._ctx.host, reason=reason,
+                             evidence=evidence, killed=sorted(pids.values()))
+        self._isolated = HostIsolated(reason, evidence)
+        raise self._isolated
 
     # ---- ftrun's checks ---------------------------------------------------------------
     def _dropped_members(self, worker_group: WorkerGroup) -> list[str]:

@@ -24,6 +24,11 @@ Each takes --help.
 """
 
 
+# What the coordinator may do about a hung rank, and about a slow rank, host or link.
+ON_HANG_CHOICES = ("warn", "restart", "isolate")
+ON_SLOW_CHOICES = ("warn", "isolate")
+
+
 @dataclass(frozen=True)
 class FtrunOptions:
     """ftrun's own launcher options, validated."""
@@ -44,6 +49,9 @@ class FtrunOptions:
     replicas: int = 2
     replica_addr: str | None = None
     replica_rate_mb_s: float = 0.0
+    on_hang: str = "restart"
+    on_slow: str = "warn"
+    isolate_hook: str | None = None
 
     def __post_init__(self) -> None:
         every = self.snapshot_every.strip().lower()
@@ -90,6 +98,16 @@ class FtrunOptions:
             raise ConfigError(
                 f"--replica-rate must be MB/s >= 0 (0: no cap), got {self.replica_rate_mb_s}"
             )
+        if self.on_hang not in ON_HANG_CHOICES:
+            raise ConfigError(
+                f"--on-hang must be one of {', '.join(ON_HANG_CHOICES)}, got {self.on_hang!r}"
+            )
+        if self.on_slow not in ON_SLOW_CHOICES:
+            raise ConfigError(
+                f"--on-slow must be one of {', '.join(ON_SLOW_CHOICES)}, got {self.on_slow!r}"
+            )
+        if self.isolate_hook is not None and not self.isolate_hook.strip():
+            raise ConfigError("--isolate-hook is empty; give a shell command, or leave it out")
         if self.coordinator is not None and ":" not in self.coordinator:
             raise ConfigError(
                 f"--coordinator must be HOST:PORT, got {self.coordinator!r}"
@@ -107,6 +125,16 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--hang-timeout", knobs.HANG_TIMEOUT, float,
      "Seconds a rank may go without calling ftrun.progress() (after its first call), or sit "
      "stopped, before the launcher kills it and restarts the workers. 0 turns it off."),
+    ("--on-hang", knobs.ON_HANG, str,
+     "What to do when the coordinator's collective analysis names a hung rank: warn, "
+     "restart (kill it; every node restarts from the snapshot) or isolate (also exclude its "
+     "host, whose launcher exits with code 8)."),
+    ("--on-slow", knobs.ON_SLOW, str,
+     "What to do when the analysis names a slow rank, host or link: warn, or isolate the "
+     "host."),
+    ("--isolate-hook", knobs.ISOLATE_HOOK, str,
+     "Shell command the coordinator runs with an isolated host's name as its argument, e.g. "
+     "to drain it in Slurm."),
     ("--heartbeat-interval", knobs.HEARTBEAT_INTERVAL, float,
      "Seconds between the launcher's reports to the coordinator."),
     ("--node-timeout", knobs.NODE_TIMEOUT, float,
@@ -148,6 +176,11 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
 )
 
 
+# Flags whose values come from a fixed set: argparse checks them on the command line and
+# shell completion offers them (FtrunOptions checks the FTRUN_* value as well).
+_CHOICES: dict[str, tuple[str, ...]] = {"--on-hang": ON_HANG_CHOICES, "--on-slow": ON_SLOW_CHOICES}
+
+
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -182,12 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
             raise ConfigError(f"ftrun flag {sorted(clash)} collides with a torchrun flag")
         if typ is bool:  # a switch: no value on the command line
             group.add_argument(*spellings, dest=_dest(flag), action="store_true",
-                               default=knob.enabled(), help=f"{help_text} [env {knob.name}=1]")
+                               default=knob.enabled(),
+                               help=f"{help_text} [env {knob.name}=1]".replace("%", "%%"))
             continue
         default = os.environ.get(knob.name) or None
         group.add_argument(
             *spellings, dest=_dest(flag), type=typ, default=default,
-            help=f"{help_text} [env {knob.name}]",
+            # argparse expands %-formats in help texts: a literal % must be doubled.
+            choices=_CHOICES.get(flag),
+            help=f"{help_text} [env {knob.name}]".replace("%", "%%"),
         )
     return parser
 
@@ -218,6 +254,9 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         replicas=int(num("replicas", knobs.REPLICAS)),
         replica_addr=ns.replica_addr or None,
         replica_rate_mb_s=num("replica_rate", knobs.REPLICA_RATE),
+        on_hang=str(ns.on_hang or knobs.ON_HANG.default).strip().lower(),
+        on_slow=str(ns.on_slow or knobs.ON_SLOW.default).strip().lower(),
+        isolate_hook=ns.isolate_hook or None,
     )
 
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import logging
 import os
 import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,11 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import _torch, jobs, knobs
+from ftrun.cli import exit_codes
 from ftrun.errors import ConfigError
 from ftrun.launcher import slurm
-from ftrun.launcher.agent import AgentContext, FtrunAgent
-from ftrun.launcher.args import build_parser, explicit_dests, ftrun_options
+from ftrun.launcher.agent import AgentContext, FtrunAgent, HostIsolated
+from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftrun_options
 from ftrun.launcher.pdeath import LAUNCHER_PID_ENV
+from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.snapshot.store import StoreConfig
 
@@ -283,7 +287,50 @@ def _install_signal_forwarding(ctx: AgentContext) -> None:
         if ctx.agent is not None:
             ctx.agent.forward_signal(signum)
 
+    def interrupt(_signum: int, _frame: Any) -> None:
+        if ctx.agent is not None:
+            ctx.agent.on_interrupt()  # raises HostIsolated in a rendezvous wait
+
     signal.signal(signal.SIGUSR1, forward)
+    signal.signal(signal.SIGUSR2, interrupt)
+
+
+def _detection_config(opts: FtrunOptions) -> Any:
+    """What the coordinator does about hangs and slow ranks, hosts and links: a
+    ``DetectConfig`` where the detection module is present, else the same fields as a dict
+    (which is what a coordinator without that module takes)."""
+    fields = {"on_hang": opts.on_hang, "on_slow": opts.on_slow,
+              "isolate_hook": opts.isolate_hook}
+    try:
+        from ftrun.coordinator.detect import DetectConfig
+    except ImportError:
+        return fields
+    return DetectConfig(**fields)
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether the callable takes a keyword argument ``name``."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str,
+                  detect_endpoint: str) -> Any:
+    """Start each probe directive on a thread of its own: probes take seconds, and the agent's
+    thread watches the workers."""
+    def run_probe(directive: dict[str, Any]) -> None:
+        def probe() -> None:
+            try:
+                probe_and_report(directive, node_id=ctx.node_id, host=ctx.host, secret=secret,
+                                 run_id=run_id, detect_endpoint=detect_endpoint)
+            except Exception:  # noqa: BLE001 - logged; the agent goes on
+                log.exception("probe directive %s failed", directive.get("id"))
+
+        threading.Thread(target=probe, name="ftrun-prober", daemon=True).start()
+
+    return run_probe
 
 
 def run(argv: list[str]) -> int:
@@ -311,10 +358,14 @@ def run(argv: list[str]) -> int:
     coordinator = None
     endpoint = opts.coordinator
     if plan is not None and plan.is_host and endpoint is None:
+        detection: dict[str, Any] = {}
+        if _accepts(Coordinator, "detection"):
+            detection["detection"] = _detection_config(opts)
         coordinator = Coordinator(
             run_id, secret, advertise_host=plan.host if plan.host != "localhost" else "127.0.0.1",
             node_timeout_s=opts.node_timeout_s,
             events_file=jobs.events_path(run_id, opts.state_dir),
+            **detection,
         )
         coordinator.start()
         endpoint = coordinator.endpoint
@@ -354,8 +405,18 @@ def run(argv: list[str]) -> int:
         knobs.COORDINATOR.name: endpoint or "",
         LAUNCHER_PID_ENV: str(os.getpid()),
     }
+    # NCCL's per-collective durations, for the ranks' collective monitor (the user's choice
+    # wins: worker_env overrides the launcher's environment, which the ranks inherit).
+    if "TORCH_NCCL_ENABLE_TIMING" not in os.environ:
+        ctx.worker_env["TORCH_NCCL_ENABLE_TIMING"] = "1"
     # Restarted ranks must not bootstrap through the previous round's shared store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+    # Replicas, the shard service (restores read other nodes' shards through it) and link
+    # probes all use the same interface.
+    data_host = opts.replica_addr or _replica_host(plan)
+    prober = ProbeService(run_id, node_id, secret)
+    probe_addr = prober.start(data_host)
 
     reporter = None
     if endpoint:
@@ -363,21 +424,26 @@ def run(argv: list[str]) -> int:
             base = {"state": "init", "group_rank": None, "group_world_size": None,
                     "restarts": 0, "max_restarts": args.max_restarts, "workers": [],
                     "last_error": None}
-            return ctx.agent.node_state() if ctx.agent is not None else base
+            fields = ctx.agent.node_state() if ctx.agent is not None else base
+            return {**fields, "probe_addr": probe_addr}
 
+        directives: dict[str, Any] = {}
+        if _accepts(NodeReporter, "on_directive"):
+            directives["on_directive"] = ctx.on_directive
         reporter = NodeReporter(endpoint, secret, run_id, node_id, host, state,
-                                interval_s=opts.heartbeat_interval_s)
+                                interval_s=opts.heartbeat_interval_s, **directives)
         reporter.start()
         ctx.sink = reporter
+        # The coordinator's detection endpoint takes probe results; its main one stands in
+        # where it has none.
+        ctx.run_probe = _probe_runner(ctx, secret, run_id, detect_endpoint=endpoint)
     ctx.store = StoreProcess(
         StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
                     owner_pid=os.getpid(), persist_dir=opts.persist_dir,
                     persist_every=opts.persist_every,
                     persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep,
                     threads=opts.store_threads, replicas=opts.replicas,
-                    # Replicas and the shard service (restores read other nodes' shards
-                    # through it) listen on the same interface.
-                    replica_host=opts.replica_addr or _replica_host(plan),
+                    replica_host=data_host,
                     replica_rate_mb_s=opts.replica_rate_mb_s),
         env={knobs.SECRET.name: secret.decode()},
     )
@@ -394,6 +460,15 @@ def run(argv: list[str]) -> int:
         exitcode, final = 0, "succeeded"
     except ChildFailedError as e:
         log.error("%s", e.format_msg())
+    except HostIsolated as e:
+        # torch's agent killed the workers and left the rendezvous open (see HostIsolated).
+        log.error("this host (%s) was isolated by the job's coordinator: %s. The launcher "
+                  "exits with code %d; the other nodes go on without it%s", host, e.reason,
+                  exit_codes.ISOLATED,
+                  " (but this launcher runs the job's rendezvous store and coordinator, so the "
+                  "job ends with it; run `ftrun coordinator` on a host of its own to keep a job "
+                  "going when a host is isolated)" if coordinator is not None else "")
+        exitcode, final = exit_codes.ISOLATED, "isolated"
     except SignalException as e:
         # torch's agent already stopped the workers with the same signal.
         log.warning("stopped by %s", signal.Signals(e.sigval).name)
@@ -402,6 +477,7 @@ def run(argv: list[str]) -> int:
         log.error("rendezvous failed: %s: %s", type(e).__name__, e)
     finally:
         ctx.store.stop()
+        prober.stop()
         store_file.unlink(missing_ok=True)
         if reporter is not None:
             reporter.event("job_end", exitcode=exitcode, state=final)
