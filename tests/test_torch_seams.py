@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from conftest import free_port, pid_alive
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -309,3 +309,72 @@ def test_rendezvous_state_seen_through_the_c10d_handler() -> None:
         assert round_ >= 0 and members == frozenset({node}) and node in present
     finally:
         handler.shutdown()
+
+
+# ---- leaving a job without closing its rendezvous (ftrun._torch.rendezvous_keeping_error) ----
+
+
+def _launch_one_node(tmp_path: Path, port: int, run_id: str, leave: bool) -> BaseException | None:
+    """torch's own launch path (run_torchrun -> launch_agent) for one node of one worker that
+    writes its pid and sleeps; with ``leave``, the agent's first monitor tick raises a
+    subclass of rendezvous_keeping_error() (SIGKILL), else the worker exits 0 at once."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+        "time.sleep(60 if sys.argv[2] == 'leave' else 0)\n")
+    pid_file = tmp_path / f"pid-{run_id}"
+
+    class Leave(_torch.rendezvous_keeping_error()):  # type: ignore[misc]
+        pass
+
+    class Agent(_torch.agent_class()):  # type: ignore[misc]
+        def monitor_workers(self, worker_group):  # noqa: ANN001, ANN202
+            if leave and pid_file.exists():
+                raise Leave("leaving", signal.SIGKILL)
+            return super().monitor_workers(worker_group)
+
+    args = _torch.torchrun_parser().parse_args([
+        "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+        "--rdzv-conf", "is_host=0", "--monitor-interval", "0.1", "--max-restarts", "0",
+        str(script), str(pid_file), "leave" if leave else "stay"])
+    try:
+        _torch.run_torchrun(args, lambda **kwargs: Agent(**kwargs))
+    except Leave as e:
+        assert pid_file.exists()
+        assert not pid_alive(int(pid_file.read_text())), "the worker outlived its agent"
+        return e
+    return None
+
+
+def _rendezvous_closed(port: int, run_id: str) -> bool:
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    backend, _ = create_backend(RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 1, 1,
+                                                     is_host="0"))
+    return bool(DynamicRendezvousHandler.from_backend(run_id, store, backend, 1, 1).is_closed())
+
+
+def test_an_agent_leaving_by_the_signal_path_keeps_the_rendezvous_open(tmp_path: Path) -> None:
+    """launch_agent closes the rendezvous after a normal end, and not after the agent raised
+    a rendezvous_keeping_error() subclass, which reaches the caller with its worker killed."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    assert _torch.rendezvous_keeping_error() is SignalException
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      multi_tenant=True)
+    try:
+        assert _launch_one_node(tmp_path, port, "ends", leave=False) is None
+        assert _rendezvous_closed(port, "ends")  # the check sees a closed rendezvous
+        left = _launch_one_node(tmp_path, port, "leaves", leave=True)
+        assert left is not None and left.sigval == signal.SIGKILL
+        assert not _rendezvous_closed(port, "leaves")
+    finally:
+        del server

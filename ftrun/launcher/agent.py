@@ -104,10 +104,14 @@ class AgentContext:
     # and taken by the agent's; ``run_probe`` starts a probe directive on a thread of its own.
     directives: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
     run_probe: Callable[[dict[str, Any]], None] | None = None
+    # The first isolate directive, also kept apart from the queue: a signal handler reads it.
+    isolate: dict[str, Any] | None = None
 
     def on_directive(self, directive: dict[str, Any]) -> None:
         """Queue a directive for the agent (thread-safe, never blocks). An ``isolate``
         arriving while the agent waits in a rendezvous interrupts that wait."""
+        if directive.get("action") == "isolate" and self.isolate is None:
+            self.isolate = directive
         self.directives.put(directive)
         if directive.get("action") == "isolate" and self.agent is not None:
             self.agent.interrupt_rendezvous()
@@ -194,11 +198,11 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
     # ---- torch's extension points ---------------------------------------------------
     def rendezvous(self, worker_group: WorkerGroup) -> None:
         self._phase = NodeState.RENDEZVOUS
-        # An isolated host must not join a round: the others would restart to take it in.
-        self._carry_out_directives(worker_group, running=False)
         t0 = time.monotonic()
-        self._in_rendezvous = True
+        self._in_rendezvous = True  # from here an isolate interrupts (interrupt_rendezvous)
         try:
+            # An isolated host must not join a round: the others would restart to take it in.
+            self._carry_out_directives(worker_group, running=False)
             super().rendezvous(worker_group)
         finally:
             self._in_rendezvous = False
@@ -281,6 +285,11 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         super().shutdown(death_sig, timeout)
 
     # ---- the coordinator's directives -------------------------------------------------
+    @property
+    def in_rendezvous(self) -> bool:
+        """Whether the agent's thread is in (or about to enter) a rendezvous wait."""
+        return self._in_rendezvous
+
     def interrupt_rendezvous(self) -> None:
         """Called from the reporter's thread when an ``isolate`` arrives: a rendezvous wait
         can last minutes, so the agent's thread is interrupted with SIGUSR2 (its handler,
@@ -290,10 +299,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
 
     def on_interrupt(self) -> None:
         """SIGUSR2's handler on the agent's (main) thread: leave the rendezvous wait for a
-        pending ``isolate``; nothing otherwise."""
-        if self._in_rendezvous and self._isolated is None:
+        pending ``isolate``; nothing otherwise. It touches no lock the interrupted code may
+        hold (the directive queue's included): the directive is read from ``ctx.isolate``."""
+        directive = self._ctx.isolate
+        if self._in_rendezvous and directive is not None and self._isolated is None:
             self._in_rendezvous = False
-            self._carry_out_directives(None, running=False)
+            log.warning("an isolate directive interrupts this node's rendezvous wait")
+            self._isolate_by(directive)
 
     def _carry_out_directives(self, worker_group: WorkerGroup | None, running: bool) -> None:
         """Take every queued directive and act on it, on the agent's thread. Raises
@@ -307,9 +319,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             data = directive.get("data") or {}
             did = directive.get("id")
             if action == "isolate":
-                self._isolate(str(data.get("reason") or "no reason given"),
-                              data.get("evidence") if isinstance(data.get("evidence"), dict)
-                              else {}, did)
+                self._isolate_by(directive)
             elif action == "restart":
                 if running and worker_group is not None:
                     self._kill_ranks(worker_group, data.get("ranks") or [],
@@ -347,6 +357,12 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             self._last_error = f"rank(s) {', '.join(map(str, killed))} killed: {reason}"[:1024]
         self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted), killed=killed,
                              reason=reason)
+
+    def _isolate_by(self, directive: dict[str, Any]) -> None:
+        data = directive.get("data") or {}
+        evidence = data.get("evidence")
+        self._isolate(str(data.get("reason") or "no reason given"),
+                      evidence if isinstance(evidence, dict) else {}, directive.get("id"))
 
     def _isolate(self, reason: str, evidence: dict[str, Any], did: Any) -> None:
         pids = self.worker_pids()
