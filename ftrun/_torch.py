@@ -334,3 +334,34 @@ def rendezvous_keeping_error() -> type:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     return SignalException
+
+
+def leave_rendezvous(handler: Any, timeout_s: float) -> bool:
+    """Take this node out of its c10d rendezvous round without closing the rendezvous: stop
+    its keep-alives and run the exit step ``next_rendezvous`` runs before a rejoin
+    (``_RendezvousExitOp`` through ``DynamicRendezvousHandler._op_executor``, under its
+    ``_heartbeat_lock``). The other nodes then start their next round at once, instead of
+    after this node's keep-alives expire. Returns False for another kind of handler, or when
+    the exit did not finish within ``timeout_s`` (the keep-alives expire anyway)."""
+    executor = getattr(handler, "_op_executor", None)
+    lock = getattr(handler, "_heartbeat_lock", None)
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if executor is None or lock is None or stop is None:
+        return False
+    import time
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+    stop()
+    if not lock.acquire(timeout=timeout_s):
+        return False
+    try:
+        executor.run(_RendezvousExitOp(), time.monotonic() + timeout_s)
+    except Exception as e:  # noqa: BLE001 - best effort: keep-alive expiry is the fallback
+        logging.getLogger(__name__).warning("could not leave the rendezvous round (%s: %s); "
+                                            "the other nodes drop this one when its "
+                                            "keep-alives expire", type(e).__name__, e)
+        return False
+    finally:
+        lock.release()
+    return True

@@ -331,6 +331,7 @@ def _launch_one_node(tmp_path: Path, port: int, run_id: str, leave: bool) -> Bas
     class Agent(_torch.agent_class()):  # type: ignore[misc]
         def monitor_workers(self, worker_group):  # noqa: ANN001, ANN202
             if leave and pid_file.exists():
+                assert _torch.leave_rendezvous(worker_group.spec.rdzv_handler, 10.0)
                 raise Leave("leaving", signal.SIGKILL)
             return super().monitor_workers(worker_group)
 
@@ -348,7 +349,8 @@ def _launch_one_node(tmp_path: Path, port: int, run_id: str, leave: bool) -> Bas
     return None
 
 
-def _rendezvous_closed(port: int, run_id: str) -> bool:
+def _rendezvous_state(port: int, run_id: str) -> tuple[bool, tuple[int, frozenset[str], frozenset[str]] | None]:
+    """(closed, rendezvous_view) as a fresh c10d handler on the same store reads them."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
@@ -357,12 +359,14 @@ def _rendezvous_closed(port: int, run_id: str) -> bool:
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
     backend, _ = create_backend(RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 1, 1,
                                                      is_host="0"))
-    return bool(DynamicRendezvousHandler.from_backend(run_id, store, backend, 1, 1).is_closed())
+    handler = DynamicRendezvousHandler.from_backend(run_id, store, backend, 1, 1)
+    return bool(handler.is_closed()), _torch.rendezvous_view(handler)
 
 
 def test_an_agent_leaving_by_the_signal_path_keeps_the_rendezvous_open(tmp_path: Path) -> None:
-    """launch_agent closes the rendezvous after a normal end, and not after the agent raised
-    a rendezvous_keeping_error() subclass, which reaches the caller with its worker killed."""
+    """launch_agent closes the rendezvous after a normal end, and not after the agent left
+    its round (leave_rendezvous) and raised a rendezvous_keeping_error() subclass, which
+    reaches the caller with its worker killed."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -372,9 +376,15 @@ def test_an_agent_leaving_by_the_signal_path_keeps_the_rendezvous_open(tmp_path:
                       multi_tenant=True)
     try:
         assert _launch_one_node(tmp_path, port, "ends", leave=False) is None
-        assert _rendezvous_closed(port, "ends")  # the check sees a closed rendezvous
+        closed, view = _rendezvous_state(port, "ends")
+        assert closed  # the check sees a closed rendezvous
+        assert view is not None and view[0] == 0 and len(view[1]) == 1  # and a member
         left = _launch_one_node(tmp_path, port, "leaves", leave=True)
         assert left is not None and left.sigval == signal.SIGKILL
-        assert not _rendezvous_closed(port, "leaves")
+        closed, view = _rendezvous_state(port, "leaves")
+        assert not closed
+        # leave_rendezvous took the node out of its round, which emptied it: a new round
+        # began for the next nodes, without waiting for the keep-alives to expire.
+        assert view is not None and view[0] == 1 and not view[1], view
     finally:
         del server

@@ -62,6 +62,8 @@ STOPPED_LIMIT_S = 10.0
 # missed keep-alives: a node that restarts leaves the round and enters the wait list in
 # consecutive syncs, well within it.
 DROPPED_GRACE_S = 2.0
+# How long an isolated node tries to leave its rendezvous round before it exits anyway.
+LEAVE_TIMEOUT_S = 5.0
 
 
 class HostIsolated(_torch.rendezvous_keeping_error()):  # type: ignore[misc]
@@ -319,7 +321,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             data = directive.get("data") or {}
             did = directive.get("id")
             if action == "isolate":
-                self._isolate_by(directive)
+                self._isolate_by(directive, worker_group)
             elif action == "restart":
                 if running and worker_group is not None:
                     self._kill_ranks(worker_group, data.get("ranks") or [],
@@ -358,13 +360,25 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted), killed=killed,
                              reason=reason)
 
-    def _isolate_by(self, directive: dict[str, Any]) -> None:
+    def _leave_round(self, worker_group: WorkerGroup) -> None:
+        """Leave the rendezvous round (not the rendezvous): the others re-rendezvous without
+        this node at once, rather than once its keep-alives expire."""
+        handler = worker_group.spec.rdzv_handler
+        if _torch.leave_rendezvous(handler, LEAVE_TIMEOUT_S):
+            log.info("left rendezvous round %s", self._round[0] if self._round else "?")
+
+    def _isolate_by(self, directive: dict[str, Any],
+                    worker_group: WorkerGroup | None = None) -> None:
         data = directive.get("data") or {}
         evidence = data.get("evidence")
         self._isolate(str(data.get("reason") or "no reason given"),
-                      evidence if isinstance(evidence, dict) else {}, directive.get("id"))
+                      evidence if isinstance(evidence, dict) else {}, directive.get("id"),
+                      worker_group)
 
-    def _isolate(self, reason: str, evidence: dict[str, Any], did: Any) -> None:
+    def _isolate(self, reason: str, evidence: dict[str, Any], did: Any,
+                 worker_group: WorkerGroup | None) -> None:
+        """Kill every worker, leave the rendezvous round (when not inside a rendezvous
+        operation already), record why, and raise HostIsolated."""
         pids = self.worker_pids()
         for pid in pids.values():
             try:
@@ -374,6 +388,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         log.error("this host (%s) was isolated by the coordinator: %s. Its %d worker(s) were "
                   "killed and this launcher leaves the job; the other nodes continue without "
                   "it", self._ctx.host, reason, len(pids))
+        if worker_group is not None:
+            self._leave_round(worker_group)
         self._last_error = f"host isolated: {reason}"[:1024]
         self._phase = NodeState.FAILED
         self._ctx.sink.event("host_isolated", id=did, host=self._ctx.host, reason=reason,
