@@ -17,6 +17,7 @@ _ftrun_kind() {
         'launch --event-log-handler' | 'launch --event_log_handler') _ftrun_k='files' ;;
         'launch --hang-timeout' | 'launch --hang_timeout') _ftrun_k='files' ;;
         'launch --heartbeat-interval' | 'launch --heartbeat_interval') _ftrun_k='files' ;;
+        'launch --isolate-hook' | 'launch --isolate_hook') _ftrun_k='files' ;;
         'launch --local-addr' | 'launch --local_addr') _ftrun_k='files' ;;
         'launch --local-ranks-filter' | 'launch --local_ranks_filter') _ftrun_k='files' ;;
         'launch --log-dir' | 'launch --log_dir') _ftrun_k='dirs' ;;
@@ -30,6 +31,8 @@ _ftrun_kind() {
         'launch --node-timeout' | 'launch --node_timeout') _ftrun_k='files' ;;
         'launch --nproc-per-node' | 'launch --nproc_per_node') _ftrun_k='files' ;;
         'launch --numa-binding' | 'launch --numa_binding') _ftrun_k='choices node socket exclusive core-complex' ;;
+        'launch --on-hang' | 'launch --on_hang') _ftrun_k='choices warn restart isolate' ;;
+        'launch --on-slow' | 'launch --on_slow') _ftrun_k='choices warn isolate' ;;
         'launch --persist-dir' | 'launch --persist_dir') _ftrun_k='dirs' ;;
         'launch --persist-every' | 'launch --persist_every') _ftrun_k='files' ;;
         'launch --persist-interval' | 'launch --persist_interval') _ftrun_k='files' ;;
@@ -74,21 +77,22 @@ _ftrun_command() {
             _ftrun_opts='--coordinator --duplicate-stderr-filters --duplicate_stderr_filters
                 --duplicate-stdout-filters --duplicate_stdout_filters --event-log-handler
                 --event_log_handler --hang-timeout --hang_timeout --heartbeat-interval
-                --heartbeat_interval -h --help --local-addr --local_addr --local-ranks-filter
-                --local_ranks_filter --log-dir --log_dir --logs-specs --logs_specs --master-addr
-                --master_addr --master-port --master_port --max-restarts --max_restarts -m
-                --module --monitor-interval --monitor_interval --nnodes --no-python --no_python
-                --node-rank --node_rank --node-timeout --node_timeout --nproc-per-node
-                --nproc_per_node --numa-binding --numa_binding --persist-dir --persist_dir
-                --persist-every --persist_every --persist-interval --persist_interval
-                --persist-keep --persist_keep --rdzv-backend --rdzv_backend --rdzv-conf
-                --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects
-                --replica-addr --replica_addr --replica-rate --replica_rate --replicas --role
-                --run-path --run_path --shutdown-timeout --shutdown_timeout --signals-to-handle
-                --signals_to_handle --snapshot-every --snapshot_every --snapshot-wait
-                --snapshot_wait --standalone --start-fresh --start_fresh --start-method
-                --start_method --state-dir --state_dir --store-threads --store_threads -t --tee
-                --virtual-local-rank --virtual_local_rank'
+                --heartbeat_interval -h --help --isolate-hook --isolate_hook --local-addr
+                --local_addr --local-ranks-filter --local_ranks_filter --log-dir --log_dir
+                --logs-specs --logs_specs --master-addr --master_addr --master-port
+                --master_port --max-restarts --max_restarts -m --module --monitor-interval
+                --monitor_interval --nnodes --no-python --no_python --node-rank --node_rank
+                --node-timeout --node_timeout --nproc-per-node --nproc_per_node --numa-binding
+                --numa_binding --on-hang --on_hang --on-slow --on_slow --persist-dir
+                --persist_dir --persist-every --persist_every --persist-interval
+                --persist_interval --persist-keep --persist_keep --rdzv-backend --rdzv_backend
+                --rdzv-conf --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r
+                --redirects --replica-addr --replica_addr --replica-rate --replica_rate
+                --replicas --role --run-path --run_path --shutdown-timeout --shutdown_timeout
+                --signals-to-handle --signals_to_handle --snapshot-every --snapshot_every
+                --snapshot-wait --snapshot_wait --standalone --start-fresh --start_fresh
+                --start-method --start_method --state-dir --state_dir --store-threads
+                --store_threads -t --tee --virtual-local-rank --virtual_local_rank'
             _ftrun_k=none ;;
         completions)
             _ftrun_opts='--help'

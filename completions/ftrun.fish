@@ -16,15 +16,17 @@ function __ftrun_takes_value --argument-names context flag
             'launch --duplicate_stderr_filters' 'launch --duplicate-stdout-filters' \
             'launch --duplicate_stdout_filters' 'launch --event-log-handler' \
             'launch --event_log_handler' 'launch --hang-timeout' 'launch --hang_timeout' \
-            'launch --heartbeat-interval' 'launch --heartbeat_interval' 'launch --local-addr' \
-            'launch --local_addr' 'launch --local-ranks-filter' 'launch --local_ranks_filter' \
-            'launch --log-dir' 'launch --log_dir' 'launch --logs-specs' 'launch --logs_specs' \
+            'launch --heartbeat-interval' 'launch --heartbeat_interval' 'launch --isolate-hook' \
+            'launch --isolate_hook' 'launch --local-addr' 'launch --local_addr' \
+            'launch --local-ranks-filter' 'launch --local_ranks_filter' 'launch --log-dir' \
+            'launch --log_dir' 'launch --logs-specs' 'launch --logs_specs' \
             'launch --master-addr' 'launch --master_addr' 'launch --master-port' \
             'launch --master_port' 'launch --max-restarts' 'launch --max_restarts' \
             'launch --monitor-interval' 'launch --monitor_interval' 'launch --nnodes' \
             'launch --node-rank' 'launch --node_rank' 'launch --node-timeout' \
             'launch --node_timeout' 'launch --nproc-per-node' 'launch --nproc_per_node' \
-            'launch --numa-binding' 'launch --numa_binding' 'launch --persist-dir' \
+            'launch --numa-binding' 'launch --numa_binding' 'launch --on-hang' \
+            'launch --on_hang' 'launch --on-slow' 'launch --on_slow' 'launch --persist-dir' \
             'launch --persist_dir' 'launch --persist-every' 'launch --persist_every' \
             'launch --persist-interval' 'launch --persist_interval' 'launch --persist-keep' \
             'launch --persist_keep' 'launch --rdzv-backend' 'launch --rdzv_backend' \
@@ -133,6 +135,7 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'event-log-handler' -l 'event_
 complete -c ftrun -n '__ftrun_is first launch' -l 'hang-timeout' -l 'hang_timeout' -r -d 'Seconds a rank may go without calling ftrun.progress() (after its first call), or sit stopped...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'heartbeat-interval' -l 'heartbeat_interval' -r -d 'Seconds between the launcher\'s reports to the coordinator. [env FTRUN_HEARTBEAT_INTERVAL]'
 complete -c ftrun -n '__ftrun_is first launch' -s 'h' -l 'help' -d 'show this help message and exit'
+complete -c ftrun -n '__ftrun_is first launch' -l 'isolate-hook' -l 'isolate_hook' -r -d 'Shell command the coordinator runs with an isolated host\'s name as its argument, e.g. to drain...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'local-addr' -l 'local_addr' -r -d 'Address of the local node.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'local-ranks-filter' -l 'local_ranks_filter' -r -d 'Only show logs from specified ranks in console...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'log-dir' -l 'log_dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'Base directory to use for log files (e.g. /var/log/torch/elastic).'
@@ -148,6 +151,8 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'node-rank' -l 'node_rank' -r 
 complete -c ftrun -n '__ftrun_is first launch' -l 'node-timeout' -l 'node_timeout' -r -d 'Seconds of silence after which the coordinator reports a node lost. [env FTRUN_NODE_TIMEOUT]'
 complete -c ftrun -n '__ftrun_is first launch' -l 'nproc-per-node' -l 'nproc_per_node' -r -d 'Number of workers per node; supported values: [auto, cpu, gpu, xpu, int].'
 complete -c ftrun -n '__ftrun_is first launch' -l 'numa-binding' -l 'numa_binding' -x -a 'node socket exclusive core-complex' -d 'Bind worker processes to CPUs near their assigned GPUs for better performance.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'on-hang' -l 'on_hang' -x -a 'warn restart isolate' -d 'What to do when the coordinator\'s collective analysis names a hung rank: warn, restart...'
+complete -c ftrun -n '__ftrun_is first launch' -l 'on-slow' -l 'on_slow' -x -a 'warn isolate' -d 'What to do when the analysis names a slow rank, host or link: warn, or isolate the host. [env...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-dir' -l 'persist_dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory where the snapshot stores write committed steps...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-every' -l 'persist_every' -r -d 'Persist every N committed steps...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-interval' -l 'persist_interval' -r -d 'Also persist when this many seconds passed since the last write (0: off). [env...'
