@@ -39,6 +39,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from ftrun import _torch, jobs, knobs
 from ftrun.cli import exit_codes
 from ftrun.errors import ConfigError
@@ -416,7 +418,11 @@ def run(argv: list[str]) -> int:
     # probes all use the same interface.
     data_host = opts.replica_addr or _replica_host(plan)
     prober = ProbeService(run_id, node_id, secret)
-    probe_addr = prober.start(data_host)
+    try:
+        probe_addr = prober.start(data_host)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"cannot listen for link probes on {data_host} ({e}); pass "
+                          "--replica-addr with an address of this machine") from e
 
     reporter = None
     if endpoint:
