@@ -231,3 +231,70 @@ def test_isolate_interrupts_a_rendezvous_wait(procs: Procs, state_dir: Path, tmp
     events = read_events(state_dir, run_id)
     assert [e["type"] for e in events].count("host_isolated") == 1
     assert not any(e["type"] == "workers_started" for e in events)
+
+
+# ---- restart and probe directives on a real agent --------------------------------------------
+
+
+class Events:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def event(self, type: str, **data: object) -> None:  # noqa: A002 - the EventSink protocol
+        self.events.append((type, data))
+
+    def of(self, type: str) -> list[dict]:  # noqa: A002
+        return [d for t, d in self.events if t == type]
+
+
+def test_restart_and_probe_directives_on_a_real_agent(tmp_path: Path) -> None:
+    """A real FtrunAgent (torch's static rendezvous, two workers): a restart directive naming
+    rank 1 SIGKILLs that worker on the agent's thread and torch restarts the group, which
+    then succeeds; a probe directive is handed to run_probe; an unknown action is ignored."""
+    import threading
+
+    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftrun.launcher.agent import AgentContext, FtrunAgent
+
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, time\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    time.sleep(120)\n")
+    handler = get_rendezvous_handler(RendezvousParameters(
+        backend="static", endpoint=f"127.0.0.1:{free_port()}", run_id="directives",
+        min_nodes=1, max_nodes=1, rank=0))
+    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=handler,
+                      entrypoint=sys.executable, args=(str(script),), max_restarts=1,
+                      monitor_interval=0.1)
+    sink = Events()
+    probes: list[dict] = []
+    ctx = AgentContext(node_id="n0", host="h0", node_dir=tmp_path, hang_timeout_s=0,
+                       sink=sink, run_probe=probes.append)
+    agent = FtrunAgent(ctx=ctx, spec=spec,
+                       logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+
+    def direct() -> None:
+        wait_for(lambda: len(agent.worker_pids()) == 2, 60, "two workers")
+        ctx.on_directive({"id": "p-1", "action": "probe", "data": {"peers": [], "size": 1}})
+        ctx.on_directive({"id": "x-1", "action": "reboot", "data": {}})
+        ctx.on_directive({"id": "r-1", "action": "restart",
+                          "data": {"ranks": [1, 7], "reason": "rank 1 never entered seq 9"}})
+
+    thread = threading.Thread(target=direct, daemon=True)
+    thread.start()
+    result = agent.run()
+    thread.join(5)
+    assert result.state == WorkerState.SUCCEEDED, result
+    [restart] = sink.of("directive_restart")
+    assert restart == {"id": "r-1", "ranks": [1, 7], "killed": [1],
+                       "reason": "rank 1 never entered seq 9"}
+    failures = {f["rank"]: f["signal"] for f in sink.of("worker_failure")}
+    assert failures.get(1) == "SIGKILL", failures
+    assert len(sink.of("restart")) == 1 and len(sink.of("workers_started")) == 2
+    assert [p["id"] for p in probes] == ["p-1"]
+    assert not sink.of("host_isolated")
