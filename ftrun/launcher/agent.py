@@ -379,6 +379,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                  worker_group: WorkerGroup | None) -> None:
         """Kill every worker, leave the rendezvous round (when not inside a rendezvous
         operation already), record why, and raise HostIsolated."""
+        self._in_rendezvous = False  # no second isolate may interrupt this one
         pids = self.worker_pids()
         for pid in pids.values():
             try:
