@@ -85,6 +85,20 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "shard_data": {"first": 0, "count": 2},
     "stores_request": {},
     "stores_reply": {"stores": [{"node_id": "host-b/7", "addr": "10.0.0.2:40002"}]},
+    "coll_report": {"node_id": "host-a/99", "host": "host-a", "rank": 3, "world_size": 8,
+                    "restart": 0, "pid": 99, "backend": "gloo", "seq": 12, "interval_s": 0.02,
+                    "groups": [{"pg": "0", "size": 8, "enqueued": 41, "completed": 40,
+                                "waiting_s": 1.25, "op": "gloo:all_reduce", "bytes": 4096,
+                                "done": [[39, 0.04], [40, 0.06]]}]},
+    "directives": {"directives": [{"id": "d1", "action": "restart",
+                                   "data": {"ranks": [3], "reason": "hang"}}]},
+    "probe": {"size": 1 << 20},
+    "probe_ack": {"size": 1 << 20},
+    "probe_result": {"node_id": "host-a/99", "host": "host-a", "id": "d2",
+                     "results": [{"peer": "host-b/7", "host": "host-b", "rtt_s": 0.0004,
+                                  "mb_s": 1100.5}, {"peer": "host-c/8", "host": "host-c",
+                                                   "rtt_s": None, "mb_s": None,
+                                                   "error": "timeout"}]},
     "fault_corrupt": {"rank": 2},
     "fault_reply": {"segment": "s", "step": 3, "offset": 100},
 }
@@ -97,7 +111,7 @@ def sign(header: dict[str, Any] | bytes, secret: bytes = SECRET) -> list[bytes]:
 
 def header(kind: str = "hello", body: dict[str, Any] | None = None, **over: Any) -> dict[str, Any]:
     h = {"v": protocol.VERSION, "kind": kind, "job": JOB, "sender": "t", "ts": time.time(),
-         "id": "abcd", "body": EXAMPLES[kind] if body is None else body}
+         "id": "abcd", "sn": "5e55", "n": 1, "body": EXAMPLES[kind] if body is None else body}
     h.update(over)
     return h
 
@@ -185,9 +199,15 @@ def test_oversize_rejected_before_mac() -> None:
 
 def test_wrong_version_names_both() -> None:
     newer = protocol.VERSION + 1
-    with pytest.raises(ProtocolError, match=rf"version {newer}.*supports version "
-                                            rf"{protocol.VERSION}"):
+    with pytest.raises(ProtocolError, match=rf"version {newer}.*speaks version "
+                                            rf"{protocol.VERSION}.*another ftrun release"):
         protocol.decode(sign(header(v=newer)), secret=SECRET, job=JOB)
+    # A version 3 peer (no session or counter in its header) is told apart by its version,
+    # not by a missing field.
+    old = header(v=3)
+    del old["sn"], old["n"]
+    with pytest.raises(ProtocolError, match="version 3.*speaks version 4"):
+        protocol.decode(sign(old), secret=SECRET, job=JOB)
     with pytest.raises(ProtocolError, match="version None"):
         h = header()
         del h["v"]
@@ -219,6 +239,19 @@ def test_header_fields_checked() -> None:
     del h["sender"]
     with pytest.raises(ProtocolError, match="sender"):
         protocol.decode(sign(h), secret=SECRET, job=JOB)
+    for field in ("sn", "n"):
+        h = header()
+        del h[field]
+        with pytest.raises(ProtocolError, match=f"lacks required field '{field}'"):
+            protocol.decode(sign(h), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="sn"):
+        protocol.decode(sign(header(sn="not hex!")), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="counter n=0"):
+        protocol.decode(sign(header(n=0)), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="header.n must be int"):
+        protocol.decode(sign(header(n=1.5)), secret=SECRET, job=JOB)
+    with pytest.raises(ProtocolError, match="header.body must be an object"):
+        protocol.decode(sign(header(body=[1])), secret=SECRET, job=JOB)
 
 
 @pytest.mark.parametrize(("kind", "body", "match"), [

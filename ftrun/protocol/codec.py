@@ -23,9 +23,12 @@ Threat model, precisely:
   xxh3-128: the key is derived from the secret and the message id, so it is unknown to them.
 - Corruption on the way (a NIC, a switch, memory, a buffer that changed while it was sent) is
   refused like a forgery: a 128-bit digest misses it with probability 2^-128.
+- Replays: every message carries its sender's session (``sn``, random per
+  :class:`~ftrun.protocol.transport.Client` and per process) and a counter (``n``) in the
+  signed header; a server takes each (sender, session) counter once and in increasing order
+  (:class:`ReplayGuard`), and the clock check refuses what is older than the guard remembers.
 - Not protected: confidentiality (nothing is encrypted; anyone on the path reads snapshots
-  and messages); replays of a whole captured message within :data:`MAX_CLOCK_SKEW_S`; an
-  active attacker on the path who can find, for a frame, another one with the same xxh3-128
+  and messages); an active attacker on the path who can find, for a frame, another one with the same xxh3-128
   under a key they do not know. xxh3 is fast, not cryptographic: it has no proof of being a
   pseudo-random function, so integrity of *data frames* against a determined active attacker
   rests on that unproven property (headers, and so every control decision, rest on
@@ -34,12 +37,13 @@ Threat model, precisely:
   trusted.
 
 The header carries ``v`` (protocol version), ``kind``, ``job`` (run id), ``sender``, ``ts``
-(unix time, float), ``id`` (random hex), ``body`` (an object, see
+(unix time, float), ``id`` (random hex), ``sn`` (the sender's session, random hex), ``n``
+(the session's message counter, from 1), ``body`` (an object, see
 :mod:`ftrun.protocol.messages`), ``fd`` when there are data frames and, in a reply, ``re``:
 the id of the request it answers.
 
 :func:`decode` checks, in order: frame count and sizes, MAC, frame digests, JSON, version,
-header fields, job, kind, body schema, clock skew. :func:`verify` (the first three) and
+header fields, job, kind, body schema (every number finite), clock skew. :func:`verify` (the first three) and
 :func:`parse` (the rest) are exposed separately so a server can tell unauthenticated garbage
 (never answered) from an authentic but invalid message (answered with an ``error``).
 """
@@ -52,23 +56,34 @@ import json
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import xxhash
 
 from ftrun.errors import AuthError, ProtocolError
-from ftrun.protocol.messages import SCHEMAS, Message, Schema, _short, validate
+from ftrun.protocol.messages import SCHEMAS, ListOf, Message, Schema, _short, validate
 
 # 2: replies carry ``re``; binary frames may follow the MAC.
 # 3: the MAC covers the header only; data frames are bound to it by keyed digests (``fd``).
-VERSION = 3
-# The largest JSON header, and the most and largest binary frames, a message may carry. A
-# server may accept smaller data frames (the coordinator takes none larger than a header).
+# 4: the header carries the sender's session ``sn`` and counter ``n`` (replays are refused).
+VERSION = 4
+# The largest JSON header (with its MAC), and the most and largest binary frames a message may
+# carry. An endpoint also caps a whole message (header, MAC and data frames together, see
+# :func:`total_cap`): the coordinator takes MAX_MESSAGE_BYTES in all; an endpoint that takes
+# data frames of up to F bytes takes F + MAX_MESSAGE_BYTES in all, which holds every
+# snapshot message (a 4 MiB replica chunk; 4 such chunks in one shard read; a manifest and
+# its hash table).
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_DATA_FRAMES = 64
 MAX_FRAME_BYTES = 64 << 20
 MAX_CLOCK_SKEW_S = 300.0
+# A server remembers a session's highest counter this long after its last message: a replay
+# of an older message of it carries a timestamp at most MAX_CLOCK_SKEW_S ahead of the server's
+# clock when it first came, so the clock check refuses it once twice the skew has passed.
+SESSION_KEPT_S = 2 * MAX_CLOCK_SKEW_S + 60.0
+MAX_SESSIONS = 1 << 17
 MAC_BYTES = 32
 FRAME_SEED_LABEL = b"ftrun-frame-seed"
 # The fixed, unsigned, one-frame answer a server gives a message whose MAC is wrong. It
@@ -79,6 +94,7 @@ AUTH_REFUSED = b"ftrun-auth-refused"
 Buffer = Union[bytes, bytearray, memoryview]
 
 _HEX = re.compile(r"^[0-9a-f]{1,64}$")
+# The header's fields but ``body``, which its kind's schema checks (one walk, not two).
 _HEADER: Schema = {
     "v": (int, True),
     "kind": (str, True),
@@ -86,10 +102,29 @@ _HEADER: Schema = {
     "sender": (str, True),
     "ts": (float, True),
     "id": (str, True),
+    "sn": (str, True),
+    "n": (int, True),
     "re": (str, False),
-    "body": (dict, True),
-    "fd": (list, False),
+    "fd": (ListOf(str), False),
 }
+_HEADER_FIELDS = frozenset(_HEADER) | {"body"}
+
+
+def total_cap(max_frame_bytes: int, max_message_bytes: int | None = None) -> int:
+    """The most a whole message may carry at an endpoint taking data frames of up to
+    ``max_frame_bytes``: ``max_message_bytes`` when given, else a header alone when its
+    frames are no larger than a header (the coordinator), else one largest frame's worth of
+    data beside a header."""
+    if max_message_bytes is not None:
+        return max_message_bytes
+    if max_frame_bytes <= MAX_MESSAGE_BYTES:
+        return MAX_MESSAGE_BYTES
+    return max_frame_bytes + MAX_MESSAGE_BYTES
+
+
+def new_session() -> str:
+    """A fresh session id (random, 16 hex digits)."""
+    return secrets.token_hex(8)
 
 
 def new_id() -> str:
@@ -115,12 +150,15 @@ def _nbytes(frame: Buffer) -> int:
 
 def encode(kind: str, body: Mapping[str, Any], *, secret: bytes, job: str, sender: str,
            id: str | None = None, re: str | None = None,
-           data: Sequence[Buffer] = ()) -> list[Buffer]:
+           data: Sequence[Buffer] = (), session: str | None = None,
+           counter: int = 1) -> list[Buffer]:
     """Build the signed frames of one message; the body is validated like on receipt.
 
     ``id`` defaults to a fresh one; ``re`` is the id of the request this replies to; ``data``
     are binary frames sent (uncopied) after the MAC, bound to it by their digests: they
-    must not change until sent.
+    must not change until sent. ``session`` and ``counter`` are the sender's session and this
+    message's number in it (a server takes each number once, in increasing order); without a
+    session, the message is alone in a fresh one.
     """
     if kind not in SCHEMAS:
         raise ProtocolError(f"unknown message kind {kind!r}; known: {', '.join(sorted(SCHEMAS))}")
@@ -139,6 +177,8 @@ def encode(kind: str, body: Mapping[str, Any], *, secret: bytes, job: str, sende
         "sender": sender,
         "ts": time.time(),
         "id": new_id() if id is None else id,
+        "sn": new_session() if session is None else session,
+        "n": counter,
         "body": body,
     }
     if re is not None:
@@ -157,8 +197,10 @@ def encode(kind: str, body: Mapping[str, Any], *, secret: bytes, job: str, sende
 
 
 def verify(frames: Sequence[Buffer], *, secret: bytes,
-           max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
-    """Frame count, sizes and MAC: return the authenticated header bytes.
+           max_frame_bytes: int = MAX_FRAME_BYTES,
+           max_message_bytes: int | None = None) -> bytes:
+    """Frame count, sizes (each data frame, and the whole message: see :func:`total_cap`)
+    and MAC: return the authenticated header bytes.
 
     Everything this raises concerns an unauthenticated peer and must not be answered with
     details. A wrong MAC raises :class:`AuthError`, the rest :class:`ProtocolError`.
@@ -172,10 +214,16 @@ def verify(frames: Sequence[Buffer], *, secret: bytes,
                             f"(max {MAX_MESSAGE_BYTES})")
     if len(mac) != MAC_BYTES:
         raise ProtocolError(f"the MAC frame is {len(mac)} bytes, not {MAC_BYTES}")
+    total = len(header) + len(mac)
     for i, frame in enumerate(data):
-        if _nbytes(frame) > max_frame_bytes:
-            raise ProtocolError(f"data frame {i} is {_nbytes(frame)} bytes "
-                                f"(max {max_frame_bytes} here)")
+        size = _nbytes(frame)
+        if size > max_frame_bytes:
+            raise ProtocolError(f"data frame {i} is {size} bytes (max {max_frame_bytes} here)")
+        total += size
+    cap = total_cap(max_frame_bytes, max_message_bytes)
+    if total > cap:
+        raise ProtocolError(f"message of {len(frames)} frames is {total} bytes in all (max "
+                            f"{cap} here)")
     if not hmac.compare_digest(mac, _mac(secret, header)):
         raise AuthError(
             "message not signed with this job's secret (wrong FTRUN_SECRET or state directory, "
@@ -223,22 +271,32 @@ def parse(header: bytes, *, job: str, now: float | None = None,
     version = obj.get("v")
     if version != VERSION or isinstance(version, bool):
         raise ProtocolError(
-            f"message has protocol version {_short(version)}; this ftrun supports version "
-            f"{VERSION}: run the same ftrun release on every node and for `ftrun status`"
+            f"message has protocol version {_short(version)}; this ftrun speaks version "
+            f"{VERSION}: the peer runs another ftrun release; run the same release on every "
+            "node and for `ftrun status`"
         )
-    validate(_HEADER, obj, "header")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"header.body must be an object, got {type(body).__name__}")
+    if len(obj) > len(_HEADER_FIELDS) or not _HEADER_FIELDS.issuperset(obj):
+        unknown = sorted(set(obj) - _HEADER_FIELDS)
+        raise ProtocolError(f"header has unknown field(s) {', '.join(map(repr, unknown))}")
+    validate(_HEADER, {k: v for k, v in obj.items() if k != "body"}, "header")
     if obj["job"] != job:
         raise ProtocolError(f"message is for job {_short(obj['job'])}, this is job {job!r}")
     kind = obj["kind"]
     if kind not in SCHEMAS:
         raise ProtocolError(f"unknown message kind {_short(kind)}")
-    for field in ("id", "re"):
+    for field in ("id", "re", "sn"):
         if field in obj and not _HEX.match(obj[field]):
             raise ProtocolError(f"message {field} {_short(obj[field])} is not a short hex string")
-    validate(SCHEMAS[kind], obj["body"], f"{kind} body")
+    if obj["n"] < 1:
+        raise ProtocolError(f"message counter n={obj['n']} is not positive")
+    validate(SCHEMAS[kind], body, f"{kind} body")
     current = time.time() if now is None else now
-    skew = float(obj["ts"]) - current
-    if abs(skew) > MAX_CLOCK_SKEW_S:
+    ts = float(obj["ts"])
+    skew = ts - current
+    if not abs(skew) <= MAX_CLOCK_SKEW_S:  # NaN-safe (validate refuses NaN already)
         raise ProtocolError(
             f"message timestamp is {skew:+.0f} s off this host's clock (max "
             f"{MAX_CLOCK_SKEW_S:.0f} s): a replay, or clocks out of sync (run NTP)"
@@ -247,12 +305,64 @@ def parse(header: bytes, *, job: str, now: float | None = None,
         kind=kind,
         job=obj["job"],
         sender=obj["sender"],
-        ts=float(obj["ts"]),
+        ts=ts,
         id=obj["id"],
-        body=obj["body"],
+        body=body,
         re=obj.get("re"),
         frames=tuple(data),
+        session=obj["sn"],
+        counter=obj["n"],
     )
+
+
+class ReplayGuard:
+    """Takes each (sender, session, counter) of authentic messages once, in increasing order.
+
+    One entry per (sender, session): its highest counter and when it was last seen, kept
+    :data:`SESSION_KEPT_S` after that (older messages of it fail the clock check) and at most
+    ``max_sessions`` of them (the least recently seen goes first, counted in
+    ``forgotten_early``: its replays are then refused by the clock check only). Each check is
+    amortised O(1).
+
+    What this assumes: a session's messages arrive in the order they were numbered. A client
+    numbers them under the lock it sends under, and ZeroMQ keeps the order of one
+    connection; so only a message still in flight on a connection the client dropped (it
+    reconnects after a request timed out) can arrive after a later one, and is then refused
+    like a replay: it counts as lost, which its sender survives (a request is resent with a
+    new number, and what is sent without waiting is periodic).
+    """
+
+    def __init__(self, kept_s: float = SESSION_KEPT_S, max_sessions: int = MAX_SESSIONS) -> None:
+        self.kept_s = kept_s
+        self.max_sessions = max_sessions
+        self.forgotten_early = 0  # sessions dropped for room before their time
+        self._seen: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def check(self, msg: Message, now: float | None = None) -> None:
+        """Raise ProtocolError when ``msg`` is a replay (or out of order); else record it.
+        ``now`` is a monotonic time."""
+        t = time.monotonic() if now is None else now
+        seen = self._seen
+        key = (msg.sender, msg.session)
+        last = seen.get(key)
+        if last is not None and msg.counter <= last[0]:
+            raise ProtocolError(
+                f"replayed or out-of-order message: {msg.kind} number {msg.counter} of "
+                f"{msg.sender!r}'s session {msg.session} came after number {last[0]}"
+            )
+        seen[key] = (msg.counter, t)
+        seen.move_to_end(key)
+        # Evict from the least recently seen end: amortised O(1) per message.
+        while seen:
+            oldest_key, (_, oldest_t) = next(iter(seen.items()))
+            if t - oldest_t <= self.kept_s and len(seen) <= self.max_sessions:
+                break
+            if t - oldest_t <= self.kept_s:
+                self.forgotten_early += 1
+            seen.popitem(last=False)
 
 
 def peek(header: bytes, field: str) -> str | None:
@@ -265,7 +375,13 @@ def peek(header: bytes, field: str) -> str | None:
 
 
 def decode(frames: Sequence[Buffer], *, secret: bytes, job: str, now: float | None = None,
-           max_frame_bytes: int = MAX_FRAME_BYTES) -> Message:
-    """Authenticate and validate one message; raise AuthError or ProtocolError."""
-    header = verify(frames, secret=secret, max_frame_bytes=max_frame_bytes)
-    return parse(header, job=job, now=now, data=frames[2:])
+           max_frame_bytes: int = MAX_FRAME_BYTES, max_message_bytes: int | None = None,
+           replays: ReplayGuard | None = None) -> Message:
+    """Authenticate and validate one message; raise AuthError or ProtocolError (also for a
+    replay, when given the ``replays`` guard of the receiving end)."""
+    header = verify(frames, secret=secret, max_frame_bytes=max_frame_bytes,
+                    max_message_bytes=max_message_bytes)
+    msg = parse(header, job=job, now=now, data=frames[2:])
+    if replays is not None:
+        replays.check(msg)
+    return msg

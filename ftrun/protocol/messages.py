@@ -1,13 +1,15 @@
 """The control-plane messages: every kind, the schema of its body, and their validation.
 
 Every kind's body has a schema in :data:`SCHEMAS`; unknown fields, wrong types, over-long
-strings and lists are rejected. Adding a kind is one entry in :data:`SCHEMAS`. How messages
+strings and lists, and numbers that are not finite (NaN, infinity, at any depth) are
+rejected, naming the field. Adding a kind is one entry in :data:`SCHEMAS`. How messages
 travel (signed, size-limited frames) is :mod:`ftrun.protocol.codec`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -32,7 +34,8 @@ class Message:
     """One authenticated, validated message.
 
     ``re`` is the id of the request a reply answers (None in a request); ``frames`` are the
-    binary frames that travelled beside the JSON header, covered by the same MAC.
+    binary frames that travelled beside the JSON header, covered by the same MAC;
+    ``session`` and ``counter`` are the sender's session and the message's number in it.
     """
 
     kind: str
@@ -43,6 +46,8 @@ class Message:
     body: dict[str, Any]
     re: str | None = None
     frames: tuple[bytes | memoryview, ...] = ()
+    session: str = ""
+    counter: int = 0
 
 
 # A field spec is (type or tuple of types or ListOf or nested schema dict, required).
@@ -268,7 +273,8 @@ def _is_instance(value: Any, types: Any) -> bool:
 
 
 def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
-    """Caps on free-form JSON: depth, string length, list length (sizes are capped anyway)."""
+    """Caps on free-form JSON: depth, string length, list length (sizes are capped anyway),
+    and finite numbers."""
     if depth > MAX_DEPTH:
         raise ProtocolError(f"{where} nests deeper than {MAX_DEPTH} levels")
     if isinstance(value, str):
@@ -276,6 +282,9 @@ def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
             raise ProtocolError(
                 f"{where} is a string of {len(value)} chars (max {MAX_STRING_CHARS})"
             )
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ProtocolError(f"{where} is {value!r}: numbers must be finite")
     elif isinstance(value, list):
         if len(value) > MAX_LIST_ITEMS:
             raise ProtocolError(f"{where} is a list of {len(value)} items (max {MAX_LIST_ITEMS})")
@@ -289,7 +298,7 @@ def _check_json_value(value: Any, where: str, depth: int = 0) -> None:
                 raise ProtocolError(f"{where} has a non-string key {key!r}")
             _check_json_value(key, f"{where} key", depth + 1)
             _check_json_value(item, f"{where}.{key}", depth + 1)
-    elif value is None or isinstance(value, (bool, int, float)):
+    elif value is None or isinstance(value, (bool, int)):
         return
     else:
         raise ProtocolError(f"{where} holds a {type(value).__name__}, which is not JSON")
@@ -299,7 +308,7 @@ def _check_value(value: Any, spec: Any, where: str, depth: int) -> None:
     if isinstance(spec, dict):
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be an object, got {type(value).__name__}")
-        validate(spec, value, where, depth + 1)
+        _validate(spec, value, where, depth + 1)
         return
     if isinstance(spec, ListOf):
         if not isinstance(value, list):
@@ -321,9 +330,92 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# -- the fast walk ------------------------------------------------------------------------------
+# Each schema compiles once into predicates on exact JSON types that build no field names. They
+# may say False for a valid value (a subclass of a JSON type, in a body being encoded), never
+# True for an invalid one: False sends the value through the detailed walk, which decides.
+
+_Check = Callable[[Any, int], bool]
+_COMPILED: dict[int, tuple[Any, Callable[[Mapping[str, Any], int], bool]]] = {}
+
+
+def _json_ok(value: Any, depth: int) -> bool:
+    t = type(value)
+    if t is str:
+        return len(value) <= MAX_STRING_CHARS
+    if t is float:
+        return math.isfinite(value)
+    if t is int or t is bool or value is None:
+        return depth <= MAX_DEPTH
+    if depth >= MAX_DEPTH:
+        return False
+    if t is list:
+        return len(value) <= MAX_LIST_ITEMS and all(_json_ok(v, depth + 1) for v in value)
+    if t is dict:
+        return len(value) <= MAX_LIST_ITEMS and all(
+            type(k) is str and len(k) <= MAX_STRING_CHARS and _json_ok(v, depth + 1)
+            for k, v in value.items())
+    return False
+
+
+def _compile_value(spec: Any) -> _Check:
+    if isinstance(spec, dict):
+        sub = _compiled(spec)
+        return lambda v, d: type(v) is dict and sub(v, d + 1)
+    if isinstance(spec, ListOf):
+        item = _compile_value(spec.item)
+        return lambda v, d: (type(v) is list and len(v) <= MAX_LIST_ITEMS
+                             and all(item(x, d + 1) for x in v))
+    types = spec if isinstance(spec, tuple) else (spec,)
+    exact = {int, float} if float in types else set()
+    exact.update(types)
+    if exact <= {int, bool, _NONE}:
+        return lambda v, d: type(v) in exact
+    if exact <= {int, float, bool, _NONE}:
+        return lambda v, d: type(v) in exact and (type(v) is not float or math.isfinite(v))
+    if exact <= {str, _NONE}:
+        return lambda v, d: type(v) in exact and (v is None or len(v) <= MAX_STRING_CHARS)
+    return lambda v, d: type(v) in exact and _json_ok(v, d)
+
+
+def _compiled(schema: Mapping[str, FieldSpec]) -> Callable[[Mapping[str, Any], int], bool]:
+    hit = _COMPILED.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    fields = [(name, required, _compile_value(spec)) for name, (spec, required) in schema.items()]
+
+    def ok(obj: Mapping[str, Any], depth: int) -> bool:
+        if depth > MAX_DEPTH:
+            return False
+        n = 0
+        for name, required, check in fields:
+            if name in obj:
+                n += 1
+                if not check(obj[name], depth):
+                    return False
+            elif required:
+                return False
+        return n == len(obj)  # no unknown fields
+
+    if len(_COMPILED) >= 4096:  # schemas are static; this bounds one built per call
+        _COMPILED.clear()
+    _COMPILED[id(schema)] = (schema, ok)
+    return ok
+
+
 def validate(schema: Mapping[str, FieldSpec], obj: Mapping[str, Any], where: str = "body",
              depth: int = 0) -> None:
-    """Check ``obj`` against ``schema``: no unknown fields, required ones present, types right."""
+    """Check ``obj`` against ``schema``: no unknown fields, required ones present, types right,
+    numbers finite; the error names the field. A valid message takes one walk that builds no
+    field names (the receiving end's cost per message); an invalid one a second walk that
+    names what is wrong."""
+    if _compiled(schema)(obj, depth):
+        return
+    _validate(schema, obj, where, depth)
+
+
+def _validate(schema: Mapping[str, FieldSpec], obj: Mapping[str, Any], where: str,
+              depth: int) -> None:
     if depth > MAX_DEPTH:
         raise ProtocolError(f"{where} nests deeper than {MAX_DEPTH} levels")
     unknown = sorted(set(obj) - set(schema))

@@ -4,7 +4,7 @@
   reporter to the coordinator, ``ftrun status``. A request waits for the reply that carries
   its id (``re``); a reply to an earlier request that timed out is dropped, never taken for
   the current one. Replies to messages sent without waiting (:meth:`Client.send`) go to an
-  ``on_reply`` callback.
+  ``on_reply`` callback, each at most once.
 - :class:`Server` (a ROUTER socket): the coordinator and the store. It runs a handler table
   (kind -> handler); an unknown kind, an invalid message or a handler that raises is
   answered with an ``error`` and logged, and the loop goes on.
@@ -14,6 +14,14 @@ fixed, unsigned :data:`~ftrun.protocol.codec.AUTH_REFUSED` and logs an auth fail
 that does not answer is :class:`UnreachableError` naming the address and what to check, a
 malformed or oversized message is :class:`ProtocolError`, and an ``error`` reply is raised as
 the error class it names. Every wait is bounded; sockets never linger at close.
+
+Hostile input. A server takes each client session's message numbers once and in order
+(:class:`~ftrun.protocol.codec.ReplayGuard`: a replayed message is refused), caps the size of
+a whole message as well as of each frame, and logs refused messages, and reports them to its
+``on_reject`` hook, at most once per :data:`WARN_EVERY_S` per peer address (per connection
+where there is no address, as over ipc) and :data:`MAX_REFUSAL_REPORTS` times per
+:data:`WARN_EVERY_S` in all, with the count of those suppressed in between. Refused frames
+are dropped at once; ZeroMQ queues at most ``hwm`` messages per connection.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
@@ -41,6 +49,10 @@ log = logging.getLogger(__name__)
 SENT_IDS_KEPT = 4096
 WARN_EVERY_S = 10.0
 MAX_AUTH_REFUSALS_PER_S = 5
+# Refused messages logged and reported (on_reject) per WARN_EVERY_S, all peers together, and
+# peers whose refusals are counted (the least recently reported are forgotten first).
+MAX_REFUSAL_REPORTS = 20
+MAX_PEERS_TRACKED = 1024
 MAX_ERROR_CHARS = 4000
 
 _ERRORS: dict[str, type[FtrunError]] = {
@@ -55,9 +67,11 @@ def _url(address: str) -> str:
     return address if "://" in address else zmq_url(address)
 
 
-def _frame_cap(max_frame_bytes: int) -> int:
-    # ZeroMQ's own limit, per frame: the largest header or data frame, with room for framing.
-    return max(codec.MAX_MESSAGE_BYTES, max_frame_bytes) + 1024
+def _frame_cap(max_frame_bytes: int, max_message_bytes: int | None = None) -> int:
+    # ZeroMQ's own limit, per frame: the largest header or data frame (no larger than a whole
+    # message), with room for framing.
+    total = codec.total_cap(max_frame_bytes, max_message_bytes)
+    return min(total, max(codec.MAX_MESSAGE_BYTES, max_frame_bytes)) + 1024
 
 
 def error_from_reply(msg: Message, peer: str) -> FtrunError:
@@ -67,24 +81,56 @@ def error_from_reply(msg: Message, peer: str) -> FtrunError:
 
 
 class RateLimiter:
-    """Let through the first of each key per ``every_s``; count what was held back."""
+    """Let through the first of each key per ``every_s``; count what was held back.
 
-    def __init__(self, every_s: float, max_keys: int = 1024) -> None:
+    At most ``max_keys`` keys are tracked: the one let through longest ago is forgotten
+    first, and what it held back is reported with the next one let through, so memory stays
+    bounded and no count is lost. With ``max_per_window``, at most that many are let through
+    per ``every_s``, all keys together.
+    """
+
+    def __init__(self, every_s: float, max_keys: int = 1024,
+                 max_per_window: int | None = None) -> None:
         self.every_s = every_s
         self.max_keys = max_keys
-        self._last: dict[Any, tuple[float, int]] = {}
+        self.max_per_window = max_per_window
+        self.forgotten = 0  # held back for keys forgotten since, not yet reported
+        self._last: OrderedDict[Any, list[Any]] = OrderedDict()  # key -> [time let through, held]
+        self._window = (float("-inf"), 0)  # (start, let through in it)
 
     def allow(self, key: Any) -> tuple[bool, int]:
-        """(allowed, number suppressed since the last allowed one)."""
+        """(allowed, number suppressed since the last allowed one: for this key, plus those
+        of forgotten keys when allowed)."""
         now = time.monotonic()
-        last, suppressed = self._last.get(key, (float("-inf"), 0))
-        if now - last >= self.every_s:
-            if len(self._last) >= self.max_keys:
-                self._last.clear()
-            self._last[key] = (now, 0)
-            return True, suppressed
-        self._last[key] = (last, suppressed + 1)
-        return False, suppressed + 1
+        entry = self._last.get(key)
+        if entry is not None and now - entry[0] < self.every_s:
+            entry[1] += 1
+            return False, entry[1]
+        if self.max_per_window is not None:
+            start, count = self._window
+            if now - start >= self.every_s:
+                start, count = now, 0
+            if count >= self.max_per_window:
+                if entry is None:
+                    entry = [float("-inf"), 0]
+                    self._add(key, entry)
+                entry[1] += 1
+                return False, entry[1]
+            self._window = (start, count + 1)
+        suppressed = 0 if entry is None else entry[1]
+        if entry is None:
+            self._add(key, [now, 0])
+        else:
+            entry[0], entry[1] = now, 0
+            self._last.move_to_end(key)
+        suppressed += self.forgotten
+        self.forgotten = 0
+        return True, suppressed
+
+    def _add(self, key: Any, entry: list[Any]) -> None:
+        while len(self._last) >= self.max_keys:
+            self.forgotten += self._last.popitem(last=False)[1][1]
+        self._last[key] = entry
 
 
 class Client:
@@ -110,6 +156,7 @@ class Client:
         sndhwm: int = 1000,
         reconnect_s: tuple[float, float] | None = None,
         max_frame_bytes: int = codec.MAX_FRAME_BYTES,
+        max_message_bytes: int | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.address = address
@@ -124,10 +171,15 @@ class Client:
         self._sndhwm = sndhwm
         self._reconnect_s = reconnect_s
         self._max_frame_bytes = max_frame_bytes
+        self._max_message_bytes = max_message_bytes
         self._ctx = context
         self._lock = threading.Lock()
         self._sock: zmq.Socket[Any] | None = None
-        self._pid = 0
+        self._pid = os.getpid()
+        # Every message is numbered in this client's session (the server refuses a number it
+        # has seen: a replay); reconnecting keeps both, a forked child starts its own.
+        self._session = codec.new_session()
+        self._counter = 0
         self._sent: deque[str] = deque(maxlen=SENT_IDS_KEPT)
         self._sent_set: set[str] = set()
         self._warn = RateLimiter(WARN_EVERY_S)
@@ -138,8 +190,13 @@ class Client:
     # -- the socket --------------------------------------------------------------------------
 
     def _socket(self) -> zmq.Socket[Any]:
-        if self._sock is not None and self._pid != os.getpid():
-            self._sock = None  # the parent's, inherited through fork: never used here
+        if self._pid != os.getpid():
+            # Inherited through fork: the parent's socket is never used here, and the parent
+            # goes on numbering its session, so the child takes a session of its own.
+            self._sock, self._pid = None, os.getpid()
+            self._session, self._counter = codec.new_session(), 0
+            self._sent.clear()
+            self._sent_set.clear()
         if self._sock is None:
             ctx = self._ctx if self._ctx is not None else zmq.Context.instance()
             sock = ctx.socket(zmq.DEALER)
@@ -147,7 +204,8 @@ class Client:
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.RCVHWM, 1000)
             sock.setsockopt(zmq.SNDTIMEO, max(0, int(self._send_timeout_s * 1000)))
-            sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(self._max_frame_bytes))
+            sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(self._max_frame_bytes,
+                                                       self._max_message_bytes))
             if self._reconnect_s is not None:
                 sock.setsockopt(zmq.RECONNECT_IVL, int(self._reconnect_s[0] * 1000))
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._reconnect_s[1] * 1000))
@@ -162,7 +220,7 @@ class Client:
         if self._sock is not None:
             if self._pid == os.getpid():
                 self._sock.close(0)
-            self._sock = None
+            self._sock = None  # the session and its counter go on
 
     def close(self) -> None:
         with self._lock:
@@ -172,8 +230,13 @@ class Client:
 
     def _encode(self, kind: str, body: Mapping[str, Any], msg_id: str,
                 data: Sequence[Buffer]) -> list[Buffer]:
+        """Number and sign a message; called under the lock, right before it is sent, so
+        that the numbers go out in order."""
+        self._socket()  # a forked child takes its own session first
+        self._counter += 1
         return codec.encode(kind, body, secret=self._secret, job=self._job,
-                            sender=self._sender, id=msg_id, data=data)
+                            sender=self._sender, id=msg_id, data=data,
+                            session=self._session, counter=self._counter)
 
     def send(self, kind: str, body: Mapping[str, Any],
              frames: Sequence[Buffer] = ()) -> str | None:
@@ -183,8 +246,8 @@ class Client:
         timeout (nobody connected, or the peer not reading).
         """
         msg_id = codec.new_id()
-        out = self._encode(kind, body, msg_id, frames)
         with self._lock:
+            out = self._encode(kind, body, msg_id, frames)
             try:
                 self._socket().send_multipart(out, copy=False)
             except zmq.Again:
@@ -207,9 +270,11 @@ class Client:
         ``error`` reply names.
         """
         msg_id = codec.new_id()
-        out = self._encode(kind, body, msg_id, frames)
         with self._lock:
             for attempt in range(attempts):
+                # Each attempt under a new number (the server refuses one it has seen), with
+                # the same id (a late reply to an earlier attempt answers this request too).
+                out = self._encode(kind, body, msg_id, frames)
                 try:
                     self._socket().send_multipart(out, copy=False)
                 except zmq.Again:  # not even queued within the send timeout
@@ -266,6 +331,7 @@ class Client:
             if want is not None and msg.re == want:
                 return msg
             if msg.re is not None and msg.re in self._sent_set:
+                self._sent_set.discard(msg.re)  # one reply each: a replayed one is dropped
                 self._deliver(msg)
                 if stop_after is not None:
                     stop_after[0] += 1
@@ -283,7 +349,8 @@ class Client:
         payload = [bytes(f.bytes) for f in frames[:2]] + [f.buffer for f in frames[2:]]
         try:
             header = codec.verify(payload, secret=self._secret,
-                                  max_frame_bytes=self._max_frame_bytes)
+                                  max_frame_bytes=self._max_frame_bytes,
+                                  max_message_bytes=self._max_message_bytes)
         except AuthError:
             raise AuthError(
                 f"the reply from {self} is not signed with our secret: another job's "
@@ -325,8 +392,10 @@ class Reply(NamedTuple):
 
 # A handler answers a request with a Reply (or a (kind, body) pair), or None for no reply.
 Handler = Callable[[Message], Union[Reply, tuple[str, Mapping[str, Any]], None]]
-# Told of each refused message (kind "auth_failure" or "bad_message", the peer's address,
-# reason, how many like it were suppressed): the coordinator records them as events.
+# Told of refused messages (kind "auth_failure", "bad_message" or "replay", the peer's
+# address, reason, how many refused messages were suppressed since the last one told: this
+# peer's, and those of peers no longer tracked): the coordinator records them as events.
+# Called at most once per WARN_EVERY_S per peer, MAX_REFUSAL_REPORTS times in all.
 RejectHook = Callable[[str, str, str, int], None]
 
 
@@ -335,6 +404,11 @@ class Server:
 
     ``name`` says who serves (in logs and error replies). :meth:`serve_once` handles what
     arrives within a timeout, so a server loop can do its own periodic work between calls.
+
+    ``max_frame_bytes`` caps each data frame, ``max_message_bytes`` a whole message (header,
+    MAC and data frames; default :func:`~ftrun.protocol.codec.total_cap`: a header alone for
+    a server of small messages such as the coordinator). ``hwm``: the messages ZeroMQ queues
+    per connection, each way.
     """
 
     def __init__(
@@ -346,8 +420,9 @@ class Server:
         *,
         sender: str,
         max_frame_bytes: int = codec.MAX_MESSAGE_BYTES,
+        max_message_bytes: int | None = None,
         on_reject: RejectHook | None = None,
-        hwm: int = 10_000,
+        hwm: int = 1000,
     ) -> None:
         if not secret:
             raise FtrunError(f"the {name} needs a non-empty job secret")
@@ -357,13 +432,18 @@ class Server:
         self.handlers = dict(handlers)
         self._sender = sender
         self._max_frame_bytes = max_frame_bytes
+        self._max_message_bytes = codec.total_cap(max_frame_bytes, max_message_bytes)
         self._on_reject = on_reject
         self._hwm = hwm
         self._sock: zmq.Socket[Any] | None = None
-        self._warn = RateLimiter(WARN_EVERY_S)
-        self._refusals: dict[str, tuple[float, int]] = {}
+        self._warn = RateLimiter(WARN_EVERY_S, MAX_PEERS_TRACKED, MAX_REFUSAL_REPORTS)
+        self._refusals = RateLimiter(1.0 / MAX_AUTH_REFUSALS_PER_S, MAX_PEERS_TRACKED)
+        self.replays = codec.ReplayGuard()
+        # Replies are numbered in a session of this server's own, like a client's messages.
+        self._session = codec.new_session()
+        self._counter = 0
         self.counters: dict[str, int] = {"messages": 0, "auth_failures": 0, "bad_messages": 0,
-                                         "handler_errors": 0}
+                                         "replays": 0, "handler_errors": 0}
 
     def bind(self, url: str, context: zmq.Context[Any] | None = None) -> str:
         """Bind to ``url`` (tcp://host:port, port * for any; ipc://path); return the URL
@@ -373,7 +453,8 @@ class Server:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(self._max_frame_bytes))
+            sock.setsockopt(zmq.MAXMSGSIZE, _frame_cap(self._max_frame_bytes,
+                                                       self._max_message_bytes))
             sock.setsockopt(zmq.SNDHWM, self._hwm)
             sock.setsockopt(zmq.RCVHWM, self._hwm)
             if url.startswith("tcp://["):
@@ -423,32 +504,43 @@ class Server:
             address = frames[0].get("Peer-Address") or ""
         except zmq.ZMQError:
             address = ""
-        peer = f"{address or '?'} (id {identity.hex()})"
         payload = [bytes(f.bytes) for f in frames[1:3]] + [f.buffer for f in frames[3:]]
+        del frames  # nothing of a refused message is kept
         self.counters["messages"] += 1
         try:
             header = codec.verify(payload, secret=self._secret,
-                                  max_frame_bytes=self._max_frame_bytes)
+                                  max_frame_bytes=self._max_frame_bytes,
+                                  max_message_bytes=self._max_message_bytes)
         except AuthError as e:
             self.counters["auth_failures"] += 1
-            self._reject("auth_failure", address, peer, str(e))
-            if self._may_refuse(address):
+            self._reject("auth_failure", address, identity, str(e))
+            if self._refusals.allow(address or identity)[0]:
                 self._send(identity, [AUTH_REFUSED])
             return
         except ProtocolError as e:
             self.counters["bad_messages"] += 1
-            self._reject("bad_message", address, peer, str(e))
+            self._reject("bad_message", address, identity, str(e))
             return
         try:
             msg = codec.parse(header, job=self._job, data=payload[2:])
         except ProtocolError as e:
             self.counters["bad_messages"] += 1
-            self._reject("bad_message", address, peer, str(e))
+            self._reject("bad_message", address, identity, str(e))
             # The header is authentic: its id, if readable, tells the client what failed.
-            self._reply(identity, codec.peek(header, "id"), Reply("error", {"message": str(e)[:MAX_ERROR_CHARS],
-                                                        "error": type(e).__name__}))
+            self._reply(identity, codec.peek(header, "id"), Reply("error", {
+                "message": str(e)[:MAX_ERROR_CHARS], "error": type(e).__name__}))
             return
-        self._reply(identity, msg.id, self._answer(msg, peer))
+        try:
+            self.replays.check(msg)
+        except ProtocolError as e:
+            # Authentic, so answered: the answer goes to the connection it came on (the
+            # replayer's), never to the sender it names.
+            self.counters["replays"] += 1
+            self._reject("replay", address, identity, str(e))
+            self._reply(identity, msg.id, Reply("error", {"message": str(e)[:MAX_ERROR_CHARS],
+                                                          "error": "ProtocolError"}))
+            return
+        self._reply(identity, msg.id, self._answer(msg, _peer(address, identity)))
 
     def _answer(self, msg: Message, peer: str) -> Reply | None:
         handler = self.handlers.get(msg.kind)
@@ -476,15 +568,18 @@ class Server:
     def _reply(self, identity: bytes, re: str | None, answer: Reply | None) -> None:
         if answer is None:
             return
+        self._counter += 1
         try:
             out = codec.encode(answer.kind, answer.body, secret=self._secret, job=self._job,
-                               sender=self._sender, re=re, data=answer.frames)
+                               sender=self._sender, re=re, data=answer.frames,
+                               session=self._session, counter=self._counter)
         except ProtocolError as e:
             log.error("%s cannot encode its %s reply: %s", self.name, answer.kind, e)
             out = codec.encode("error", {"message": f"the {self.name} cannot reply: "
                                                     f"{e}"[:MAX_ERROR_CHARS],
                                          "error": "ProtocolError"},
-                               secret=self._secret, job=self._job, sender=self._sender, re=re)
+                               secret=self._secret, job=self._job, sender=self._sender, re=re,
+                               session=self._session, counter=self._counter)
         self._send(identity, out)
 
     def _send(self, identity: bytes, frames: list[Buffer]) -> None:
@@ -494,25 +589,19 @@ class Server:
         except zmq.Again:
             log.warning("%s: reply to %s dropped: peer not reading", self.name, identity.hex())
 
-    def _reject(self, kind: str, address: str, peer: str, reason: str) -> None:
-        allowed, suppressed = self._warn.allow((kind, address, reason))
+    def _reject(self, kind: str, address: str, identity: bytes, reason: str) -> None:
+        """Log and report a refused message, rate-limited per peer (its address; its
+        connection where it has none), whatever the reason says: a sender that varies its
+        garbage gets no more lines than one that repeats it."""
+        allowed, suppressed = self._warn.allow(address or identity)
         if not allowed:
             return
-        more = f" ({suppressed} identical ones suppressed)" if suppressed else ""
-        log.warning("%s: %s from peer %s: %s%s", self.name, kind.replace("_", " "), peer,
-                    reason, more)
+        more = f" ({suppressed} more refused since, not logged)" if suppressed else ""
+        log.warning("%s: %s from peer %s: %s%s", self.name, kind.replace("_", " "),
+                    _peer(address, identity), reason, more)
         if self._on_reject is not None:
             self._on_reject(kind, address, reason, suppressed)
 
-    def _may_refuse(self, address: str) -> bool:
-        """At most a few refusals per second per address: a flood is not echoed."""
-        now = time.monotonic()
-        start, count = self._refusals.get(address, (now, 0))
-        if now - start >= 1.0:
-            start, count = now, 0
-        if count >= MAX_AUTH_REFUSALS_PER_S:
-            return False
-        if len(self._refusals) > 1024:
-            self._refusals.clear()
-        self._refusals[address] = (start, count + 1)
-        return True
+
+def _peer(address: str, identity: bytes) -> str:
+    return f"{address or '?'} (id {identity.hex()})"
