@@ -391,3 +391,33 @@ def test_data_frame_limits() -> None:
 def test_reply_id_must_be_hex() -> None:
     with pytest.raises(ProtocolError, match="re"):
         protocol.decode(sign(header(re="not hex")), secret=SECRET, job=JOB)
+
+
+def test_the_fast_walk_defers_to_the_detailed_one() -> None:
+    """Validation takes a fast walk on exact JSON types; what it cannot tell (a subclass of a
+    JSON type, in a body being encoded) goes through the detailed walk, which decides."""
+
+    class Seconds(float):
+        pass
+
+    body = {**HEARTBEAT, "workers": [{**WORKER, "progress_age_s": Seconds(0.5)}]}
+    frames = protocol.encode("heartbeat", body, secret=SECRET, job=JOB, sender="x")
+    assert protocol.decode(frames, secret=SECRET, job=JOB).body["workers"][0][
+        "progress_age_s"] == 0.5
+    with pytest.raises(ProtocolError, match=r"workers\[0\].progress_age_s is nan"):
+        protocol.validate(protocol.SCHEMAS["heartbeat"],
+                          {**HEARTBEAT, "workers": [{**WORKER, "progress_age_s": Seconds("nan")}]})
+    # bool is not an int, even though Python says so; nesting is capped at any depth.
+    with pytest.raises(ProtocolError, match="pid must be int"):
+        protocol.validate(protocol.SCHEMAS["hello"], {"node_id": "n", "host": "h", "pid": True})
+    deep: Any = 1
+    for _ in range(protocol.MAX_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(ProtocolError, match="nests deeper"):
+        protocol.validate(protocol.SCHEMAS["event"], {"node_id": "n", "type": "t",
+                                                      "data": {"x": deep}})
+    shallow: Any = 1
+    for _ in range(protocol.MAX_DEPTH - 2):
+        shallow = [shallow]
+    protocol.validate(protocol.SCHEMAS["event"], {"node_id": "n", "type": "t",
+                                                  "data": {"x": shallow}})

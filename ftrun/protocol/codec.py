@@ -43,9 +43,10 @@ The header carries ``v`` (protocol version), ``kind``, ``job`` (run id), ``sende
 the id of the request it answers.
 
 :func:`decode` checks, in order: frame count and sizes, MAC, frame digests, JSON, version,
-header fields, job, kind, body schema (every number finite), clock skew. :func:`verify` (the first three) and
-:func:`parse` (the rest) are exposed separately so a server can tell unauthenticated garbage
-(never answered) from an authentic but invalid message (answered with an ``error``).
+kind, header fields, job, body schema (every number finite), clock skew. :func:`verify` (the
+first three) and :func:`parse` (the rest) are exposed separately so a server can tell
+unauthenticated garbage (never answered) from an authentic but invalid message (answered with
+an ``error``); a server then refuses replays (:class:`ReplayGuard`).
 """
 
 from __future__ import annotations
@@ -275,6 +276,9 @@ def parse(header: bytes, *, job: str, now: float | None = None,
             f"{VERSION}: the peer runs another ftrun release; run the same release on every "
             "node and for `ftrun status`"
         )
+    kind = obj.get("kind")
+    if not isinstance(kind, str) or kind not in SCHEMAS:
+        raise ProtocolError(f"unknown message kind {_short(kind)}")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise ProtocolError(f"header.body must be an object, got {type(body).__name__}")
@@ -284,9 +288,6 @@ def parse(header: bytes, *, job: str, now: float | None = None,
     validate(_HEADER, {k: v for k, v in obj.items() if k != "body"}, "header")
     if obj["job"] != job:
         raise ProtocolError(f"message is for job {_short(obj['job'])}, this is job {job!r}")
-    kind = obj["kind"]
-    if kind not in SCHEMAS:
-        raise ProtocolError(f"unknown message kind {_short(kind)}")
     for field in ("id", "re", "sn"):
         if field in obj and not _HEX.match(obj[field]):
             raise ProtocolError(f"message {field} {_short(obj[field])} is not a short hex string")

@@ -18,8 +18,8 @@ the error class it names. Every wait is bounded; sockets never linger at close.
 Hostile input. A server takes each client session's message numbers once and in order
 (:class:`~ftrun.protocol.codec.ReplayGuard`: a replayed message is refused), caps the size of
 a whole message as well as of each frame, and logs refused messages, and reports them to its
-``on_reject`` hook, at most once per :data:`WARN_EVERY_S` per peer address (per connection
-where there is no address, as over ipc) and :data:`MAX_REFUSAL_REPORTS` times per
+``on_reject`` hook, at most once per :data:`WARN_EVERY_S` per peer address (over ipc: the peer
+process, by its credentials; by connection where ZeroMQ gives none) and :data:`MAX_REFUSAL_REPORTS` times per
 :data:`WARN_EVERY_S` in all, with the count of those suppressed in between. Refused frames
 are dropped at once; ZeroMQ queues at most ``hwm`` messages per connection.
 """
@@ -437,7 +437,7 @@ class Server:
         self._hwm = hwm
         self._sock: zmq.Socket[Any] | None = None
         self._warn = RateLimiter(WARN_EVERY_S, MAX_PEERS_TRACKED, MAX_REFUSAL_REPORTS)
-        self._refusals = RateLimiter(1.0 / MAX_AUTH_REFUSALS_PER_S, MAX_PEERS_TRACKED)
+        self._refusals: OrderedDict[Any, tuple[float, int]] = OrderedDict()
         self.replays = codec.ReplayGuard()
         # Replies are numbered in a session of this server's own, like a client's messages.
         self._session = codec.new_session()
@@ -514,7 +514,7 @@ class Server:
         except AuthError as e:
             self.counters["auth_failures"] += 1
             self._reject("auth_failure", address, identity, str(e))
-            if self._refusals.allow(address or identity)[0]:
+            if self._may_refuse(address or identity):
                 self._send(identity, [AUTH_REFUSED])
             return
         except ProtocolError as e:
@@ -590,9 +590,9 @@ class Server:
             log.warning("%s: reply to %s dropped: peer not reading", self.name, identity.hex())
 
     def _reject(self, kind: str, address: str, identity: bytes, reason: str) -> None:
-        """Log and report a refused message, rate-limited per peer (its address; its
-        connection where it has none), whatever the reason says: a sender that varies its
-        garbage gets no more lines than one that repeats it."""
+        """Log and report a refused message, rate-limited per peer (its address, over ipc
+        its process; its connection where it has none), whatever the reason says: a sender
+        that varies its garbage gets no more lines than one that repeats it."""
         allowed, suppressed = self._warn.allow(address or identity)
         if not allowed:
             return
@@ -602,6 +602,21 @@ class Server:
         if self._on_reject is not None:
             self._on_reject(kind, address, reason, suppressed)
 
+    def _may_refuse(self, peer: Any) -> bool:
+        """At most a few refusals per second per peer: a flood is not echoed."""
+        now = time.monotonic()
+        start, count = self._refusals.get(peer, (now, 0))
+        if now - start >= 1.0:
+            start, count = now, 0
+        if count >= MAX_AUTH_REFUSALS_PER_S:
+            return False
+        self._refusals[peer] = (start, count + 1)
+        self._refusals.move_to_end(peer)
+        while len(self._refusals) > MAX_PEERS_TRACKED:
+            self._refusals.popitem(last=False)
+        return True
+
 
 def _peer(address: str, identity: bytes) -> str:
     return f"{address or '?'} (id {identity.hex()})"
+
