@@ -32,7 +32,7 @@ from ftrun.coordinator.server import (
     lookup_endpoint,
     publish_endpoint,
 )
-from ftrun.errors import AuthError, ProtocolError, UnreachableError
+from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
 from ftrun.protocol import transport
 
 pytestmark = pytest.mark.timeout(60)
@@ -580,3 +580,145 @@ def test_invalid_state_still_heartbeats(coordinator: Coordinator) -> None:
         reporter.stop("stopped", 0, timeout_s=2)
     assert node["last_error"].startswith("invalid heartbeat:")
     assert node["state"] == "healthy" and node["restarts"] == 2 and node["workers"] == []
+
+
+# -- directives -------------------------------------------------------------------------------
+
+
+class LossyLink:
+    """A forwarder between one client and the coordinator that drops chosen replies.
+
+    The client connects to ``endpoint``; each of its messages goes on to the coordinator over
+    a DEALER socket, and each reply comes back unless ``drop(kind)`` says to lose it (the
+    dropped kinds are counted in ``dropped``). Messages pass unchanged: the signatures hold.
+    """
+
+    def __init__(self, target: str, drop: Callable[[str], bool]) -> None:
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._front = self._ctx.socket(zmq.ROUTER)
+        self._front.setsockopt(zmq.LINGER, 0)
+        port = self._front.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"127.0.0.1:{port}"
+        self._back = self._ctx.socket(zmq.DEALER)
+        self._back.setsockopt(zmq.LINGER, 0)
+        self._back.connect(f"tcp://{target}")
+        self._drop = drop
+        self.dropped: list[str] = []
+        self.forwarded: list[str] = []
+        self._identity: bytes | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._front, zmq.POLLIN)
+        poller.register(self._back, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                frames = sock.recv_multipart()
+                if sock is self._front:
+                    self._identity = frames[0]
+                    self._back.send_multipart(frames[1:])
+                    continue
+                kind = json.loads(frames[0])["kind"]
+                if self._drop(kind):
+                    self.dropped.append(kind)
+                elif self._identity is not None:
+                    self.forwarded.append(kind)
+                    self._front.send_multipart([self._identity, *frames])
+        self._front.close(0)
+        self._back.close(0)
+        self._ctx.term()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_directive_survives_a_lost_reply_and_is_delivered_once(
+        coordinator: Coordinator) -> None:
+    lost: list[str] = []
+
+    def drop_first_directives(kind: str) -> bool:
+        if kind == "directives" and not lost:
+            lost.append(kind)
+            return True
+        return False
+
+    link = LossyLink(coordinator.endpoint, drop_first_directives)
+    got: list[dict[str, Any]] = []
+    reporter = NodeReporter(link.endpoint, SECRET, JOB, "host-a/1", "host-a", workers_state,
+                            interval_s=0.05, on_directive=got.append)
+    reporter.start()
+    try:
+        wait_for(lambda: coordinator.status_document()["nodes"], what="the node to join")
+        did = coordinator.direct("host-a/1", "restart", {"ranks": [1], "reason": "test"})
+        wait_for(lambda: any(e["type"] == "directive_acked" for e in coordinator.events()),
+                 what="the directive to be acked")
+        # Heartbeats go on: later replies never carry it again, nor deliver it twice.
+        sent = reporter.sent["heartbeat"]
+        wait_for(lambda: reporter.sent["heartbeat"] >= sent + 5, what="more heartbeats")
+    finally:
+        reporter.stop("succeeded", 0)
+        link.close()
+    assert lost == ["directives"], "the fault (a lost directives reply) did not fire"
+    assert got == [{"id": did, "action": "restart", "data": {"ranks": [1], "reason": "test"}}]
+    assert reporter.directives == 1
+    events = [e for e in coordinator.events() if e["type"].startswith("directive")]
+    assert [e["type"] for e in events] == ["directive", "directive_acked"]
+    assert events[0]["id"] == did and events[0]["action"] == "restart"
+    assert events[1]["id"] == did and events[1]["sent"] >= 2  # resent after the lost reply
+    assert coordinator.pending_directives() == []
+
+
+def test_directive_resent_until_acked_is_delivered_once(coordinator: Coordinator) -> None:
+    """Acks lost on the way (every heartbeat's reply carries the directive again until the
+    coordinator reads an ack): the launcher still runs it once."""
+    link = LossyLink(coordinator.endpoint, lambda kind: False)
+    got: list[dict[str, Any]] = []
+    reporter = NodeReporter(link.endpoint, SECRET, JOB, "host-b/1", "host-b", workers_state,
+                            interval_s=0.05, on_directive=got.append)
+    reporter.start()
+    try:
+        wait_for(lambda: coordinator.status_document()["nodes"], what="the node to join")
+        ids = [coordinator.direct("host-b/1", "probe", {"peers": [], "size": 1024}),
+               coordinator.direct("host-b/1", "isolate", {"reason": "r", "evidence": {}})]
+        wait_for(lambda: len([e for e in coordinator.events()
+                              if e["type"] == "directive_acked"]) == 2, what="two acks")
+    finally:
+        reporter.stop("succeeded", 0)
+        link.close()
+    assert [d["id"] for d in got] == ids and reporter.directives == 2
+    assert link.forwarded.count("directives") >= 1
+
+
+def test_directive_refused_for_unknown_node_or_action(coordinator: Coordinator) -> None:
+    with pytest.raises(FtrunError, match="unknown"):
+        coordinator.direct("nobody/1", "restart", {"ranks": [0], "reason": "x"})
+    reporter = NodeReporter(coordinator.endpoint, SECRET, JOB, "host-c/1", "host-c",
+                            workers_state, interval_s=0.05)
+    reporter.start()
+    try:
+        wait_for(lambda: coordinator.status_document()["nodes"], what="the node to join")
+        with pytest.raises(FtrunError, match="unknown directive action"):
+            coordinator.direct("host-c/1", "reboot", {})
+        with pytest.raises(FtrunError, match="cannot be sent"):
+            coordinator.direct("host-c/1", "restart", {"ranks": [float("nan")]})
+    finally:
+        reporter.stop("succeeded", 0)
+
+
+def test_directives_dropped_when_the_node_leaves(coordinator: Coordinator) -> None:
+    reporter = NodeReporter(coordinator.endpoint, SECRET, JOB, "host-d/1", "host-d",
+                            workers_state, interval_s=60)  # one heartbeat: none acks
+    reporter.start()
+    try:
+        wait_for(lambda: coordinator.status_document()["nodes"], what="the node to join")
+        did = coordinator.direct("host-d/1", "restart", {"ranks": [0], "reason": "x"})
+        assert [d["id"] for d in coordinator.pending_directives()] == [did]
+    finally:
+        reporter.stop("succeeded", 0)
+    wait_for(lambda: not coordinator.pending_directives(), what="the directive to be dropped")
+    dropped = [e for e in coordinator.events() if e["type"] == "directive_dropped"]
+    assert dropped and dropped[0]["id"] == did and dropped[0]["why"] == "node left"

@@ -2,7 +2,9 @@
 
 :func:`request` sends one request over a fresh connection. :class:`NodeReporter` is what each
 node launcher runs: a thread that owns one connection, says ``hello``, sends a ``heartbeat``
-every interval, forwards events in order and finally says ``bye``. It never blocks its
+every interval, forwards events in order and finally says ``bye``. The coordinator's replies
+to heartbeats carry its directives (:mod:`ftrun.coordinator.directives`): the reporter hands
+each new one to ``on_directive`` once and acks its id in the following heartbeats. It never blocks its
 caller: when the coordinator is down or restarting, ZeroMQ reconnects in the background,
 heartbeats are dropped rather than queued without bound, and events wait in a bounded queue.
 Both speak through :class:`ftrun.protocol.transport.Client`.
@@ -28,6 +30,9 @@ from ftrun.protocol.transport import Client
 log = logging.getLogger(__name__)
 
 MAX_PENDING_EVENTS = 10_000
+# Directive ids remembered (never delivered twice), and heartbeats that ack each one.
+ACKED_KEPT = 256
+ACK_HEARTBEATS = 10
 REPORTER_POLL_S = 0.02
 # ZeroMQ's reconnect interval to a coordinator that went away: first, and at most.
 RECONNECT_S = (0.2, 2.0)
@@ -86,6 +91,11 @@ class NodeReporter:
     ``state_fn`` returns the heartbeat fields (``state``, ``group_rank``,
     ``group_world_size``, ``restarts``, ``max_restarts``, ``workers``, ``last_error`` and
     optionally ``extra``); missing ones get defaults, ``node_id``/``host``/``pid`` are added.
+
+    ``on_directive`` is called from the reporter thread with each new directive
+    (``{"id", "action", "data"}``), once per id even when the coordinator sends it again; it
+    must return quickly (queue the work). Its id is acked in the next
+    :data:`ACK_HEARTBEATS` heartbeats, and again whenever the coordinator resends it.
     """
 
     def __init__(
@@ -97,6 +107,7 @@ class NodeReporter:
         host: str,
         state_fn: Callable[[], dict[str, Any]],
         interval_s: float = 1.0,
+        on_directive: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         protocol.split_endpoint(endpoint)  # fail early on a malformed endpoint
         self.endpoint = endpoint
@@ -111,7 +122,11 @@ class NodeReporter:
         self._thread: threading.Thread | None = None
         self._last_warn: dict[str, float] = {}
         self._bye_deadline = float("inf")
+        self._on_directive = on_directive
+        # id -> heartbeats that still ack it; insertion order is delivery order.
+        self._acks: dict[str, int] = {}
         self.sent = {"hello": 0, "heartbeat": 0, "event": 0, "bye": 0, "dropped": 0}
+        self.directives = 0  # directives delivered to on_directive
 
     def start(self) -> None:
         if self._thread is not None:
@@ -186,6 +201,37 @@ class NodeReporter:
     def _on_reply(self, msg: protocol.Message, acked: set[str]) -> None:
         if msg.kind == "ack" and msg.re is not None:
             acked.add(msg.re)
+        elif msg.kind == "directives":
+            for d in msg.body["directives"]:
+                self._directive(d)
+
+    def _directive(self, d: dict[str, Any]) -> None:
+        """Deliver a directive once; (re)start acking it either way (the coordinator sent it
+        again: our acks did not reach it yet)."""
+        new = d["id"] not in self._acks
+        self._acks.pop(d["id"], None)
+        self._acks[d["id"]] = ACK_HEARTBEATS
+        while len(self._acks) > ACKED_KEPT:
+            del self._acks[next(iter(self._acks))]
+        if not new:
+            return
+        self.directives += 1
+        log.info("directive %s from the coordinator: %s %s", d["id"], d["action"], d["data"])
+        if self._on_directive is None:
+            log.warning("directive %s (%s) ignored: this launcher takes no directives",
+                        d["id"], d["action"])
+            return
+        try:
+            self._on_directive(dict(d))
+        except Exception:  # noqa: BLE001 - a failing callback must not stop the reporter
+            log.exception("handling directive %s (%s) failed", d["id"], d["action"])
+
+    def _acked(self) -> list[str]:
+        """The ids this heartbeat acks; each ack counts down one heartbeat."""
+        out = [i for i, left in self._acks.items() if left > 0]
+        for i in out:
+            self._acks[i] -= 1
+        return out
 
     def _drain_queue(self, pending: deque[tuple[str, dict[str, Any]]]) -> None:
         while True:
@@ -232,6 +278,9 @@ class NodeReporter:
             return
         body = {**_HEARTBEAT_DEFAULTS, **state}
         body.update(node_id=self.node_id, host=self.host, pid=os.getpid())
+        acked = self._acked()
+        if acked:
+            body["acked"] = acked
         error = body.get("last_error")
         if isinstance(error, str) and len(error) > protocol.MAX_STRING_CHARS:
             body["last_error"] = "..." + error[-(protocol.MAX_STRING_CHARS - 3):]
@@ -242,6 +291,8 @@ class NodeReporter:
             self._warn("bad_heartbeat", 30.0, "state_fn returned an invalid heartbeat: %s", e)
             minimal = {**_HEARTBEAT_DEFAULTS, "node_id": self.node_id, "host": self.host,
                        "pid": os.getpid(), "last_error": f"invalid heartbeat: {e}"[:4096]}
+            if acked:
+                minimal["acked"] = acked
             for key in ("state", "group_rank", "group_world_size", "restarts", "max_restarts"):
                 candidate = {**minimal, key: body.get(key)}
                 try:

@@ -32,6 +32,7 @@ import zmq
 from ftrun import jobs, protocol
 from ftrun.coordinator.api import JobHealth, NodeState, RankHealth
 from ftrun.coordinator.commits import CommitTracker, StoreState
+from ftrun.coordinator.directives import DirectiveBook
 from ftrun.errors import FtrunError, UnreachableError
 from ftrun.protocol.transport import RateLimiter, Reply, Server
 from ftrun.snapshot.placement import group_placement
@@ -183,6 +184,7 @@ class Coordinator:
         self._warn_limiter = RateLimiter(WARN_EVERY_S)
         self._commits = CommitTracker(
             node_gone=lambda node: self._node_gone(node, time.monotonic()))
+        self._directives = DirectiveBook()
         self._store_reports: dict[str, dict[str, Any]] = {}
         self._store_seen: dict[str, float] = {}  # node -> monotonic time of its last report
         self._finalizing: set[str] = set()  # nodes whose store asked for its final target
@@ -341,12 +343,53 @@ class Coordinator:
         self._touch(body["node_id"], body["host"], body["pid"])
         return Reply("ack", {"re": msg.id})
 
-    def _on_heartbeat(self, msg: protocol.Message) -> None:
+    def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
         body = msg.body
         node = self._touch(body["node_id"], body["host"], body["pid"])
         with self._lock:
             node.heartbeat = dict(body)
             node.state = body["state"]
+        return self._directives_reply(node.node_id, body.get("acked", ()))
+
+    # -- directives (ftrun.coordinator.directives) ---------------------------------------------
+
+    def direct(self, node_id: str, action: str, data: dict[str, Any]) -> str:
+        """Order ``node_id``'s launcher to carry out ``action`` (restart | isolate | probe)
+        with ``data``; returns the directive id. It is sent in reply to each of the node's
+        heartbeats until acked, and dropped when the node is gone or after 120 s."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            gone = node is None or node.left or node.lost
+        if gone:
+            raise FtrunError(f"cannot direct node {node_id!r}: it is "
+                             f"{'unknown' if node is None else 'gone'}; direct a live node")
+        d = self._directives.issue(node_id, action, data, time.monotonic())
+        log.info("directive %s to node %s: %s %s", d.id, node_id, action, data)
+        self._record("directive", node_id, {"id": d.id, "action": action, "data": data})
+        return d.id
+
+    def pending_directives(self, node_id: str | None = None) -> list[dict[str, Any]]:
+        """The directives not acked yet (of ``node_id``, or of every node)."""
+        return self._directives.pending(node_id)
+
+    def _directives_reply(self, node_id: str, acked: Any) -> Reply | None:
+        now = time.monotonic()
+        out, done, expired = self._directives.for_heartbeat(node_id, acked, now)
+        for d in done:
+            self._record("directive_acked", node_id,
+                         {"id": d.id, "action": d.action, "after_s": round(now - d.issued_mono, 3),
+                          "sent": d.sent})
+        for d in expired:
+            log.warning("directive %s (%s) to node %s expired unacknowledged after %.0f s",
+                        d.id, d.action, node_id, now - d.issued_mono)
+            self._record("directive_expired", node_id,
+                         {"id": d.id, "action": d.action, "sent": d.sent})
+        return Reply("directives", {"directives": out}) if out else None
+
+    def _drop_directives(self, node_id: str, why: str) -> None:
+        for d in self._directives.drop_node(node_id):
+            self._record("directive_dropped", node_id,
+                         {"id": d.id, "action": d.action, "sent": d.sent, "why": why})
 
     def _on_event(self, msg: protocol.Message) -> None:
         body = msg.body
@@ -362,6 +405,7 @@ class Coordinator:
             node.exitcode = body["exitcode"]
         self._record("node_left", node.node_id,
                      {"state": body["state"], "exitcode": body["exitcode"]})
+        self._drop_directives(node.node_id, "node left")
         return Reply("ack", {"re": msg.id})
 
     def _on_commit(self, msg: protocol.Message) -> Reply:
@@ -533,6 +577,7 @@ class Coordinator:
                         silent_s, self.node_timeout_s)
             self._record("node_lost", node_id, {"silent_s": round(silent_s, 3),
                                                 "node_timeout_s": self.node_timeout_s})
+            self._drop_directives(node_id, "node lost")
 
     # -- events ------------------------------------------------------------------------------
 
