@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from ftrun import protocol
+from ftrun.coordinator.directives import REPORT_ACTION
 from ftrun.errors import AuthError, ProtocolError
 from ftrun.protocol.transport import Client
 
@@ -74,6 +75,13 @@ def request(
         client.close()
 
 
+# A launcher sends its workers at least this often even when nothing about them changed (their
+# step and progress age move on), and a keep-alive otherwise (ftrun.coordinator.membership).
+FULL_EVERY_S = 30.0
+# Worker fields that change without anything happening: a change in them alone does not make a
+# heartbeat full.
+VOLATILE_WORKER_FIELDS = frozenset({"step", "progress_age_s", "step_interval_s"})
+
 _HEARTBEAT_DEFAULTS: dict[str, Any] = {
     "state": "init",
     "group_rank": None,
@@ -83,6 +91,59 @@ _HEARTBEAT_DEFAULTS: dict[str, Any] = {
     "workers": [],
     "last_error": None,
 }
+
+
+class HeartbeatComposer:
+    """Builds one node's heartbeats: full when its state changed, else keep-alives.
+
+    A full heartbeat carries ``serial`` (counting up); a keep-alive carries ``same`` = the
+    serial of the last full one and an empty ``workers`` list. A full heartbeat goes out when
+    anything but the volatile worker fields changed, every :data:`FULL_EVERY_S`, after a send
+    failed, and when the coordinator asks (:meth:`want_full`).
+    """
+
+    def __init__(self, node_id: str, host: str, pid: int,
+                 full_every_s: float = FULL_EVERY_S) -> None:
+        self.node_id, self.host, self.pid = node_id, host, pid
+        self.full_every_s = full_every_s
+        self.serial = 0
+        self._last_sig: Any = None
+        self._last_full = float("-inf")
+        self.full = 0  # full heartbeats composed
+        self.keepalives = 0
+
+    def want_full(self) -> None:
+        """The next heartbeat is a full one (the coordinator asked, or a send failed)."""
+        self._last_sig = None
+
+    @staticmethod
+    def _signature(body: dict[str, Any]) -> Any:
+        workers = tuple(tuple(sorted((k, repr(v)) for k, v in w.items()
+                                     if k not in VOLATILE_WORKER_FIELDS))
+                        for w in body.get("workers") or ())
+        top = tuple(sorted((k, repr(v)) for k, v in body.items() if k != "workers"))
+        return top, workers
+
+    def compose(self, state: dict[str, Any], now: float,
+                acked: list[str] | None = None) -> dict[str, Any]:
+        """The heartbeat body for ``state`` (the launcher's fields) at ``now`` (monotonic)."""
+        body = {**_HEARTBEAT_DEFAULTS, **state}
+        body.update(node_id=self.node_id, host=self.host, pid=self.pid)
+        error = body.get("last_error")
+        if isinstance(error, str) and len(error) > protocol.MAX_STRING_CHARS:
+            body["last_error"] = "..." + error[-(protocol.MAX_STRING_CHARS - 3):]
+        sig = self._signature(body)
+        if sig != self._last_sig or now - self._last_full >= self.full_every_s:
+            self._last_sig, self._last_full = sig, now
+            self.serial += 1
+            self.full += 1
+            body["serial"] = self.serial
+        else:
+            self.keepalives += 1
+            body.update(workers=[], last_error=None, same=self.serial)
+        if acked:
+            body["acked"] = acked
+        return body
 
 
 class NodeReporter:
@@ -123,6 +184,7 @@ class NodeReporter:
         self._last_warn: dict[str, float] = {}
         self._bye_deadline = float("inf")
         self._on_directive = on_directive
+        self._composer = HeartbeatComposer(node_id, host, os.getpid())
         # id -> heartbeats that still ack it; insertion order is delivery order.
         self._acks: dict[str, int] = {}
         self.sent = {"hello": 0, "heartbeat": 0, "event": 0, "bye": 0, "dropped": 0}
@@ -203,7 +265,10 @@ class NodeReporter:
             acked.add(msg.re)
         elif msg.kind == "directives":
             for d in msg.body["directives"]:
-                self._directive(d)
+                if d["action"] == REPORT_ACTION:
+                    self._composer.want_full()
+                else:
+                    self._directive(d)
 
     def _directive(self, d: dict[str, Any]) -> None:
         """Deliver a directive once; (re)start acking it either way (the coordinator sent it
@@ -276,14 +341,8 @@ class NodeReporter:
         except Exception:  # noqa: BLE001 - a broken state_fn must not stop the reporter
             log.exception("state_fn failed; heartbeat skipped")
             return
-        body = {**_HEARTBEAT_DEFAULTS, **state}
-        body.update(node_id=self.node_id, host=self.host, pid=os.getpid())
         acked = self._acked()
-        if acked:
-            body["acked"] = acked
-        error = body.get("last_error")
-        if isinstance(error, str) and len(error) > protocol.MAX_STRING_CHARS:
-            body["last_error"] = "..." + error[-(protocol.MAX_STRING_CHARS - 3):]
+        body = self._composer.compose(state, time.monotonic(), acked)
         try:
             sent = client.send("heartbeat", body)
         except ProtocolError as e:
@@ -304,6 +363,7 @@ class NodeReporter:
         if sent is not None:
             self.sent["heartbeat"] += 1
         else:
+            self._composer.want_full()
             self.sent["dropped"] += 1
             self._warn("hb_again", 10.0, "coordinator at %s unreachable; heartbeat dropped",
                        self.endpoint)

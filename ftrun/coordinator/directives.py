@@ -26,6 +26,10 @@ from ftrun.coordinator.api import _StrEnum
 from ftrun.errors import ConfigError
 
 DIRECTIVE_TTL_S = 120.0
+# Not an order but a request, sent in a ``directives`` reply to a keep-alive heartbeat whose
+# workers the coordinator does not hold (it restarted, or a full heartbeat was lost): send a
+# full heartbeat. The reporter handles it itself: never handed on, never acked.
+REPORT_ACTION = "report"
 # The most directives one reply carries (the oldest first); the rest follow in later replies.
 MAX_PER_REPLY = 32
 # The most directives pending for one node; issuing more is refused (a runaway caller).
@@ -81,6 +85,11 @@ class DirectiveBook:
                                   "it does not ack them (is its launcher alive?)")
             book[d.id] = d
         return d
+
+    def any_for(self, node_id: str) -> bool:
+        """Whether anything is pending for ``node_id`` (lock-free: the heartbeat fast path;
+        a directive issued concurrently goes out with the next heartbeat)."""
+        return node_id in self._pending
 
     def for_heartbeat(self, node_id: str, acked: Iterable[str],
                       now: float) -> tuple[list[dict[str, Any]], list[Directive], list[Directive]]:

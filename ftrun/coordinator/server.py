@@ -1,28 +1,39 @@
 """The job coordinator: the server every node launcher and store reports to.
 
-It keeps what each node last said (state, workers, restarts), notices nodes that go quiet,
-records a structured event log (in memory, bounded, and as JSON lines in the job's
-``events.jsonl``), and answers ``ftrun status`` with a versioned status document. Every
-message is authenticated with the job secret and dispatched through a handler table (see
-:mod:`ftrun.protocol.transport`); bad messages are logged, counted and recorded, never
-allowed to crash the loop.
+This module is the wiring: the ROUTER socket, the handler table (message kind -> the part
+that handles it), the serving loop and the lifecycle. The parts, each owning its data:
+
+- :mod:`~ftrun.coordinator.membership`: which nodes are in the job, what each launcher last
+  said (heartbeats), which left and which went quiet (lost);
+- :mod:`~ftrun.coordinator.events`: the structured event log, in memory and ``events.jsonl``;
+- :mod:`~ftrun.coordinator.snapshots`: commits, persist targets and replicas of snapshots;
+- :mod:`~ftrun.coordinator.directives`: orders to launchers, sent in heartbeat replies;
+- :mod:`~ftrun.coordinator.status`: the status document, paged, with the job's health;
+- detection (the collective analysis) plugs in as ``Coordinator(detection=...)``.
+
+Every message is authenticated with the job secret (:mod:`ftrun.protocol.transport`); bad
+messages are logged, counted and recorded, never allowed to crash the loop.
 
 It runs inside the launcher of node 0 (:meth:`Coordinator.start`, a daemon thread) or as a
 standalone process that also hosts the job's c10d rendezvous store (:func:`run_standalone`).
+
+**Where it listens.** By default the coordinator binds the address its advertised host (the
+job's rendezvous host) resolves to, not every interface: it is reachable where the job
+reaches the rendezvous store and nowhere else. A name that resolves to a loopback address
+on this host only (a ``127.0.1.1`` line in /etc/hosts) cannot be what other hosts use, so
+then it binds every interface and says so; ``bind_host`` (``--bind-host``) overrides both.
 """
 
 from __future__ import annotations
 
-import json
+import ipaddress
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,121 +41,70 @@ from typing import Any
 import zmq
 
 from ftrun import jobs, protocol
-from ftrun.coordinator.api import JobHealth, NodeState, RankHealth
-from ftrun.coordinator.commits import CommitTracker, StoreState
-from ftrun.coordinator.directives import DirectiveBook
-from ftrun.errors import FtrunError, UnreachableError
+from ftrun.coordinator.directives import REPORT_ACTION, DirectiveBook
+from ftrun.coordinator.events import EventLog
+from ftrun.coordinator.membership import Membership
+from ftrun.coordinator.snapshots import SnapshotControl
+from ftrun.coordinator.status import (
+    EVENTS_TAIL,
+    PAGE_BYTES,
+    PAGE_NODES,
+    SELECT_ALL,
+    STATUS_VERSION,
+    StatusBuilder,
+    health_of,
+)
+from ftrun.errors import ConfigError, FtrunError, UnreachableError
 from ftrun.protocol.transport import RateLimiter, Reply, Server
-from ftrun.snapshot.placement import group_placement
 
 log = logging.getLogger(__name__)
 
-STATUS_VERSION = 1
+__all__ = ["ENDPOINT_KEY", "STATUS_VERSION", "Coordinator", "health_of", "lookup_endpoint",
+           "publish_endpoint", "run_standalone"]
+
 ENDPOINT_KEY = "ftrun/coordinator"
-MAX_EVENTS = 10_000
-EVENTS_TAIL = 20
 POLL_INTERVAL_S = 0.1
 MAX_MESSAGES_PER_TICK = 1000
+# How often the serving thread looks for lost nodes (a scan of the whole node table).
+LOST_CHECK_S = 0.25
+# Behind by more than this (messages queued unread), the coordinator says so.
+BEHIND_WARN_S = 1.0
 WARN_EVERY_S = 10.0
 EVENTS_REPLY_MAX = 1000
 EVENTS_REPLY_BYTES = protocol.MAX_MESSAGE_BYTES // 2
-BIND_TIMEOUT_S = 10.0
-
-# States the launcher reports for its node.
-NODE_RECOVERING = frozenset({NodeState.RESTARTING, NodeState.RENDEZVOUS})
-# Worker states (lower-cased) that count as running, and as failed.
-WORKER_RUNNING = frozenset({"running", "healthy"})
-WORKER_BAD = frozenset({"failed", "unhealthy"})
-# The verdict fields of a worker in the status document (see ftrun.launcher.suspect).
-WORKER_VERDICT_DEFAULTS: dict[str, Any] = {
-    "health": RankHealth.OK.value, "cause": None, "reason": None, "step": None,
-    "progress_age_s": None, "step_interval_s": None, "progress_limit_s": None,
-}
+ALL_INTERFACES = "0.0.0.0"
 
 
-@dataclass
-class _Node:
-    node_id: str
-    host: str
-    pid: int
-    first_seen: float
-    last_seen: float  # unix time of the last message of any kind
-    last_seen_mono: float
-    state: str = "init"
-    heartbeat: dict[str, Any] = field(default_factory=dict)
-    lost: bool = False
-    left: bool = False
-    exitcode: int | None = None
-
-
-def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None) -> JobHealth:
-    """The job's health from the ``nodes`` of a status document.
-
-    Rules, first match wins:
-
-    * ``starting``: no node has reported yet, or fewer than the expected minimum of nodes
-      joined and none reached ``healthy``;
-    * ``failed``: a node reports state ``failed``, or a node has a failed worker (state
-      failed/unhealthy or a non-zero exit code) and no restarts left;
-    * ``finished``: every node reports ``succeeded``, or left (``bye``) with exit code 0;
-    * ``degraded``: a node is lost (silent for the node timeout), or a node is in
-      ``restarting``/``rendezvous`` after at least one restart, or a worker failed while
-      restarts remain, or a node left with a non-zero exit code, or a running node has a
-      suspect rank (stopped, or silent past its progress limit: ftrun.launcher.suspect);
-    * ``healthy``: otherwise.
-    """
-    if not nodes:
-        return JobHealth.STARTING
-    if (expected_min_nodes and len(nodes) < expected_min_nodes
-            and not any(n["state"] == NodeState.HEALTHY for n in nodes)):
-        return JobHealth.STARTING
-    for n in nodes:
-        if n["state"] == NodeState.FAILED:
-            return JobHealth.FAILED
-        if _has_bad_worker(n) and n["restarts"] >= n["max_restarts"] and not n["left"]:
-            return JobHealth.FAILED
-    if all(n["state"] == NodeState.SUCCEEDED or (n["left"] and n["exitcode"] == 0)
-           for n in nodes):
-        return JobHealth.FINISHED
-    for n in nodes:
-        if n["lost"]:
-            return JobHealth.DEGRADED
-        if n["state"] in NODE_RECOVERING and n["restarts"] > 0:
-            return JobHealth.DEGRADED
-        if _has_bad_worker(n) and n["restarts"] < n["max_restarts"]:
-            return JobHealth.DEGRADED
-        if n["left"] and n["exitcode"] not in (None, 0):
-            return JobHealth.DEGRADED
-        if not n["left"] and _suspect_ranks(n):
-            return JobHealth.DEGRADED
-    return JobHealth.HEALTHY
-
-
-def _suspect_ranks(node: dict[str, Any]) -> list[int]:
-    """Ranks of the node's live workers that its launcher judged suspect."""
-    return sorted(
-        w["rank"] for w in node["workers"]
-        if w.get("health") == RankHealth.SUSPECT and w.get("exitcode") is None
-    )
-
-
-def _has_bad_worker(node: dict[str, Any]) -> bool:
-    return any(
-        str(w.get("state", "")).lower() in WORKER_BAD or w.get("exitcode") not in (None, 0)
-        for w in node["workers"]
-    )
-
-
-def _worker_running(worker: dict[str, Any]) -> bool:
-    return worker.get("exitcode") is None and str(worker.get("state", "")).lower() in WORKER_RUNNING
+def default_bind_host(advertise_host: str) -> str:
+    """The address to bind when none is given: the one ``advertise_host`` resolves to (see
+    the module docstring), or every interface when that is a loopback address of this host
+    only."""
+    try:
+        ip = ipaddress.ip_address(advertise_host)
+    except ValueError:
+        pass
+    else:
+        return str(ip)
+    try:
+        infos = socket.getaddrinfo(advertise_host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(f"cannot resolve the coordinator host {advertise_host!r} ({e}); "
+                          "pass --bind-host ADDRESS") from None
+    addr = str(infos[0][4][0])
+    if ipaddress.ip_address(addr).is_loopback and advertise_host != "localhost":
+        log.warning("the coordinator host %s resolves to %s, a loopback address of this host "
+                    "only: binding every interface (pass --bind-host to choose)",
+                    advertise_host, addr)
+        return ALL_INTERFACES
+    return addr
 
 
 class Coordinator:
     """The control-plane server of one job.
 
-    Thread-safety: the ZeroMQ socket is only used by the serving thread; the node table and
-    the event log are guarded by a lock so :meth:`status_document` and :meth:`events` can be
-    called from anywhere.
+    Thread-safety: the ZeroMQ socket is only used by the serving thread; every part guards
+    its own data, so :meth:`status_document`, :meth:`events`, :meth:`direct` and
+    :meth:`record_event` can be called from any thread.
     """
 
     def __init__(
@@ -152,12 +112,13 @@ class Coordinator:
         run_id: str,
         secret: bytes,
         *,
-        bind_host: str = "0.0.0.0",
+        bind_host: str | None = None,
         port: int = 0,
         advertise_host: str = "127.0.0.1",
         node_timeout_s: float = 10.0,
         events_file: Path | None = None,
         expected_nodes: tuple[int, int] | None = None,
+        detection: Any = None,
     ) -> None:
         if not secret:
             raise FtrunError("the coordinator needs a non-empty job secret")
@@ -166,28 +127,27 @@ class Coordinator:
         self._bind_host = bind_host
         self._port = port
         self._advertise_host = advertise_host
-        self.node_timeout_s = node_timeout_s
         self._events_file = events_file
         self._expected_nodes = expected_nodes
-        self._lock = threading.Lock()
-        self._nodes: dict[str, _Node] = {}
-        self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
-        self._seq = 0
-        self._events_fh: Any = None
+        # The collective analysis (ftrun.coordinator.detect), when the job runs one.
+        self._detection = detection
+        self._membership = Membership(node_timeout_s)
+        self._events = EventLog()
+        self._directives = DirectiveBook()
+        self._snapshots = SnapshotControl(self._membership, self._events)
+        self._status = StatusBuilder(expected_nodes)
         self._ctx: zmq.Context[Any] | None = None
         self._server: Server | None = None
+        self._bound_host: str | None = None
         self._bound_port: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._serving = threading.Event()
         self._started_at = time.time()
         self._warn_limiter = RateLimiter(WARN_EVERY_S)
-        self._commits = CommitTracker(
-            node_gone=lambda node: self._node_gone(node, time.monotonic()))
-        self._directives = DirectiveBook()
-        self._store_reports: dict[str, dict[str, Any]] = {}
-        self._store_seen: dict[str, float] = {}  # node -> monotonic time of its last report
-        self._finalizing: set[str] = set()  # nodes whose store asked for its final target
+        # The last time the serving thread had read every queued message (see membership).
+        self._caught_up = time.monotonic()
+        self._next_lost_check = 0.0
         # Messages read, and those refused (``auth_failures``, ``bad_messages``).
         self.counters: dict[str, int] = {}
         self._handlers = {
@@ -197,14 +157,12 @@ class Coordinator:
             "heartbeat": self._on_heartbeat,
             "event": self._on_event,
             "bye": self._on_bye,
-            "snap_epoch": self._on_commit,
-            "snap_verified": self._on_commit,
-            "commit_query": self._on_commit,
-            "persist_request": self._on_commit,
-            "store_report": self._on_store_report,
-            "replica_verified": self._on_replica_verified,
-            "stores_request": self._on_stores,
+            **self._snapshots.handlers(),
         }
+
+    @property
+    def node_timeout_s(self) -> float:
+        return self._membership.node_timeout_s
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -219,27 +177,29 @@ class Coordinator:
         """Bind the ROUTER socket (idempotent), record ``job_start``; return the endpoint."""
         if self._server is not None:
             return self.endpoint
+        bind_host = self._bind_host or default_bind_host(self._advertise_host)
         ctx: zmq.Context[Any] = zmq.Context()
         server = Server("coordinator", self._secret, self.run_id, self._handlers,
                         sender="coordinator", on_reject=self._rejected)
-        host = f"[{self._bind_host}]" if ":" in self._bind_host else self._bind_host
+        host = f"[{bind_host}]" if ":" in bind_host else bind_host
         port = "*" if self._port == 0 else str(self._port)
         try:
             last = server.bind(f"tcp://{host}:{port}", ctx)
         except zmq.ZMQError as e:
             ctx.term()
             raise FtrunError(
-                f"coordinator cannot listen on {self._bind_host}:{self._port}: {e}; pick another "
-                "port or free this one"
+                f"coordinator cannot listen on {bind_host}:{self._port}: {e}; pick another "
+                "port or free this one, or another --bind-host"
             ) from e
+        self._bound_host = bind_host
         self._bound_port = int(last.rsplit(":", 1)[1])
         self.counters = server.counters
         self._ctx, self._server = ctx, server
         if self._events_file is not None:
-            self._open_events_file(self._events_file)
+            self._events.open(self._events_file)
         self._stop.clear()
         log.info("coordinator of job %s listening on %s (bound %s:%s)", self.run_id,
-                 self.endpoint, self._bind_host, self._bound_port)
+                 self.endpoint, bind_host, self._bound_port)
         self._record("job_start", None, {"run_id": self.run_id, "endpoint": self.endpoint,
                                          "pid": os.getpid()})
         return self.endpoint
@@ -290,21 +250,7 @@ class Coordinator:
             server.close()
         if ctx is not None:
             ctx.term()
-        with self._lock:
-            if self._events_fh is not None:
-                try:
-                    self._events_fh.close()
-                except OSError as e:
-                    log.warning("closing the event log failed: %s", e)
-                self._events_fh = None
-
-    def _open_events_file(self, path: Path) -> None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._events_fh = os.fdopen(fd, "a", encoding="utf-8")
-        except OSError as e:
-            log.error("cannot open the event log %s (%s); events stay in memory only", path, e)
+        self._events.close()
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -313,14 +259,38 @@ class Coordinator:
         assert server is not None
         while not stop_event.is_set() and not self._stop.is_set():
             try:
-                server.serve_once(POLL_INTERVAL_S, MAX_MESSAGES_PER_TICK)
-                self._check_lost()
+                n = server.serve_once(POLL_INTERVAL_S, MAX_MESSAGES_PER_TICK)
+                self._tick(n < MAX_MESSAGES_PER_TICK)
             except zmq.ContextTerminated:
                 break
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("coordinator loop error; continuing")
                 time.sleep(POLL_INTERVAL_S)
         log.debug("coordinator of job %s stopped serving", self.run_id)
+
+    def _tick(self, drained: bool) -> None:
+        """Between batches: note whether the queue was drained, look for lost nodes."""
+        mono = time.monotonic()
+        if drained:
+            self._caught_up = mono
+        elif mono - self._caught_up > BEHIND_WARN_S:
+            allowed, _ = self._warn_limiter.allow("behind")
+            if allowed:
+                log.warning("coordinator is %.1f s behind its messages: no node is declared "
+                            "lost until it catches up", mono - self._caught_up)
+                self._record("coordinator_behind", None,
+                             {"behind_s": round(mono - self._caught_up, 3)})
+        if mono >= self._next_lost_check:
+            self._next_lost_check = mono + LOST_CHECK_S
+            self._check_lost()
+
+    def _check_lost(self) -> None:
+        for node_id, silent_s in self._membership.check_lost(self._caught_up):
+            log.warning("node %s lost: no message for %.1f s (timeout %.1f s)", node_id,
+                        silent_s, self.node_timeout_s)
+            self._record("node_lost", node_id, {"silent_s": round(silent_s, 3),
+                                                "node_timeout_s": self.node_timeout_s})
+            self._drop_directives(node_id, "node lost")
 
     def _rejected(self, kind: str, address: str, reason: str, suppressed: int) -> None:
         """A refused message (already logged by the server) goes into the event log."""
@@ -332,10 +302,16 @@ class Coordinator:
     # -- handlers (kind -> handler in self._handlers) ----------------------------------------
 
     def _on_status_request(self, msg: protocol.Message) -> Reply:
-        return Reply("status_reply", {"doc": self.status_document()})
+        b = msg.body
+        limit = min(PAGE_NODES, max(1, int(b.get("limit", PAGE_NODES))))
+        doc = self.status_document(select=b.get("nodes", SELECT_ALL), match=b.get("match"),
+                                   offset=int(b.get("offset", 0)), limit=limit,
+                                   max_bytes=PAGE_BYTES)
+        return Reply("status_reply", {"doc": doc})
 
     def _on_events_request(self, msg: protocol.Message) -> Reply:
-        events, more = self._events_since(int(msg.body.get("since", 0)))
+        events, more = self._events.page(int(msg.body.get("since", 0)), EVENTS_REPLY_MAX,
+                                         EVENTS_REPLY_BYTES)
         return Reply("events_reply", {"events": events, "more": more})
 
     def _on_hello(self, msg: protocol.Message) -> Reply:
@@ -345,11 +321,41 @@ class Coordinator:
 
     def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
         body = msg.body
-        node = self._touch(body["node_id"], body["host"], body["pid"])
-        with self._lock:
-            node.heartbeat = dict(body)
-            node.state = body["state"]
-        return self._directives_reply(node.node_id, body.get("acked", ()))
+        node, joined, stale = self._membership.heartbeat(body, time.time(), time.monotonic())
+        if joined is not None:
+            self._joined(node.node_id, joined)
+        reply = self._directives_reply(node.node_id, body.get("acked"))
+        if not stale:
+            return reply
+        # A keep-alive for workers this coordinator does not hold: ask for a full heartbeat.
+        ask = {"id": protocol.new_id(), "action": REPORT_ACTION, "data": {}}
+        out = [ask, *(reply.body["directives"] if reply is not None else [])]
+        return Reply("directives", {"directives": out})
+
+    def _on_event(self, msg: protocol.Message) -> None:
+        body = msg.body
+        self._touch(body["node_id"], None, None)
+        self._record(body["type"], body["node_id"], body["data"])
+
+    def _on_bye(self, msg: protocol.Message) -> Reply:
+        body = msg.body
+        node, joined = self._membership.leave(body["node_id"], body["state"], body["exitcode"],
+                                              time.time(), time.monotonic())
+        if joined is not None:
+            self._joined(node.node_id, joined)
+        self._record("node_left", node.node_id,
+                     {"state": body["state"], "exitcode": body["exitcode"]})
+        self._drop_directives(node.node_id, "node left")
+        return Reply("ack", {"re": msg.id})
+
+    def _touch(self, node_id: str, host: str | None, pid: int | None) -> None:
+        node, joined = self._membership.touch(node_id, host, pid, time.time(), time.monotonic())
+        if joined is not None:
+            self._joined(node_id, joined)
+
+    def _joined(self, node_id: str, joined: dict[str, Any]) -> None:
+        log.info("node %s joined (%s)", node_id, joined)
+        self._record("node_joined", node_id, joined)
 
     # -- directives (ftrun.coordinator.directives) ---------------------------------------------
 
@@ -357,10 +363,8 @@ class Coordinator:
         """Order ``node_id``'s launcher to carry out ``action`` (restart | isolate | probe)
         with ``data``; returns the directive id. It is sent in reply to each of the node's
         heartbeats until acked, and dropped when the node is gone or after 120 s."""
-        with self._lock:
-            node = self._nodes.get(node_id)
-            gone = node is None or node.left or node.lost
-        if gone:
+        node = self._membership.get(node_id)
+        if node is None or node.left or node.lost:
             raise FtrunError(f"cannot direct node {node_id!r}: it is "
                              f"{'unknown' if node is None else 'gone'}; direct a live node")
         d = self._directives.issue(node_id, action, data, time.monotonic())
@@ -372,9 +376,11 @@ class Coordinator:
         """The directives not acked yet (of ``node_id``, or of every node)."""
         return self._directives.pending(node_id)
 
-    def _directives_reply(self, node_id: str, acked: Any) -> Reply | None:
+    def _directives_reply(self, node_id: str, acked: list[str] | None) -> Reply | None:
+        if not self._directives.any_for(node_id):
+            return None
         now = time.monotonic()
-        out, done, expired = self._directives.for_heartbeat(node_id, acked, now)
+        out, done, expired = self._directives.for_heartbeat(node_id, acked or (), now)
         for d in done:
             self._record("directive_acked", node_id,
                          {"id": d.id, "action": d.action, "after_s": round(now - d.issued_mono, 3),
@@ -391,193 +397,13 @@ class Coordinator:
             self._record("directive_dropped", node_id,
                          {"id": d.id, "action": d.action, "sent": d.sent, "why": why})
 
-    def _on_event(self, msg: protocol.Message) -> None:
-        body = msg.body
-        self._touch(body["node_id"], None, None)
-        self._record(body["type"], body["node_id"], body["data"])
-
-    def _on_bye(self, msg: protocol.Message) -> Reply:
-        body = msg.body
-        node = self._touch(body["node_id"], None, None)
-        with self._lock:
-            node.left = True
-            node.state = body["state"]
-            node.exitcode = body["exitcode"]
-        self._record("node_left", node.node_id,
-                     {"state": body["state"], "exitcode": body["exitcode"]})
-        self._drop_directives(node.node_id, "node left")
-        return Reply("ack", {"re": msg.id})
-
-    def _on_commit(self, msg: protocol.Message) -> Reply:
-        return Reply("commit_info", self._commit(msg.kind, msg.body))
-
-    def _on_store_report(self, msg: protocol.Message) -> Reply:
-        body = msg.body
-        with self._lock:
-            self._store_reports[body["node_id"]] = dict(body)
-            self._commits.persisted[body["node_id"]] = body["persisted_step"]
-            self._commits.stores[body["node_id"]] = StoreState(
-                bool(body.get("persist")), body.get("epoch"),
-                body.get("target_done", -1), body.get("writing"))
-            self._store_seen[body["node_id"]] = time.monotonic()
-            if body.get("replicas", 1) > 1 and body.get("replica_addr"):
-                self._commits.replicas = body["replicas"]
-                return Reply("replica_plan", self._replica_plan(body["node_id"]))
-        return Reply("ack", {"re": msg.id})
-
-    def _on_stores(self, msg: protocol.Message) -> Reply:
-        """The shard services of the live stores (ftrun.snapshot.shards): where a restore
-        looks for the shards its node does not hold."""
-        mono = time.monotonic()
-        with self._lock:
-            stores = [{"node_id": node, "addr": r["shard_addr"]}
-                      for node, r in sorted(self._store_reports.items())
-                      if r.get("shard_addr") and not r.get("final")
-                      and not self._node_gone(node, mono)]
-        return Reply("stores_reply", {"stores": stores})
-
-    # -- replicas (ftrun.snapshot.replica) ----------------------------------------------------
-
-    def _replica_members(self) -> dict[str, str]:
-        """node -> replica address, for the live stores that take replicas. Caller holds
-        the lock."""
-        mono = time.monotonic()
-        return {
-            node: r["replica_addr"] for node, r in self._store_reports.items()
-            if r.get("replica_addr") and not r.get("final") and not self._node_gone(node, mono)
-            and mono - self._store_seen.get(node, 0.0) <= self.node_timeout_s
-        }
-
-    def _placement(self) -> tuple[dict[str, list[str]], dict[str, str]]:
-        """Group placement over the live stores (recomputed from the membership each time).
-        Caller holds the lock."""
-        members = self._replica_members()
-        # Fewer live members than m: fewer replicas can exist, and durable counts those.
-        self._commits.set_replica_nodes(len(members))
-        return group_placement(sorted(members), self._commits.replicas), members
-
-    def _replica_plan(self, node_id: str) -> dict[str, Any]:
-        placement, members = self._placement()
-        peers = [{"node_id": p, "addr": members[p]} for p in placement.get(node_id, [])]
-        plan: dict[str, Any] = {"replicas": self._commits.replicas, "members": len(members),
-                                "peers": peers}
-        off = self._commits.durable_off()
-        if off:
-            plan["off"] = off  # the store says once that it replicates nothing, and why
-        return plan
-
-    def _on_replica_verified(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        with self._lock:
-            ep = self._commits.get(b["epoch"])
-            before = ep.durable if ep is not None else -1
-            ep = self._commits.replica_verified(b["epoch"], b["node_id"], b["origin"],
-                                                b["rank"], b["step"])
-            durable = ep.durable if ep is not None else -1
-        if durable > before:
-            log.debug("step %d is durable (every shard has %d verified replica(s))", durable,
-                      self._commits.replicas - 1)
-        return Reply("ack", {"re": msg.id})
-
-    def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            if kind == "persist_request" and body["final"]:
-                self._finalizing.add(body["node_id"])
-            reply, began = self._commits.handle(kind, body)
-            if reply.get("known") and self._commits.replicas > 1 and \
-                    len(self._replica_members()) > 1:
-                ep = self._commits.get(reply["epoch"])
-                reply["durable"] = ep.durable if ep is not None else -1
-            targets, self._commits.new_targets = self._commits.new_targets, []
-            skipped, self._commits.skipped = self._commits.skipped, []
-        if began is not None:
-            self._record("restore", body["node_id"], began)
-        for step, writing in skipped:
-            log.warning("step %d is due for disk but node(s) %s still write the previous "
-                        "target: skipped, the next commit after that write is due instead",
-                        step, ", ".join(writing))
-            self._record("persist_skipped", body.get("node_id"),
-                         {"step": step, "writing": writing})
-        for t in targets:
-            log.info("persist target: step %d of epoch %s (%s%s)", t.step, t.epoch, t.reason,
-                     ", final" if t.final else "")
-            self._record("persist_target", body.get("node_id"),
-                         {"epoch": t.epoch, "step": t.step, "reason": t.reason,
-                          "final": t.final})
-        return reply
+    # -- snapshots (ftrun.coordinator.snapshots) ---------------------------------------------
 
     def wait_final_persists(self, timeout_s: float, start_grace_s: float,
                             exclude: str | None = None) -> list[str]:
         """Wait until every node whose store persists has written its final step, left, or
-        gone silent. Returns the nodes given up on.
-
-        A node whose store has asked for the final target is waited for up to ``timeout_s``
-        in all; one that has not asked yet only up to ``start_grace_s`` (it may not be
-        stopping at all). The launcher that runs the coordinator calls this before stopping
-        it: the other nodes' stores ask it which step to write as they stop.
-        """
-        t0 = time.monotonic()
-        while True:
-            now = time.monotonic()
-            with self._lock:
-                waiting = [
-                    node for node, r in self._store_reports.items()
-                    if node != exclude and r.get("persist") and not r.get("final")
-                    and not self._node_gone(node, now)
-                ]
-                started = [n for n in waiting if n in self._finalizing]
-            if not waiting or now - t0 >= timeout_s or (
-                    not started and now - t0 >= start_grace_s):
-                return waiting
-            time.sleep(0.1)
-
-    def _node_gone(self, node_id: str, mono: float) -> bool:
-        node = self._nodes.get(node_id)
-        if node is None:
-            return False
-        return node.left or node.lost or mono - node.last_seen_mono > self.node_timeout_s
-
-    def _touch(self, node_id: str, host: str | None, pid: int | None) -> _Node:
-        now, mono = time.time(), time.monotonic()
-        joined: dict[str, Any] | None = None
-        with self._lock:
-            node = self._nodes.get(node_id)
-            if node is None:
-                default_host = node_id.rsplit("/", 1)[0] if "/" in node_id else ""
-                node = _Node(node_id, host or default_host, pid or 0, now, now, mono)
-                self._nodes[node_id] = node
-                joined = {"host": node.host, "pid": node.pid}
-            else:
-                if node.lost or node.left:
-                    joined = {"host": host or node.host, "pid": pid or node.pid,
-                              "rejoined": True}
-                    node.lost = node.left = False
-                    node.exitcode = None
-                node.last_seen, node.last_seen_mono = now, mono
-                if host:
-                    node.host = host
-                if pid:
-                    node.pid = pid
-        if joined is not None:
-            log.info("node %s joined (%s)", node_id, joined)
-            self._record("node_joined", node_id, joined)
-        return node
-
-    def _check_lost(self) -> None:
-        mono = time.monotonic()
-        lost: list[tuple[str, float]] = []
-        with self._lock:
-            for node in self._nodes.values():
-                silent_s = mono - node.last_seen_mono
-                if not node.lost and not node.left and silent_s > self.node_timeout_s:
-                    node.lost = True
-                    lost.append((node.node_id, silent_s))
-        for node_id, silent_s in lost:
-            log.warning("node %s lost: no message for %.1f s (timeout %.1f s)", node_id,
-                        silent_s, self.node_timeout_s)
-            self._record("node_lost", node_id, {"silent_s": round(silent_s, 3),
-                                                "node_timeout_s": self.node_timeout_s})
-            self._drop_directives(node_id, "node lost")
+        gone silent; returns the nodes given up on (see SnapshotControl)."""
+        return self._snapshots.wait_final_persists(timeout_s, start_grace_s, exclude)
 
     # -- events ------------------------------------------------------------------------------
 
@@ -586,132 +412,41 @@ class Coordinator:
         return self._record(type, node, data)
 
     def _record(self, type_: str, node: str | None, data: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            self._seq += 1
-            event = dict(data)
-            event.update(seq=self._seq, ts=time.time(), type=type_, node=node)
-            self._events.append(event)
-            fh = self._events_fh
-            if fh is not None:
-                try:
-                    fh.write(json.dumps(event, separators=(",", ":")) + "\n")
-                    fh.flush()
-                except (OSError, TypeError, ValueError) as e:
-                    allowed, _ = self._warn_limiter.allow(("events_file", type(e)))
-                    if allowed:
-                        log.error("writing the event log failed: %s", e)
-        return event
+        return self._events.record(type_, node, data)
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         """Every event kept in memory with ``seq > since``, oldest first."""
-        with self._lock:
-            return [dict(e) for e in self._events if e["seq"] > since]
-
-    def _events_since(self, since: int) -> tuple[list[dict[str, Any]], bool]:
-        out: list[dict[str, Any]] = []
-        size = 0
-        for event in self.events(since):
-            size += len(json.dumps(event, separators=(",", ":"))) + 1
-            if len(out) >= EVENTS_REPLY_MAX or size > EVENTS_REPLY_BYTES:
-                return out, True
-            out.append(event)
-        return out, False
+        return self._events.since(since)
 
     # -- status ------------------------------------------------------------------------------
 
-    def status_document(self) -> dict[str, Any]:
-        """The versioned status document ``ftrun status`` shows (see the README)."""
-        now, mono = time.time(), time.monotonic()
-        with self._lock:
-            nodes = [self._node_doc(n, mono) for n in self._nodes.values()]
-            tail = [dict(e) for e in list(self._events)[-EVENTS_TAIL:]]
-            n_events = self._seq
-        nodes.sort(key=lambda n: (n["group_rank"] is None, n["group_rank"] or 0, n["node_id"]))
-        min_nodes = self._expected_nodes[0] if self._expected_nodes else None
-        return {
-            "version": STATUS_VERSION,
-            "run_id": self.run_id,
-            "coordinator": {
-                "endpoint": self.endpoint if self._bound_port is not None else None,
-                "pid": os.getpid(),
-                "started_at": self._started_at,
-                "expected_nodes": list(self._expected_nodes) if self._expected_nodes else None,
-            },
-            "time": now,
-            "health": health_of(nodes, min_nodes).value,
-            "nodes": nodes,
-            "summary": {
-                "nodes": len(nodes),
-                "nodes_lost": sum(1 for n in nodes if n["lost"]),
-                "ranks": sum(len(n["ranks"]) for n in nodes),
-                "workers_running": sum(
-                    1 for n in nodes if not (n["lost"] or n["left"])
-                    for w in n["workers"] if _worker_running(w)
-                ),
-                "ranks_suspect": sum(len(n["suspect_ranks"]) for n in nodes if not n["lost"]),
-                "restarts": max((n["restarts"] for n in nodes), default=0),
-                "events": n_events,
-            },
-            "events_tail": tail,
-            "snapshots": self._snapshot_summary(),
+    def status_document(self, *, select: str = SELECT_ALL, match: str | None = None,
+                        offset: int = 0, limit: int | None = None,
+                        max_bytes: int | None = None) -> dict[str, Any]:
+        """The versioned status document ``ftrun status`` shows (see the README): the health
+        and summary of the whole job, and one page of its nodes (here, by default, all)."""
+        doc = self._status.document(self._membership.records(), self._membership.version,
+                                    select=select, match=match, offset=offset, limit=limit,
+                                    max_bytes=max_bytes)
+        mono = time.monotonic()
+        behind_s = max(0.0, mono - self._caught_up) if self._server is not None else 0.0
+        doc["run_id"] = self.run_id
+        doc["coordinator"] = {
+            "endpoint": self.endpoint if self._bound_port is not None else None,
+            "bind": self._bound_host,
+            "pid": os.getpid(),
+            "started_at": self._started_at,
+            "expected_nodes": list(self._expected_nodes) if self._expected_nodes else None,
+            # Seconds of messages queued unread; while > 0, nobody is declared lost.
+            "behind_s": round(behind_s, 3) if behind_s > BEHIND_WARN_S else 0.0,
+            "messages": dict(self.counters),
+            "directives_pending": self._directives.count(),
         }
-
-    def _snapshot_summary(self) -> dict[str, Any] | None:
-        with self._lock:
-            summary = self._commits.summary()
-            stores = {n: {"bytes": r["bytes"], "segments": r["segments"],
-                          "persisted_step": r["persisted_step"], "ranks": r["ranks"],
-                          "skipped": r.get("skipped", 0), "every": r.get("every")}
-                      for n, r in self._store_reports.items()}
-        if summary is None and not stores:
-            return None
-        out: dict[str, Any] = dict(summary or {})
-        out["stores"] = stores
-        # Snapshots the ranks gave up (the store had not released a buffer in time), and the
-        # interval they snapshot at (the largest any node reports).
-        out["skipped"] = sum(s["skipped"] for s in stores.values())
-        out["every"] = max((s["every"] for s in stores.values() if s["every"]), default=None)
-        with self._lock:
-            if self._commits.replicas > 1:
-                out["replica_coverage"] = self._replica_coverage()
-        return out
-
-    def _replica_coverage(self) -> dict[str, dict[str, Any]]:
-        """Per node: the peers holding its replicas, and the newest step whose shards of its
-        ranks all have m - 1 verified replicas. Caller holds the lock."""
-        placement, _ = self._placement()
-        return {
-            node: {"peers": placement.get(node, []),
-                   "replicated_step": self._commits.covered(list(r.get("ranks") or [])),
-                   "sent": r.get("replica_sent", 0), "superseded": r.get("replica_superseded", 0),
-                   "abandoned": r.get("replica_abandoned", 0),
-                   # why this node's store last refused to hold a peer's replica (full /dev/shm)
-                   "refused": r.get("replica_refused")}
-            for node, r in sorted(self._store_reports.items())
-        }
-
-    def _node_doc(self, node: _Node, mono: float) -> dict[str, Any]:
-        hb = node.heartbeat
-        # Launchers that report no verdict (older ones, or ranks not running) read as ok.
-        workers = [{**WORKER_VERDICT_DEFAULTS, **w} for w in hb.get("workers", [])]
-        doc = {
-            "node_id": node.node_id,
-            "host": node.host,
-            "pid": node.pid,
-            "group_rank": hb.get("group_rank"),
-            "group_world_size": hb.get("group_world_size"),
-            "state": node.state,
-            "ranks": sorted(w["rank"] for w in workers),
-            "workers": workers,
-            "restarts": hb.get("restarts", 0),
-            "max_restarts": hb.get("max_restarts", 0),
-            "last_heartbeat_age_s": round(max(0.0, mono - node.last_seen_mono), 3),
-            "last_error": hb.get("last_error"),
-            "lost": node.lost,
-            "left": node.left,
-            "exitcode": node.exitcode,
-        }
-        doc["suspect_ranks"] = [] if node.left else _suspect_ranks(doc)
+        doc["summary"]["events"] = self._events.count
+        doc["events_tail"] = self._events.tail(EVENTS_TAIL)
+        doc["snapshots"] = self._snapshots.summary()
+        if self._detection is not None:
+            doc["detection"] = self._detection.status()
         return doc
 
 

@@ -89,10 +89,18 @@ SCHEMAS: dict[str, Schema] = {
         # sending them; where its probe service listens (ftrun.launcher.probe).
         "acked": (ListOf(str), False),
         "probe_addr": (str, False),
+        # A full heartbeat's number (``serial``); a keep-alive names the full heartbeat whose
+        # workers still hold (``same``) and sends ``workers`` empty (ftrun.coordinator.membership).
+        "serial": (int, False),
+        "same": (int, False),
     },
     "event": {"node_id": (str, True), "type": (str, True), "data": (dict, True)},
     "bye": {"node_id": (str, True), "state": (str, True), "exitcode": (int, True)},
-    "status_request": {},
+    # ``nodes``: which nodes the reply lists (all | problems | none), ``match``: only those
+    # whose node id or host contains it, from ``offset``, at most ``limit`` (one page: the
+    # reply's ``page.next`` is the offset of the next one).
+    "status_request": {"nodes": (str, False), "match": (str, False), "offset": (int, False),
+                       "limit": (int, False)},
     "status_reply": {"doc": (dict, True)},
     "events_request": {"since": (int, False)},
     "events_reply": {"events": (ListOf(dict), True), "more": (bool, False)},

@@ -1,0 +1,195 @@
+"""Which nodes are in the job: what each launcher last said, and which went quiet.
+
+A node joins with its first message (``hello``, ``heartbeat``, anything naming it), is
+refreshed by every message, leaves with ``bye``, and is *lost* after ``node_timeout_s``
+without a message. Thread-safe; the coordinator's serving thread is the only writer.
+
+**Full heartbeats and keep-alives.** A launcher sends its workers (the bulky part) only
+when something about them changed, and otherwise a keep-alive: the same heartbeat with an
+empty ``workers`` list and ``same`` = the ``serial`` of the last full heartbeat. The node keeps
+the workers it had. A keep-alive whose ``same`` does not match (the coordinator restarted, or
+the full heartbeat was lost) marks its workers *stale* until the next full heartbeat, which a
+launcher sends at least every few seconds anyway (:data:`ftrun.coordinator.client.FULL_EVERY_S`).
+
+**Lost, and overload.** Silence is measured up to the last moment the serving thread had read
+everything queued (``caught_up``), not up to now: a heartbeat still waiting in a queue is not
+silence. An overloaded coordinator therefore declares nobody lost for the time it is behind
+(it says so in the status document) instead of calling healthy nodes lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun.coordinator.api import RankHealth
+
+# Worker states (lower-cased) that count as running, and as failed.
+WORKER_RUNNING = frozenset({"running", "healthy"})
+WORKER_BAD = frozenset({"failed", "unhealthy"})
+# The top-level heartbeat fields a node record keeps (its workers are kept apart).
+HEARTBEAT_FIELDS = ("group_rank", "group_world_size", "restarts", "max_restarts",
+                    "last_error", "probe_addr")
+
+
+def worker_running(worker: dict[str, Any]) -> bool:
+    return worker.get("exitcode") is None and str(worker.get("state", "")).lower() in WORKER_RUNNING
+
+
+def worker_bad(worker: dict[str, Any]) -> bool:
+    return (str(worker.get("state", "")).lower() in WORKER_BAD
+            or worker.get("exitcode") not in (None, 0))
+
+
+def suspect_ranks(workers: list[dict[str, Any]]) -> list[int]:
+    """Ranks of the live workers their launcher judged suspect."""
+    return sorted(w["rank"] for w in workers
+                  if w.get("health") == RankHealth.SUSPECT and w.get("exitcode") is None)
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    host: str
+    pid: int
+    first_seen: float
+    last_seen: float  # unix time of the last message of any kind
+    last_seen_mono: float
+    state: str = "init"
+    fields: dict[str, Any] = field(default_factory=dict)  # HEARTBEAT_FIELDS last reported
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    serial: int | None = None  # of the last full heartbeat
+    workers_stale: bool = False
+    lost: bool = False
+    left: bool = False
+    exitcode: int | None = None
+    heartbeats: int = 0
+    full_mono: float = 0.0  # when the last full heartbeat arrived
+    keepalives: int = 0
+    # Derived from ``workers`` on each full heartbeat (the status summary reads only these).
+    ranks: list[int] = field(default_factory=list)
+    running: int = 0
+    bad_worker: bool = False
+    suspect: list[int] = field(default_factory=list)
+
+    def set_workers(self, workers: list[dict[str, Any]]) -> bool:
+        """Take a full heartbeat's workers; True when what the summary counts changed."""
+        before = (self.ranks, self.running, self.bad_worker, self.suspect, self.workers_stale)
+        self.workers = workers
+        self.ranks = sorted(w["rank"] for w in workers)
+        self.running = sum(1 for w in workers if worker_running(w))
+        self.bad_worker = any(worker_bad(w) for w in workers)
+        self.suspect = suspect_ranks(workers)
+        self.workers_stale = False
+        return before != (self.ranks, self.running, self.bad_worker, self.suspect, False)
+
+
+class Membership:
+    """The node table."""
+
+    def __init__(self, node_timeout_s: float) -> None:
+        self.node_timeout_s = node_timeout_s
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeRecord] = {}
+        self.version = 0  # bumped whenever a node joins, leaves, is lost or changes state
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def get(self, node_id: str) -> NodeRecord | None:
+        return self._nodes.get(node_id)
+
+    def records(self) -> list[NodeRecord]:
+        """The records (live objects: read, do not change them)."""
+        with self._lock:
+            return list(self._nodes.values())
+
+    def touch(self, node_id: str, host: str | None, pid: int | None, now: float,
+              mono: float) -> tuple[NodeRecord, dict[str, Any] | None]:
+        """A message from ``node_id``: returns its record and, when it (re)joined now, what
+        to say about that."""
+        with self._lock:
+            return self._touch(node_id, host, pid, now, mono)
+
+    def _touch(self, node_id: str, host: str | None, pid: int | None, now: float,
+               mono: float) -> tuple[NodeRecord, dict[str, Any] | None]:
+        node = self._nodes.get(node_id)
+        if node is None:
+            default_host = node_id.rsplit("/", 1)[0] if "/" in node_id else ""
+            node = NodeRecord(node_id, host or default_host, pid or 0, now, now, mono)
+            self._nodes[node_id] = node
+            self.version += 1
+            return node, {"host": node.host, "pid": node.pid}
+        joined = None
+        if node.lost or node.left:
+            joined = {"host": host or node.host, "pid": pid or node.pid, "rejoined": True}
+            node.lost = node.left = False
+            node.exitcode = None
+            self.version += 1
+        node.last_seen, node.last_seen_mono = now, mono
+        if host and host != node.host:
+            node.host = host
+        if pid and pid != node.pid:
+            node.pid = pid
+        return node, joined
+
+    def heartbeat(self, body: dict[str, Any], now: float,
+                  mono: float) -> tuple[NodeRecord, dict[str, Any] | None, bool]:
+        """Apply a full heartbeat or a keep-alive: (record, joined, whether the node's
+        workers are stale and a full heartbeat is wanted)."""
+        with self._lock:
+            node, joined = self._touch(body["node_id"], body["host"], body["pid"], now, mono)
+            node.heartbeats += 1
+            same = body.get("same")
+            if same is not None:  # a keep-alive: only that the node is there
+                node.keepalives += 1
+                if same == node.serial:
+                    return node, joined, False
+                if not node.workers_stale:
+                    node.workers_stale = True
+                    self.version += 1
+                return node, joined, True
+            if node.state != body["state"]:
+                node.state = body["state"]
+                self.version += 1
+            fields = {k: body.get(k) for k in HEARTBEAT_FIELDS}
+            if fields != node.fields:
+                node.fields = fields
+                self.version += 1
+            if node.set_workers(body["workers"]):
+                self.version += 1
+            node.serial = body.get("serial")
+            node.full_mono = mono
+        return node, joined, False
+
+    def leave(self, node_id: str, state: str, exitcode: int, now: float,
+              mono: float) -> tuple[NodeRecord, dict[str, Any] | None]:
+        with self._lock:
+            node, joined = self._touch(node_id, None, None, now, mono)
+            node.left = True
+            node.state = state
+            node.exitcode = exitcode
+            self.version += 1
+        return node, joined
+
+    def check_lost(self, caught_up_mono: float) -> list[tuple[str, float]]:
+        """Mark lost the nodes silent for longer than the timeout up to ``caught_up_mono``
+        (the last time every queued message had been read); returns (node, silence)."""
+        lost: list[tuple[str, float]] = []
+        limit = caught_up_mono - self.node_timeout_s
+        with self._lock:
+            for node in self._nodes.values():
+                if node.last_seen_mono < limit and not node.lost and not node.left:
+                    node.lost = True
+                    lost.append((node.node_id, caught_up_mono - node.last_seen_mono))
+            if lost:
+                self.version += 1
+        return lost
+
+    def gone(self, node_id: str, mono: float) -> bool:
+        """Left, lost, or silent past the timeout (False for a node never seen)."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        return node.left or node.lost or mono - node.last_seen_mono > self.node_timeout_s
