@@ -63,6 +63,10 @@ _ftrun_kind() {
         'inspect --step') _ftrun_k='files' ;;
         'status --endpoint') _ftrun_k='files' ;;
         'status --interval') _ftrun_k='files' ;;
+        'status --limit') _ftrun_k='files' ;;
+        'status --match') _ftrun_k='files' ;;
+        'status --nodes') _ftrun_k='files' ;;
+        'status --offset') _ftrun_k='files' ;;
         'status --state-dir') _ftrun_k='dirs' ;;
         'status --timeout') _ftrun_k='files' ;;
         *) _ftrun_k=none ;;
@@ -112,8 +116,8 @@ _ftrun_command() {
                 *) _ftrun_k=none ;;
             esac ;;
         status)
-            _ftrun_opts='--endpoint --help --interval --json --no-headers --state-dir --timeout
-                --watch'
+            _ftrun_opts='--endpoint --help --interval --json --limit --match --no-headers
+                --nodes --offset --state-dir --timeout --watch'
             case $2 in
                 0) _ftrun_k='runs' ;;
                 *) _ftrun_k=none ;;

@@ -41,7 +41,8 @@ function __ftrun_takes_value --argument-names context flag
             'launch --store-threads' 'launch --store_threads' 'launch -t' 'launch --tee' \
             'coordinator --bind-host' 'coordinator --node-timeout' 'coordinator --rdzv-endpoint' \
             'coordinator --rdzv-id' 'coordinator --state-dir' 'inspect --state-dir' \
-            'inspect --step' 'status --endpoint' 'status --interval' 'status --state-dir' \
+            'inspect --step' 'status --endpoint' 'status --interval' 'status --limit' \
+            'status --match' 'status --nodes' 'status --offset' 'status --state-dir' \
             'status --timeout'
             return 0
     end
@@ -124,7 +125,7 @@ end
 complete -c ftrun -n '__ftrun_is first' -a 'completions' -d 'Print the shell completion script for SHELL.'
 complete -c ftrun -n '__ftrun_is first' -a 'coordinator' -d 'Run a job\'s coordinator and rendezvous store on this host, until SIGTERM/Ctrl-C.'
 complete -c ftrun -n '__ftrun_is first' -a 'inspect' -d 'Show the snapshots of a live job or a persisted checkpoint: steps, ranks, tensors, hashes.'
-complete -c ftrun -n '__ftrun_is first' -a 'status' -d 'Show a job: nodes, ranks, states, restarts, heartbeats.'
+complete -c ftrun -n '__ftrun_is first' -a 'status' -d 'Show a job: its health and summary, and its nodes (ranks, states, restarts, heartbeats).'
 
 # The launcher: torchrun's flags and ftrun's, up to the training script;
 # files for the script and, after it, for the script's own arguments.
@@ -185,7 +186,7 @@ complete -c ftrun -n '__ftrun_in completions' -l 'help' -d 'Show this message an
 complete -c ftrun -n '__ftrun_arg completions 0' -a 'bash zsh fish'
 
 # ftrun coordinator
-complete -c ftrun -n '__ftrun_in coordinator' -l 'bind-host' -r -d 'Address the coordinator binds.'
+complete -c ftrun -n '__ftrun_in coordinator' -l 'bind-host' -r -d 'Address the coordinator binds...'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'help' -d 'Show this message and exit.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'node-timeout' -r -d 'Seconds of silence before a node is reported lost.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'rdzv-endpoint' -r -d 'HOST:PORT to host the job\'s rendezvous store on; launchers pass the same --rdzv-endpoint.'
@@ -205,7 +206,11 @@ complete -c ftrun -n '__ftrun_in status' -l 'endpoint' -r -d 'Coordinator HOST:P
 complete -c ftrun -n '__ftrun_in status' -l 'help' -d 'Show this message and exit.'
 complete -c ftrun -n '__ftrun_in status' -l 'interval' -r -d 'Seconds between refreshes under --watch.'
 complete -c ftrun -n '__ftrun_in status' -l 'json' -d 'Write a versioned JSON document.'
+complete -c ftrun -n '__ftrun_in status' -l 'limit' -r -d 'List at most this many nodes (--json: all unless set).'
+complete -c ftrun -n '__ftrun_in status' -l 'match' -r -d 'Only nodes whose node id or host contains TEXT.'
 complete -c ftrun -n '__ftrun_in status' -l 'no-headers' -d 'Omit the table header and summary.'
+complete -c ftrun -n '__ftrun_in status' -l 'nodes' -r -d 'Which nodes to list: all, problems (lost, failed, restarting, suspect) or none.'
+complete -c ftrun -n '__ftrun_in status' -l 'offset' -r -d 'Skip this many of the selected nodes.'
 complete -c ftrun -n '__ftrun_in status' -l 'state-dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'State directory.'
 complete -c ftrun -n '__ftrun_in status' -l 'timeout' -r -d 'Seconds to wait for the coordinator.'
 complete -c ftrun -n '__ftrun_in status' -l 'watch' -d 'Refresh until Ctrl-C (JSON: one document per line).'

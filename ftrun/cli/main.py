@@ -81,15 +81,20 @@ def status_command(
     interval: Annotated[float, typer.Option(help="Seconds between refreshes under --watch.")] = 2.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the coordinator.")] = 5.0,
     state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
+    nodes: Annotated[str | None, typer.Option("--nodes", help="Which nodes to list: all, problems (lost, failed, restarting, suspect) or none. Default: all, but only problems in a table of a job of more than 64 nodes.")] = None,
+    match: Annotated[str | None, typer.Option(help="Only nodes whose node id or host contains TEXT.")] = None,
+    offset: Annotated[int, typer.Option(help="Skip this many of the selected nodes.")] = 0,
+    limit: Annotated[int | None, typer.Option(help="List at most this many nodes (--json: all unless set).")] = None,
 ) -> None:
-    """Show a job: nodes, ranks, states, restarts, heartbeats. The exit code is its health."""
+    """Show a job: its health and summary, and its nodes (ranks, states, restarts, heartbeats). The exit code is its health."""
     from ftrun.cli.status import run_status
 
     log.configure("WARNING")
     try:
         code = run_status(run_id, endpoint=endpoint, json_out=json_out, watch=watch,
                           no_headers=no_headers, state_dir=state_dir, interval_s=interval,
-                          timeout_s=timeout)
+                          timeout_s=timeout, select=nodes, match=match, offset=offset,
+                          limit=limit)
     except errors.FtrunError as e:
         code = _fail(e)
     raise typer.Exit(code)
@@ -119,7 +124,7 @@ def inspect_command(
 def coordinator_command(
     rdzv_endpoint: Annotated[str, typer.Option("--rdzv-endpoint", help="HOST:PORT to host the job's rendezvous store on; launchers pass the same --rdzv-endpoint.")],
     rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="The job's run id (launchers' --rdzv-id).")],
-    bind_host: Annotated[str, typer.Option(help="Address the coordinator binds.")] = "0.0.0.0",
+    bind_host: Annotated[str | None, typer.Option(help="Address the coordinator binds (default: the address the --rdzv-endpoint host resolves to, where launchers reach the job; 0.0.0.0 for every interface).")] = None,
     node_timeout: Annotated[float, typer.Option(help="Seconds of silence before a node is reported lost.", envvar="FTRUN_NODE_TIMEOUT")] = 10.0,
     state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
 ) -> None:

@@ -35,6 +35,9 @@ from ftrun.errors import (
 LIST_VERSION = 1
 ERROR_CHARS = 60
 PIPE_WIDTH = 200
+# A job of at most this many nodes is shown node by node; a larger one as a summary and the
+# nodes with a problem (``--nodes all`` lists every node, ``--match`` some).
+TABLE_NODES = 64
 
 _HEALTH_CODES = {
     JobHealth.HEALTHY.value: exit_codes.OK,
@@ -239,6 +242,13 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         (f" | {summary.get('restarts', 0)} restart(s)", ""),
     )
     details = _suspect_lines(doc)
+    listed = _listed_line(doc)
+    if listed is not None:
+        details.insert(0, listed)
+    behind = (doc.get("coordinator") or {}).get("behind_s")
+    if behind:
+        details.insert(0, Text(f"coordinator {behind:.1f} s behind its messages: nobody is "
+                               "declared lost until it catches up", style="bold yellow"))
     if not snaps:
         return Group(table, line, *details)
     committed = snaps.get("committed_step")
@@ -267,6 +277,22 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
              if fallback else "", "bold yellow"))
         return Group(table, line, *details, snap_line, restored)
     return Group(table, line, *details, snap_line)
+
+
+def _listed_line(doc: dict[str, Any]) -> Text | None:
+    """Which nodes the table lists, when not every node."""
+    page = doc.get("page") or {}
+    total = (doc.get("summary") or {}).get("nodes", 0)
+    shown = len(doc.get("nodes", []))
+    if shown == total and not page.get("next"):
+        return None
+    what = {"problems": "with a problem", "none": "(none asked for)"}.get(
+        page.get("select", "all"), "")
+    match = f" matching {page['match']!r}" if page.get("match") else ""
+    more = (f"; more from --offset {page['next']}" if page.get("next") is not None else "")
+    return Text(f"listed {shown} of {page.get('matched', shown)} node(s) {what}{match} "
+                f"out of {total}{more} (--nodes all|problems, --match TEXT, --limit N)",
+                style="dim")
 
 
 def _replica_text(snaps: dict[str, Any]) -> str:
@@ -315,11 +341,54 @@ def _bytes_text(n: int | None) -> Text:
     return Text(str(n))
 
 
-def _fetch(endpoint: str, secret: bytes, run_id: str, timeout_s: float) -> dict[str, Any]:
-    reply = request(endpoint, secret, run_id, "status_request", {}, timeout_s=timeout_s)
+def _fetch_page(endpoint: str, secret: bytes, run_id: str, timeout_s: float,
+                body: dict[str, Any]) -> dict[str, Any]:
+    reply = request(endpoint, secret, run_id, "status_request", body, timeout_s=timeout_s)
     if reply.kind != "status_reply":
         raise FtrunError(f"coordinator at {endpoint} answered {reply.kind!r} to a status request")
     return dict(reply.body["doc"])
+
+
+def _fetch(endpoint: str, secret: bytes, run_id: str, timeout_s: float, *,
+           select: str | None = None, match: str | None = None, offset: int = 0,
+           limit: int | None = None, table: bool = False) -> dict[str, Any]:
+    """The status document with the nodes asked for, fetched page by page (a page is one
+    reply, well below the message size cap) and joined: ``nodes`` holds them all, ``page``
+    says how many matched and where the next page would start (``limit`` reached).
+
+    ``select`` None: every node, except in a ``table`` of a job larger than
+    :data:`TABLE_NODES` nodes, which lists the nodes with a problem (at most that many unless
+    ``limit`` says otherwise)."""
+    if select is None and table:
+        doc = _fetch_page(endpoint, secret, run_id, timeout_s,
+                          _page_body("all", match, offset, limit or TABLE_NODES))
+        if doc.get("summary", {}).get("nodes", 0) <= TABLE_NODES or match:
+            return doc
+        select, limit = "problems", limit or TABLE_NODES
+    select = select or "all"
+    doc: dict[str, Any] = {}
+    nodes: list[dict[str, Any]] = []
+    next_offset: int | None = offset
+    while next_offset is not None and (limit is None or len(nodes) < limit):
+        want = None if limit is None else limit - len(nodes)
+        doc = _fetch_page(endpoint, secret, run_id, timeout_s,
+                          _page_body(select, match, next_offset, want))
+        nodes.extend(doc.get("nodes", []))
+        next_offset = (doc.get("page") or {}).get("next")
+    doc["nodes"] = nodes
+    if doc.get("page") is not None:
+        doc["page"] = {**doc["page"], "offset": offset, "next": next_offset}
+    return doc
+
+
+def _page_body(select: str, match: str | None, offset: int,
+               limit: int | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"nodes": select, "offset": offset}
+    if match:
+        body["match"] = match
+    if limit is not None:
+        body["limit"] = limit
+    return body
 
 
 def run_status(
@@ -332,8 +401,19 @@ def run_status(
     state_dir: str | None,
     interval_s: float = 2.0,
     timeout_s: float = 5.0,
+    select: str | None = None,
+    match: str | None = None,
+    offset: int = 0,
+    limit: int | None = None,
 ) -> int:
-    """``ftrun status [RUN_ID]``: list jobs, or show (and with ``watch`` follow) one job."""
+    """``ftrun status [RUN_ID]``: list jobs, or show (and with ``watch`` follow) one job.
+
+    ``select`` (all | problems | none), ``match``, ``offset`` and ``limit`` choose the nodes
+    listed (see :func:`_fetch`); the summary always covers every node."""
+    if select is not None and select not in ("all", "problems", "none"):
+        return _fail(ConfigError(f"--nodes {select!r}: use all, problems or none"))
+    pick = {"select": select, "match": match, "offset": offset, "limit": limit,
+            "table": not json_out}
     try:
         if not run_id and not endpoint:
             return list_jobs(json_out=json_out, no_headers=no_headers, state_dir=state_dir)
@@ -350,13 +430,13 @@ def run_status(
         return _fail(e)
     if not watch:
         try:
-            doc = _fetch(endpoint, secret, run_id, timeout_s)
+            doc = _fetch(endpoint, secret, run_id, timeout_s, **pick)
         except FtrunError as e:
             return _fail(e)
         _emit(doc, json_out=json_out, no_headers=no_headers, compact=False)
         return exit_code_for(doc)
     return _watch(endpoint, secret, run_id, json_out=json_out, no_headers=no_headers,
-                  interval_s=interval_s, timeout_s=timeout_s)
+                  interval_s=interval_s, timeout_s=timeout_s, pick=pick)
 
 
 def _emit(doc: dict[str, Any], *, json_out: bool, no_headers: bool, compact: bool) -> None:
@@ -369,7 +449,7 @@ def _emit(doc: dict[str, Any], *, json_out: bool, no_headers: bool, compact: boo
 
 
 def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_headers: bool,
-           interval_s: float, timeout_s: float) -> int:
+           interval_s: float, timeout_s: float, pick: dict[str, Any]) -> int:
     interval_s = max(0.1, interval_s)
     code = exit_codes.UNREACHABLE
     console = _console()
@@ -382,7 +462,7 @@ def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_head
         while True:
             started = time.monotonic()
             try:
-                doc = _fetch(endpoint, secret, run_id, timeout_s)
+                doc = _fetch(endpoint, secret, run_id, timeout_s, **pick)
             except FtrunError as e:
                 code = exit_codes.for_error(e)
                 if live is not None:

@@ -96,8 +96,8 @@ _HEARTBEAT_DEFAULTS: dict[str, Any] = {
 class HeartbeatComposer:
     """Builds one node's heartbeats: full when its state changed, else keep-alives.
 
-    A full heartbeat carries ``serial`` (counting up); a keep-alive carries ``same`` = the
-    serial of the last full one and an empty ``workers`` list. A full heartbeat goes out when
+    A full heartbeat carries ``serial`` (counting up); a keep-alive (kind ``keepalive``, a
+    few dozen bytes) carries ``same`` = the serial of the last full one. A full one goes out when
     anything but the volatile worker fields changed, every :data:`FULL_EVERY_S`, after a send
     failed, and when the coordinator asks (:meth:`want_full`).
     """
@@ -125,8 +125,9 @@ class HeartbeatComposer:
         return top, workers
 
     def compose(self, state: dict[str, Any], now: float,
-                acked: list[str] | None = None) -> dict[str, Any]:
-        """The heartbeat body for ``state`` (the launcher's fields) at ``now`` (monotonic)."""
+                acked: list[str] | None = None) -> tuple[str, dict[str, Any]]:
+        """The message (``heartbeat`` or ``keepalive``, and its body) for ``state`` (the
+        launcher's fields) at ``now`` (monotonic)."""
         body = {**_HEARTBEAT_DEFAULTS, **state}
         body.update(node_id=self.node_id, host=self.host, pid=self.pid)
         error = body.get("last_error")
@@ -138,12 +139,14 @@ class HeartbeatComposer:
             self.serial += 1
             self.full += 1
             body["serial"] = self.serial
+            kind = "heartbeat"
         else:
             self.keepalives += 1
-            body.update(workers=[], last_error=None, same=self.serial)
+            body = {"node_id": self.node_id, "same": self.serial}
+            kind = "keepalive"
         if acked:
             body["acked"] = acked
-        return body
+        return kind, body
 
 
 class NodeReporter:
@@ -342,9 +345,9 @@ class NodeReporter:
             log.exception("state_fn failed; heartbeat skipped")
             return
         acked = self._acked()
-        body = self._composer.compose(state, time.monotonic(), acked)
+        kind, body = self._composer.compose(state, time.monotonic(), acked)
         try:
-            sent = client.send("heartbeat", body)
+            sent = client.send(kind, body)
         except ProtocolError as e:
             # Stay alive in the coordinator's eyes: send what is certainly valid.
             self._warn("bad_heartbeat", 30.0, "state_fn returned an invalid heartbeat: %s", e)

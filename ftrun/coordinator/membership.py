@@ -4,12 +4,12 @@ A node joins with its first message (``hello``, ``heartbeat``, anything naming i
 refreshed by every message, leaves with ``bye``, and is *lost* after ``node_timeout_s``
 without a message. Thread-safe; the coordinator's serving thread is the only writer.
 
-**Full heartbeats and keep-alives.** A launcher sends its workers (the bulky part) only
-when something about them changed, and otherwise a keep-alive: the same heartbeat with an
-empty ``workers`` list and ``same`` = the ``serial`` of the last full heartbeat. The node keeps
-the workers it had. A keep-alive whose ``same`` does not match (the coordinator restarted, or
-the full heartbeat was lost) marks its workers *stale* until the next full heartbeat, which a
-launcher sends at least every few seconds anyway (:data:`ftrun.coordinator.client.FULL_EVERY_S`).
+**Full heartbeats and keep-alives.** A launcher sends its state and workers (a heartbeat of
+a couple of kilobytes, costly to check) only when something other than its workers' step and
+progress age changed, or every :data:`ftrun.coordinator.client.FULL_EVERY_S`; otherwise a
+``keepalive`` naming the ``serial`` of its last full heartbeat. The node keeps what it had. A
+keep-alive that names another serial (the coordinator restarted, or the full heartbeat was
+lost) marks the node's workers *stale*, and the coordinator asks for a full heartbeat.
 
 **Lost, and overload.** Silence is measured up to the last moment the serving thread had read
 everything queued (``caught_up``), not up to now: a heartbeat still waiting in a queue is not
@@ -135,21 +135,11 @@ class Membership:
         return node, joined
 
     def heartbeat(self, body: dict[str, Any], now: float,
-                  mono: float) -> tuple[NodeRecord, dict[str, Any] | None, bool]:
-        """Apply a full heartbeat or a keep-alive: (record, joined, whether the node's
-        workers are stale and a full heartbeat is wanted)."""
+                  mono: float) -> tuple[NodeRecord, dict[str, Any] | None]:
+        """Apply a full heartbeat: (record, what to say if it joined now)."""
         with self._lock:
             node, joined = self._touch(body["node_id"], body["host"], body["pid"], now, mono)
             node.heartbeats += 1
-            same = body.get("same")
-            if same is not None:  # a keep-alive: only that the node is there
-                node.keepalives += 1
-                if same == node.serial:
-                    return node, joined, False
-                if not node.workers_stale:
-                    node.workers_stale = True
-                    self.version += 1
-                return node, joined, True
             if node.state != body["state"]:
                 node.state = body["state"]
                 self.version += 1
@@ -161,7 +151,21 @@ class Membership:
                 self.version += 1
             node.serial = body.get("serial")
             node.full_mono = mono
-        return node, joined, False
+        return node, joined
+
+    def keepalive(self, node_id: str, same: int, now: float,
+                  mono: float) -> tuple[NodeRecord, dict[str, Any] | None, bool]:
+        """Apply a keep-alive: (record, joined, whether the node's workers are stale: this
+        is not the full heartbeat they came with, and a full one is wanted)."""
+        with self._lock:
+            node, joined = self._touch(node_id, None, None, now, mono)
+            node.keepalives += 1
+            if same == node.serial:
+                return node, joined, False
+            if not node.workers_stale:
+                node.workers_stale = True
+                self.version += 1
+            return node, joined, True
 
     def leave(self, node_id: str, state: str, exitcode: int, now: float,
               mono: float) -> tuple[NodeRecord, dict[str, Any] | None]:

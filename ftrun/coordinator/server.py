@@ -155,6 +155,7 @@ class Coordinator:
             "events_request": self._on_events_request,
             "hello": self._on_hello,
             "heartbeat": self._on_heartbeat,
+            "keepalive": self._on_keepalive,
             "event": self._on_event,
             "bye": self._on_bye,
             **self._snapshots.handlers(),
@@ -321,7 +322,15 @@ class Coordinator:
 
     def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
         body = msg.body
-        node, joined, stale = self._membership.heartbeat(body, time.time(), time.monotonic())
+        node, joined = self._membership.heartbeat(body, time.time(), time.monotonic())
+        if joined is not None:
+            self._joined(node.node_id, joined)
+        return self._directives_reply(node.node_id, body.get("acked"))
+
+    def _on_keepalive(self, msg: protocol.Message) -> Reply | None:
+        body = msg.body
+        node, joined, stale = self._membership.keepalive(body["node_id"], body["same"],
+                                                         time.time(), time.monotonic())
         if joined is not None:
             self._joined(node.node_id, joined)
         reply = self._directives_reply(node.node_id, body.get("acked"))
@@ -506,7 +515,7 @@ def run_standalone(
     *,
     state_dir: str | None,
     node_timeout_s: float,
-    bind_host: str,
+    bind_host: str | None = None,
 ) -> int:
     """Host the job's c10d rendezvous store and its coordinator until SIGTERM/SIGINT.
 

@@ -89,11 +89,12 @@ SCHEMAS: dict[str, Schema] = {
         # sending them; where its probe service listens (ftrun.launcher.probe).
         "acked": (ListOf(str), False),
         "probe_addr": (str, False),
-        # A full heartbeat's number (``serial``); a keep-alive names the full heartbeat whose
-        # workers still hold (``same``) and sends ``workers`` empty (ftrun.coordinator.membership).
+        # This full heartbeat's number (keep-alives name it: ftrun.coordinator.membership).
         "serial": (int, False),
-        "same": (int, False),
     },
+    # Launcher -> coordinator, instead of a heartbeat when nothing but its workers' step and
+    # progress age changed since full heartbeat ``same``: the node is alive and as it was.
+    "keepalive": {"node_id": (str, True), "same": (int, True), "acked": (ListOf(str), False)},
     "event": {"node_id": (str, True), "type": (str, True), "data": (dict, True)},
     "bye": {"node_id": (str, True), "state": (str, True), "exitcode": (int, True)},
     # ``nodes``: which nodes the reply lists (all | problems | none), ``match``: only those

@@ -1,0 +1,364 @@
+"""Benchmark: the coordinator under thousands of nodes, as an operator would run it.
+
+    .venv/bin/python bench/control_plane.py [--nodes 1024,2048,4096] [--output bench/RESULTS.md]
+
+For each node count N: a real ``ftrun coordinator`` process (it also hosts the rendezvous
+store), and N simulated nodes of 8 workers each, spread over ``--generators`` processes. Every
+simulated node is what a launcher's reporter is on the wire: its own connection, a ``hello``,
+then one heartbeat a second composed by :class:`ftrun.coordinator.client.HeartbeatComposer`
+(full when its state changed or every 30 s, a keep-alive otherwise; the workers' step moves
+on every second), signed and validated by the real protocol code. After ``--warmup`` seconds
+(every node joined and sent its first full heartbeat), over ``--seconds``:
+
+- coordinator CPU per message: user + system CPU time of the coordinator process (its
+  serving thread and ZeroMQ's I/O thread) over the messages it read in the window;
+- its CPU load (CPU seconds per second: 1.0 is one core) and the messages per second;
+- reply latency: round trips of a ``hello`` (answered with an ack) from one more client, every
+  0.2 s, queued behind the nodes' heartbeats like any message;
+- status latency: ``ftrun status``'s default request (summary and problem nodes), every 2 s;
+- after the window, the whole document fetched page by page as ``ftrun status --json`` does:
+  time, pages, bytes, the largest reply;
+- the coordinator's resident memory (VmRSS at the end, VmHWM peak);
+- false "lost": every simulated node stays alive, so every node reported lost is false.
+
+The machine this runs on is shared: the generators and the coordinator compete for its cores,
+so a generator may fall behind its schedule (``late`` is how far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ftrun import jobs  # noqa: E402
+from ftrun.coordinator.client import HeartbeatComposer, coordinator_client  # noqa: E402
+from ftrun.coordinator.directives import REPORT_ACTION  # noqa: E402
+from ftrun.protocol.transport import Client  # noqa: E402
+
+WORKERS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_state(node: int, step: int, interval_s: float = 1.0) -> dict[str, Any]:
+    """What a healthy launcher of 8 workers reports (verdict fields included)."""
+    return {
+        "state": "healthy", "group_rank": node, "group_world_size": None, "restarts": 0,
+        "max_restarts": 3, "last_error": None,
+        "workers": [{"local_rank": i, "rank": node * WORKERS + i, "pid": 10_000 + i,
+                     "state": "healthy", "exitcode": None, "health": "ok", "cause": None,
+                     "reason": None, "step": step, "progress_age_s": 0.25,
+                     "step_interval_s": interval_s, "progress_limit_s": 30.0}
+                    for i in range(WORKERS)],
+    }
+
+
+# -- a generator process: ``count`` simulated nodes ------------------------------------------
+
+
+def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
+             seconds: float, interval_s: float) -> dict[str, Any]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, count + 64)
+    asked: set[int] = set()
+    nodes = []
+    for i in range(first, first + count):
+        node_id = f"sim-{i:05d}/1"
+        composer = HeartbeatComposer(node_id, f"sim-{i:05d}", 1)
+
+        def on_reply(msg: Any, i: int = i) -> None:
+            if msg.kind == "directives" and any(d["action"] == REPORT_ACTION
+                                                for d in msg.body["directives"]):
+                asked.add(i)
+
+        client = coordinator_client(endpoint, secret, job, node_id, context=ctx,
+                                    on_reply=on_reply)
+        nodes.append((i, composer, client))
+    stats = {"sent": 0, "dropped": 0, "full": 0, "keepalive": 0, "asked_full": 0,
+             "late_max_s": 0.0}
+    t0 = time.monotonic()
+    for i, _, client in nodes:
+        client.send("hello", {"node_id": f"sim-{i:05d}/1", "host": f"sim-{i:05d}", "pid": 1})
+    end = t0 + seconds
+    k = 0
+    step = 0
+    while True:
+        # Node k of round r is due at t0 + r * interval + k / count * interval.
+        r, j = divmod(k, count)
+        due = t0 + (r + j / count) * interval_s
+        now = time.monotonic()
+        if due >= end:
+            break
+        if due > now:
+            time.sleep(min(due - now, 0.05))
+            for _, _, client in nodes[::max(1, count // 64)]:
+                client.poll(0)
+            continue
+        stats["late_max_s"] = max(stats["late_max_s"], now - due)
+        i, composer, client = nodes[j]
+        if i in asked:
+            asked.discard(i)
+            composer.want_full()
+            stats["asked_full"] += 1
+        step = r
+        kind, body = composer.compose(worker_state(i, step), now)
+        stats["full" if kind == "heartbeat" else "keepalive"] += 1
+        if client.send(kind, body) is None:
+            stats["dropped"] += 1
+            composer.want_full()
+        else:
+            stats["sent"] += 1
+        if j % 256 == 255:
+            for _, _, c in nodes[j - 255:j + 1]:
+                c.poll(0)
+        k += 1
+    for _, _, client in nodes:
+        client.close()
+    ctx.term()
+    return stats
+
+
+# -- the measurement -------------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_mem_mib(pid: int) -> tuple[float, float]:
+    rss = hwm = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) / 1024
+    return rss, hwm
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def status_page(client: Client, body: dict[str, Any]) -> tuple[dict[str, Any], int, float]:
+    t = time.perf_counter()
+    reply = client.request("status_request", body, "status_reply", 30.0)
+    dt = time.perf_counter() - t
+    size = len(json.dumps(reply.body["doc"], separators=(",", ":")))
+    return reply.body["doc"], size, dt
+
+
+def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="ftrun-cp-"))
+    run_id = f"cp{n_nodes}-{os.getpid()}"
+    state = str(tmp / "state")
+    rdzv = f"127.0.0.1:{free_port()}"
+    with open(tmp / "coordinator.log", "w") as log_fh:
+        coord = subprocess.Popen(
+            [sys.executable, "-m", "ftrun.cli.main", "coordinator", "--rdzv-endpoint", rdzv,
+             "--rdzv-id", run_id, "--state-dir", state, "--node-timeout",
+             str(args.node_timeout)],
+            env=env, stdout=subprocess.DEVNULL, stderr=log_fh,
+        )
+    gens: list[subprocess.Popen[str]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                endpoint = jobs.read_job_file(run_id, state).endpoint
+                break
+            except Exception:  # noqa: BLE001 - not written yet
+                if time.monotonic() > deadline or coord.poll() is not None:
+                    raise RuntimeError(f"ftrun coordinator did not start: "
+                                       f"{(tmp / 'coordinator.log').read_text()[-2000:]}"
+                                       ) from None
+                time.sleep(0.1)
+        secret = jobs.load_secret(run_id, state, create=False)
+        total = args.warmup + args.seconds
+        per = -(-n_nodes // args.generators)
+        for g in range(args.generators):
+            first, count = g * per, min(per, n_nodes - g * per)
+            if count <= 0:
+                break
+            gens.append(subprocess.Popen(
+                [sys.executable, __file__, "_generate", "--endpoint", endpoint,
+                 "--secret-hex", secret.hex(), "--job", run_id, "--first", str(first),
+                 "--count", str(count), "--seconds", str(total),
+                 "--interval", str(args.interval)],
+                env=env, stdout=subprocess.PIPE, text=True))
+        client = coordinator_client(endpoint, secret, run_id, "bench-probe")
+        t_start = time.monotonic()
+        time.sleep(args.warmup)
+        doc, _, _ = status_page(client, {"nodes": "none"})
+        cpu0, msgs0, t0 = proc_cpu_s(coord.pid), doc["coordinator"]["messages"]["messages"], \
+            time.monotonic()
+        latencies: list[float] = []
+        status_lat: list[float] = []
+        next_status = t0
+        while time.monotonic() < t_start + total - 0.5:
+            t = time.perf_counter()
+            client.request("hello", {"node_id": "bench-probe/1", "host": "bench-probe",
+                                     "pid": os.getpid()}, "ack", 30.0)
+            latencies.append(time.perf_counter() - t)
+            if time.monotonic() >= next_status:
+                next_status += 2.0
+                _, _, dt = status_page(client, {"nodes": "problems"})
+                status_lat.append(dt)
+            time.sleep(0.2)
+        doc, _, _ = status_page(client, {"nodes": "none"})
+        cpu1, msgs1, t1 = proc_cpu_s(coord.pid), doc["coordinator"]["messages"]["messages"], \
+            time.monotonic()
+        gen_stats = []
+        for p in gens:
+            out, _ = p.communicate(timeout=120)
+            gen_stats.append(json.loads(out.strip().splitlines()[-1]))
+        # The whole document, page by page (ftrun status --json).
+        t = time.perf_counter()
+        offset: int | None = 0
+        pages, nbytes, largest, listed = 0, 0, 0, 0
+        while offset is not None:
+            page, size, _ = status_page(client, {"nodes": "all", "offset": offset})
+            pages, nbytes, largest = pages + 1, nbytes + size, max(largest, size)
+            listed += len(page["nodes"])
+            offset = page["page"]["next"]
+        full_s = time.perf_counter() - t
+        final = page
+        rss, hwm = proc_mem_mib(coord.pid)
+        lost_events = 0
+        since = 0
+        while True:
+            reply = client.request("events_request", {"since": since}, "events_reply", 30.0)
+            events = reply.body["events"]
+            lost_events += sum(1 for e in events if e["type"] == "node_lost"
+                               and str(e.get("node", "")).startswith("sim-"))
+            if not reply.body.get("more") or not events:
+                break
+            since = events[-1]["seq"]
+        client.close()
+        msgs = msgs1 - msgs0
+        return {
+            "nodes": n_nodes, "ranks": n_nodes * WORKERS,
+            "window_s": round(t1 - t0, 2), "messages": msgs,
+            "msg_per_s": round(msgs / (t1 - t0), 1),
+            "cpu_us_per_msg": round((cpu1 - cpu0) / max(1, msgs) * 1e6, 1),
+            "cpu_load": round((cpu1 - cpu0) / (t1 - t0), 3),
+            "reply_ms_p50": round(pct(latencies, 0.5) * 1e3, 2),
+            "reply_ms_p99": round(pct(latencies, 0.99) * 1e3, 2),
+            "reply_ms_max": round(max(latencies) * 1e3, 2) if latencies else None,
+            "status_ms_p50": round(pct(status_lat, 0.5) * 1e3, 1),
+            "status_ms_max": round(max(status_lat) * 1e3, 1) if status_lat else None,
+            "full_status_s": round(full_s, 3), "full_status_pages": pages,
+            "full_status_bytes": nbytes, "largest_reply_bytes": largest,
+            "listed": listed, "joined": final["summary"]["nodes"] - 1,
+            "rss_mib": round(rss, 1), "peak_rss_mib": round(hwm, 1),
+            "lost": final["summary"]["nodes_lost"], "lost_events": lost_events,
+            "behind_s": final["coordinator"]["behind_s"],
+            "sent": sum(g["sent"] for g in gen_stats),
+            "full": sum(g["full"] for g in gen_stats),
+            "keepalive": sum(g["keepalive"] for g in gen_stats),
+            "dropped": sum(g["dropped"] for g in gen_stats),
+            "asked_full": sum(g["asked_full"] for g in gen_stats),
+            "gen_late_max_s": round(max(g["late_max_s"] for g in gen_stats), 2),
+        }
+    finally:
+        for p in gens:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        coord.terminate()
+        try:
+            coord.wait(15)
+        except subprocess.TimeoutExpired:
+            coord.kill()
+            coord.wait(10)
+
+
+COLUMNS = [
+    ("nodes", "nodes"), ("ranks", "ranks"), ("msg_per_s", "msgs/s"),
+    ("cpu_us_per_msg", "CPU µs/msg"), ("cpu_load", "CPU load (cores)"),
+    ("reply_ms_p50", "reply p50 ms"), ("reply_ms_p99", "reply p99 ms"),
+    ("status_ms_p50", "status p50 ms"), ("status_ms_max", "status max ms"),
+    ("full_status_s", "full --json s"), ("full_status_pages", "pages"),
+    ("largest_reply_bytes", "largest reply B"), ("peak_rss_mib", "peak RSS MiB"),
+    ("lost", "lost (false)"), ("gen_late_max_s", "generator late s"),
+]
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for r in results:
+        lines.append("| " + " | ".join(str(r[k]) for k, _ in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd")
+    g = sub.add_parser("_generate")
+    g.add_argument("--endpoint", required=True)
+    g.add_argument("--secret-hex", required=True)
+    g.add_argument("--job", required=True)
+    g.add_argument("--first", type=int, required=True)
+    g.add_argument("--count", type=int, required=True)
+    g.add_argument("--seconds", type=float, required=True)
+    g.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--nodes", default="1024,2048,4096")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval")
+    parser.add_argument("--generators", type=int, default=2)
+    parser.add_argument("--node-timeout", type=float, default=10.0)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="append the results as a section of this Markdown file")
+    args = parser.parse_args()
+    if args.cmd == "_generate":
+        stats = generate(args.endpoint, bytes.fromhex(args.secret_hex), args.job, args.first,
+                         args.count, args.seconds, args.interval)
+        print(json.dumps(stats), flush=True)
+        return 0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    results = []
+    for n in (int(x) for x in args.nodes.split(",")):
+        r = run_one(n, args, env)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    cmd = "python bench/control_plane.py " + " ".join(sys.argv[1:])
+    text = (f"\n## Control plane at scale (`bench/control_plane.py`)\n\n"
+            f"`{cmd}`, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+            f"{platform.node()}: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
+            f"shared by the coordinator, the {args.generators} generator processes and "
+            f"other work; heartbeats every {args.interval:g} s, 8 workers per node, "
+            f"{args.seconds:g} s window after {args.warmup:g} s warm-up.\n\n"
+            + table(results) + "\n")
+    print(text)
+    if args.output is not None:
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
