@@ -148,6 +148,7 @@ class Coordinator:
         # The last time the serving thread had read every queued message (see membership).
         self._caught_up = time.monotonic()
         self._next_lost_check = 0.0
+        self._behind_max_s = 0.0  # of the current episode of being behind (0: not behind)
         # Messages read, and those refused (``auth_failures``, ``bad_messages``).
         self.counters: dict[str, int] = {}
         self._handlers = {
@@ -270,17 +271,26 @@ class Coordinator:
         log.debug("coordinator of job %s stopped serving", self.run_id)
 
     def _tick(self, drained: bool) -> None:
-        """Between batches: note whether the queue was drained, look for lost nodes."""
+        """Between batches: note whether the queue was drained, look for lost nodes.
+
+        An episode of being behind (messages queued unread for longer than
+        :data:`BEHIND_WARN_S`) is logged and recorded when it starts and when it ends."""
         mono = time.monotonic()
+        behind_s = mono - self._caught_up
         if drained:
+            if self._behind_max_s:
+                log.warning("coordinator caught up with its messages (it was up to %.1f s "
+                            "behind)", self._behind_max_s)
+                self._record("coordinator_caught_up", None,
+                             {"behind_max_s": round(self._behind_max_s, 3)})
+                self._behind_max_s = 0.0
             self._caught_up = mono
-        elif mono - self._caught_up > BEHIND_WARN_S:
-            allowed, _ = self._warn_limiter.allow("behind")
-            if allowed:
+        elif behind_s > BEHIND_WARN_S:
+            if not self._behind_max_s:
                 log.warning("coordinator is %.1f s behind its messages: no node is declared "
-                            "lost until it catches up", mono - self._caught_up)
-                self._record("coordinator_behind", None,
-                             {"behind_s": round(mono - self._caught_up, 3)})
+                            "lost until it catches up", behind_s)
+                self._record("coordinator_behind", None, {"behind_s": round(behind_s, 3)})
+            self._behind_max_s = max(self._behind_max_s, behind_s)
         if mono >= self._next_lost_check:
             self._next_lost_check = mono + LOST_CHECK_S
             self._check_lost()
