@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import zmq
+from conftest import wait_for
 
 from ftrun import jobs, protocol
 from ftrun.cli import exit_codes
@@ -28,16 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 
 JOB = "job-cp"
 WORKERS = 8
-
-
-def wait_for(cond: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def node_state(i: int, step: int = 0) -> dict[str, Any]:
@@ -121,7 +112,7 @@ def test_status_of_thousands_of_nodes_pages_below_the_cap(
     sim = SimNodes(coordinator.endpoint, _secret(coordinator), n)
     try:
         sim.join()
-        wait_for(lambda: _joined(coordinator, n), what=f"{n} nodes to join")
+        wait_for(lambda: _joined(coordinator, n), timeout_s=60, what=f"{n} nodes to join")
         secret = _secret(coordinator)
         # Through the wire, page by page: every reply well under the message cap.
         offset: int | None = 0
@@ -184,14 +175,14 @@ def test_no_false_lost_while_the_coordinator_is_behind(
     sim = SimNodes(coordinator.endpoint, _secret(coordinator), n)
     try:
         sim.join()
-        wait_for(lambda: _joined(coordinator, n), what=f"{n} nodes to join")
+        wait_for(lambda: _joined(coordinator, n), timeout_s=60, what=f"{n} nodes to join")
 
         def keepalives() -> int:
             return sum(r.keepalives for r in coordinator._membership.records())
 
         # Every node fresh (joining them all may take longer than a node timeout here).
         sim.beat(1)
-        wait_for(lambda: keepalives() >= n, what="a round of keep-alives")
+        wait_for(lambda: keepalives() >= n, timeout_s=60, what="a round of keep-alives")
         seq0 = coordinator.events()[-1]["seq"]
         stall_s = 2.5 * coordinator.node_timeout_s
         with coordinator._membership._lock:
@@ -199,10 +190,10 @@ def test_no_false_lost_while_the_coordinator_is_behind(
             kinds = sim.beat(2)
             time.sleep(max(0.0, stall_s - (time.monotonic() - t0)))
         assert set(kinds) == {"keepalive"}
-        wait_for(lambda: keepalives() >= 2 * n, what="the backlog to be read")
+        wait_for(lambda: keepalives() >= 2 * n, timeout_s=60, what="the backlog to be read")
         # Caught up: one more round, then look.
         sim.beat(3)
-        wait_for(lambda: keepalives() >= 3 * n, what="the next round")
+        wait_for(lambda: keepalives() >= 3 * n, timeout_s=60, what="the next round")
         events = coordinator.events(seq0)
         behind = [e for e in events if e["type"] == "coordinator_caught_up"]
         assert behind and behind[0]["behind_max_s"] > coordinator.node_timeout_s, \
@@ -239,10 +230,10 @@ def test_heartbeats_unaffected_by_a_flood_of_status_requests(
     threads = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
     try:
         sim.join()
-        wait_for(lambda: _joined(coordinator, n), what=f"{n} nodes to join")
+        wait_for(lambda: _joined(coordinator, n), timeout_s=60, what=f"{n} nodes to join")
         for t in threads:
             t.start()
-        wait_for(lambda: answered[0] >= 8, what="the flood to start")
+        wait_for(lambda: answered[0] >= 8, timeout_s=60, what="the flood to start")
         before = {r.node_id: r.keepalives for r in coordinator._membership.records()}
         for step in range(1, 6):
             sim.beat(step)
@@ -250,7 +241,7 @@ def test_heartbeats_unaffected_by_a_flood_of_status_requests(
         wait_for(lambda: all(r.keepalives >= before.get(r.node_id, 0) + 5
                              for r in coordinator._membership.records()
                              if r.node_id.startswith("sim-")),
-                 what="every node's keep-alives to be read during the flood")
+                 timeout_s=60, what="every node's keep-alives to be read during the flood")
         flood_answered = answered[0]
     finally:
         stop.set()
