@@ -46,7 +46,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ftrun import jobs  # noqa: E402
-from ftrun.coordinator.client import HeartbeatComposer, coordinator_client  # noqa: E402
+from ftrun.coordinator.client import (  # noqa: E402
+    FULL_EVERY_S,
+    HeartbeatComposer,
+    coordinator_client,
+)
 from ftrun.coordinator.directives import REPORT_ACTION  # noqa: E402
 from ftrun.protocol.transport import Client  # noqa: E402
 
@@ -76,14 +80,14 @@ def worker_state(node: int, step: int, interval_s: float = 1.0) -> dict[str, Any
 
 
 def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
-             seconds: float, interval_s: float) -> dict[str, Any]:
+             seconds: float, interval_s: float, full_every_s: float) -> dict[str, Any]:
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, count + 64)
     asked: set[int] = set()
     nodes = []
     for i in range(first, first + count):
         node_id = f"sim-{i:05d}/1"
-        composer = HeartbeatComposer(node_id, f"sim-{i:05d}", 1)
+        composer = HeartbeatComposer(node_id, f"sim-{i:05d}", 1, full_every_s)
 
         def on_reply(msg: Any, i: int = i) -> None:
             if msg.kind == "directives" and any(d["action"] == REPORT_ACTION
@@ -143,6 +147,21 @@ def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
 def proc_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (ZeroMQ's I/O thread is ``ZMQbg/IO/0``)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[name] = out.get(name, 0.0) + cpu
+    return out
 
 
 def proc_mem_mib(pid: int) -> tuple[float, float]:
@@ -206,7 +225,7 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
                 [sys.executable, __file__, "_generate", "--endpoint", endpoint,
                  "--secret-hex", secret.hex(), "--job", run_id, "--first", str(first),
                  "--count", str(count), "--seconds", str(total),
-                 "--interval", str(args.interval)],
+                 "--interval", str(args.interval), "--full-every", str(args.full_every)],
                 env=env, stdout=subprocess.PIPE, text=True))
         client = coordinator_client(endpoint, secret, run_id, "bench-probe")
         t_start = time.monotonic()
@@ -214,6 +233,7 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
         doc, _, _ = status_page(client, {"nodes": "none"})
         cpu0, msgs0, t0 = proc_cpu_s(coord.pid), doc["coordinator"]["messages"]["messages"], \
             time.monotonic()
+        threads0 = thread_cpu_s(coord.pid)
         latencies: list[float] = []
         status_lat: list[float] = []
         next_status = t0
@@ -230,6 +250,10 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
         doc, _, _ = status_page(client, {"nodes": "none"})
         cpu1, msgs1, t1 = proc_cpu_s(coord.pid), doc["coordinator"]["messages"]["messages"], \
             time.monotonic()
+        threads1 = thread_cpu_s(coord.pid)
+        by_thread = {name: round((threads1[name] - threads0.get(name, 0.0))
+                                 / max(1, msgs1 - msgs0) * 1e6, 1)
+                     for name in threads1 if threads1[name] - threads0.get(name, 0.0) > 0}
         gen_stats = []
         for p in gens:
             out, _ = p.communicate(timeout=120)
@@ -259,11 +283,17 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
         client.close()
         msgs = msgs1 - msgs0
         return {
-            "nodes": n_nodes, "ranks": n_nodes * WORKERS,
+            "nodes": n_nodes, "ranks": n_nodes * WORKERS, "full_every_s": args.full_every,
             "window_s": round(t1 - t0, 2), "messages": msgs,
             "msg_per_s": round(msgs / (t1 - t0), 1),
             "cpu_us_per_msg": round((cpu1 - cpu0) / max(1, msgs) * 1e6, 1),
             "cpu_load": round((cpu1 - cpu0) / (t1 - t0), 3),
+            "cpu_us_per_msg_by_thread": by_thread,
+            # Python threads (the serving thread does all their work), and ZeroMQ's I/O.
+            "cpu_us_python": round(sum(v for k, v in by_thread.items()
+                                       if not k.startswith("ZMQ")), 1),
+            "cpu_us_zmq_io": round(sum(v for k, v in by_thread.items()
+                                       if k.startswith("ZMQ")), 1),
             "reply_ms_p50": round(pct(latencies, 0.5) * 1e3, 2),
             "reply_ms_p99": round(pct(latencies, 0.99) * 1e3, 2),
             "reply_ms_max": round(max(latencies) * 1e3, 2) if latencies else None,
@@ -296,8 +326,10 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
 
 
 COLUMNS = [
-    ("nodes", "nodes"), ("ranks", "ranks"), ("msg_per_s", "msgs/s"),
-    ("cpu_us_per_msg", "CPU µs/msg"), ("cpu_load", "CPU load (cores)"),
+    ("nodes", "nodes"), ("ranks", "ranks"), ("full_every_s", "full every s"),
+    ("msg_per_s", "msgs/s"), ("cpu_us_per_msg", "CPU µs/msg"),
+    ("cpu_us_python", "of which Python"), ("cpu_us_zmq_io", "of which ZeroMQ I/O"),
+    ("cpu_load", "CPU load (cores)"),
     ("reply_ms_p50", "reply p50 ms"), ("reply_ms_p99", "reply p99 ms"),
     ("status_ms_p50", "status p50 ms"), ("status_ms_max", "status max ms"),
     ("full_status_s", "full --json s"), ("full_status_pages", "pages"),
@@ -325,18 +357,22 @@ def main() -> int:
     g.add_argument("--count", type=int, required=True)
     g.add_argument("--seconds", type=float, required=True)
     g.add_argument("--interval", type=float, default=1.0)
+    g.add_argument("--full-every", type=float, default=FULL_EVERY_S)
     parser.add_argument("--nodes", default="1024,2048,4096")
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--interval", type=float, default=1.0, help="heartbeat interval")
     parser.add_argument("--generators", type=int, default=2)
+    parser.add_argument("--full-every", type=float, default=FULL_EVERY_S,
+                        help="seconds between full heartbeats of an unchanged node (0: every "
+                             "heartbeat is full, as before keep-alives)")
     parser.add_argument("--node-timeout", type=float, default=10.0)
     parser.add_argument("--output", type=Path, default=None,
                         help="append the results as a section of this Markdown file")
     args = parser.parse_args()
     if args.cmd == "_generate":
         stats = generate(args.endpoint, bytes.fromhex(args.secret_hex), args.job, args.first,
-                         args.count, args.seconds, args.interval)
+                         args.count, args.seconds, args.interval, args.full_every)
         print(json.dumps(stats), flush=True)
         return 0
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -350,7 +386,8 @@ def main() -> int:
             f"`{cmd}`, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
             f"{platform.node()}: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
             f"shared by the coordinator, the {args.generators} generator processes and "
-            f"other work; heartbeats every {args.interval:g} s, 8 workers per node, "
+            f"other work; heartbeats every {args.interval:g} s (full every "
+            f"{args.full_every:g} s when unchanged, keep-alives between), 8 workers per node, "
             f"{args.seconds:g} s window after {args.warmup:g} s warm-up.\n\n"
             + table(results) + "\n")
     print(text)

@@ -722,3 +722,33 @@ def test_directives_dropped_when_the_node_leaves(coordinator: Coordinator) -> No
     wait_for(lambda: not coordinator.pending_directives(), what="the directive to be dropped")
     dropped = [e for e in coordinator.events() if e["type"] == "directive_dropped"]
     assert dropped and dropped[0]["id"] == did and dropped[0]["why"] == "node left"
+
+
+def test_keepalives_keep_the_workers_and_a_stale_one_asks_for_a_full_heartbeat(
+        coordinator: Coordinator) -> None:
+    from ftrun.coordinator.client import HeartbeatComposer
+    from ftrun.coordinator.directives import REPORT_ACTION
+
+    composer = HeartbeatComposer("host-k/1", "host-k", 1)
+    client = transport.Client(coordinator.endpoint, SECRET, JOB, "host-k/1")
+    try:
+        kind, body = composer.compose(workers_state(), 0.0)
+        assert kind == "heartbeat" and body["serial"] == 1
+        client.send(kind, body)
+        kind, body = composer.compose({**workers_state(), "last_error": None}, 1.0)
+        assert kind == "keepalive" and body == {"node_id": "host-k/1", "same": 1}
+        client.send(kind, body)
+        wait_for(lambda: coordinator.status_document()["nodes"], what="the node")
+        node = coordinator.status_document()["nodes"][0]
+        assert node["ranks"] == [0, 1] and not node["workers_stale"]
+        # A changed state makes the next heartbeat full.
+        kind, _ = composer.compose({**workers_state(), "state": "restarting"}, 2.0)
+        assert kind == "heartbeat"
+        # A keep-alive naming a full heartbeat this coordinator never read is answered with
+        # a request for a full one.
+        reply = client.request("keepalive", {"node_id": "host-k/1", "same": 99}, "directives",
+                               3.0)
+        assert [d["action"] for d in reply.body["directives"]] == [REPORT_ACTION]
+        assert coordinator.status_document()["nodes"][0]["workers_stale"] is True
+    finally:
+        client.close()
