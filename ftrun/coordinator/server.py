@@ -269,7 +269,7 @@ class Coordinator:
                 n = server.serve_once(POLL_INTERVAL_S, MAX_MESSAGES_PER_TICK)
                 self._tick(n < MAX_MESSAGES_PER_TICK)
                 if 0 < n < MAX_MESSAGES_PER_TICK:
-                    time.sleep(max(0.0, BATCH_INTERVAL_S - (time.monotonic() - started)))
+                    self._stop.wait(max(0.0, BATCH_INTERVAL_S - (time.monotonic() - started)))
             except zmq.ContextTerminated:
                 break
             except Exception:  # noqa: BLE001 - the loop must survive anything
@@ -471,8 +471,11 @@ class Coordinator:
         doc["summary"]["events"] = self._events.count
         doc["events_tail"] = self._events.tail(EVENTS_TAIL)
         doc["snapshots"] = self._snapshots.summary()
-        if self._detection is not None:
-            doc["detection"] = self._detection.status()
+        # The detection service's suspects and evidence, once one plugs in (a plain
+        # configuration has no status of its own).
+        detection_status = getattr(self._detection, "status", None)
+        if callable(detection_status):
+            doc["detection"] = detection_status()
         return doc
 
 
