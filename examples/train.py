@@ -77,6 +77,7 @@ try:
     _progress: Callable[..., None] = ftrun.progress
     _Snapshotter: Any = ftrun.Snapshotter
     _Sampler: Any = ftrun.ResumableDistributedSampler
+    _monitor_collectives: Callable[[], Any] = ftrun.monitor_collectives
 except Exception:  # ftrun not installed (or broken): no progress reports, no snapshots.
 
     def _progress(step: int, done: bool = False) -> None:
@@ -85,9 +86,12 @@ except Exception:  # ftrun not installed (or broken): no progress reports, no sn
     _Snapshotter = None
     _Sampler = None
 
+    def _monitor_collectives() -> Any:
+        return None
+
 
 PREFIX = "ftrun-example"
-FAIL_MODES = ("exit", "kill", "hang", "stop", "corrupt", "raise")
+FAIL_MODES = ("exit", "kill", "hang", "stop", "corrupt", "raise", "collective-hang")
 EXIT_CODE_FAULT = 13
 
 
@@ -316,6 +320,10 @@ def _fire_fault(args: argparse.Namespace, rank: int, step: int, mode: str, snap:
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "collective-hang":
+        # An all-reduce no other rank enters: it blocks inside the backend until the side
+        # group's (day-long) timeout, while the others wait for this rank in theirs.
+        dist.all_reduce(torch.zeros(1), group=args.side_group)
     else:  # hang: alive, but never progresses again.
         while True:
             time.sleep(0.1)
@@ -443,8 +451,19 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         default="exit",
         help="exit: exit code 13; kill: SIGKILL itself; hang: sleep forever; "
         "stop: SIGSTOP itself; corrupt: flip a byte of its newest in-memory snapshot, then exit; "
-        "raise: raise an exception out of the training loop (default exit)",
+        "raise: raise an exception out of the training loop; collective-hang: enter an "
+        "all-reduce of a side process group (made by every rank at start) that no other rank "
+        "enters, so it sits inside a collective that never returns while the others wait for "
+        "it in the next one (default exit)",
     )
+    p.add_argument(
+        "--slow-rank", type=int, default=None, metavar="R",
+        help="make rank R slow: after each optimizer step it sleeps (F-1) times the time its "
+        "forward, backward and optimizer step took, so it computes F times slower "
+        "(--slow-factor); the numbers it computes do not change",
+    )
+    p.add_argument("--slow-factor", type=float, default=2.0, metavar="F",
+                   help="how much slower --slow-rank computes (default 2)")
     p.add_argument(
         "--fault-schedule",
         metavar="FILE",
@@ -517,6 +536,11 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
             p.error(f"--fault-schedule: {e}")
     if args.fail_at_step is not None:
         args.faults.append((args.fail_at_step, args.fail_rank, args.fail_mode))
+    if args.slow_rank is not None and not 0 <= args.slow_rank < world_size:
+        p.error(f"--slow-rank {args.slow_rank} is not in 0..{world_size - 1} "
+                f"(WORLD_SIZE={world_size})")
+    if not (args.slow_factor >= 1 and math.isfinite(args.slow_factor)):
+        p.error(f"--slow-factor must be a number >= 1, got {args.slow_factor}")
     for step, rank, _ in args.faults:
         if rank >= world_size:
             p.error(f"--fault-schedule: rank {rank} (step {step}) is not in "
@@ -593,6 +617,7 @@ def train(
         inputs, targets = samples(args.seed, indices, args.seq_len, args.vocab)
         inputs, targets = inputs.to(device), targets.to(device)
         maybe_inject_fault(args, rank, step, before_forward=True, snap=snap)
+        t_compute = time.perf_counter()
         logits = train_model(inputs)
         # Sum over this rank's targets over all of the global batch's, times the world size
         # that DDP and FSDP average gradients over: the gradient of the global batch's mean,
@@ -603,6 +628,8 @@ def train(
         (loss_sum * (world_size / tokens)).backward()
         maybe_inject_fault(args, rank, step)
         optimizer.step()
+        if rank == args.slow_rank:
+            time.sleep((args.slow_factor - 1) * (time.perf_counter() - t_compute))
         last_loss = loss_sum.detach().clone()
         if distributed:
             dist.all_reduce(last_loss)
@@ -725,6 +752,12 @@ def main(argv: list[str] | None = None) -> int:
         backend = "gloo"
     if distributed:
         dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
+        # The collective monitor (ftrun launches only; Snapshotter starts it too).
+        _monitor_collectives()
+    args.side_group = None
+    if distributed and any(mode == "collective-hang" for _, _, mode in args.faults):
+        # Every rank makes the group (new_group is collective); only the faulty rank uses it.
+        args.side_group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
 
     loss, digest, resumed_from = train(args, rank, world_size, device)
 

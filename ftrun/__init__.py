@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["ResumableDistributedSampler", "Snapshotter", "progress", "__version__"]
+__all__ = ["ResumableDistributedSampler", "Snapshotter", "monitor_collectives", "progress",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from ftrun.rank.snapshotter import Snapshotter
 
         return Snapshotter
+    if name == "monitor_collectives":
+        from ftrun.rank.collectives import monitor_collectives
+
+        return monitor_collectives
     if name == "ResumableDistributedSampler":
         from ftrun.rank.data import ResumableDistributedSampler
 

@@ -365,3 +365,30 @@ def leave_rendezvous(handler: Any, timeout_s: float) -> bool:
     finally:
         lock.release()
     return True
+
+
+# -- the Flight Recorder (ftrun.rank.collectives) ----------------------------------------------
+#
+# torch records every collective of every process group in its Flight Recorder, on gloo too:
+# per group, the sequence numbers of the last collective enqueued, started and completed
+# (``pg_status``), and a ring buffer of entries (op, sizes, enqueue time). The dump function is
+# private; with ``includeCollectives=False`` it returns only ``pg_status`` (a few µs), with
+# True the whole ring buffer (tens of ms when full).
+
+
+def fr_dump(include_collectives: bool) -> dict[str, Any]:
+    """The Flight Recorder's JSON dump (``torch._C._distributed_c10d._dump_fr_trace_json``)."""
+    import json
+
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    return json.loads(_dump_fr_trace_json(includeCollectives=include_collectives,
+                                          onlyActive=False))
+
+
+def process_groups() -> dict[str, Any]:
+    """The process groups of this process by the name the Flight Recorder keys them by
+    (``distributed_c10d._world.pg_names``: group -> name)."""
+    from torch.distributed import distributed_c10d
+
+    return {str(name): pg for pg, name in distributed_c10d._world.pg_names.items()}

@@ -163,5 +163,15 @@ SHM_DIR = Knob(
     "FTRUN_SHM_DIR", "path", "/dev/shm",
     "Where snapshot segments live (a tmpfs). Every process of a job on a host must agree.", "any",
 )
+DETECT = Knob(
+    "FTRUN_DETECT", "HOST:PORT", "",
+    "The coordinator's detection endpoint, where each rank's collective monitor reports "
+    "(set for the ranks by the launcher; empty: no monitor).", "worker",
+)
+COLL_INTERVAL = Knob(
+    "FTRUN_COLL_INTERVAL", "seconds", "0.02",
+    "How often each rank's collective monitor reads torch's Flight Recorder counts (the "
+    "resolution of every collective duration it reports).", "worker",
+)
 
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Knob))

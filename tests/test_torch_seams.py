@@ -388,3 +388,44 @@ def test_an_agent_leaving_by_the_signal_path_keeps_the_rendezvous_open(tmp_path:
         assert view is not None and view[0] == 1 and not view[1], view
     finally:
         del server
+
+
+# -- the Flight Recorder (ftrun.rank.collectives) ----------------------------------------------
+
+
+FR_CHECK = """
+import os, torch, torch.distributed as dist
+from torch._C._distributed_c10d import _dump_fr_trace_json
+from ftrun import _torch
+assert "includeCollectives" in (_dump_fr_trace_json.__doc__ or "")
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0,
+                        world_size=1)
+group = dist.group.WORLD
+[name] = [n for n, pg in _torch.process_groups().items() if pg is group]
+dist.all_reduce(torch.ones(10))  # a group shows in pg_status from its first collective
+before = int(_torch.fr_dump(False)["pg_status"][name]["last_completed_collective"])
+dist.all_reduce(torch.ones(10))
+dist.all_reduce(torch.ones(10), async_op=True).wait()
+status = _torch.fr_dump(False)["pg_status"][name]
+assert int(status["last_enqueued_collective"]) == before + 2, status
+assert int(status["last_completed_collective"]) == before + 2, status
+assert int(status["last_started_collective"]) >= -1, status
+entries = [e for e in _torch.fr_dump(True)["entries"] if e["process_group"][0] == name]
+assert entries[-1]["profiling_name"].endswith("all_reduce"), entries[-1]
+assert entries[-1]["collective_seq_id"] == before + 2, entries[-1]
+assert entries[-1]["input_sizes"] == [[10]] and entries[-1]["input_dtypes"] == ["Float"]
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_flight_recorder_counts_collectives_by_the_groups_registry_name() -> None:
+    """The dump function exists with the arguments used; ``pg_status`` counts a gloo group's
+    blocking and async collectives under the name torch's group registry gives it, and a
+    full dump has the op and its sizes. In a fresh process: the recorder keeps a destroyed
+    group's counts under its name, so a process that made groups before would mislead."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", FR_CHECK], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PORT": str(free_port())})
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -226,6 +226,9 @@ SCHEMAS: dict[str, Schema] = {
         "node_id": (str, True), "host": (str, True), "rank": (int, True),
         "world_size": (int, True), "restart": (int, True), "pid": (int, True),
         "backend": (str, True), "seq": (int, True), "interval_s": (float, True),
+        # The rendezvous round the rank belongs to (MASTER_ADDR:MASTER_PORT, new each
+        # round): sequence numbers restart with every new world.
+        "world": (str, False),
         "groups": (ListOf({
             "pg": (str, True), "size": (int, True), "enqueued": (int, True),
             "completed": (int, True), "waiting_s": ((float, _NONE), True),

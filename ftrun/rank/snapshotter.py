@@ -361,6 +361,11 @@ class Snapshotter:
         inner = getattr(model, "module", None)
         for module in (model, inner) if isinstance(inner, torch.nn.Module) else (model,):
             module.register_forward_pre_hook(self._on_forward)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The collective monitor (ftrun.rank.collectives), once per process.
+            from ftrun.rank.collectives import monitor_collectives
+
+            monitor_collectives()
 
     def _on_forward(self, *_: Any) -> None:
         """At the forward pass after a save() or restore(): the RNG states meet here.

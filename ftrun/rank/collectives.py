@@ -1,0 +1,292 @@
+"""The collective monitor: each rank's collectives, timed from torch's own records and
+reported to the coordinator, which compares them across ranks (ftrun.coordinator.detect).
+
+torch's Flight Recorder counts every collective of every process group, on gloo as on NCCL:
+per group, the sequence number of the last collective enqueued, started and completed
+(``pg_status``). That covers blocking and ``async_op`` collectives alike, DDP's gradient
+all-reduce and FSDP2's all-gathers and reduce-scatters, since they all go through process
+groups. What each backend gives:
+
+- **gloo**: enqueued and completed counts; no durations (its entries' ``duration_ms`` stays
+  empty, and it has no completion hook). The monitor times collectives itself.
+- **NCCL**: the same counts, plus ``started`` (when the kernel began) once
+  ``TORCH_NCCL_ENABLE_TIMING=1``, which the launcher sets for the ranks unless the user set it.
+  A collective's duration then runs from its start rather than from its enqueue, which on a
+  GPU runs ahead of the kernels.
+
+A thread of the rank reads ``pg_status`` every ``FTRUN_COLL_INTERVAL`` seconds (0.02 s: a
+read costs about 5 µs) and notes, on the rank's own monotonic clock, when each sequence number
+was first seen enqueued (started, on NCCL) and completed. A collective's duration is the
+difference; its resolution is one interval. Every 0.5 s, and at once when a wait passes
+1 s, it sends a ``coll_report`` to the coordinator's detection endpoint (``FTRUN_DETECT``):
+per group, the counts, how long the pending collective has waited, and the collectives that
+took at least one interval with their durations. Only local durations travel; no clock
+reading is ever compared across hosts. A collective that waits past 1 s is looked up once in
+the full Flight Recorder dump (tens of ms) for its op and size; the steady state never dumps.
+
+The thread never blocks training: sends that cannot be queued are dropped (and said once),
+errors are logged (rate-limited) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun import _torch, knobs
+
+log = logging.getLogger(__name__)
+
+REPORT_S = 0.5
+URGENT_WAIT_S = 1.0
+MAX_DONE = 256  # durations listed per group and report (the newest)
+MAX_TRACKED = 4096  # enqueued collectives remembered per group
+MAX_RANKS_LISTED = 64
+WARN_EVERY_S = 60.0
+SEND_TIMEOUT_S = 0.05
+DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
+               "Short": 2, "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1,
+               "Float8_e5m2": 1, "ComplexFloat": 8, "ComplexDouble": 16}
+
+
+@dataclass
+class _Group:
+    """What the monitor tracks of one process group."""
+
+    name: str
+    enqueued: int
+    started: int
+    completed: int
+    size: int = 0
+    ranks: list[int] | None = None
+    since: dict[int, float] = field(default_factory=dict)  # seq -> first seen enqueued/started
+    done: list[list[float]] = field(default_factory=list)  # [seq, duration_s], unsent
+    op: tuple[int, str, int] | None = None  # (seq, op, bytes) of a long wait, once looked up
+    urgent_sent: int = -1  # the pending seq whose long wait was reported at once
+
+
+class CollectiveMonitor:
+    """Times this rank's collectives and reports them (see the module docstring)."""
+
+    def __init__(self, endpoint: str, secret: bytes, run_id: str, *, rank: int,
+                 world_size: int, backend: str, node_id: str, host: str, restart: int,
+                 interval_s: float) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        from ftrun.protocol.transport import Client
+
+        self.endpoint = endpoint
+        self.interval_s = interval_s
+        self._base = {"node_id": node_id, "host": host, "rank": rank,
+                      "world_size": world_size, "restart": restart, "pid": os.getpid(),
+                      "backend": backend, "interval_s": interval_s,
+                      # new every rendezvous round (torch picks a new master port)
+                      "world": f"{os.environ.get('MASTER_ADDR', '')}:"
+                               f"{os.environ.get('MASTER_PORT', '')}"}
+        self._client = Client(endpoint, secret, run_id, f"rank{rank}/{os.getpid()}",
+                              peer="coordinator's detection endpoint",
+                              send_timeout_s=SEND_TIMEOUT_S, sndhwm=16)
+        self._groups: dict[str, _Group] = {}
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_warn: dict[str, float] = {}
+        self.counters = {"samples": 0, "reports": 0, "dropped": 0, "dumps": 0, "errors": 0}
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="ftrun-collectives",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._client.close()
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_report = time.monotonic() + REPORT_S
+        while not self._stop.wait(self.interval_s):
+            try:
+                now = time.monotonic()
+                urgent = self.sample(now)
+                if urgent or now >= next_report:
+                    next_report = now + REPORT_S
+                    self.report(now)
+            except Exception as e:  # noqa: BLE001 - the monitor must never stop a rank
+                self.counters["errors"] += 1
+                self._warn("error", "collective monitor error (%s: %s); going on",
+                           type(e).__name__, e)
+
+    def _warn(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_warn.get(key, float("-inf")) >= WARN_EVERY_S:
+            self._last_warn[key] = now
+            log.warning(msg, *args)
+
+    def sample(self, now: float) -> bool:
+        """Read ``pg_status`` once; True when a wait just passed URGENT_WAIT_S."""
+        status = _torch.fr_dump(False).get("pg_status") or {}
+        self.counters["samples"] += 1
+        urgent = False
+        for name, st in status.items():
+            enq = int(st.get("last_enqueued_collective", -1))
+            started = int(st.get("last_started_collective", -1))
+            comp = int(st.get("last_completed_collective", -1))
+            g = self._groups.get(name)
+            if g is None:
+                g = self._groups[name] = _Group(name, enq, started, comp)
+                self._describe(g)
+                for seq in range(comp + 1, enq + 1):  # pending when first seen: from now
+                    g.since[seq] = now
+                continue
+            if enq > g.enqueued:
+                for seq in range(max(g.enqueued + 1, enq - MAX_TRACKED + 1), enq + 1):
+                    g.since[seq] = now
+                g.enqueued = enq
+            if started > g.started:  # NCCL with timing: time from the kernel's start
+                for seq in range(max(g.started + 1, started - MAX_TRACKED + 1), started + 1):
+                    g.since[seq] = now
+                g.started = started
+            if comp > g.completed:
+                for seq in range(g.completed + 1, comp + 1):
+                    t0 = g.since.pop(seq, None)
+                    # Seen pending at an earlier sample: it took at least one interval.
+                    if t0 is not None and now > t0:
+                        g.done.append([seq, round(now - t0, 4)])
+                del g.done[:-MAX_DONE]
+                g.completed = comp
+                if len(g.since) > MAX_TRACKED:
+                    for seq in sorted(g.since)[:-MAX_TRACKED]:
+                        del g.since[seq]
+            pending = g.completed + 1
+            if g.enqueued >= pending:
+                t0 = g.since.get(pending)
+                if t0 is not None and now - t0 >= URGENT_WAIT_S and g.urgent_sent != pending:
+                    g.urgent_sent = pending
+                    self._look_up(g, pending)
+                    urgent = True
+        return urgent
+
+    def _describe(self, g: _Group) -> None:
+        """The group's size and (small groups) global ranks, from torch's registry."""
+        try:
+            import torch.distributed as dist
+
+            pg = _torch.process_groups().get(g.name)
+            if pg is None:
+                return
+            g.size = dist.get_world_size(pg)
+            if g.size <= MAX_RANKS_LISTED:
+                g.ranks = [int(r) for r in dist.get_process_group_ranks(pg)]
+        except Exception as e:  # noqa: BLE001 - the group is reported without them
+            self._warn("describe", "cannot read process group %s's ranks (%s: %s)", g.name,
+                       type(e).__name__, e)
+
+    def _look_up(self, g: _Group, seq: int) -> None:
+        """The op and size of a collective that waits long, from one full dump."""
+        self.counters["dumps"] += 1
+        for e in _torch.fr_dump(True).get("entries") or []:
+            pg = e.get("process_group") or [None]
+            if str(pg[0]) == g.name and int(e.get("collective_seq_id", -1)) == seq:
+                nbytes = 0
+                for shape, dtype in zip(e.get("input_sizes") or [], e.get("input_dtypes") or [],
+                                        strict=False):
+                    n = 1
+                    for d in shape:
+                        n *= int(d)
+                    nbytes += n * DTYPE_BYTES.get(str(dtype), 4)
+                g.op = (seq, str(e.get("profiling_name", "")), nbytes)
+                return
+
+    def report(self, now: float) -> bool:
+        """Send one ``coll_report``; False when it could not be queued (dropped)."""
+        groups = []
+        for g in self._groups.values():
+            pending = g.completed + 1
+            t0 = g.since.get(pending) if g.enqueued >= pending else None
+            entry: dict[str, Any] = {
+                "pg": g.name, "size": g.size, "enqueued": g.enqueued, "completed": g.completed,
+                "waiting_s": round(now - t0, 4) if t0 is not None else None,
+            }
+            if g.ranks is not None:
+                entry["ranks"] = g.ranks
+            if g.done:
+                entry["done"] = g.done
+            if g.op is not None and g.op[0] == pending:
+                entry["op"], entry["bytes"] = g.op[1], g.op[2]
+            groups.append(entry)
+        self._seq += 1
+        body = {**self._base, "seq": self._seq, "groups": groups}
+        sent = self._client.send("coll_report", body) is not None
+        if sent:
+            self.counters["reports"] += 1
+            for g in self._groups.values():
+                g.done = []
+        else:
+            self.counters["dropped"] += 1
+            self._warn("dropped", "the coordinator's detection endpoint %s is not taking "
+                       "reports; dropping them (training goes on)", self.endpoint)
+        return sent
+
+
+_monitor: CollectiveMonitor | None = None
+_monitor_pid = 0
+_lock = threading.Lock()
+
+
+def monitor_collectives() -> CollectiveMonitor | None:
+    """Start this rank's collective monitor, once per process; returns it, or None when
+    there is nothing to report to (not launched by ftrun, or no process group yet).
+
+    ``Snapshotter`` calls this itself; a script without snapshots calls it once after
+    ``init_process_group``. Under plain torchrun or python it only logs that it is off.
+    """
+    global _monitor, _monitor_pid
+    with _lock:
+        if _monitor is not None and _monitor_pid == os.getpid():
+            return _monitor
+        endpoint = knobs.DETECT.get()
+        if not endpoint:
+            log.debug("collective monitor off: no %s (not launched by ftrun, or the job "
+                      "runs no detection)", knobs.DETECT.name)
+            return None
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            log.warning("collective monitor not started: call it after "
+                        "torch.distributed.init_process_group()")
+            return None
+        secret = knobs.SECRET.get().encode()
+        if not secret:
+            log.warning("collective monitor not started: no %s", knobs.SECRET.name)
+            return None
+        try:
+            interval_s = float(knobs.COLL_INTERVAL.get())
+        except ValueError:
+            log.warning("%s=%r is not a number of seconds; using %s", knobs.COLL_INTERVAL.name,
+                        knobs.COLL_INTERVAL.get(), knobs.COLL_INTERVAL.default)
+            interval_s = float(knobs.COLL_INTERVAL.default)
+        monitor = CollectiveMonitor(
+            endpoint, secret, knobs.RUN_ID.get(), rank=dist.get_rank(),
+            world_size=dist.get_world_size(), backend=str(dist.get_backend()),
+            node_id=knobs.NODE_ID.get() or socket.gethostname(), host=socket.gethostname(),
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+            interval_s=interval_s)
+        monitor.start()
+        atexit.register(monitor.stop)
+        _monitor, _monitor_pid = monitor, os.getpid()
+        log.debug("collective monitor reporting to %s every %.2f s (sampling every %.3f s)",
+                  endpoint, REPORT_S, interval_s)
+        return monitor

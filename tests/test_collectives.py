@@ -1,0 +1,154 @@
+"""The collective monitor in real ranks: three gloo processes (torchrun) report to a real
+server what torch's Flight Recorder counts, and the reports show who waits for whom."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftrun.protocol.transport import Server
+
+SECRET = b"collectives-test-secret"
+JOB = "coll-test"
+
+# Rank 1 is late for the first three all-reduces (0.3 s each), then for one by 1.5 s; then
+# come an async all-reduce, a DDP step and an FSDP2 step, all counted by the same groups.
+SCRIPT = r"""
+import os, sys, time, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+import ftrun
+monitor = ftrun.monitor_collectives()
+assert monitor is not None, "no monitor"
+rank = dist.get_rank()
+t = torch.ones(1000)
+for delay in (0.3, 0.3, 0.3, 1.5):
+    if rank == 1:
+        time.sleep(delay)
+    dist.all_reduce(t)
+dist.all_reduce(t, async_op=True).wait()
+torch.manual_seed(0)
+ddp = DDP(torch.nn.Linear(8, 8))
+ddp(torch.ones(2, 8)).sum().backward()
+fsdp = fully_shard(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
+fsdp(torch.ones(2, 8)).sum().backward()
+time.sleep(1.2)  # the last reports
+print("counters", rank, monitor.counters, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+class Collector:
+    """A real server on loopback that keeps every coll_report it receives."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, Any]] = []
+        self._server = Server("test collector", SECRET, JOB,
+                              {"coll_report": lambda m: self.reports.append(m.body)},
+                              sender="collector")
+        self.endpoint = self._server.bind_tcp("127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self._server.serve_once(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._server.close()
+
+
+@pytest.fixture
+def collector() -> Any:
+    c = Collector()
+    yield c
+    c.close()
+
+
+def _run(tmp_path: Path, script: str, env: dict[str, str], nproc: int = 3) -> str:
+    path = tmp_path / "ranks.py"
+    path.write_text(script)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+        timeout=120, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_reports_show_who_waits_for_whom(tmp_path: Path, collector: Collector) -> None:
+    out = _run(tmp_path, SCRIPT, {"FTRUN_DETECT": collector.endpoint,
+                                  "FTRUN_SECRET": SECRET.decode(), "FTRUN_RUN_ID": JOB,
+                                  "FTRUN_NODE_ID": "host/1"})
+    assert out.count("counters") == 3, out
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for r in collector.reports:
+        by_rank.setdefault(r["rank"], []).append(r)
+    assert sorted(by_rank) == [0, 1, 2]
+    for rank, reports in by_rank.items():
+        seqs = [r["seq"] for r in reports]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), (rank, seqs)
+        assert len(reports) >= 4, (rank, len(reports))  # every 0.5 s over several seconds
+        assert {r["world_size"] for r in reports} == {3}
+        assert all(r["backend"] == "gloo" and r["interval_s"] > 0 for r in reports)
+
+    def world(r: dict[str, Any]) -> dict[str, Any]:
+        [g] = [g for g in r["groups"] if g["pg"] == "0"]
+        return g
+
+    # The default group: all three ranks, listed.
+    assert world(by_rank[0][-1])["size"] == 3 and world(by_rank[0][-1])["ranks"] == [0, 1, 2]
+    # Ranks 0 and 2 waited for rank 1: their durations of the late all-reduces are long,
+    # rank 1's are not (it arrived last), and the long one was reported while it lasted.
+    for rank in (0, 2):
+        done = {int(s): d for r in by_rank[rank] for s, d in world(r).get("done", [])}
+        long = sorted(d for d in done.values() if d >= 0.2)
+        assert len(long) >= 4 and long[-1] >= 1.0, (rank, done)
+        waits = [world(r)["waiting_s"] for r in by_rank[rank] if world(r)["waiting_s"]]
+        assert max(waits) >= 1.0, waits
+        stuck = [world(r) for r in by_rank[rank] if world(r).get("op")]
+        assert stuck and stuck[0]["op"].endswith("all_reduce") and stuck[0]["bytes"] == 4000, \
+            stuck
+    late = {int(s): d for r in by_rank[1] for s, d in world(r).get("done", [])}
+    assert all(d < 0.2 for d in late.values()), late
+    # The async all-reduce, DDP's and FSDP2's collectives are all counted: far more than the
+    # five plain all-reduces completed in the end, on every rank alike.
+    final = {rank: sum(g["completed"] + 1 for g in reports[-1]["groups"])
+             for rank, reports in by_rank.items()}
+    assert len(set(final.values())) == 1 and final[0] > 8, final
+
+
+def test_off_without_a_detection_endpoint(tmp_path: Path) -> None:
+    """Not launched by ftrun (no FTRUN_DETECT): no monitor, no thread, training unharmed."""
+    script = ("import threading, torch.distributed as dist, ftrun\n"
+              "dist.init_process_group('gloo')\n"
+              "assert ftrun.monitor_collectives() is None\n"
+              "assert not any(t.name == 'ftrun-collectives' for t in threading.enumerate())\n"
+              "dist.destroy_process_group()\nprint('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "FTRUN_DETECT"}
+    path = tmp_path / "solo.py"
+    path.write_text(script)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+         str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_unreachable_endpoint_never_blocks_the_rank(tmp_path: Path) -> None:
+    """Reports to an endpoint nobody listens on are dropped; the ranks train on at speed."""
+    script = SCRIPT.replace("time.sleep(1.2)", "time.sleep(0.2)")
+    out = _run(tmp_path, script, {"FTRUN_DETECT": "127.0.0.1:9", "FTRUN_SECRET": "x",
+                                  "FTRUN_RUN_ID": JOB})
+    assert out.count("counters") == 3, out
