@@ -170,7 +170,10 @@ class Detector:
         self._groups.clear()
         for key in [k for k in self._active if k[0] not in ("slow_host", "slow_link")]:
             del self._active[key]
+        probe_keys = self._keys.get(("probe", ""))
         self._keys.clear()
+        if probe_keys is not None:
+            self._keys[("probe", "")] = probe_keys
         self._planned.clear()
         self._plan.clear()
         if restart is not None:
