@@ -1,0 +1,588 @@
+"""C4-style analysis of collective timings: pure logic, no I/O.
+
+The coordinator feeds every rank's ``coll_report`` and every launcher's ``probe_result``
+into a :class:`Detector` and calls :meth:`Detector.analyse` about every 0.5 s. Only local
+durations, waits and sequence numbers are compared across ranks, never clock readings. Times
+passed in (``now``) are the coordinator's monotonic clock. Thresholds: docs/detection.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import median
+
+from ftrun.errors import ConfigError
+
+ACTIONS = ("warn", "restart", "isolate")
+KINDS = ("hang", "comm_hang", "slow_rank", "slow_comm", "slow_host", "slow_link")
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """What the analysis looks for and what the coordinator does about it.
+
+    Every threshold is documented with its default in docs/detection.md.
+    """
+
+    on_hang: str = "restart"       # warn | restart | isolate
+    on_slow: str = "warn"          # warn | restart | isolate
+    isolate_hook: str | None = None
+    hang_s: float = 3.0            # floor of the hang threshold
+    hang_factor: float = 10.0      # ... or this many times the group's typical wait
+    silent_s: float = 3.0          # a rank silent this long while others wait on it
+    window: int = 20               # ops per group in the slow windows
+    history: int = 3               # ops kept per group: window * history
+    min_ops: int = 10              # informative ops needed before slow_rank can be named
+    slow_last_frac: float = 0.6    # last in at least this share of the window's ops
+    slow_min_s: float = 0.05       # lateness floor (at least 2 * interval_s as well)
+    slow_z: float = 3.0            # lateness against the others' spread (robust z)
+    comm_factor: float = 3.0       # slow_comm: op time vs the group's baseline
+    comm_min_s: float = 0.05       # ... and at least this much more (and 2 * interval_s)
+    probe_frac: float = 1 / 3      # a probe cell / row / column below this share of the median
+    max_probe_pairs: int = 64      # host pairs proposed per slow or hung group
+
+    def __post_init__(self) -> None:
+        for name in ("on_hang", "on_slow"):
+            value = getattr(self, name)
+            if value not in ACTIONS:
+                raise ConfigError(f"{name}={value!r} is not an action: use one of "
+                                  f"{', '.join(ACTIONS)}")
+        if self.isolate_hook is not None and not self.isolate_hook.strip():
+            raise ConfigError("isolate_hook is empty: give a shell command or leave it unset")
+        for name in ("hang_s", "silent_s", "slow_min_s", "comm_min_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name}={value!r} must be a finite number of seconds > 0")
+        for name in ("hang_factor", "comm_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1):
+                raise ConfigError(f"{name}={value!r} must be a finite factor >= 1")
+        if not (math.isfinite(self.slow_z) and self.slow_z > 0):
+            raise ConfigError(f"slow_z={self.slow_z!r} must be a finite number > 0")
+        if not 0.5 <= self.slow_last_frac <= 1:
+            raise ConfigError(f"slow_last_frac={self.slow_last_frac!r} must lie in [0.5, 1]: "
+                              "a rank last in fewer than half the ops is not consistently last")
+        if not 0 < self.probe_frac < 1:
+            raise ConfigError(f"probe_frac={self.probe_frac!r} must lie in (0, 1)")
+        for name, low in (("window", 4), ("history", 2), ("max_probe_pairs", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+        if not isinstance(self.min_ops, int) or not 2 <= self.min_ops <= self.window:
+            raise ConfigError(f"min_ops={self.min_ops!r} must be an integer in "
+                              f"[2, window={self.window}]")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One detected condition; ``evidence`` is JSON-serialisable."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    nodes: tuple[str, ...]
+    evidence: dict = field(default_factory=dict)
+    summary: str = ""
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "ranks": list(self.ranks), "hosts": list(self.hosts),
+                "nodes": list(self.nodes), "evidence": self.evidence, "summary": self.summary}
+
+
+class _Member:
+    """A rank's latest counters in one group."""
+
+    __slots__ = ("enqueued", "completed", "waiting_s", "op", "at")
+
+    def __init__(self) -> None:
+        self.enqueued = -1
+        self.completed = -1
+        self.waiting_s: float | None = None
+        self.op: str | None = None
+        self.at = 0.0
+
+
+class _Rank:
+    __slots__ = ("rank", "node_id", "host", "seen", "seq", "interval_s", "groups")
+
+    def __init__(self, rank: int, node_id: str, host: str) -> None:
+        self.rank = rank
+        self.node_id = node_id
+        self.host = host
+        self.seen = 0.0
+        self.seq = -1
+        self.interval_s = 0.02
+        self.groups: dict[str, _Member] = {}
+
+
+class _Group:
+    __slots__ = ("name", "size", "members", "ops", "dirty", "waiting", "slow_seen",
+                 "baseline", "interval_s", "start", "newest")
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self.members: dict[int, _Member] = {}
+        # seq -> {rank: duration_s} for the ranks that listed it (the others took < interval).
+        self.ops: dict[int, dict[int, float]] = {}
+        self.dirty = True
+        self.waiting = False
+        self.slow_seen = -1          # newest op every member completed, at the last slow pass
+        self.baseline: float | None = None
+        self.interval_s = 0.02
+        # Ops from ``start`` on are fully observed: every member reported since before them.
+        self.start = 0
+        self.newest = -1             # highest completed seq any member reported
+
+
+def _mad(values: list[float], centre: float) -> float:
+    return median(abs(v - centre) for v in values) if values else 0.0
+
+
+class Detector:
+    """Aligns collectives by (group, sequence number) across ranks and names culprits.
+
+    Call order (the coordinator): :meth:`add_report` / :meth:`add_probe_result` as messages
+    arrive, :meth:`analyse` every ~0.5 s (new findings only), :meth:`probe_plan` after a
+    comm_hang or slow_comm finding, :meth:`status` for ``ftrun status``, :meth:`reset` when a
+    new restart round begins (reports of a newer ``restart`` also reset it).
+    """
+
+    def __init__(self, config: DetectConfig) -> None:
+        self.config = config
+        self.generation = -1
+        self._ranks: dict[int, _Rank] = {}
+        self._groups: dict[str, _Group] = {}
+        self._active: dict[tuple, Finding] = {}       # condition key -> finding
+        self._keys: dict[tuple[str, str], set[tuple]] = {}   # (group, pass) -> keys
+        self._probe_keys: set[tuple] = set()
+        self._probes: dict[tuple[str, str], dict] = {}  # (src host, dst host) -> cell
+        self._host_node: dict[str, str] = {}
+        self._probes_dirty = False
+        self._planned: set[tuple[str, str]] = set()
+        self._plan: dict[str, list[dict]] = {}
+
+    # ------------------------------------------------------------------ input
+    def reset(self, restart: int | None = None) -> None:
+        """Forget every rank and group (a new restart round); the probe matrix stays."""
+        self._ranks.clear()
+        self._groups.clear()
+        for key in [k for k in self._active if k[0] not in ("slow_host", "slow_link")]:
+            del self._active[key]
+        probe_keys = self._keys.get(("probe", ""))
+        self._keys.clear()
+        if probe_keys is not None:
+            self._keys[("probe", "")] = probe_keys
+        self._planned.clear()
+        self._plan.clear()
+        if restart is not None:
+            self.generation = restart
+
+    def add_report(self, body: dict, now: float) -> None:
+        """One validated ``coll_report`` body. Cost: O(groups in the report + done entries)."""
+        restart = body["restart"]
+        if restart < self.generation:
+            return
+        if restart > self.generation:
+            self.reset(restart)
+        rank_id = body["rank"]
+        rank = self._ranks.get(rank_id)
+        if rank is None:
+            rank = self._ranks[rank_id] = _Rank(rank_id, body["node_id"], body["host"])
+        elif body["seq"] <= rank.seq and body["node_id"] == rank.node_id:
+            return                                   # a stale or repeated report
+        rank.node_id = body["node_id"]
+        rank.host = body["host"]
+        rank.seq = body["seq"]
+        rank.seen = now
+        rank.interval_s = interval = body["interval_s"]
+        self._host_node[rank.host] = rank.node_id
+        keep = self.config.window * self.config.history
+        for g in body["groups"]:
+            name = g["pg"]
+            group = self._groups.get(name)
+            if group is None:
+                group = self._groups[name] = _Group(name, g["size"])
+            member = rank.groups.get(name)
+            if member is None:
+                member = rank.groups[name] = group.members[rank_id] = _Member()
+                group.start = max(group.start, g["completed"] + 1)
+            group.members[rank_id] = member
+            member.enqueued = g["enqueued"]
+            member.completed = g["completed"]
+            member.waiting_s = g["waiting_s"]
+            member.op = g.get("op")
+            member.at = now
+            group.dirty = True
+            group.interval_s = interval
+            if member.waiting_s is not None:
+                group.waiting = True
+            if member.completed > group.newest:
+                group.newest = member.completed
+            ops = group.ops
+            for entry in g.get("done") or ():
+                if len(entry) != 2:
+                    continue
+                seq, duration = entry
+                if (not isinstance(seq, int) or not isinstance(duration, (int, float))
+                        or not math.isfinite(duration) or duration < 0):
+                    continue
+                op = ops.get(seq)
+                if op is None:
+                    op = ops[seq] = {}
+                op[rank_id] = float(duration)
+                if seq <= group.newest - keep:
+                    del ops[seq]                      # older than anything analysed
+            if len(ops) > keep + self.config.window:   # amortised: sort once per window
+                for seq in sorted(ops)[:len(ops) - keep]:
+                    del ops[seq]
+
+    def add_probe_result(self, body: dict, now: float) -> None:
+        """One ``probe_result``: a row of the host x host bandwidth/latency matrix."""
+        src = body["host"]
+        self._host_node[src] = body["node_id"]
+        for r in body["results"]:
+            dst = r["host"]
+            self._host_node.setdefault(dst, r["peer"])
+            mb_s = r.get("mb_s")
+            if r.get("error") or mb_s is None or not math.isfinite(mb_s):
+                mb_s = 0.0                            # unreachable counts as down
+            self._probes[(src, dst)] = {"mb_s": float(mb_s), "rtt_s": r.get("rtt_s"),
+                                        "error": r.get("error"), "at": now}
+        self._probes_dirty = True
+
+    # --------------------------------------------------------------- analysis
+    def analyse(self, now: float) -> list[Finding]:
+        """Findings whose condition is new since the last call (a cleared one returning is new)."""
+        new: list[Finding] = []
+        for group in self._groups.values():
+            if group.dirty or group.waiting:
+                self._replace(("hang", group.name), self._hang_pass(group, now), new)
+            if group.dirty:
+                slow = self._slow_pass(group)
+                if slow is not None:
+                    self._replace(("slow", group.name), slow, new)
+            group.dirty = False
+        if self._probes_dirty:
+            self._probes_dirty = False
+            self._replace(("probe", ""), self._probe_pass(), new)
+        return new
+
+    def _replace(self, slot: tuple[str, str], found: list[tuple[tuple, Finding]],
+                 new: list[Finding]) -> None:
+        old = self._keys.get(slot, set())
+        keys = set()
+        for key, finding in found:
+            keys.add(key)
+            if key not in old:
+                new.append(finding)
+                if finding.kind in ("comm_hang", "slow_comm"):
+                    self._add_plan(finding)
+            self._active[key] = finding
+        for key in old - keys:
+            self._active.pop(key, None)
+        self._keys[slot] = keys
+
+    def _who(self, ranks: list[int]) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
+        ranks = sorted(ranks)
+        hosts, nodes = [], []
+        for r in ranks:
+            info = self._ranks.get(r)
+            if info is not None:
+                if info.host not in hosts:
+                    hosts.append(info.host)
+                if info.node_id not in nodes:
+                    nodes.append(info.node_id)
+        return tuple(ranks), tuple(hosts), tuple(nodes)
+
+    def _typical_wait(self, group: _Group) -> float:
+        waits = [max(op.values()) for op in group.ops.values() if op]
+        if not waits:
+            return 0.0
+        return median(waits[-self.config.window:]) if len(waits) >= 3 else 0.0
+
+    def hang_threshold(self, group_name: str) -> float:
+        """max(hang_s, hang_factor x the group's typical longest wait per op)."""
+        group = self._groups.get(group_name)
+        typical = self._typical_wait(group) if group is not None else 0.0
+        return max(self.config.hang_s, self.config.hang_factor * typical)
+
+    def _hang_pass(self, group: _Group, now: float) -> list[tuple[tuple, Finding]]:
+        cfg = self.config
+        waiters: dict[int, tuple[int, float]] = {}     # rank -> (op seq, effective wait)
+        for r, m in group.members.items():
+            if m.waiting_s is not None:
+                waiters[r] = (m.completed + 1, m.waiting_s + (now - m.at))
+        group.waiting = bool(waiters)
+        if not waiters:
+            return []
+        found: list[tuple[tuple, Finding]] = []
+        threshold = self.hang_threshold(group.name)
+        silent = [r for r in group.members if now - self._ranks[r].seen >= cfg.silent_s]
+        live_waits = {r: w for r, w in waiters.items() if r not in silent}
+        if silent and any(w >= cfg.silent_s for _, w in live_waits.values()):
+            ranks, hosts, nodes = self._who(silent)
+            longest = max(w for _, w in live_waits.values())
+            ev = {"pg": group.name, "reason": "silent", "waiting_ranks": len(live_waits),
+                  "longest_wait_s": round(longest, 3),
+                  "silent_s": {str(r): round(now - self._ranks[r].seen, 3) for r in silent}}
+            found.append((("hang", group.name, "silent", ranks), Finding(
+                "hang", ranks, hosts, nodes, ev,
+                f"hang: rank(s) {_fmt(ranks)} on {_fmt(hosts)} stopped reporting while "
+                f"{len(live_waits)} rank(s) of group {group.name} wait "
+                f"({longest:.1f} s)")))
+            return found
+        long_waits = {r: sw for r, sw in live_waits.items() if sw[1] >= threshold}
+        if not long_waits:
+            return found
+        s = min(seq for seq, _ in long_waits.values())
+        at_s = [r for r, (seq, _) in long_waits.items() if seq == s]
+        behind = [r for r, m in group.members.items() if m.enqueued < s]
+        if behind:
+            culprits = self._minority(group, at_s, behind)
+            if culprits:
+                ranks, hosts, nodes = self._who(culprits)
+                elsewhere = {}
+                for r in culprits:
+                    for name, m in self._ranks[r].groups.items():
+                        if name != group.name and m.waiting_s is not None:
+                            elsewhere[str(r)] = {"pg": name, "seq": m.completed + 1,
+                                                 "op": m.op,
+                                                 "waiting_s": round(m.waiting_s + now - m.at, 3)}
+                longest = max(long_waits[r][1] for r in at_s)
+                ev = {"pg": group.name, "seq": s, "op": group.members[at_s[0]].op,
+                      "reason": "behind", "waiting_ranks": len(at_s),
+                      "longest_wait_s": round(longest, 3), "threshold_s": round(threshold, 3),
+                      "enqueued": {str(r): group.members[r].enqueued for r in culprits},
+                      "waiting_elsewhere": elsewhere}
+                found.append((("hang", group.name, s, ranks), Finding(
+                    "hang", ranks, hosts, nodes, ev,
+                    f"hang: rank(s) {_fmt(ranks)} on {_fmt(hosts)} never entered op {s} of "
+                    f"group {group.name} that {len(at_s)} rank(s) wait in ({longest:.1f} s)")))
+            return found
+        # Every member entered op s: a communication hang once nobody finished it and even
+        # the last to enter has waited past the threshold.
+        if len(group.members) < group.size:
+            return found
+        members = group.members
+        if any(m.completed >= s for m in members.values()):
+            return found
+        if len(long_waits) < len(members):
+            return found
+        ranks, hosts, nodes = self._who(list(members))
+        shortest = min(w for _, w in long_waits.values())
+        ev = {"pg": group.name, "seq": s, "op": members[ranks[0]].op,
+              "shortest_wait_s": round(shortest, 3), "threshold_s": round(threshold, 3),
+              "hosts": list(hosts)}
+        found.append((("comm_hang", group.name, s), Finding(
+            "comm_hang", ranks, hosts, nodes, ev,
+            f"comm_hang: all {len(ranks)} ranks of group {group.name} entered op {s} and "
+            f"none finished it in {shortest:.1f} s; hosts {_fmt(hosts)}")))
+        return found
+
+    def _minority(self, group: _Group, waiting: list[int], behind: list[int]) -> list[int]:
+        if len(behind) < len(waiting):
+            return behind
+        if len(behind) > len(waiting):
+            return []
+        # A tie (two ranks, or two equal camps): the camp that waits in a less busy group
+        # for the others is the culprit, as a rank stuck in a side group's collective is.
+        mine = max((m.completed for m in group.members.values()), default=-1)
+        for r in behind:
+            elsewhere = [self._groups[name] for name, m in self._ranks[r].groups.items()
+                         if name != group.name and m.waiting_s is not None]
+            if not any(max((m.completed for m in g.members.values()), default=-1) < mine
+                       for g in elsewhere):
+                return []
+        return behind
+
+    def _complete_ops(self, group: _Group) -> range:
+        """The kept seqs that every member completed, oldest first (unlisted ones: all < 1
+        interval)."""
+        if len(group.members) < group.size:
+            return range(0)
+        done = min(m.completed for m in group.members.values())
+        keep = self.config.window * self.config.history
+        return range(max(group.start, done - keep + 1, 0), done + 1)
+
+    def _durations(self, group: _Group, seq: int) -> dict[int, float]:
+        listed = group.ops.get(seq, {})
+        return {r: listed.get(r, 0.0) for r in group.members}
+
+    def _spread(self, group: _Group, seq: int) -> tuple[float, float]:
+        """(min, max) duration of op ``seq`` over the members, without building the row."""
+        listed = group.ops.get(seq)
+        if not listed:
+            return 0.0, 0.0
+        values = [v for r, v in listed.items() if r in group.members]
+        lo = min(values) if len(values) == len(group.members) else 0.0
+        return lo, max(values, default=0.0)
+
+    def _slow_pass(self, group: _Group) -> list[tuple[tuple, Finding]] | None:
+        """slow_rank / slow_comm over the last ``window`` ops; None: nothing new to look at."""
+        cfg = self.config
+        seqs = self._complete_ops(group)
+        if not seqs or seqs[-1] == group.slow_seen:
+            return None
+        group.slow_seen = seqs[-1]
+        if len(group.members) < 2:
+            return []
+        interval = group.interval_s
+        found: list[tuple[tuple, Finding]] = []
+        floor = max(cfg.slow_min_s, 2 * interval)
+        spreads = [self._spread(group, s) for s in seqs]
+        informative = [(s, lo) for s, (lo, hi) in zip(seqs, spreads, strict=True)
+                       if hi - lo >= interval]
+        recent = [(s, self._durations(group, s), lo) for s, lo in informative[-cfg.window:]]
+        slow_rank = None
+        if len(recent) >= cfg.min_ops:
+            last_count: dict[int, int] = {}
+            for _, d, lo in recent:
+                tied = [r for r, v in d.items() if v <= lo + interval / 2]
+                if len(tied) == 1:
+                    last_count[tied[0]] = last_count.get(tied[0], 0) + 1
+            if last_count:
+                cand = max(last_count, key=last_count.__getitem__)
+                frac = last_count[cand] / len(recent)
+                late_c: list[float] = []
+                late_o: dict[int, list[float]] = {}
+                for _, d, _lo in recent:
+                    vals = sorted(d.values())
+                    med_all = median(vals)
+                    others = [v for r, v in d.items() if r != cand]
+                    late_c.append(median(others) - d[cand])
+                    for r, v in d.items():
+                        if r != cand:
+                            late_o.setdefault(r, []).append(med_all - v)
+                lat = median(late_c)
+                other_lat = [median(v) for v in late_o.values()]
+                centre = median(other_lat)
+                spread = max(1.4826 * _mad(other_lat, centre), interval)
+                z = (lat - centre) / spread
+                if frac >= cfg.slow_last_frac and lat >= floor and z >= cfg.slow_z:
+                    slow_rank = cand
+                    ranks, hosts, nodes = self._who([cand])
+                    ev = {"pg": group.name, "ops": len(recent), "last_in": last_count[cand],
+                          "last_frac": round(frac, 3), "lateness_s": round(lat, 4),
+                          "others_lateness_s": round(centre, 4), "z": round(z, 2),
+                          "floor_s": round(floor, 4),
+                          "seqs": [recent[0][0], recent[-1][0]]}
+                    found.append((("slow_rank", group.name, cand), Finding(
+                        "slow_rank", ranks, hosts, nodes, ev,
+                        f"slow_rank: rank {cand} on {_fmt(hosts)} was last in "
+                        f"{last_count[cand]}/{len(recent)} ops of group {group.name}, "
+                        f"{lat * 1000:.0f} ms late (median)")))
+        # slow_comm: the fastest rank's duration is the communication itself.
+        mins = [lo for lo, _ in spreads]
+        if len(mins) >= 2 * cfg.window:
+            current = median(mins[-cfg.window:])
+            active = ("slow_comm", group.name) in self._active
+            if group.baseline is None or not active:
+                group.baseline = median(mins[-2 * cfg.window:-cfg.window])
+            base = group.baseline
+            comm_floor = max(cfg.comm_min_s, 2 * interval)
+            if (slow_rank is None and current >= cfg.comm_factor * base
+                    and current - base >= comm_floor):
+                ranks, hosts, nodes = self._who(list(group.members))
+                ev = {"pg": group.name, "op_s": round(current, 4), "baseline_s": round(base, 4),
+                      "factor": round(current / base, 2) if base > 0 else None,
+                      "ops": cfg.window, "hosts": list(hosts)}
+                found.append((("slow_comm", group.name), Finding(
+                    "slow_comm", ranks, hosts, nodes, ev,
+                    f"slow_comm: ops of group {group.name} take {current * 1000:.0f} ms "
+                    f"against a baseline of {base * 1000:.0f} ms with arrivals aligned; "
+                    f"probing hosts {_fmt(hosts)}")))
+        return found
+
+    def _probe_pass(self) -> list[tuple[tuple, Finding]]:
+        cfg = self.config
+        cells = self._probes
+        hosts = sorted({h for pair in cells for h in pair})
+        found: list[tuple[tuple, Finding]] = []
+        if len(hosts) < 2:
+            return found
+        slow_hosts: set[str] = set()
+        if len(hosts) >= 3:
+            for h in hosts:
+                rest = [c["mb_s"] for (a, b), c in cells.items() if h not in (a, b)]
+                if not rest:
+                    continue
+                ref = median(rest)
+                row = [c["mb_s"] for (a, _), c in cells.items() if a == h]
+                col = [c["mb_s"] for (_, b), c in cells.items() if b == h]
+                bad = [name for name, v in (("row", row), ("column", col))
+                       if len(v) >= 2 and median(v) < cfg.probe_frac * ref]
+                if bad and ref > 0:
+                    slow_hosts.add(h)
+                    node = self._host_node.get(h, h)
+                    ev = {"host": h, "slow": bad, "reference_mb_s": round(ref, 2),
+                          "row_mb_s": {b: round(c["mb_s"], 2) for (a, b), c in cells.items()
+                                       if a == h},
+                          "column_mb_s": {a: round(c["mb_s"], 2) for (a, b), c in cells.items()
+                                          if b == h}}
+                    found.append((("slow_host", h), Finding(
+                        "slow_host", (), (h,), (node,), ev,
+                        f"slow_host: probes {' and '.join(bad)} of host {h} median below "
+                        f"{cfg.probe_frac:.2f} x {ref:.0f} MB/s")))
+        ref_all = median(c["mb_s"] for c in cells.values())
+        for (a, b), c in sorted(cells.items()):
+            if a in slow_hosts or b in slow_hosts:
+                continue
+            if c["mb_s"] < cfg.probe_frac * ref_all:
+                link = tuple(sorted((a, b)))
+                key = ("slow_link",) + link
+                if any(k == key for k, _ in found):
+                    continue
+                nodes = tuple(self._host_node.get(h, h) for h in link)
+                ev = {"link": list(link), "mb_s": round(c["mb_s"], 2), "rtt_s": c["rtt_s"],
+                      "error": c["error"], "reference_mb_s": round(ref_all, 2)}
+                found.append((key, Finding(
+                    "slow_link", (), link, nodes, ev,
+                    f"slow_link: {a} -> {b} measured {c['mb_s']:.0f} MB/s against a median "
+                    f"of {ref_all:.0f} MB/s" + (f" ({c['error']})" if c["error"] else ""))))
+        return found
+
+    # ------------------------------------------------------------ out
+    def _add_plan(self, finding: Finding) -> None:
+        hosts = list(finding.hosts)
+        count = 0
+        for i, a in enumerate(hosts):
+            for b in hosts[i + 1:]:
+                if count >= self.config.max_probe_pairs:
+                    return
+                count += 1
+                for src, dst in ((a, b), (b, a)):
+                    if (src, dst) in self._planned:
+                        continue
+                    self._planned.add((src, dst))
+                    node = self._host_node.get(src, src)
+                    self._plan.setdefault(node, []).append(
+                        {"node_id": self._host_node.get(dst, dst), "host": dst})
+
+    def probe_plan(self) -> dict[str, list[dict]]:
+        """Probes to order, new since the last call: node_id -> [{"node_id", "host"}] peers.
+
+        Both directions of every host pair of a comm_hang or slow_comm group (at most
+        ``max_probe_pairs`` pairs per finding), so that rows and columns can be told apart.
+        """
+        plan, self._plan = self._plan, {}
+        return plan
+
+    def suspects(self) -> list[Finding]:
+        return list(self._active.values())
+
+    def status(self) -> dict:
+        """Suspects with their evidence and the probe matrix: JSON-serialisable."""
+        return {
+            "restart": self.generation,
+            "ranks": len(self._ranks),
+            "groups": len(self._groups),
+            "suspects": [f.to_dict() for f in self._active.values()],
+            "probes": [{"src": a, "dst": b, "mb_s": c["mb_s"], "rtt_s": c["rtt_s"],
+                        "error": c["error"]} for (a, b), c in sorted(self._probes.items())],
+        }
+
+
+def _fmt(items: tuple) -> str:
+    return ",".join(str(i) for i in items)
