@@ -221,8 +221,18 @@ def stall(job: Job, state, stop: bool = True) -> tuple[list, int, int]:
     return found, k, s
 
 
+def test_busy_rank_is_a_hang_only_past_the_longer_floor():
+    # Rank 0 is alive, in no collective (saving a checkpoint, evaluating) while the others
+    # wait at the next collective: not a hang at hang_s (3 s), one past busy_hang_s.
+    job = Job(n=4, per_node=1, config=DetectConfig(busy_hang_s=4.5))
+    found, k, s = stall(job, lambda k, s: {r: (s, s - 1, 0.5 * k) for r in range(1, 4)}
+                        | {0: (s - 1, s - 1, None)})
+    assert [(f.kind, f.ranks) for f in found] == [("hang", (0,))]
+    assert found[0].evidence["threshold_s"] == 4.5 and 0.5 * k >= 4.5
+
+
 def test_hang_names_the_rank_that_never_entered():
-    job = Job(n=8)
+    job = Job(n=8, config=DetectConfig(busy_hang_s=3.0))
     # Rank 6 computes forever; the others wait in op s.
     found, k, s = stall(job, lambda k, s: {r: (s, s - 1, 0.5 * k) for r in range(8)}
                         | {6: (s - 1, s - 1, None)})
@@ -302,6 +312,36 @@ def test_long_but_normal_waits_raise_the_threshold():
     job.now += 4.0
     hang_reports(job, {r: (s, s - 1, 4.0) for r in (1, 2, 3)} | {0: (s - 1, s - 1, None)})
     assert [f.kind for f in job.det.analyse(job.now)] == []
+
+
+def test_a_new_world_resets_state_and_late_reports_of_the_old_one_are_ignored():
+    """Sequence numbers restart with every rendezvous round; a spare's restart count is its
+    own node's, lower than the survivors', so worlds (not restart counts) mark a round."""
+    job = Job(n=4, per_node=1)
+    world = {"w": "h0:1111"}
+    send = job.report
+
+    def report(rank: int, groups: list[dict], now: float | None = None) -> None:
+        job.seq[rank] += 1
+        body = {"node_id": f"n{rank}", "host": f"h{rank}", "rank": rank, "world_size": 4,
+                "restart": 5 if rank else 0, "pid": 1000 + rank, "backend": "gloo",
+                "seq": job.seq[rank], "interval_s": INTERVAL, "groups": groups,
+                "world": world["w"]}
+        job.det.add_report(body, job.now if now is None else now)
+
+    job.report = report  # type: ignore[method-assign]
+    for _ in range(30):
+        job.step(compute={1: 0.3})
+    assert job.kinds() == ["slow_rank"]
+    world["w"] = "h0:2222"
+    job.op = 0
+    job.step()
+    st = job.det.status()
+    assert st["world"] == "h0:2222" and st["suspects"] == [] and st["ranks"] == 4
+    world["w"] = "h0:1111"  # a straggler of the old world
+    report(1, [{"pg": "0", "size": 4, "enqueued": 99, "completed": 99, "waiting_s": 50.0}])
+    assert job.det.analyse(job.now + 10) == [] and job.det.status()["world"] == "h0:2222"
+    job.report = send  # type: ignore[method-assign]
 
 
 def test_restart_resets_state():

@@ -16,6 +16,7 @@ from ftrun.errors import ConfigError
 
 ACTIONS = ("warn", "restart", "isolate")
 KINDS = ("hang", "comm_hang", "slow_rank", "slow_comm", "slow_host", "slow_link")
+MAX_RETIRED = 16  # earlier worlds remembered (their late reports are ignored)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class DetectConfig:
     on_slow: str = "warn"          # warn | restart | isolate
     isolate_hook: str | None = None
     hang_s: float = 3.0            # floor of the hang threshold
+    busy_hang_s: float = 60.0      # floor when the culprit is alive and in no collective
     hang_factor: float = 10.0      # ... or this many times the group's typical wait
     silent_s: float = 3.0          # a rank silent this long while others wait on it
     window: int = 20               # ops per group in the slow windows
@@ -50,7 +52,7 @@ class DetectConfig:
                                   f"{', '.join(ACTIONS)}")
         if self.isolate_hook is not None and not self.isolate_hook.strip():
             raise ConfigError("isolate_hook is empty: give a shell command or leave it unset")
-        for name in ("hang_s", "silent_s", "slow_min_s", "comm_min_s"):
+        for name in ("hang_s", "busy_hang_s", "silent_s", "slow_min_s", "comm_min_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name}={value!r} must be a finite number of seconds > 0")
@@ -152,6 +154,11 @@ class Detector:
     def __init__(self, config: DetectConfig) -> None:
         self.config = config
         self.generation = -1
+        # The world (rendezvous round) the reports describe, and the worlds it replaced:
+        # sequence numbers restart with every world, and a rank's restart count is its
+        # node's (a spare that joins later has counted fewer restarts than the survivors).
+        self.world: str | None = None
+        self._retired: list[str] = []
         self._ranks: dict[int, _Rank] = {}
         self._groups: dict[str, _Group] = {}
         self._active: dict[tuple, Finding] = {}       # condition key -> finding
@@ -181,11 +188,21 @@ class Detector:
 
     def add_report(self, body: dict, now: float) -> None:
         """One validated ``coll_report`` body. Cost: O(groups in the report + done entries)."""
-        restart = body["restart"]
-        if restart < self.generation:
-            return
-        if restart > self.generation:
-            self.reset(restart)
+        world = body.get("world")
+        if world is not None:
+            if world in self._retired:
+                return                               # a report of an earlier world
+            if world != self.world:
+                if self.world is not None:
+                    self._retired = [*self._retired[-(MAX_RETIRED - 1):], self.world]
+                self.world = world
+                self.reset(self.generation + 1)
+        else:
+            restart = body["restart"]
+            if restart < self.generation:
+                return
+            if restart > self.generation:
+                self.reset(restart)
         rank_id = body["rank"]
         rank = self._ranks.get(rank_id)
         if rank is None:
@@ -351,6 +368,12 @@ class Detector:
                                                  "op": m.op,
                                                  "waiting_s": round(m.waiting_s + now - m.at, 3)}
                 longest = max(long_waits[r][1] for r in at_s)
+                if len(elsewhere) < len(culprits):
+                    # A culprit alive and in no collective may be saving or evaluating while
+                    # the others wait at a barrier: only a much longer wait is a hang.
+                    threshold = max(threshold, cfg.busy_hang_s)
+                    if longest < threshold:
+                        return found
                 ev = {"pg": group.name, "seq": s, "op": group.members[at_s[0]].op,
                       "reason": "behind", "waiting_ranks": len(at_s),
                       "longest_wait_s": round(longest, 3), "threshold_s": round(threshold, 3),
@@ -576,6 +599,7 @@ class Detector:
         """Suspects with their evidence and the probe matrix: JSON-serialisable."""
         return {
             "restart": self.generation,
+            "world": self.world,
             "ranks": len(self._ranks),
             "groups": len(self._groups),
             "suspects": [f.to_dict() for f in self._active.values()],
