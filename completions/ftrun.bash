@@ -55,7 +55,10 @@ _ftrun_kind() {
         'launch --store-threads' | 'launch --store_threads') _ftrun_k='files' ;;
         'launch -t' | 'launch --tee') _ftrun_k='files' ;;
         'coordinator --bind-host') _ftrun_k='files' ;;
+        'coordinator --isolate-hook') _ftrun_k='files' ;;
         'coordinator --node-timeout') _ftrun_k='files' ;;
+        'coordinator --on-hang') _ftrun_k='files' ;;
+        'coordinator --on-slow') _ftrun_k='files' ;;
         'coordinator --rdzv-endpoint') _ftrun_k='files' ;;
         'coordinator --rdzv-id') _ftrun_k='files' ;;
         'coordinator --state-dir') _ftrun_k='dirs' ;;
@@ -105,7 +108,8 @@ _ftrun_command() {
                 *) _ftrun_k=none ;;
             esac ;;
         coordinator)
-            _ftrun_opts='--bind-host --help --node-timeout --rdzv-endpoint --rdzv-id --state-dir'
+            _ftrun_opts='--bind-host --help --isolate-hook --node-timeout --on-hang --on-slow
+                --rdzv-endpoint --rdzv-id --state-dir'
             case $2 in
                 *) _ftrun_k=none ;;
             esac ;;

@@ -39,7 +39,8 @@ function __ftrun_takes_value --argument-names context flag
             'launch --snapshot-wait' 'launch --snapshot_wait' 'launch --start-method' \
             'launch --start_method' 'launch --state-dir' 'launch --state_dir' \
             'launch --store-threads' 'launch --store_threads' 'launch -t' 'launch --tee' \
-            'coordinator --bind-host' 'coordinator --node-timeout' 'coordinator --rdzv-endpoint' \
+            'coordinator --bind-host' 'coordinator --isolate-hook' 'coordinator --node-timeout' \
+            'coordinator --on-hang' 'coordinator --on-slow' 'coordinator --rdzv-endpoint' \
             'coordinator --rdzv-id' 'coordinator --state-dir' 'inspect --state-dir' \
             'inspect --step' 'status --endpoint' 'status --interval' 'status --limit' \
             'status --match' 'status --nodes' 'status --offset' 'status --state-dir' \
@@ -188,7 +189,10 @@ complete -c ftrun -n '__ftrun_arg completions 0' -a 'bash zsh fish'
 # ftrun coordinator
 complete -c ftrun -n '__ftrun_in coordinator' -l 'bind-host' -r -d 'Address the coordinator binds...'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'help' -d 'Show this message and exit.'
+complete -c ftrun -n '__ftrun_in coordinator' -l 'isolate-hook' -r -d 'Shell command run with an isolated host\'s name as its argument (e.g. a Slurm drain).'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'node-timeout' -r -d 'Seconds of silence before a node is reported lost.'
+complete -c ftrun -n '__ftrun_in coordinator' -l 'on-hang' -r -d 'What to do about a hung rank the collectives name: warn, restart...'
+complete -c ftrun -n '__ftrun_in coordinator' -l 'on-slow' -r -d 'What to do about a slow rank or host the collectives and probes name: warn or isolate.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'rdzv-endpoint' -r -d 'HOST:PORT to host the job\'s rendezvous store on; launchers pass the same --rdzv-endpoint.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'rdzv-id' -r -d 'The job\'s run id (launchers\' --rdzv-id).'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'state-dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'State directory.'

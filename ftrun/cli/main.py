@@ -127,14 +127,21 @@ def coordinator_command(
     bind_host: Annotated[str | None, typer.Option(help="Address the coordinator binds (default: the address the --rdzv-endpoint host resolves to, where launchers reach the job; 0.0.0.0 for every interface).")] = None,
     node_timeout: Annotated[float, typer.Option(help="Seconds of silence before a node is reported lost.", envvar="FTRUN_NODE_TIMEOUT")] = 10.0,
     state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
+    on_hang: Annotated[str, typer.Option(help="What to do about a hung rank the collectives name: warn, restart (kill it; every rank restarts from the snapshot) or isolate (also exclude its host).", envvar="FTRUN_ON_HANG")] = "restart",
+    on_slow: Annotated[str, typer.Option(help="What to do about a slow rank or host the collectives and probes name: warn or isolate.", envvar="FTRUN_ON_SLOW")] = "warn",
+    isolate_hook: Annotated[str | None, typer.Option(help="Shell command run with an isolated host's name as its argument (e.g. a Slurm drain).", envvar="FTRUN_ISOLATE_HOOK")] = None,
 ) -> None:
     """Run a job's coordinator and rendezvous store on this host, until SIGTERM/Ctrl-C."""
+    from ftrun.coordinator.detect import DetectConfig
     from ftrun.coordinator.server import run_standalone
 
     log.configure()
     try:
+        detection = DetectConfig(on_hang=on_hang, on_slow=on_slow,
+                                 isolate_hook=isolate_hook or None)
         code = run_standalone(rdzv_id, rdzv_endpoint, state_dir=state_dir,
-                              node_timeout_s=node_timeout, bind_host=bind_host)
+                              node_timeout_s=node_timeout, bind_host=bind_host,
+                              detection=detection)
     except errors.FtrunError as e:
         code = _fail(e)
     raise typer.Exit(code)

@@ -63,6 +63,7 @@ __all__ = ["ENDPOINT_KEY", "STATUS_VERSION", "Coordinator", "health_of", "lookup
            "publish_endpoint", "run_standalone"]
 
 ENDPOINT_KEY = "ftrun/coordinator"
+DETECT_KEY = "ftrun/detect"
 POLL_INTERVAL_S = 0.1
 MAX_MESSAGES_PER_TICK = 1000
 # The serving thread reads what queued up at most this often: at thousands of messages a
@@ -133,8 +134,10 @@ class Coordinator:
         self._advertise_host = advertise_host
         self._events_file = events_file
         self._expected_nodes = expected_nodes
-        # The collective analysis (ftrun.coordinator.detect), when the job runs one.
-        self._detection = detection
+        # The collective analysis (ftrun.coordinator.detect_service), when the job runs one:
+        # ``detection`` is its DetectConfig.
+        self._detection: Any = None
+        self._detection_config = detection
         self._membership = Membership(node_timeout_s)
         self._events = EventLog()
         self._directives = DirectiveBook()
@@ -208,7 +211,40 @@ class Coordinator:
                  self.endpoint, bind_host, self._bound_port)
         self._record("job_start", None, {"run_id": self.run_id, "endpoint": self.endpoint,
                                          "pid": os.getpid()})
+        if self._detection_config is not None:
+            self._start_detection(bind_host)
         return self.endpoint
+
+    def _start_detection(self, bind_host: str) -> None:
+        from ftrun.coordinator.detect_service import DetectService
+
+        excluded = (self._events_file.parent / "excluded.json"
+                    if self._events_file is not None else None)
+        self._detection = DetectService(
+            self.run_id, self._secret, self._detection_config, direct=self._direct_quietly,
+            record=self._record, nodes=self._live_nodes, coordinator_host=socket.gethostname(),
+            excluded_file=excluded, bind_host=bind_host, advertise_host=self._advertise_host)
+        self._detection.start()
+
+    @property
+    def detect_endpoint(self) -> str | None:
+        """Where the ranks send their collective reports (None: no detection)."""
+        return self._detection.endpoint if self._detection is not None else None
+
+    def _live_nodes(self) -> dict[str, dict[str, Any]]:
+        """node -> its host and probe service, for the nodes that are not gone."""
+        mono = time.monotonic()
+        return {r.node_id: {"host": r.host, "probe_addr": r.fields.get("probe_addr")}
+                for r in self._membership.records()
+                if not self._membership.gone(r.node_id, mono)}
+
+    def _direct_quietly(self, node_id: str, action: str, data: dict[str, Any]) -> str:
+        """:meth:`direct` for the detection service: a node gone meanwhile is logged."""
+        try:
+            return self.direct(node_id, action, data)
+        except FtrunError as e:
+            log.warning("%s", e)
+            return ""
 
     def start(self) -> None:
         """Bind and serve in a daemon thread; returns once the socket is bound."""
@@ -250,6 +286,8 @@ class Coordinator:
         self._close()
 
     def _close(self) -> None:
+        if self._detection is not None:
+            self._detection.stop()
         server, ctx = self._server, self._ctx
         self._server, self._ctx = None, None
         if server is not None:
@@ -471,20 +509,37 @@ class Coordinator:
         doc["summary"]["events"] = self._events.count
         doc["events_tail"] = self._events.tail(EVENTS_TAIL)
         doc["snapshots"] = self._snapshots.summary()
-        # The detection service's suspects and evidence, once one plugs in (a plain
-        # configuration has no status of its own).
-        detection_status = getattr(self._detection, "status", None)
-        if callable(detection_status):
-            doc["detection"] = detection_status()
+        # The detection service's suspects, findings with their evidence, isolated hosts.
+        if self._detection is not None:
+            doc["detection"] = self._detection.status()
         return doc
 
 
 # -- the rendezvous store handshake -----------------------------------------------------------
 
 
-def publish_endpoint(store: Any, endpoint: str) -> None:
-    """Announce the coordinator endpoint in the job's rendezvous store."""
+def publish_endpoint(store: Any, endpoint: str, detect_endpoint: str | None = None) -> None:
+    """Announce the coordinator endpoint in the job's rendezvous store, and where the ranks
+    report their collectives (first: a launcher that finds the one finds the other)."""
+    store.set(DETECT_KEY, (detect_endpoint or "").encode())
     store.set(ENDPOINT_KEY, endpoint.encode())
+
+
+def lookup_detect_endpoint(store: Any) -> str:
+    """The detection endpoint published beside the coordinator's ("" when the job has
+    none). Call after :func:`lookup_endpoint`: it is published first."""
+    try:
+        if not store.check([DETECT_KEY]):
+            return ""
+        raw = store.get(DETECT_KEY)
+    except Exception as e:  # noqa: BLE001 - torch raises several types
+        log.warning("cannot read the detection endpoint from the rendezvous store (%s: %s); "
+                    "this node's ranks will not report their collectives", type(e).__name__, e)
+        return ""
+    endpoint = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    if endpoint:
+        protocol.split_endpoint(endpoint)  # validate
+    return endpoint
 
 
 def lookup_endpoint(store: Any, timeout_s: float) -> str:
@@ -536,6 +591,7 @@ def run_standalone(
     state_dir: str | None,
     node_timeout_s: float,
     bind_host: str | None = None,
+    detection: Any = None,
 ) -> int:
     """Host the job's c10d rendezvous store and its coordinator until SIGTERM/SIGINT.
 
@@ -556,12 +612,13 @@ def run_standalone(
     coordinator = Coordinator(
         run_id, secret, bind_host=bind_host, advertise_host=host,
         node_timeout_s=node_timeout_s, events_file=jobs.events_path(run_id, state_dir),
+        detection=detection,
     )
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
     try:
         endpoint = coordinator.bind()
-        publish_endpoint(store, endpoint)
+        publish_endpoint(store, endpoint, coordinator.detect_endpoint)
         path = jobs.write_job_file(jobs.JobFile(
             run_id=run_id, endpoint=endpoint, host=socket.gethostname(), pid=os.getpid(),
             started_at=time.time(), rdzv_endpoint=rdzv_endpoint,

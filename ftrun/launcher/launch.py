@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import logging
 import os
 import shutil
@@ -298,24 +297,11 @@ def _install_signal_forwarding(ctx: AgentContext) -> None:
 
 
 def _detection_config(opts: FtrunOptions) -> Any:
-    """What the coordinator does about hangs and slow ranks, hosts and links: a
-    ``DetectConfig`` where the detection module is present, else the same fields as a dict
-    (which is what a coordinator without that module takes)."""
-    fields = {"on_hang": opts.on_hang, "on_slow": opts.on_slow,
-              "isolate_hook": opts.isolate_hook}
-    try:
-        from ftrun.coordinator.detect import DetectConfig
-    except ImportError:
-        return fields
-    return DetectConfig(**fields)
+    """What the coordinator does about hangs and slow ranks, hosts and links."""
+    from ftrun.coordinator.detect import DetectConfig
 
-
-def _accepts(fn: Any, name: str) -> bool:
-    """Whether the callable takes a keyword argument ``name``."""
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+    return DetectConfig(on_hang=opts.on_hang, on_slow=opts.on_slow,
+                        isolate_hook=opts.isolate_hook)
 
 
 def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str,
@@ -342,7 +328,12 @@ def run(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from ftrun.coordinator.client import NodeReporter
-    from ftrun.coordinator.server import Coordinator, lookup_endpoint, publish_endpoint
+    from ftrun.coordinator.server import (
+        Coordinator,
+        lookup_detect_endpoint,
+        lookup_endpoint,
+        publish_endpoint,
+    )
 
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on bad flags, exactly as torchrun
@@ -359,21 +350,22 @@ def run(argv: list[str]) -> int:
 
     coordinator = None
     endpoint = opts.coordinator
+    # Where the ranks report their collectives (ftrun.rank.collectives); "" turns that off.
+    # With --coordinator (no rendezvous store to read it from) the ranks report nothing.
+    detect_endpoint = ""
     if plan is not None and plan.is_host and endpoint is None:
-        detection: dict[str, Any] = {}
-        if _accepts(Coordinator, "detection"):
-            detection["detection"] = _detection_config(opts)
         coordinator = Coordinator(
             run_id, secret, advertise_host=plan.host if plan.host != "localhost" else "127.0.0.1",
             node_timeout_s=opts.node_timeout_s,
             events_file=jobs.events_path(run_id, opts.state_dir),
-            **detection,
+            detection=_detection_config(opts),
         )
         coordinator.start()
         endpoint = coordinator.endpoint
+        detect_endpoint = coordinator.detect_endpoint or ""
         if plan.store is None:
             plan.store = _tcp_store(plan.host, plan.port, True, 60)
-        publish_endpoint(plan.store, endpoint)
+        publish_endpoint(plan.store, endpoint, detect_endpoint)
         if knobs.SECRET.get():
             # For `ftrun status` from any shell that sees the state directory (a requeued
             # job's new secret replaces the old one).
@@ -389,6 +381,7 @@ def run(argv: list[str]) -> int:
         timeout_s = float(conf.get("join_timeout", 600))
         store = _tcp_store(plan.host, plan.port, False, timeout_s)
         endpoint = lookup_endpoint(store, timeout_s)
+        detect_endpoint = lookup_detect_endpoint(store)
 
     node_dir = _node_dir(run_id)
     ctx = AgentContext(node_id=node_id, host=host, node_dir=node_dir,
@@ -405,6 +398,7 @@ def run(argv: list[str]) -> int:
         knobs.JOB_DIR.name: str(jobs.job_dir(run_id, opts.state_dir)),
         knobs.NODE_ID.name: node_id,
         knobs.COORDINATOR.name: endpoint or "",
+        knobs.DETECT.name: detect_endpoint,
         LAUNCHER_PID_ENV: str(os.getpid()),
     }
     # NCCL's per-collective durations, for the ranks' collective monitor (the user's choice
@@ -433,16 +427,14 @@ def run(argv: list[str]) -> int:
             fields = ctx.agent.node_state() if ctx.agent is not None else base
             return {**fields, "probe_addr": probe_addr}
 
-        directives: dict[str, Any] = {}
-        if _accepts(NodeReporter, "on_directive"):
-            directives["on_directive"] = ctx.on_directive
         reporter = NodeReporter(endpoint, secret, run_id, node_id, host, state,
-                                interval_s=opts.heartbeat_interval_s, **directives)
+                                interval_s=opts.heartbeat_interval_s,
+                                on_directive=ctx.on_directive)
         reporter.start()
         ctx.sink = reporter
-        # The coordinator's detection endpoint takes probe results; its main one stands in
-        # where it has none.
-        ctx.run_probe = _probe_runner(ctx, secret, run_id, detect_endpoint=endpoint)
+        # Probe results go to the coordinator's detection endpoint.
+        ctx.run_probe = _probe_runner(ctx, secret, run_id,
+                                      detect_endpoint=detect_endpoint or endpoint)
     ctx.store = StoreProcess(
         StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
                     owner_pid=os.getpid(), persist_dir=opts.persist_dir,

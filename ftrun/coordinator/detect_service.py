@@ -1,0 +1,411 @@
+"""The coordinator's detection service: where the ranks' collective reports arrive, and where
+the findings of :mod:`ftrun.coordinator.detect` become decisions.
+
+It listens on a socket of its own, served by a thread of its own, so that per-collective
+records never delay heartbeats or ``ftrun status``. Every ``TICK_S`` it runs the analysis and
+acts on each new finding, per the job's :class:`~ftrun.coordinator.detect.DetectConfig`:
+
+========================  ==========================================================
+finding                    action
+========================  ==========================================================
+``hang``                   ``--on-hang``: warn; restart (the culprit ranks are killed,
+                           every rank restarts from the freshest snapshot); isolate
+                           (also exclude the culprits' host)
+``comm_hang``              probe the links between the group's hosts, and restart
+                           (``--on-hang`` warn: only probe)
+``slow_rank``              ``--on-slow``: warn, or isolate the rank's host
+``slow_comm``              probe the links between the group's hosts
+``slow_host``              ``--on-slow``: warn, or isolate the host
+``slow_link``              warn (a link has two ends; the operator decides)
+========================  ==========================================================
+
+Isolating a host puts it on the job's exclude list (``<job dir>/excluded.json``, kept across
+coordinator restarts), orders every launcher on it to stop its workers and exit with code 8,
+and runs ``--isolate-hook CMD HOST`` once (bounded, off the loop). A launcher that starts on an
+excluded host later is told the same at its first heartbeat. The host running the
+coordinator is never isolated (that would end the job): the finding is acted on as a restart
+and the log says so.
+
+After acting, the service waits for the job to restart (a rank reports a newer restart
+count) or ``ACTION_COOLDOWN_S`` before it acts on the same kind of finding again, so one
+fault is one decision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ftrun.coordinator.detect import DetectConfig, Detector, Finding
+from ftrun.errors import FtrunError
+from ftrun.protocol.transport import Reply, Server
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.5
+POLL_S = 0.1
+MAX_MESSAGES_PER_POLL = 2000
+ACTION_COOLDOWN_S = 30.0
+HOOK_TIMEOUT_S = 60.0
+PROBE_BYTES = 1 << 20
+MAX_FINDINGS_KEPT = 100
+
+# Directive sink: (node_id, action, data) -> directive id.
+Direct = Callable[[str, str, dict[str, Any]], str]
+# Event sink: (type, node, data) -> None.
+Record = Callable[[str, "str | None", dict[str, Any]], Any]
+# The live nodes: node_id -> {"host": str, "probe_addr": str | None}.
+Nodes = Callable[[], dict[str, dict[str, Any]]]
+
+
+class DetectService:
+    """Receives ``coll_report``/``probe_result``, runs the analysis, issues directives."""
+
+    def __init__(
+        self,
+        run_id: str,
+        secret: bytes,
+        config: DetectConfig,
+        *,
+        direct: Direct,
+        record: Record,
+        nodes: Nodes,
+        coordinator_host: str,
+        excluded_file: Path | None,
+        bind_host: str = "0.0.0.0",
+        advertise_host: str = "127.0.0.1",
+    ) -> None:
+        self.run_id = run_id
+        self._secret = secret
+        self.config = config
+        self.detector = Detector(config)
+        self._direct = direct
+        self._record = record
+        self._nodes = nodes
+        self._coordinator_host = coordinator_host
+        self._excluded_file = excluded_file
+        self._bind_host = bind_host
+        self._advertise_host = advertise_host
+        self._lock = threading.Lock()
+        self._excluded: dict[str, dict[str, Any]] = self._load_excluded()
+        self._told: set[str] = set()  # nodes already ordered out as excluded
+        self._findings: list[dict[str, Any]] = []
+        self._acted: dict[str, tuple[float, int]] = {}  # kind -> (mono, world generation)
+        self._server: Server | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.endpoint: str | None = None
+        self.counters = {"reports": 0, "probe_results": 0, "findings": 0, "directives": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Bind and serve in a daemon thread; returns the endpoint ranks report to."""
+        if self._thread is not None:
+            assert self.endpoint is not None
+            return self.endpoint
+        ctx: zmq.Context[Any] = zmq.Context()
+        server = Server("detection service", self._secret, self.run_id,
+                        {"coll_report": self._on_report, "probe_result": self._on_probe},
+                        sender="coordinator")
+        try:
+            bound = server.bind_tcp(self._bind_host, ctx)
+        except zmq.ZMQError as e:
+            ctx.term()
+            raise FtrunError(f"the detection service cannot listen on {self._bind_host}: {e}; "
+                             "check the coordinator's bind address") from e
+        port = int(bound.rsplit(":", 1)[1])
+        from ftrun.protocol import join_endpoint
+
+        self.endpoint = join_endpoint(self._advertise_host, port)
+        self._ctx, self._server = ctx, server
+        self._thread = threading.Thread(target=self._serve, name="ftrun-detect", daemon=True)
+        self._thread.start()
+        log.info("detection service listening on %s (on hang: %s, on slow: %s)", self.endpoint,
+                 self.config.on_hang, self.config.on_slow)
+        return self.endpoint
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("detection thread did not stop within %.1f s", timeout_s)
+                return
+            self._thread = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _serve(self) -> None:
+        server = self._server
+        assert server is not None
+        next_tick = time.monotonic() + TICK_S
+        while not self._stop.is_set():
+            try:
+                server.serve_once(POLL_S, MAX_MESSAGES_PER_POLL)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    self.tick(now)
+            except zmq.ContextTerminated:
+                break
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("detection loop error; continuing")
+                time.sleep(POLL_S)
+
+    # -- input -------------------------------------------------------------------------------
+
+    def _on_report(self, msg: Any) -> None:
+        body = msg.body
+        with self._lock:
+            self.counters["reports"] += 1
+            self.detector.add_report(body, time.monotonic())
+
+    def _on_probe(self, msg: Any) -> Reply:
+        body = msg.body
+        with self._lock:
+            self.counters["probe_results"] += 1
+            self.detector.add_probe_result(body, time.monotonic())
+        self._record("probe_result", body["node_id"],
+                     {"id": body["id"], "results": body["results"]})
+        return Reply("ack", {"re": msg.id})
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Finding]:
+        """Run the analysis once and act on what it found (the service thread calls this)."""
+        with self._lock:
+            findings = self.detector.analyse(now)
+            generation = self.detector.generation  # bumped by every new world
+        self._order_out_excluded()
+        for f in findings:
+            self._act(f, now, generation)
+        return findings
+
+    def _act(self, f: Finding, now: float, generation: int) -> None:
+        self.counters["findings"] += 1
+        evidence = _jsonable(f.evidence)
+        entry = {"kind": f.kind, "ranks": list(f.ranks), "hosts": list(f.hosts),
+                 "nodes": list(f.nodes), "summary": f.summary, "evidence": evidence,
+                 "time": time.time()}
+        action = self._action_for(f)
+        last = self._acted.get(f.kind)
+        if action not in ("warn", "probe") and last is not None and \
+                last[1] == generation and now - last[0] < ACTION_COOLDOWN_S:
+            action = "warn"  # already acted on this fault; wait for the restart it caused
+            entry["note"] = "already acted on this fault; waiting for the restart"
+        entry["action"] = action
+        with self._lock:
+            self._findings.append(entry)
+            del self._findings[:-MAX_FINDINGS_KEPT]
+        log.warning("detected %s: %s (action: %s)", f.kind, f.summary, action)
+        self._record("detection", f.nodes[0] if f.nodes else None, entry)
+        if action == "warn":
+            return
+        if action == "probe":
+            self._probe(f)
+            return
+        self._acted[f.kind] = (now, generation)
+        if f.kind == "comm_hang":
+            self._probe(f)
+        if action == "isolate":
+            hosts = [h for h in f.hosts if h]
+            if self._coordinator_host in hosts:
+                log.error("not isolating %s: it runs the coordinator, and the job would end; "
+                          "restarting instead (run `ftrun coordinator` on a separate host to "
+                          "allow isolating every training host)", self._coordinator_host)
+                self._record("isolate_refused", None, {"host": self._coordinator_host,
+                                                       "reason": "coordinator host"})
+                hosts.remove(self._coordinator_host)
+            for host in hosts:
+                self.isolate(host, f.summary, evidence)
+            if hosts:
+                return
+        self._restart(f)
+
+    def _action_for(self, f: Finding) -> str:
+        if f.kind == "hang":
+            return self.config.on_hang
+        if f.kind == "comm_hang":
+            return "probe" if self.config.on_hang == "warn" else "restart"
+        if f.kind in ("slow_rank", "slow_host"):
+            return self.config.on_slow
+        if f.kind == "slow_comm":
+            return "probe"
+        return "warn"
+
+    def _restart(self, f: Finding) -> None:
+        """Kill the culprit ranks (or, for a hang without one, every rank of the finding);
+        torch's restart path brings every rank back from the freshest snapshot."""
+        by_node: dict[str, list[int]] = {}
+        for node, rank in zip(f.nodes, f.ranks, strict=False):
+            by_node.setdefault(node, []).append(rank)
+        for node, ranks in sorted(by_node.items()):
+            self._send(node, "restart", {"ranks": sorted(set(ranks)), "reason": f.summary})
+
+    def isolate(self, host: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
+        """Put ``host`` on the exclude list, order its launchers out, run the hook."""
+        with self._lock:
+            if host in self._excluded:
+                return
+            self._excluded[host] = {"reason": reason, "time": time.time(),
+                                    "evidence": evidence or {}}
+            self._save_excluded()
+        log.error("isolating host %s: %s", host, reason)
+        self._record("host_isolated", None, {"host": host, "reason": reason,
+                                             "evidence": evidence or {}})
+        self._order_out_excluded()
+        if self.config.isolate_hook:
+            threading.Thread(target=self._run_hook, args=(host, reason),
+                             name="ftrun-isolate-hook", daemon=True).start()
+
+    def _order_out_excluded(self) -> None:
+        with self._lock:
+            excluded = dict(self._excluded)
+        if not excluded:
+            return
+        for node, info in self._nodes().items():
+            host = info.get("host")
+            if host in excluded and node not in self._told:
+                self._told.add(node)
+                self._send(node, "isolate", {
+                    "reason": f"host {host} is on the job's exclude list: "
+                              f"{excluded[host]['reason']}",
+                    "evidence": excluded[host].get("evidence", {})})
+
+    def _probe(self, f: Finding) -> None:
+        """Order the probes the analysis planned (both directions of each host pair of the
+        group), or, without a plan, between every pair of the finding's hosts."""
+        nodes = self._nodes()
+        by_host = {i.get("host"): (n, i) for n, i in nodes.items() if i.get("probe_addr")}
+        with self._lock:
+            plan = self.detector.probe_plan()
+        if not plan:
+            hosts = [h for h in f.hosts if h in by_host]
+            plan = {by_host[h][0]: [{"node_id": by_host[p][0], "host": p}
+                                    for p in hosts if p != h] for h in hosts}
+        issued = 0
+        for node, peers in sorted(plan.items()):
+            if node not in nodes:
+                continue
+            targets = [{"node_id": by_host[p["host"]][0], "host": p["host"],
+                        "addr": by_host[p["host"]][1]["probe_addr"]}
+                       for p in peers if p.get("host") in by_host]
+            if targets:
+                self._send(node, "probe", {"peers": targets, "size": PROBE_BYTES})
+                issued += 1
+        if not issued:
+            log.warning("cannot probe the links behind %s: no two of its hosts report a probe "
+                        "service", f.kind)
+
+    def _send(self, node: str, action: str, data: dict[str, Any]) -> str:
+        self.counters["directives"] += 1
+        directive = self._direct(node, action, data)
+        log.info("ordered node %s to %s (%s)", node, action, directive)
+        return directive
+
+    def _run_hook(self, host: str, reason: str) -> None:
+        cmd = self.config.isolate_hook
+        assert cmd
+        argv = ["/bin/sh", "-c", f"{cmd} {shlex.quote(host)}"]
+        env = {**os.environ, "FTRUN_ISOLATED_HOST": host, "FTRUN_ISOLATE_REASON": reason,
+               "FTRUN_RUN_ID": self.run_id}
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                  timeout=HOOK_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            log.error("--isolate-hook for %s did not finish within %.0f s (killed)", host,
+                      HOOK_TIMEOUT_S)
+            self._record("isolate_hook", None, {"host": host, "exitcode": None,
+                                                "error": "timeout"})
+            return
+        except OSError as e:
+            log.error("--isolate-hook for %s could not run: %s", host, e)
+            self._record("isolate_hook", None, {"host": host, "exitcode": None,
+                                                "error": str(e)})
+            return
+        level = logging.INFO if done.returncode == 0 else logging.ERROR
+        log.log(level, "--isolate-hook for %s exited %d%s", host, done.returncode,
+                f": {done.stderr.strip()[-500:]}" if done.stderr.strip() else "")
+        self._record("isolate_hook", None, {"host": host, "exitcode": done.returncode,
+                                            "stderr": done.stderr[-2000:]})
+
+    # -- the exclude list --------------------------------------------------------------------
+
+    def _load_excluded(self) -> dict[str, dict[str, Any]]:
+        path = self._excluded_file
+        if path is None or not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+            hosts = data["hosts"]
+            if not isinstance(hosts, dict):
+                raise TypeError("hosts is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FtrunError(
+                f"the job's exclude list {path} is unreadable ({e}); fix or delete it (it "
+                "lists the hosts isolated so far)") from e
+        if hosts:
+            log.warning("hosts excluded from this job earlier: %s (from %s)",
+                        ", ".join(sorted(hosts)), path)
+        return dict(hosts)
+
+    def _save_excluded(self) -> None:
+        path = self._excluded_file
+        if path is None:
+            return
+        tmp = path.with_suffix(".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"hosts": self._excluded}, fh, default=str)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.error("cannot write the exclude list %s: %s (it stays in memory only)", path, e)
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The ``detection`` section of the status document."""
+        with self._lock:
+            return {
+                "endpoint": self.endpoint,
+                "on_hang": self.config.on_hang,
+                "on_slow": self.config.on_slow,
+                "suspects": _jsonable(self.detector.status()),
+                "findings": [dict(f) for f in self._findings[-20:]],
+                "excluded": {h: {"reason": i["reason"], "time": i["time"]}
+                             for h, i in sorted(self._excluded.items())},
+                "counters": dict(self.counters),
+            }
+
+    def excluded_hosts(self) -> list[str]:
+        with self._lock:
+            return sorted(self._excluded)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with tuples as lists and non-finite floats as None (the event log is JSON)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    return value
