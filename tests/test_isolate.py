@@ -198,7 +198,7 @@ def test_isolated_node_exits_8_and_the_other_goes_on(procs: Procs, state_dir: Pa
     assert "RendezvousClosedError" not in out0 and "ftrun-example: step=" in out0
 
     events = read_events(state_dir, run_id)
-    isolated = [e for e in events if e["type"] == "host_isolated"]
+    isolated = [e for e in events if e["type"] == "node_isolated"]
     assert len(isolated) == 1 and isolated[0]["reason"] == "rank 3 hung in all_reduce seq 7"
     assert isolated[0]["evidence"] == {"pg": "0", "seq": 7} and isolated[0]["killed"]
     after = events[events.index(isolated[0]):]
@@ -229,7 +229,7 @@ def test_isolate_interrupts_a_rendezvous_wait(procs: Procs, state_dir: Path, tmp
     assert ISOLATED_LINE in out, out[-4000:]
     assert "an isolate directive interrupts this node's rendezvous wait" in out, out[-4000:]
     events = read_events(state_dir, run_id)
-    assert [e["type"] for e in events].count("host_isolated") == 1
+    assert [e["type"] for e in events].count("node_isolated") == 1
     assert not any(e["type"] == "workers_started" for e in events)
 
 
@@ -297,4 +297,4 @@ def test_restart_and_probe_directives_on_a_real_agent(tmp_path: Path) -> None:
     assert failures.get(1) == "SIGKILL", failures
     assert len(sink.of("restart")) == 1 and len(sink.of("workers_started")) == 2
     assert [p["id"] for p in probes] == ["p-1"]
-    assert not sink.of("host_isolated")
+    assert not sink.of("node_isolated")

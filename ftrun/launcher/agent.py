@@ -393,7 +393,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             self._leave_round(worker_group)
         self._last_error = f"host isolated: {reason}"[:1024]
         self._phase = NodeState.FAILED
-        self._ctx.sink.event("host_isolated", id=did, host=self._ctx.host, reason=reason,
+        self._ctx.sink.event("node_isolated", id=did, host=self._ctx.host, reason=reason,
                              evidence=evidence, killed=sorted(pids.values()))
         self._isolated = HostIsolated(reason, evidence)
         raise self._isolated
