@@ -36,7 +36,7 @@ class DetectConfig:
     window: int = 20               # ops per group in the slow windows
     history: int = 3               # ops kept per group: window * history
     min_ops: int = 10              # informative ops needed before slow_rank can be named
-    slow_last_frac: float = 0.6    # last in at least this share of the window's ops
+    slow_last_frac: float = 0.75   # last in at least this share of the window's informative ops
     slow_min_s: float = 0.05       # lateness floor (at least 2 * interval_s as well)
     slow_z: float = 3.0            # lateness against the others' spread (robust z)
     comm_factor: float = 3.0       # slow_comm: op time vs the group's baseline
@@ -455,8 +455,11 @@ class Detector:
         found: list[tuple[tuple, Finding]] = []
         floor = max(cfg.slow_min_s, 2 * interval)
         spreads = [self._spread(group, s) for s in seqs]
+        # An op tells who arrived last only when someone waited at least the floor longer
+        # than the last arrival: a step has one such op (the first collective after the
+        # slow rank's compute) among several that all enter together (DDP's later buckets).
         informative = [(s, lo) for s, (lo, hi) in zip(seqs, spreads, strict=True)
-                       if hi - lo >= interval]
+                       if hi - lo >= floor]
         recent = [(s, self._durations(group, s), lo) for s, lo in informative[-cfg.window:]]
         slow_rank = None
         if len(recent) >= cfg.min_ops:
