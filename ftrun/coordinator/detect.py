@@ -35,7 +35,7 @@ class DetectConfig:
     silent_s: float = 3.0          # a rank silent this long while others wait on it
     window: int = 20               # ops per group in the slow windows
     history: int = 3               # ops kept per group: window * history
-    min_ops: int = 10              # informative ops needed before slow_rank can be named
+    min_ops: int = 8               # informative ops needed before slow_rank can be named
     slow_last_frac: float = 0.75   # last in at least this share of the window's informative ops
     slow_min_s: float = 0.05       # lateness floor (at least 2 * interval_s as well)
     slow_z: float = 3.0            # lateness against the others' spread (robust z)
