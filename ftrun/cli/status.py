@@ -27,6 +27,7 @@ from ftrun import jobs, knobs
 from ftrun.cli import exit_codes
 from ftrun.coordinator.api import JobHealth, NodeState
 from ftrun.coordinator.client import request
+from ftrun.coordinator.status import detection_suspects
 from ftrun.errors import (
     ConfigError,
     FtrunError,
@@ -38,6 +39,18 @@ PIPE_WIDTH = 200
 # A job of at most this many nodes is shown node by node; a larger one as a summary and the
 # nodes with a problem (``--nodes all`` lists every node, ``--match`` some).
 TABLE_NODES = 64
+# The detection block lists at most this many suspects, findings and isolated hosts; the
+# rest are counted (every one is in ``--json``).
+DETECT_SUSPECTS = 8
+DETECT_FINDINGS = 5
+DETECT_EXCLUDED = 8
+# How a finding reads in the health column: ``suspect (rank 3 hung)``.
+_KIND_WORD = {"hang": "hung", "comm_hang": "comm hang", "slow_rank": "slow",
+              "slow_comm": "slow comm", "slow_host": "slow host", "slow_link": "slow link"}
+# Evidence fields shown (in this order) after a suspect's summary; the rest are in --json.
+_EVIDENCE_KEYS = ("pg", "seq", "seqs", "op", "reason", "longest_wait_s", "threshold_s",
+                  "silent_s", "last_in", "ops", "lateness_s", "others_lateness_s", "op_s",
+                  "baseline_s", "mb_s", "rtt_s", "reference_mb_s", "slow", "link", "error")
 
 _HEALTH_CODES = {
     JobHealth.HEALTHY.value: exit_codes.OK,
@@ -178,7 +191,7 @@ def _state_cell(node: dict[str, Any]) -> Text:
         return _cell(f"lost ({state})", "bold red")
     if node.get("suspect_ranks") and state == NodeState.HEALTHY:
         return _cell(f"suspect ({_ranks_text(list(node['suspect_ranks']))})", "bold yellow")
-    if state == NodeState.FAILED:
+    if state in (NodeState.FAILED, NodeState.ISOLATED):
         return _cell(state, "red")
     if state in (NodeState.RESTARTING, NodeState.RENDEZVOUS):
         return _cell(state, "yellow")
@@ -205,10 +218,172 @@ def _suspect_lines(doc: dict[str, Any]) -> list[Text]:
     return lines
 
 
+def _detection(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The document's detection section; None without one (no detection, or a coordinator
+    older than it) or when it is not an object."""
+    det = doc.get("detection")
+    return det if isinstance(det, dict) else None
+
+
+def _excluded(det: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    excluded = (det or {}).get("excluded")
+    return {str(h): (i if isinstance(i, dict) else {}) for h, i in excluded.items()} \
+        if isinstance(excluded, dict) else {}
+
+
+def _node_suspicions(doc: dict[str, Any]) -> dict[str, list[str]]:
+    """node id -> what the collective analysis suspects of it (``rank 3 hung``)."""
+    out: dict[str, list[str]] = {}
+    ranks_of = {n.get("node_id"): set(n.get("ranks") or []) for n in doc.get("nodes", [])}
+    for f in detection_suspects(_detection(doc)):
+        word = _KIND_WORD.get(str(f.get("kind")), str(f.get("kind")))
+        for node in f.get("nodes") or []:
+            mine = sorted(set(f.get("ranks") or []) & ranks_of.get(node, set()))
+            what = f"rank {_ranks_text(mine)} {word}" if mine else word
+            out.setdefault(str(node), []).append(what)
+    return out
+
+
+def _health_cell(node: dict[str, Any], excluded: dict[str, dict[str, Any]],
+                 suspicions: dict[str, list[str]]) -> Text:
+    """ok / suspect (rank N hung|slow|stopped) / isolated / lost, from the document."""
+    if node.get("state") == NodeState.ISOLATED or node.get("host") in excluded:
+        return _cell("isolated", "bold red")
+    if node.get("left"):
+        return _cell("left" if node.get("exitcode") in (None, 0) else "left (failed)",
+                     "dim" if node.get("exitcode") in (None, 0) else "red")
+    if node.get("lost"):
+        return _cell("lost", "bold red")
+    what = list(suspicions.get(str(node.get("node_id")), []))
+    if node.get("suspect_ranks"):
+        what.append(f"rank {_ranks_text(list(node['suspect_ranks']))} "
+                    f"{_launcher_cause(node)}")
+    if what:
+        return _cell(f"suspect ({'; '.join(what)})", "bold yellow")
+    if node.get("state") == NodeState.FAILED:
+        return _cell("failed", "red")
+    return _cell("ok", "green")
+
+
+def _launcher_cause(node: dict[str, Any]) -> str:
+    causes = {str(w.get("cause")) for w in node.get("workers", [])
+              if w.get("rank") in node.get("suspect_ranks", []) and w.get("cause")}
+    return {"stopped": "stopped", "no_progress": "no progress"}.get(
+        next(iter(causes)) if len(causes) == 1 else "", "suspect")
+
+
+def _evidence_text(evidence: Any) -> str:
+    """``pg=0 seq=41 op=allreduce longest_wait_s=7.2``: the fields that locate a finding."""
+    if not isinstance(evidence, dict):
+        return ""
+    parts = []
+    for key in _EVIDENCE_KEYS:
+        value = evidence.get(key)
+        if value is None or value == "":
+            continue
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        elif isinstance(value, dict):
+            value = ",".join(f"{k}:{v}" for k, v in list(value.items())[:4])
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def _who_text(f: dict[str, Any]) -> str:
+    ranks = [r for r in f.get("ranks") or [] if isinstance(r, int)]
+    hosts = [str(h) for h in f.get("hosts") or []]
+    who = []
+    if ranks:
+        who.append(f"rank {_ranks_text(ranks)}")
+    if hosts:
+        who.append(("on " if ranks else "") + (",".join(hosts[:4])
+                                                + (f" +{len(hosts) - 4}" if len(hosts) > 4
+                                                   else "")))
+    return " ".join(who)
+
+
+def detection_lines(doc: dict[str, Any]) -> list[Text]:
+    """The detection block: policy, suspects with their evidence, probes, the last findings
+    with the action taken, isolated hosts. [] when the document has no detection section."""
+    det = _detection(doc)
+    if det is None:
+        return []
+    suspects = detection_suspects(det)
+    findings = [f for f in det.get("findings") or [] if isinstance(f, dict)]
+    excluded = _excluded(det)
+    counters = det.get("counters") or {}
+    inner = det.get("suspects") if isinstance(det.get("suspects"), dict) else {}
+    lines = [Text.assemble(
+        ("detection: ", "bold"),
+        (f"on hang {det.get('on_hang', '?')}, on slow {det.get('on_slow', '?')}", ""),
+        (f" | {inner.get('ranks', 0)} rank(s) reporting in {inner.get('groups', 0)} group(s)"
+         if inner else "", ""),
+        (f" | {counters.get('findings', 0)} finding(s), {counters.get('directives', 0)} "
+         "directive(s)" if counters else "", ""),
+        (f" | {len(suspects)} suspect(s)" if suspects else " | no suspects",
+         "bold yellow" if suspects else "green"),
+        (f" | {len(excluded)} host(s) isolated" if excluded else "",
+         "bold red" if excluded else ""),
+        no_wrap=True, overflow="ellipsis")]
+    for f in suspects[:DETECT_SUSPECTS]:
+        ev = _evidence_text(f.get("evidence"))
+        lines.append(Text.assemble(
+            ("  suspect: ", "bold yellow"), (f"{f.get('kind', '?')} {_who_text(f)}: ", "bold"),
+            (" ".join(str(f.get("summary") or "").split()), ""),
+            (f" [{ev}]" if ev else "", "dim"), no_wrap=True, overflow="ellipsis"))
+    if len(suspects) > DETECT_SUSPECTS:
+        lines.append(Text(f"  … {len(suspects) - DETECT_SUSPECTS} more suspect(s) "
+                          "(--json has them all)", style="dim"))
+    probes = [p for p in inner.get("probes") or [] if isinstance(p, dict)]
+    if probes:
+        rates = sorted((p.get("mb_s") or 0.0, p) for p in probes if not p.get("error"))
+        failed = [p for p in probes if p.get("error")]
+        text = f"  probes: {len(probes)} link(s) measured"
+        if rates:
+            mid = rates[len(rates) // 2][0]
+            low, p = rates[0]
+            text += (f", median {mid:.0f} MB/s, slowest {p.get('src')} -> {p.get('dst')} "
+                     f"{low:.0f} MB/s")
+            if p.get("rtt_s") is not None:
+                text += f" (rtt {p['rtt_s'] * 1000:.1f} ms)"
+        if failed:
+            text += (f", {len(failed)} failed (first: {failed[0].get('src')} -> "
+                     f"{failed[0].get('dst')}: {_truncate(str(failed[0].get('error')))})")
+        lines.append(Text(text, no_wrap=True, overflow="ellipsis"))
+    if findings:
+        shown = findings[-DETECT_FINDINGS:]
+        lines.append(Text(f"  last {len(shown)} finding(s), newest last:", style="dim"))
+        for f in shown:
+            when = f.get("time")
+            stamp = (datetime.fromtimestamp(when).strftime("%H:%M:%S")
+                     if isinstance(when, (int, float)) else "--:--:--")
+            action = str(f.get("action") or "?")
+            lines.append(Text.assemble(
+                (f"  {stamp} ", "dim"), (f"{f.get('kind', '?')} {_who_text(f)}", "bold"),
+                (" -> ", ""), (action, "bold red" if action in ("isolate", "restart")
+                               else "yellow"),
+                (f" ({f['note']})" if f.get("note") else "", "dim"),
+                (f": {' '.join(str(f.get('summary') or '').split())}", ""),
+                no_wrap=True, overflow="ellipsis"))
+    for host, info in list(sorted(excluded.items()))[:DETECT_EXCLUDED]:
+        when = info.get("time")
+        since = (f" since {_fmt_time(when)}" if isinstance(when, (int, float)) else "")
+        lines.append(Text.assemble(
+            ("  isolated: ", "bold red"), (host, "bold"), (since, "dim"),
+            (f": {' '.join(str(info.get('reason') or '?').split())}", ""),
+            no_wrap=True, overflow="ellipsis"))
+    if len(excluded) > DETECT_EXCLUDED:
+        lines.append(Text(f"  … {len(excluded) - DETECT_EXCLUDED} more isolated host(s) "
+                          "(--json has them all)", style="dim"))
+    return lines
+
+
 def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
     """The status table (and summary lines unless ``no_headers``) of a status document."""
     table = Table(show_header=not no_headers, box=None, pad_edge=False)
-    for column in ("node", "host", "ranks", "state", "restarts", "last heartbeat",
+    excluded = _excluded(_detection(doc))
+    suspicions = _node_suspicions(doc)
+    for column in ("node", "host", "ranks", "state", "health", "restarts", "last heartbeat",
                    "snapshots", "last error"):
         # Only "last error" gives way on a narrow screen; its cells are one line anyway.
         table.add_column(_cell(column), no_wrap=column != "last error", overflow="ellipsis")
@@ -221,6 +396,7 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
             _cell(str(node.get("host", ""))),
             _cell(_ranks_text(list(node.get("ranks", [])))),
             _state_cell(node),
+            _health_cell(node, excluded, suspicions),
             _cell(f"{node.get('restarts', 0)}/{node.get('max_restarts', 0)}"),
             _cell(_age_text(node.get("last_heartbeat_age_s"))),
             _bytes_text((stores.get(node.get("node_id")) or {}).get("bytes")),
@@ -241,7 +417,7 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         (f" | {lost} lost", "bold red" if lost else ""),
         (f" | {summary.get('restarts', 0)} restart(s)", ""),
     )
-    details = _suspect_lines(doc)
+    details = _suspect_lines(doc) + detection_lines(doc)
     listed = _listed_line(doc)
     if listed is not None:
         details.insert(0, listed)

@@ -23,7 +23,8 @@ class JobHealth(_StrEnum):
 
     STARTING = "starting"  # no node reported yet, or fewer than the minimum joined
     HEALTHY = "healthy"  # every node runs its workers, no rank is suspect
-    DEGRADED = "degraded"  # runs, but a node is lost, workers restart, or a rank is suspect
+    DEGRADED = "degraded"  # runs, but a node is lost or isolated, workers restart, or a rank
+    # is suspect (by its launcher, or by the collective analysis)
     FAILED = "failed"  # a node failed, or failed workers have no restarts left
     FINISHED = "finished"  # every node succeeded (or left with exit code 0)
 
@@ -38,6 +39,9 @@ class NodeState(_StrEnum):
     FAILED = "failed"  # workers failed with no restarts left
     SUCCEEDED = "succeeded"  # every worker exited with 0
     STOPPED = "stopped"  # the launcher was stopped by a signal (final state, with ``bye``)
+    # The coordinator isolated the node's host (final state, with ``bye`` and exit code 8,
+    # ftrun.cli.exit_codes.ISOLATED): its workers were stopped and the job goes on without it.
+    ISOLATED = "isolated"
 
 
 class RankHealth(_StrEnum):

@@ -55,7 +55,9 @@ def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None
     * ``failed``: a node reports state ``failed``, or a node has a failed worker (state
       failed/unhealthy or a non-zero exit code) and no restarts left;
     * ``finished``: every node reports ``succeeded``, or left (``bye``) with exit code 0;
-    * ``degraded``: a node is lost (silent for the node timeout), or a node is in
+    * ``degraded``: a node left ``isolated`` (the coordinator isolated its host: the job
+      goes on without it, so this is neither ``failed`` nor, once the others are done,
+      ``finished``), or a node is lost (silent for the node timeout), or a node is in
       ``restarting``/``rendezvous`` after at least one restart, or a worker failed while
       restarts remain, or a node left with a non-zero exit code, or a running node has a
       suspect rank (stopped, or silent past its progress limit: ftrun.launcher.suspect);
@@ -63,17 +65,25 @@ def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None
 
     A node dict needs ``state``, ``restarts``, ``max_restarts``, ``lost``, ``left``,
     ``exitcode`` and either ``workers`` or the derived ``bad_worker`` and ``suspect_ranks``.
+    Suspects of the collective analysis are not node fields: :func:`with_detection` makes a
+    ``healthy`` job ``degraded`` while the analysis has any.
     """
     if not nodes:
         return JobHealth.STARTING
     if (expected_min_nodes and len(nodes) < expected_min_nodes
             and not any(n["state"] == NodeState.HEALTHY for n in nodes)):
         return JobHealth.STARTING
+    isolated = False
     for n in nodes:
+        if n["state"] == NodeState.ISOLATED:
+            isolated = True
+            continue
         if n["state"] == NodeState.FAILED:
             return JobHealth.FAILED
         if _has_bad_worker(n) and n["restarts"] >= n["max_restarts"] and not n["left"]:
             return JobHealth.FAILED
+    if isolated:
+        return JobHealth.DEGRADED
     if all(n["state"] == NodeState.SUCCEEDED or (n["left"] and n["exitcode"] == 0)
            for n in nodes):
         return JobHealth.FINISHED
@@ -89,6 +99,26 @@ def health_of(nodes: list[dict[str, Any]], expected_min_nodes: int | None = None
         if not n["left"] and _suspects(n):
             return JobHealth.DEGRADED
     return JobHealth.HEALTHY
+
+
+def detection_suspects(detection: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The active findings of a status document's ``detection`` section ([] without one:
+    no detection, or a coordinator older than it)."""
+    if not isinstance(detection, dict):
+        return []
+    inner = detection.get("suspects")
+    found = inner.get("suspects") if isinstance(inner, dict) else None
+    return [f for f in found or [] if isinstance(f, dict)]
+
+
+def with_detection(doc: dict[str, Any], detection: dict[str, Any] | None) -> dict[str, Any]:
+    """Put the detection service's section into ``doc``; a job the nodes call ``healthy``
+    is ``degraded`` while the collective analysis names a suspect (a hung or slow rank, a
+    slow host or link). ``starting``, ``failed`` and ``finished`` stay as they are."""
+    doc["detection"] = detection
+    if doc.get("health") == JobHealth.HEALTHY and detection_suspects(detection):
+        doc["health"] = JobHealth.DEGRADED.value
+    return doc
 
 
 def _has_bad_worker(node: dict[str, Any]) -> bool:
