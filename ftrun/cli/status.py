@@ -302,6 +302,13 @@ def _who_text(f: dict[str, Any]) -> str:
     return " ".join(who)
 
 
+def _summary_text(f: dict[str, Any]) -> str:
+    """A finding's summary on one line, without the ``kind: `` it starts with."""
+    text = " ".join(str(f.get("summary") or "").split())
+    prefix = f"{f.get('kind')}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
+
+
 def detection_lines(doc: dict[str, Any]) -> list[Text]:
     """The detection block: policy, suspects with their evidence, probes, the last findings
     with the action taken, isolated hosts. [] when the document has no detection section."""
@@ -329,7 +336,7 @@ def detection_lines(doc: dict[str, Any]) -> list[Text]:
         ev = _evidence_text(f.get("evidence"))
         lines.append(Text.assemble(
             ("  suspect: ", "bold yellow"), (f"{f.get('kind', '?')} {_who_text(f)}: ", "bold"),
-            (" ".join(str(f.get("summary") or "").split()), ""),
+            (_summary_text(f), ""),
             (f" [{ev}]" if ev else "", "dim"), no_wrap=True, overflow="ellipsis"))
     if len(suspects) > DETECT_SUSPECTS:
         lines.append(Text(f"  … {len(suspects) - DETECT_SUSPECTS} more suspect(s) "
@@ -363,7 +370,7 @@ def detection_lines(doc: dict[str, Any]) -> list[Text]:
                 (" -> ", ""), (action, "bold red" if action in ("isolate", "restart")
                                else "yellow"),
                 (f" ({f['note']})" if f.get("note") else "", "dim"),
-                (f": {' '.join(str(f.get('summary') or '').split())}", ""),
+                (f": {_summary_text(f)}", ""),
                 no_wrap=True, overflow="ellipsis"))
     for host, info in list(sorted(excluded.items()))[:DETECT_EXCLUDED]:
         when = info.get("time")
