@@ -322,15 +322,15 @@ def detection_lines(doc: dict[str, Any]) -> list[Text]:
     inner = det.get("suspects") if isinstance(det.get("suspects"), dict) else {}
     lines = [Text.assemble(
         ("detection: ", "bold"),
-        (f"on hang {det.get('on_hang', '?')}, on slow {det.get('on_slow', '?')}", ""),
+        (f"{len(suspects)} suspect(s)" if suspects else "no suspects",
+         "bold yellow" if suspects else "green"),
+        (f", {len(excluded)} host(s) isolated" if excluded else "",
+         "bold red" if excluded else ""),
+        (f" | on hang {det.get('on_hang', '?')}, on slow {det.get('on_slow', '?')}", ""),
         (f" | {inner.get('ranks', 0)} rank(s) reporting in {inner.get('groups', 0)} group(s)"
          if inner else "", ""),
         (f" | {counters.get('findings', 0)} finding(s), {counters.get('directives', 0)} "
          "directive(s)" if counters else "", ""),
-        (f" | {len(suspects)} suspect(s)" if suspects else " | no suspects",
-         "bold yellow" if suspects else "green"),
-        (f" | {len(excluded)} host(s) isolated" if excluded else "",
-         "bold red" if excluded else ""),
         no_wrap=True, overflow="ellipsis")]
     for f in suspects[:DETECT_SUSPECTS]:
         ev = _evidence_text(f.get("evidence"))
@@ -392,8 +392,10 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
     suspicions = _node_suspicions(doc)
     for column in ("node", "host", "ranks", "state", "health", "restarts", "last heartbeat",
                    "snapshots", "last error"):
-        # Only "last error" gives way on a narrow screen; its cells are one line anyway.
-        table.add_column(_cell(column), no_wrap=column != "last error", overflow="ellipsis")
+        # Only "last error" and "health" give way on a narrow screen; their cells are one
+        # line anyway (cut with an ellipsis).
+        table.add_column(_cell(column), no_wrap=column not in ("last error", "health"),
+                         overflow="ellipsis")
     snaps = doc.get("snapshots") or {}
     stores = snaps.get("stores") or {}
     for node in doc.get("nodes", []):
