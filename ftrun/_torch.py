@@ -377,13 +377,25 @@ def leave_rendezvous(handler: Any, timeout_s: float) -> bool:
 
 
 def fr_dump(include_collectives: bool) -> dict[str, Any]:
-    """The Flight Recorder's JSON dump (``torch._C._distributed_c10d._dump_fr_trace_json``)."""
+    """The Flight Recorder's JSON dump (``torch._C._distributed_c10d._dump_fr_trace_json``).
+
+    torch keeps two recorders: that generic one (gloo, CPU backends) and, in builds with
+    NCCL, ProcessGroupNCCL's own (``_dump_nccl_trace_json``), where NCCL collectives go. Both
+    are read and merged: ``pg_status`` by group name (a group in both counts its NCCL
+    collectives), ``entries`` appended.
+    """
     import json
 
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    from torch._C import _distributed_c10d as c10d
 
-    return json.loads(_dump_fr_trace_json(includeCollectives=include_collectives,
-                                          onlyActive=False))
+    doc = json.loads(c10d._dump_fr_trace_json(includeCollectives=include_collectives,
+                                              onlyActive=False))
+    nccl = getattr(c10d, "_dump_nccl_trace_json", None)
+    if nccl is not None:
+        other = json.loads(nccl(includeCollectives=include_collectives, onlyActive=False))
+        doc.setdefault("pg_status", {}).update(other.get("pg_status") or {})
+        doc["entries"] = [*(doc.get("entries") or []), *(other.get("entries") or [])]
+    return doc
 
 
 def process_groups() -> dict[str, Any]:

@@ -152,3 +152,80 @@ def test_unreachable_endpoint_never_blocks_the_rank(tmp_path: Path) -> None:
     out = _run(tmp_path, script, {"FTRUN_DETECT": "127.0.0.1:9", "FTRUN_SECRET": "x",
                                   "FTRUN_RUN_ID": JOB})
     assert out.count("counters") == 3, out
+
+
+# DDP, FSDP2 and an async all-reduce each on a process group of its own, so each is seen
+# counted in its own group; rank 2 is 1 s late in one DDP step and rank 1 1.5 s late for the
+# async all-reduce, which the others poll with is_completed() instead of waiting in it.
+KINDS = r"""
+import json, time, torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")
+import ftrun
+assert ftrun.monitor_collectives() is not None, "no monitor"
+rank = dist.get_rank()
+ddp_pg, fsdp_pg, async_pg = (dist.new_group(backend="gloo") for _ in range(3))
+if rank == 0:
+    print("GROUPS " + json.dumps({"ddp": ddp_pg.group_name, "fsdp": fsdp_pg.group_name,
+                                  "async": async_pg.group_name}), flush=True)
+torch.manual_seed(0)
+ddp = DistributedDataParallel(torch.nn.Linear(64, 64), process_group=ddp_pg)
+for step in range(4):
+    if rank == 2 and step == 2:
+        time.sleep(1.0)
+    ddp(torch.randn(8, 64)).sum().backward()
+mesh = DeviceMesh.from_group(fsdp_pg, "cpu")
+model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+for _ in range(3):
+    model(torch.randn(4, 32)).sum().backward()
+if rank == 1:
+    time.sleep(1.5)
+work = dist.all_reduce(torch.ones(1000), group=async_pg, async_op=True)
+while not work.is_completed():
+    time.sleep(0.01)
+work.wait()
+del ddp, model
+import gc
+gc.collect()
+dist.barrier()
+time.sleep(1.0)
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_fsdp2_and_async_collectives_each_counted_in_their_group(
+        tmp_path: Path, collector: Collector) -> None:
+    import json
+
+    out = _run(tmp_path, KINDS, {"FTRUN_DETECT": collector.endpoint,
+                                 "FTRUN_SECRET": SECRET.decode(), "FTRUN_RUN_ID": JOB,
+                                 "FTRUN_NODE_ID": "host/1"})
+    names = json.loads(next(line for line in out.splitlines()
+                            if line.startswith("GROUPS "))[len("GROUPS "):])
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for r in collector.reports:
+        by_rank.setdefault(r["rank"], []).append(r)
+    assert sorted(by_rank) == [0, 1, 2]
+
+    def entries(rank: int, pg: str) -> list[dict[str, Any]]:
+        return [g for r in by_rank[rank] for g in r["groups"] if g["pg"] == pg]
+
+    for rank in range(3):
+        last = {g["pg"]: g for g in by_rank[rank][-1]["groups"]}
+        assert last[names["ddp"]]["completed"] >= 4  # a gradient all-reduce per step at least
+        assert last[names["fsdp"]]["completed"] >= 3 * 3  # all-gathers and reduce-scatters
+        async_last = last[names["async"]]
+        assert async_last["enqueued"] == async_last["completed"]
+        assert async_last["waiting_s"] is None
+    for rank in (0, 1):  # their gradient all-reduce waited for rank 2's slow step
+        done = [d for g in entries(rank, names["ddp"]) for _, d in g.get("done", [])]
+        assert done and max(done) >= 0.5, done
+    for rank in (0, 2):  # waited for rank 1 in an async all-reduce they never wait() in
+        waits = [g["waiting_s"] for g in entries(rank, names["async"]) if g["waiting_s"]]
+        assert waits and max(waits) >= 1.0, waits
+    assert all((g["waiting_s"] or 0) < 1.0 for g in entries(1, names["async"]))

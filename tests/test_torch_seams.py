@@ -397,7 +397,11 @@ FR_CHECK = """
 import os, torch, torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace_json
 from ftrun import _torch
-assert "includeCollectives" in (_dump_fr_trace_json.__doc__ or "")
+from torch._C import _distributed_c10d as c10d
+# Both recorders take includeCollectives and onlyActive; NCCL's only in builds with NCCL.
+for dump in (_dump_fr_trace_json, getattr(c10d, "_dump_nccl_trace_json", None)):
+    if dump is not None:
+        assert "includeCollectives" in (dump.__doc__ or "") and "onlyActive" in dump.__doc__
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0,
                         world_size=1)
 group = dist.group.WORLD
