@@ -121,8 +121,11 @@ def test_reports_show_who_waits_for_whom(tmp_path: Path, collector: Collector) -
         stuck = [world(r) for r in by_rank[rank] if world(r).get("op")]
         assert stuck and stuck[0]["op"].endswith("all_reduce") and stuck[0]["bytes"] == 4000, \
             stuck
+    # Rank 1 arrived last at the 1.5 s all-reduce: whatever it waited there is far shorter.
     late = {int(s): d for r in by_rank[1] for s, d in world(r).get("done", [])}
-    assert all(d < 0.2 for d in late.values()), late
+    longest = {rank: max(d for r in by_rank[rank] for _, d in world(r).get("done", []))
+               for rank in (0, 2)}
+    assert max(late.values(), default=0.0) < 0.5 * min(longest.values()), (late, longest)
     # The async all-reduce, DDP's and FSDP2's collectives are all counted: far more than the
     # five plain all-reduces completed in the end, on every rank alike.
     final = {rank: sum(g["completed"] + 1 for g in reports[-1]["groups"])

@@ -353,3 +353,18 @@ def test_a_hook_that_fails_is_recorded(tmp_path):
     assert [(n, a) for n, a, _ in cb.directives] == [("n1", "isolate")]
     service.isolate("h1", "again")                       # already excluded: nothing new
     assert len(cb.of("host_isolated")) == 1 and len(cb.directives) == 1
+
+
+def test_an_exclude_list_with_a_malformed_entry_is_a_clear_error(tmp_path: Path) -> None:
+    """A hand-edited entry that is not an object with a reason would break every status
+    and every decision later: it is refused when the service starts, naming the host."""
+    path = tmp_path / "excluded.json"
+    path.write_text(json.dumps({"hosts": {"h1": {"reason": "drain"}, "h2": "bad"}}))
+    with pytest.raises(FtrunError, match="h2"):
+        DetectService("job", b"s", DetectConfig(), direct=lambda *a: "", record=lambda *a: None,
+                      nodes=dict, coordinator_host="c", excluded_file=path)
+    path.write_text(json.dumps({"hosts": {"h1": {"reason": "drain"}}}))
+    service = DetectService("job", b"s", DetectConfig(), direct=lambda *a: "",
+                            record=lambda *a: None, nodes=dict, coordinator_host="c",
+                            excluded_file=path)
+    assert service.status()["excluded"] == {"h1": {"reason": "drain", "time": None}}

@@ -357,6 +357,12 @@ class DetectService:
             hosts = data["hosts"]
             if not isinstance(hosts, dict):
                 raise TypeError("hosts is not an object")
+            for host, entry in hosts.items():
+                if not isinstance(entry, dict) or not isinstance(entry.get("reason"), str):
+                    raise TypeError(f"the entry of host {host!r} is not an object with a "
+                                    "string reason")
+                entry.setdefault("time", None)
+                entry.setdefault("evidence", {})
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise FtrunError(
                 f"the job's exclude list {path} is unreadable ({e}); fix or delete it (it "
@@ -390,7 +396,7 @@ class DetectService:
                 "on_slow": self.config.on_slow,
                 "suspects": _jsonable(self.detector.status()),
                 "findings": [dict(f) for f in self._findings[-20:]],
-                "excluded": {h: {"reason": i["reason"], "time": i["time"]}
+                "excluded": {h: {"reason": i["reason"], "time": i.get("time")}
                              for h, i in sorted(self._excluded.items())},
                 "counters": dict(self.counters),
             }

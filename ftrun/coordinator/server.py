@@ -53,6 +53,7 @@ from ftrun.coordinator.status import (
     STATUS_VERSION,
     StatusBuilder,
     health_of,
+    with_detection,
 )
 from ftrun.errors import ConfigError, FtrunError, UnreachableError
 from ftrun.protocol.transport import RateLimiter, Reply, Server
@@ -511,7 +512,8 @@ class Coordinator:
         doc["snapshots"] = self._snapshots.summary()
         # The detection service's suspects, findings with their evidence, isolated hosts.
         if self._detection is not None:
-            doc["detection"] = self._detection.status()
+            # Active suspects turn a healthy job degraded (ftrun.coordinator.status).
+            with_detection(doc, self._detection.status())
         return doc
 
 

@@ -49,6 +49,8 @@ MAX_DONE = 256  # durations listed per group and report (the newest)
 MAX_TRACKED = 4096  # enqueued collectives remembered per group
 MAX_RANKS_LISTED = 64
 WARN_EVERY_S = 60.0
+# A full dump holds the GIL for tens of ms: at most one per this many seconds.
+DUMP_EVERY_S = 10.0
 SEND_TIMEOUT_S = 0.05
 DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
                "Short": 2, "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1,
@@ -67,7 +69,7 @@ class _Group:
     ranks: list[int] | None = None
     since: dict[int, float] = field(default_factory=dict)  # seq -> first seen enqueued/started
     done: list[list[float]] = field(default_factory=list)  # [seq, duration_s], unsent
-    op: tuple[int, str, int] | None = None  # (seq, op, bytes) of a long wait, once looked up
+    op: tuple[int, str, int | None] | None = None  # (seq, op, bytes) of a long wait
     urgent_sent: int = -1  # the pending seq whose long wait was reported at once
 
 
@@ -97,6 +99,7 @@ class CollectiveMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_warn: dict[str, float] = {}
+        self._last_dump = float("-inf")
         self.counters = {"samples": 0, "reports": 0, "dropped": 0, "dumps": 0, "errors": 0}
 
     def start(self) -> None:
@@ -195,18 +198,27 @@ class CollectiveMonitor:
                        type(e).__name__, e)
 
     def _look_up(self, g: _Group, seq: int) -> None:
-        """The op and size of a collective that waits long, from one full dump."""
+        """The op and size of a collective that waits long, from one full dump (at most one
+        per DUMP_EVERY_S: it holds the GIL for tens of ms)."""
+        now = time.monotonic()
+        if now - self._last_dump < DUMP_EVERY_S:
+            return
+        self._last_dump = now
         self.counters["dumps"] += 1
         for e in _torch.fr_dump(True).get("entries") or []:
             pg = e.get("process_group") or [None]
             if str(pg[0]) == g.name and int(e.get("collective_seq_id", -1)) == seq:
-                nbytes = 0
+                nbytes: int | None = 0
                 for shape, dtype in zip(e.get("input_sizes") or [], e.get("input_dtypes") or [],
                                         strict=False):
                     n = 1
                     for d in shape:
                         n *= int(d)
-                    nbytes += n * DTYPE_BYTES.get(str(dtype), 4)
+                    size = DTYPE_BYTES.get(str(dtype))
+                    if size is None or nbytes is None:
+                        nbytes = None  # a dtype not known here: no size rather than a guess
+                        continue
+                    nbytes += n * size
                 g.op = (seq, str(e.get("profiling_name", "")), nbytes)
                 return
 
@@ -225,7 +237,9 @@ class CollectiveMonitor:
             if g.done:
                 entry["done"] = g.done
             if g.op is not None and g.op[0] == pending:
-                entry["op"], entry["bytes"] = g.op[1], g.op[2]
+                entry["op"] = g.op[1]
+                if g.op[2] is not None:
+                    entry["bytes"] = g.op[2]
             groups.append(entry)
         self._seq += 1
         body = {**self._base, "seq": self._seq, "groups": groups}
