@@ -6,6 +6,15 @@ of each, their ratio, and the monitor thread's CPU time per second of training. 
 reports to a real detect endpoint (a transport.Server on loopback) that counts the reports.
 
     python bench/detect.py overhead [--runs 4] [--steps 300] [--ranks 3]
+
+Part ``latency`` (bench/_detect_latency.py): from a hang (SIGSTOP, or a collective that never
+returns) to resumed training, ftrun with and without collective detection against torchrun
+with tuned and default process-group timeouts. Part ``scale`` (bench/_detect_scale.py): the
+detection service under thousands of simulated ranks, and its detection latency there.
+
+All parts in one run, appended to the results:
+
+    python bench/detect.py --output bench/RESULTS.md
 """
 
 from __future__ import annotations
@@ -22,10 +31,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from ftrun.protocol.messages import Message  # noqa: E402
 from ftrun.protocol.transport import Server  # noqa: E402
 
+PARTS = ("overhead", "latency", "scale")
 SECRET = "bench-detect"
 JOB = "bench-detect"
 
@@ -180,20 +191,67 @@ def overhead(runs: int = 4, steps: int = 300, ranks: int = 3, dim: int = 512,
 
 
 def main(argv: list[str] | None = None) -> int:
+    import tempfile
+    from datetime import datetime, timezone
+
+    import _detect_latency
+    import _detect_scale
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="part", required=True)
-    o = sub.add_parser("overhead", help="collective monitor overhead on step time")
-    o.add_argument("--runs", type=int, default=4, help="interleaved off/on pairs (default 4)")
-    o.add_argument("--steps", type=int, default=300, help="timed steps per run (default 300)")
-    o.add_argument("--ranks", type=int, default=3, help="ranks (default 3)")
-    o.add_argument("--dim", type=int, default=512, help="MLP width (default 512)")
-    o.add_argument("--json", metavar="FILE", help="also write the figures as JSON here")
+    p.add_argument("parts", nargs="*", metavar="PART",
+                   help=f"which parts to run: {', '.join(PARTS)} (default: all, in one run)")
+    p.add_argument("--runs", type=int, default=4, help="overhead: interleaved off/on pairs")
+    p.add_argument("--steps", type=int, default=300, help="overhead: timed steps per run")
+    p.add_argument("--ranks", type=int, default=3, help="overhead: ranks (default 3)")
+    p.add_argument("--dim", type=int, default=512, help="overhead: MLP width (default 512)")
+    p.add_argument("--scale-ranks", type=int, default=4096,
+                   help="scale: simulated ranks (default 4096)")
+    p.add_argument("--scale-seconds", type=float, default=40.0,
+                   help="scale: seconds of simulated reports (default 40)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON here")
+    p.add_argument("--output", metavar="FILE", help="append the tables to this Markdown file")
     args = p.parse_args(argv)
-    if args.part == "overhead":
-        result = overhead(args.runs, args.steps, args.ranks, args.dim)
+    parts = args.parts or list(PARTS)
+    for part in parts:
+        if part not in PARTS:
+            p.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
+    results: dict[str, Any] = {}
+    sections: list[str] = []
+    if "overhead" in parts:
+        r = overhead(args.runs, args.steps, args.ranks, args.dim)
+        results["overhead"] = r
+        sections.append(
+            "**Monitor overhead** (3 gloo ranks, DDP MLP, interleaved off/on runs)\n\n"
+            "| monitor off | monitor on | ratio | monitor thread CPU |\n|---|---|---|---|\n"
+            f"| {r['step_off_ms']:.3f} ms | {r['step_on_ms']:.3f} ms | {r['ratio']:.4f} | "
+            f"{r['monitor_cpu_ms_per_s']:.1f} ms per s |")
+    if "latency" in parts:
+        with tempfile.TemporaryDirectory(prefix="ftrun-bench-detect-") as tmp:
+            rows = _detect_latency.latency(Path(tmp))
+        results["latency"] = rows
+        table = _detect_latency.table(rows)
+        print(table)
+        sections.append("**Hang to resumed training** (1 node x 3 ranks, gloo, rank 1 hangs "
+                        "in step 10; seconds from the fault)\n\n" + table)
+    if "scale" in parts:
+        r = _detect_scale.scale(ranks=args.scale_ranks, duration_s=args.scale_seconds,
+                                stall_after_s=args.scale_seconds / 2)
+        results["scale"] = r
+        table = _detect_scale.table(r)
+        print(table)
+        sections.append("**Detection service at scale** (simulated ranks reporting every "
+                        "0.5 s, one freezes halfway)\n\n" + table)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.output:
+        date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        cmd = " ".join(["python", "bench/detect.py", *(argv if argv is not None
+                                                        else sys.argv[1:])])
+        with open(args.output, "a") as f:
+            f.write(f"\n## Detection (C4-style collective analysis)\n\n`{cmd}` on {date}, "
+                    f"{os.cpu_count()} CPUs, CPU only (gloo).\n\n" + "\n\n".join(sections)
+                    + "\n")
     return 0
 
 
