@@ -8,8 +8,10 @@ Rank 1 hangs in step ``fail_at`` in one of two ways:
 
 Per launcher and fault, the seconds from the fault (its marker's timestamp) to the
 detection (ftrun's ``detection`` event), to the restarted workers (``workers_started``) and
-to the first step completed after the restart; every run that recovers must end with the
-fault-free ``params_xxh3``. The launchers:
+to the first step completed after the restart. Every ftrun run that recovers must end with
+the fault-free ``params_xxh3``; torchrun's restart reduces its first step with DDP's initial
+bucket layout, so with 3 ranks its weights differ in the last bits (noted, not an error).
+The launchers:
 
 - ftrun with collective detection (``--on-hang restart``, the default);
 - ftrun with detection off (``--on-hang warn``): only the launcher's own check, which kills
@@ -110,8 +112,15 @@ def measure_one(label: str, launcher: list[str], fault: str, base: list[str], fa
         row["note"] = (f"no recovery within the {limit_s:g} s limit" if job["code"] is None
                        else f"exit {job['code']}")
     elif clean_hash is not None and job["result"]["params_xxh3"] != clean_hash:
-        row["error"] = (f"params_xxh3 {job['result']['params_xxh3']} differs from the "
-                        f"fault-free {clean_hash}")
+        if "torchrun" in label:
+            # Expected of a plain restart with 3+ ranks: DDP reduces the first step after it
+            # with its initial bucket layout, not the rebuilt one (see ftrun/_torch.py).
+            row["note"] = "recovered; weights differ from the fault-free run (DDP buckets)"
+        else:
+            row["error"] = (f"params_xxh3 {job['result']['params_xxh3']} differs from the "
+                            f"fault-free {clean_hash}")
+    else:
+        row["note"] = "recovered; weights equal the fault-free run's"
     return row
 
 
