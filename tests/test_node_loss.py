@@ -406,7 +406,9 @@ def test_standalone_coordinator_outlives_the_host_that_would_host_it(
                     name="coordinator")
     wait_for(lambda: (state_dir / "jobs" / job.run_id / "job.json").exists(), 60,
              "the standalone coordinator's job file")
-    job.start(range(4), "3", "--rdzv-conf", "is_host=0", endpoint=endpoint)
+    job.start(range(3), "3", "--rdzv-conf", "is_host=0", endpoint=endpoint)
+    job.wait_step(1)  # host 3 joins once the others train: it is the spare
+    job.start([3], "3", "--rdzv-conf", "is_host=0", endpoint=endpoint)
     job.wait_step(KILL_AT)
     doc = job.wait_durable(KILL_AT - 2, host=4)
     if 0 not in job.hosts_with_ranks(doc):

@@ -33,9 +33,11 @@ MODEL = ("--layers", "1", "--dim", "16")
 
 
 def two_nodes(procs: Procs, persist_dir: Path, *ftrun_args: str, train_args: tuple[str, ...] = (),
-              state_dir: Path | None = None) -> tuple[str, list[subprocess.Popen[str]]]:
+              state_dir: Path | None = None,
+              extra_env: dict[str, str] | None = None) -> tuple[str, list[subprocess.Popen[str]]]:
     run_id = f"persist-{uuid.uuid4().hex[:8]}"
-    env = {"FTRUN_STATE_DIR": str(state_dir)} if state_dir is not None else None
+    env = {**({"FTRUN_STATE_DIR": str(state_dir)} if state_dir is not None else {}),
+           **(extra_env or {})} or None
     port = free_port()
     argv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
@@ -89,14 +91,18 @@ def check_all_complete(ckpt: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def first_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A fault-free job persisting every 4 steps and at its end: its weights are the baseline,
-    its persist dir the starting point of the restore tests."""
+    its persist dir the starting point of the restore tests, which need two complete steps.
+    Each step waits for its snapshot buffer (as the exact_steps fixture has it): a skipped
+    snapshot, while the previous step waits for its replica, once left the first commit the
+    coordinator saw at step 10, and so only the final step on disk."""
     tmp = tmp_path_factory.mktemp("persist-first")
     procs = Procs(tmp)
     state_dir, ckpt = tmp / "state", tmp / "ckpt"
     try:
         run_id, nodes = two_nodes(procs, ckpt, "--persist-every", "4", "--persist-keep", "10",
                                   train_args=("--result", str(tmp / "r.json")),
-                                  state_dir=state_dir)
+                                  state_dir=state_dir,
+                                  extra_env={"FTRUN_SNAPSHOT_WAIT": "60"})
         doc = succeed(procs, nodes, tmp / "r.json")
         return {"params_xxh3": doc["params_xxh3"], "ckpt": ckpt, "out": outputs(procs, nodes),
                 "targets": targets(state_dir, run_id)}
