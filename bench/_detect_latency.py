@@ -33,6 +33,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _jobs import pids_with_token
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
 VENV = Path(sys.executable).parent
@@ -47,9 +49,13 @@ def _run(name: str, launcher: list[str], train_args: list[str], work: Path,
     result = work / f"{name}.json"
     cmd = [*launcher, TRAIN, *train_args, "--step-log", str(steplog), "--result", str(result)]
     t0 = time.time()
+    # Every process of the job carries this in its environment: torch starts the workers in
+    # sessions of their own, and a frozen one outlives a killed launcher.
+    token = f"FTRUN_BENCH_JOB={name}-{uuid.uuid4().hex[:8]}"
+    key, value = token.split("=", 1)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, **env}, start_new_session=True)
+                                env={**os.environ, **env, key: value}, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
@@ -61,6 +67,11 @@ def _run(name: str, launcher: list[str], train_args: list[str], work: Path,
             else:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)  # stragglers of an ended job
+                except ProcessLookupError:
+                    pass
+            for pid in pids_with_token(token.encode()):  # workers in sessions of their own
+                try:
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
     steps = ([json.loads(ln) for ln in steplog.read_text().splitlines() if ln.strip()]
