@@ -130,8 +130,10 @@ def measure_one(label: str, launcher: list[str], fault: str, base: list[str], fa
         else:
             row["error"] = (f"params_xxh3 {job['result']['params_xxh3']} differs from the "
                             f"fault-free {clean_hash}")
-    else:
+    elif clean_hash is not None:
         row["note"] = "recovered; weights equal the fault-free run's"
+    else:
+        row["note"] = "recovered"
     return row
 
 
