@@ -60,8 +60,7 @@ class Collector:
         self._thread.start()
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self._server.serve_once(0.05)
+        self._server.serve_until(self._stop, 0.05, max_messages=1000)
 
     def close(self) -> None:
         self._stop.set()

@@ -72,12 +72,7 @@ class ProbeService:
         return self.address
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._server.serve_once(SERVE_POLL_S, max_messages=4)
-            except Exception:  # noqa: BLE001 - the service must survive anything
-                log.exception("probe service loop error; continuing")
-                self._stop.wait(SERVE_POLL_S)
+        self._server.serve_until(self._stop, SERVE_POLL_S, max_messages=4)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()

@@ -222,12 +222,7 @@ class ReplicaReceiver:
         for s in adopted:
             if self._report is not None and not self._stop.is_set():
                 self._report(s.origin, s.epoch, s.rank, s.step)
-        while not self._stop.is_set():
-            try:
-                self._server.serve_once(SERVE_POLL_S, max_messages=64)
-            except Exception:  # noqa: BLE001 - the receiver must survive anything
-                log.exception("replica receiver loop error; continuing")
-                self._stop.wait(SERVE_POLL_S)
+        self._server.serve_until(self._stop, SERVE_POLL_S, max_messages=64)
 
     def stop(self, unlink: bool, timeout_s: float = 5.0) -> None:
         self._stop.set()

@@ -94,12 +94,7 @@ class ShardService:
         return self.address
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._server.serve_once(SERVE_POLL_S, max_messages=16)
-            except Exception:  # noqa: BLE001 - the service must survive anything
-                log.exception("shard service loop error; continuing")
-                self._stop.wait(SERVE_POLL_S)
+        self._server.serve_until(self._stop, SERVE_POLL_S, max_messages=16)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
