@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ftrun import knobs
 from ftrun.errors import ConfigError, JobNotFoundError
@@ -67,6 +68,11 @@ def _write_private_atomic(path: Path, data: bytes, exclusive: bool = False) -> b
             os.close(fd)
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_private_json(path: Path, obj: Any) -> None:
+    """``obj`` as JSON in ``path``, written atomically with mode 0600 (OSError on failure)."""
+    _write_private_atomic(path, json.dumps(obj, default=str).encode())
 
 
 def load_secret(run_id: str, state: str | None = None, create: bool = True) -> bytes:

@@ -46,6 +46,7 @@ from typing import Any
 
 import zmq
 
+from ftrun import jobs
 from ftrun.coordinator.detect import DetectConfig, Detector, Finding
 from ftrun.errors import FtrunError
 from ftrun.protocol.transport import Reply, Server
@@ -376,12 +377,8 @@ class DetectService:
         path = self._excluded_file
         if path is None:
             return
-        tmp = path.with_suffix(".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump({"hosts": self._excluded}, fh, default=str)
-            os.replace(tmp, path)
+            jobs.write_private_json(path, {"hosts": self._excluded})
         except OSError as e:
             log.error("cannot write the exclude list %s: %s (it stays in memory only)", path, e)
 
