@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _jobs import pids_with_token
+from _jobs import TOKEN_ENV, pids_with_token
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -51,7 +51,7 @@ def _run(name: str, launcher: list[str], train_args: list[str], work: Path,
     t0 = time.time()
     # Every process of the job carries this in its environment: torch starts the workers in
     # sessions of their own, and a frozen one outlives a killed launcher.
-    token = f"FTRUN_BENCH_JOB={name}-{uuid.uuid4().hex[:8]}"
+    token = f"{TOKEN_ENV}={name}-{uuid.uuid4().hex[:8]}"
     key, value = token.split("=", 1)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,

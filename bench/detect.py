@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _jobs import free_port  # noqa: E402
+
 from ftrun.protocol.messages import Message  # noqa: E402
 from ftrun.protocol.transport import Server  # noqa: E402
 
@@ -98,8 +100,7 @@ class _Endpoint:
         return "ack", {}
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.server.serve_once(0.05)
+        self.server.serve_until(self._stop, 0.05, max_messages=1000)
 
     def close(self) -> None:
         self._stop.set()
@@ -107,17 +108,9 @@ class _Endpoint:
         self.server.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(script: Path, ranks: int, steps: int, dim: int, detect: str | None,
          timeout_s: float) -> list[dict[str, Any]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for rank in range(ranks):
