@@ -184,7 +184,9 @@ def test_host_killed_under_min_max_continues_on_fewer_hosts(cluster_factory,
     assert result["world_size"] == 2
     [step] = result["resumed_from"]
     assert step >= durable, (step, durable)
-    assert {(s, src) for _, s, src in job.resumes()} == \
+    # A rank whose old shards sat on other hosts says which ("... (from node(s) ...)"):
+    # which rank lands where after the shrink is the rendezvous' choice.
+    assert {(s, src.split(" (from ")[0]) for _, s, src in job.resumes()} == \
         {(step, "memory, resharded from 3 ranks")}, job.resumes()
     log.info("shrink: host %d killed at step >= %d, durable %d, resumed from %d on 2 ranks "
              "in %.1f s", victim, KILL_AT, durable, step, job.resumed_after(t_kill))
@@ -319,13 +321,18 @@ def test_whole_group_killed_falls_back_to_disk(cluster_factory, state_dir: Path,
         return snaps if snaps.get("world_size") == 2 and snaps.get("restored_from") else None
 
     snaps = wait_for(restored, 150, "ftrun status to show the restore", interval_s=0.5)
-    assert snaps["base_step"] == max(on_disk) and snaps["restored_from"].startswith("disk"), \
-        snaps
+    # A step whose last shard landed just after the kill may complete then (a survivor
+    # merges it): the restore takes the newest complete step, at least the one seen at
+    # the kill.
+    complete = [s.step for s in persist.list_steps(ckpt) if s.complete]
+    assert snaps["base_step"] in complete and snaps["base_step"] >= max(on_disk), \
+        (snaps, on_disk, complete)
+    assert snaps["restored_from"].startswith("disk"), snaps
     text = job.status_text(0)
-    assert f"restored step {max(on_disk)} from disk" in text, text
+    assert f"restored step {snaps['base_step']} from disk" in text, text
     job.finish()
     [step] = json.loads(job.result.read_text())["resumed_from"]
-    assert step == max(on_disk), (step, on_disk)
+    assert step == snaps["base_step"], (step, snaps)
     assert {(s, src.split(" ")[0]) for _, s, src in job.resumes()} == {(step, "disk")}, \
         job.resumes()
     restores = [e for e in job.events() if e["type"] == "restore" and e.get("step") == step]
