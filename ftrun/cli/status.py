@@ -49,7 +49,7 @@ _KIND_WORD = {"hang": "hung", "comm_hang": "comm hang", "slow_rank": "slow",
               "slow_comm": "slow comm", "slow_host": "slow host", "slow_link": "slow link"}
 # Evidence fields shown (in this order) after a suspect's summary; the rest are in --json.
 _EVIDENCE_KEYS = ("pg", "seq", "seqs", "op", "reason", "longest_wait_s", "threshold_s",
-                  "silent_s", "last_in", "ops", "lateness_s", "others_lateness_s", "op_s",
+                  "silent_s", "last_in", "ops", "wait_share", "lateness_s", "others_lateness_s", "op_s",
                   "baseline_s", "mb_s", "rtt_s", "reference_mb_s", "slow", "link", "error")
 
 _HEALTH_CODES = {

@@ -36,7 +36,7 @@ class DetectConfig:
     window: int = 20               # ops per group in the slow windows
     history: int = 3               # ops kept per group: window * history
     min_ops: int = 8               # informative ops needed before slow_rank can be named
-    slow_last_frac: float = 0.75   # last in at least this share of the window's informative ops
+    slow_share: float = 0.75       # caused at least this share of the window's waiting
     slow_min_s: float = 0.05       # lateness floor (at least 2 * interval_s as well)
     slow_z: float = 3.0            # lateness against the others' spread (robust z)
     comm_factor: float = 3.0       # slow_comm: op time vs the group's baseline
@@ -62,9 +62,10 @@ class DetectConfig:
                 raise ConfigError(f"{name}={value!r} must be a finite factor >= 1")
         if not (math.isfinite(self.slow_z) and self.slow_z > 0):
             raise ConfigError(f"slow_z={self.slow_z!r} must be a finite number > 0")
-        if not 0.5 <= self.slow_last_frac <= 1:
-            raise ConfigError(f"slow_last_frac={self.slow_last_frac!r} must lie in [0.5, 1]: "
-                              "a rank last in fewer than half the ops is not consistently last")
+        if not 0.5 <= self.slow_share <= 1:
+            raise ConfigError(f"slow_share={self.slow_share!r} must lie in [0.5, 1]: a rank "
+                              "that caused less than half the waiting is not the one slowing "
+                              "the group")
         if not 0 < self.probe_frac < 1:
             raise ConfigError(f"probe_frac={self.probe_frac!r} must lie in (0, 1)")
         for name, low in (("window", 4), ("history", 2), ("max_probe_pairs", 1)):
@@ -463,14 +464,21 @@ class Detector:
         recent = [(s, self._durations(group, s), lo) for s, lo in informative[-cfg.window:]]
         slow_rank = None
         if len(recent) >= cfg.min_ops:
+            # Each op's waiting (longest minus shortest duration) is blamed on its last
+            # arrival; an op whose last arrival is a tie blames nobody but still counts.
             last_count: dict[int, int] = {}
+            blame: dict[int, float] = {}
+            waiting = 0.0
             for _, d, lo in recent:
+                wait = max(d.values()) - lo
+                waiting += wait
                 tied = [r for r, v in d.items() if v <= lo + interval / 2]
                 if len(tied) == 1:
                     last_count[tied[0]] = last_count.get(tied[0], 0) + 1
-            if last_count:
-                cand = max(last_count, key=last_count.__getitem__)
-                frac = last_count[cand] / len(recent)
+                    blame[tied[0]] = blame.get(tied[0], 0.0) + wait
+            if blame and waiting > 0:
+                cand = max(blame, key=blame.__getitem__)
+                share = blame[cand] / waiting
                 late_c: list[float] = []
                 late_o: dict[int, list[float]] = {}
                 for _, d, _lo in recent:
@@ -486,11 +494,11 @@ class Detector:
                 centre = median(other_lat)
                 spread = max(1.4826 * _mad(other_lat, centre), interval)
                 z = (lat - centre) / spread
-                if frac >= cfg.slow_last_frac and lat >= floor and z >= cfg.slow_z:
+                if share >= cfg.slow_share and lat >= floor and z >= cfg.slow_z:
                     slow_rank = cand
                     ranks, hosts, nodes = self._who([cand])
                     ev = {"pg": group.name, "ops": len(recent), "last_in": last_count[cand],
-                          "last_frac": round(frac, 3), "lateness_s": round(lat, 4),
+                          "wait_share": round(share, 3), "lateness_s": round(lat, 4),
                           "others_lateness_s": round(centre, 4), "z": round(z, 2),
                           "floor_s": round(floor, 4),
                           "seqs": [recent[0][0], recent[-1][0]]}
@@ -498,7 +506,7 @@ class Detector:
                         "slow_rank", ranks, hosts, nodes, ev,
                         f"slow_rank: rank {cand} on {_fmt(hosts)} was last in "
                         f"{last_count[cand]}/{len(recent)} ops of group {group.name}, "
-                        f"{lat * 1000:.0f} ms late (median)")))
+                        f"{lat * 1000:.0f} ms late (median), {share:.0%} of the waiting")))
         # slow_comm: the fastest rank's duration is the communication itself.
         mins = [lo for lo, _ in spreads]
         if len(mins) >= 2 * cfg.window:
