@@ -127,6 +127,29 @@ def test_endpoint_and_job_start(coordinator: Coordinator, tmp_path: Path) -> Non
     assert first["type"] == "job_start" and first["seq"] == 1 and first["node"] is None
 
 
+@pytest.mark.parametrize("detection", [True, False])
+def test_hello_answer_says_where_ranks_report(make_coordinator: Callable[..., Coordinator],
+                                              detection: bool) -> None:
+    """A launcher given --coordinator learns the detection endpoint from the answer to its
+    hello ("" when the coordinator runs no detection)."""
+    from ftrun.coordinator.detect import DetectConfig
+
+    c = make_coordinator(detection=DetectConfig() if detection else None)
+    answers: list[dict[str, Any]] = []
+    reporter = NodeReporter(c.endpoint, SECRET, JOB, "host-h/1", "host-h", workers_state,
+                            interval_s=0.05, on_hello=answers.append)
+    reporter.start()
+    try:
+        assert reporter.wait_hello(10), "the coordinator never answered hello"
+        assert len(answers) == 1
+        assert answers[0]["detect"] == (c.detect_endpoint if detection else "")
+        if detection:
+            assert answers[0]["detect"] and answers[0]["detect"] != c.endpoint
+    finally:
+        reporter.stop("succeeded", 0, timeout_s=3)
+    assert len(answers) == 1
+
+
 def test_reporter_heartbeats_events_and_bye(coordinator: Coordinator, tmp_path: Path) -> None:
     reporter = NodeReporter(coordinator.endpoint, SECRET, JOB, "host-a/1", "host-a",
                             lambda: workers_state(restarts=1), interval_s=0.05)

@@ -280,6 +280,33 @@ def test_bad_input_is_one_clear_line(procs: Procs, state_dir: Path, argv: list[s
     assert message in out and "Traceback" not in out
 
 
+def test_launchers_given_coordinator_detect_a_collective_hang(procs: Procs, state_dir: Path,
+                                                              baseline_hash: str) -> None:
+    """Launchers given ``--coordinator HOST:PORT`` read nothing from the rendezvous store:
+    the coordinator's answer to their hello says where the ranks report their collectives.
+    Rank 1 enters a collective nobody else enters; the coordinator names it, its launcher
+    kills it on the coordinator's order, and the job ends as the fault-free run does."""
+    run_id = f"given-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    coord = procs.ftrun("coordinator", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                        name="coordinator")
+    job_file = state_dir / "jobs" / run_id / "job.json"
+    wait_for(job_file.exists, 60, "the coordinator's job file")
+    endpoint = json.loads(job_file.read_text())["endpoint"]
+    nodes = two_nodes(procs, run_id, port, "--max-restarts", "2", "--coordinator", endpoint,
+                      "--rdzv-conf", "is_host=0",
+                      train_args=("--fail-at-step", "3", "--fail-rank", "1",
+                                  "--fail-mode", "collective-hang", "--pg-timeout", "900"))
+    assert _job_result(procs, nodes, 200) == baseline_hash
+    _fault_marker(state_dir, run_id, 1, 3)
+    events = read_events(state_dir, run_id)
+    hangs = [e for e in events if e["type"] == "detection" and e["kind"] == "hang"]
+    assert hangs and hangs[0]["ranks"] == [1] and hangs[0]["action"] == "restart", hangs
+    assert any(e["type"] == "directive_acked" and e.get("action") == "restart" for e in events)
+    coord.send_signal(signal.SIGTERM)
+    assert procs.wait(coord, 30) == 0
+
+
 def test_standalone_coordinator_outlives_any_launcher(procs: Procs, state_dir: Path,
                                                       tmp_path: Path) -> None:
     """With `ftrun coordinator` holding the rendezvous store, no launcher is special."""

@@ -160,6 +160,9 @@ class NodeReporter:
     (``{"id", "action", "data"}``), once per id even when the coordinator sends it again; it
     must return quickly (queue the work). Its id is acked in the next
     :data:`ACK_HEARTBEATS` heartbeats, and again whenever the coordinator resends it.
+
+    ``on_hello`` is called from the reporter thread with the coordinator's answer to
+    ``hello`` (``{"re", "detect"}``); :meth:`wait_hello` waits for it.
     """
 
     def __init__(
@@ -172,6 +175,7 @@ class NodeReporter:
         state_fn: Callable[[], dict[str, Any]],
         interval_s: float = 1.0,
         on_directive: Callable[[dict[str, Any]], None] | None = None,
+        on_hello: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         protocol.split_endpoint(endpoint)  # fail early on a malformed endpoint
         self.endpoint = endpoint
@@ -187,6 +191,8 @@ class NodeReporter:
         self._last_warn: dict[str, float] = {}
         self._bye_deadline = float("inf")
         self._on_directive = on_directive
+        self._on_hello = on_hello
+        self._hello_answered = threading.Event()
         self._composer = HeartbeatComposer(node_id, host, os.getpid())
         # id -> heartbeats that still ack it; insertion order is delivery order.
         self._acks: dict[str, int] = {}
@@ -200,6 +206,10 @@ class NodeReporter:
             target=self._run, name=f"ftrun-reporter-{self.node_id}", daemon=True
         )
         self._thread.start()
+
+    def wait_hello(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the coordinator's answer to ``hello``."""
+        return self._hello_answered.wait(timeout_s)
 
     def event(self, type: str, **data: Any) -> None:
         """Queue an event for the coordinator (thread-safe, never blocks)."""
@@ -266,6 +276,13 @@ class NodeReporter:
     def _on_reply(self, msg: protocol.Message, acked: set[str]) -> None:
         if msg.kind == "ack" and msg.re is not None:
             acked.add(msg.re)
+            if "detect" in msg.body and not self._hello_answered.is_set():
+                if self._on_hello is not None:
+                    try:
+                        self._on_hello(dict(msg.body))
+                    except Exception:  # noqa: BLE001 - a failing callback must not stop us
+                        log.exception("handling the coordinator's answer to hello failed")
+                self._hello_answered.set()
         elif msg.kind == "directives":
             for d in msg.body["directives"]:
                 if d["action"] == REPORT_ACTION:

@@ -374,7 +374,8 @@ class Coordinator:
     def _on_hello(self, msg: protocol.Message) -> Reply:
         body = msg.body
         self._touch(body["node_id"], body["host"], body["pid"])
-        return Reply("ack", {"re": msg.id})
+        # A launcher given --coordinator has no rendezvous store to read this from.
+        return Reply("ack", {"re": msg.id, "detect": self.detect_endpoint or ""})
 
     def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
         body = msg.body

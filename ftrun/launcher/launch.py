@@ -40,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from ftrun import _torch, jobs, knobs
+from ftrun import _torch, jobs, knobs, protocol
 from ftrun.cli import exit_codes
 from ftrun.errors import ConfigError
 from ftrun.launcher import slurm
@@ -65,6 +65,9 @@ COORDINATOR_KEY = "ftrun/coordinator"
 # that is not stopping at all does not hold up the exit for longer than that).
 FINAL_PERSIST_WAIT_S = 120.0
 FINAL_START_GRACE_S = 10.0
+# With --coordinator: how long the launcher waits for the coordinator's answer to its hello
+# (where the ranks report their collectives) before it starts the workers without it.
+HELLO_WAIT_S = 10.0
 
 
 @dataclass
@@ -304,15 +307,16 @@ def _detection_config(opts: FtrunOptions) -> Any:
                         isolate_hook=opts.isolate_hook)
 
 
-def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str,
-                  detect_endpoint: str) -> Any:
+def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str, endpoint: str) -> Any:
     """Start each probe directive on a thread of its own: probes take seconds, and the agent's
-    thread watches the workers."""
+    thread watches the workers. Results go where the ranks report their collectives."""
     def run_probe(directive: dict[str, Any]) -> None:
         def probe() -> None:
             try:
                 probe_and_report(directive, node_id=ctx.node_id, host=ctx.host, secret=secret,
-                                 run_id=run_id, detect_endpoint=detect_endpoint)
+                                 run_id=run_id,
+                                 detect_endpoint=ctx.worker_env.get(knobs.DETECT.name)
+                                 or endpoint)
             except Exception:  # noqa: BLE001 - logged; the agent goes on
                 log.exception("probe directive %s failed", directive.get("id"))
 
@@ -351,7 +355,8 @@ def run(argv: list[str]) -> int:
     coordinator = None
     endpoint = opts.coordinator
     # Where the ranks report their collectives (ftrun.rank.collectives); "" turns that off.
-    # With --coordinator (no rendezvous store to read it from) the ranks report nothing.
+    # With --coordinator (no rendezvous store to read it from) the coordinator's answer to
+    # this launcher's hello says it.
     detect_endpoint = ""
     if plan is not None and plan.is_host and endpoint is None:
         coordinator = Coordinator(
@@ -427,14 +432,22 @@ def run(argv: list[str]) -> int:
             fields = ctx.agent.node_state() if ctx.agent is not None else base
             return {**fields, "probe_addr": probe_addr}
 
+        def hello_answered(body: dict[str, Any]) -> None:
+            if not ctx.worker_env.get(knobs.DETECT.name) and body.get("detect"):
+                protocol.split_endpoint(body["detect"])  # validate
+                # Ranks started from now on report their collectives there.
+                ctx.worker_env[knobs.DETECT.name] = body["detect"]
+
         reporter = NodeReporter(endpoint, secret, run_id, node_id, host, state,
                                 interval_s=opts.heartbeat_interval_s,
-                                on_directive=ctx.on_directive)
+                                on_directive=ctx.on_directive, on_hello=hello_answered)
         reporter.start()
         ctx.sink = reporter
-        # Probe results go to the coordinator's detection endpoint.
-        ctx.run_probe = _probe_runner(ctx, secret, run_id,
-                                      detect_endpoint=detect_endpoint or endpoint)
+        ctx.run_probe = _probe_runner(ctx, secret, run_id, endpoint)
+        if opts.coordinator is not None and not reporter.wait_hello(HELLO_WAIT_S):
+            log.warning("the coordinator at %s did not answer within %.0f s; this node's ranks "
+                        "report their collectives only from their first start after it does",
+                        endpoint, HELLO_WAIT_S)
     ctx.store = StoreProcess(
         StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
                     owner_pid=os.getpid(), persist_dir=opts.persist_dir,

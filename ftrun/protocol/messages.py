@@ -106,7 +106,9 @@ SCHEMAS: dict[str, Schema] = {
     "events_request": {"since": (int, False)},
     "events_reply": {"events": (ListOf(dict), True), "more": (bool, False)},
     "error": {"message": (str, True), "error": (str, False)},
-    "ack": {"re": (str, False)},
+    # ``detect``: in the reply to ``hello`` only, where the node's ranks report their
+    # collectives ("" when the coordinator runs no detection).
+    "ack": {"re": (str, False), "detect": (str, False)},
     # Snapshots. Store -> coordinator: a rank's shard of ``step`` is verified (``ok`` false:
     # it failed verification, so the step can never commit); the epoch
     # (one per restore, agreed by all ranks) starts from ``base_step``. Reply: commit_info.
