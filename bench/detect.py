@@ -1,11 +1,12 @@
 """Detection benchmarks. Each part is one function; ``main()`` runs the parts asked for.
 
-Part ``overhead``: the same small DDP training (3 ranks, gloo, CPU) with and without the
-collective monitor (ftrun.rank.collectives), in interleaved runs. Reports the median step time
-of each, their ratio, and the monitor thread's CPU time per second of training. The monitor
-reports to a real detect endpoint (a transport.Server on loopback) that counts the reports.
+Part ``overhead``: a small DDP training (3 ranks, gloo, CPU) in blocks of steps with the
+collective monitor (ftrun.rank.collectives) off and on, alternating in the same processes (so
+process placement and drift of the machine cancel out). Reports the median step time of each,
+the median of the pairs' ratios, and the monitor thread's CPU time per second of training.
+The monitor reports to a real detect endpoint (a transport.Server on loopback).
 
-    python bench/detect.py overhead [--runs 4] [--steps 300] [--ranks 3]
+    python bench/detect.py overhead [--pairs 8] [--steps 600] [--ranks 3]
 
 Part ``latency`` (bench/_detect_latency.py): from a hang (SIGSTOP, or a collective that never
 returns) to resumed training, ftrun with and without collective detection against torchrun
@@ -42,40 +43,63 @@ PARTS = ("overhead", "latency", "scale")
 SECRET = "bench-detect"
 JOB = "bench-detect"
 
-# One rank: DDP over a small MLP; prints its step times and the monitor's CPU as JSON.
+# One rank: DDP over a small MLP, in blocks of steps with the collective monitor off and on
+# (pairs of blocks, in alternating order, in the same processes); prints each block's step
+# times and the monitor thread's CPU as JSON.
 WORKER = r'''
-import json, os, sys, time
+import json, os, socket, statistics, sys, time
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-import ftrun
+from ftrun.rank.collectives import CollectiveMonitor
 
-steps, dim = int(sys.argv[1]), int(sys.argv[2])
+steps, dim, pairs = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DistributedDataParallel(torch.nn.Sequential(
     torch.nn.Linear(dim, dim), torch.nn.ReLU(), torch.nn.Linear(dim, dim), torch.nn.ReLU(),
     torch.nn.Linear(dim, dim)))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-monitor = ftrun.monitor_collectives()
 x = torch.randn(64, dim)
-times = []
-for step in range(steps + 10):
-    t0 = time.perf_counter()
-    opt.zero_grad()
-    model(x).sum().backward()
-    opt.step()
-    times.append(time.perf_counter() - t0)
-times = times[10:]
-out = {"rank": dist.get_rank(), "times": times, "monitor": monitor is not None}
-if monitor is not None:
-    import threading
-    # The monitor thread's CPU time (ns, scheduler accounting) from /proc.
-    tid = next(t.native_id for t in threading.enumerate() if t.name == "ftrun-collectives")
-    with open(f"/proc/self/task/{tid}/schedstat") as f:
-        cpu_s = int(f.read().split()[0]) / 1e9
-    counters = monitor.counters
-    out.update(cpu_s=cpu_s, reports=counters["reports"], full_dumps=counters["dumps"])
-print("RESULT " + json.dumps(out), flush=True)
+
+
+def block(n):
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def thread_cpu_s(tid):
+    with open(f"/proc/self/task/{tid}/schedstat") as f:  # ns, scheduler accounting
+        return int(f.read().split()[0]) / 1e9
+
+
+block(20)  # warm-up
+blocks = []
+for i in range(pairs):
+    for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        monitor = None
+        if mode == "on":  # as ftrun.monitor_collectives() builds it
+            monitor = CollectiveMonitor(
+                os.environ["FTRUN_DETECT"], os.environ["FTRUN_SECRET"].encode(),
+                os.environ["FTRUN_RUN_ID"], rank=dist.get_rank(),
+                world_size=dist.get_world_size(), backend="gloo", node_id="bench",
+                host=socket.gethostname(), restart=0, interval_s=0.02)
+            monitor.start()
+        times = block(steps)
+        out = {"pair": i, "mode": mode, "median_s": statistics.median(times),
+               "seconds": sum(times)}
+        if monitor is not None:
+            out["cpu_s"] = thread_cpu_s(monitor._thread.native_id)
+            out["dumps"] = monitor.counters["dumps"]
+            out["reads"] = monitor.counters["samples"]
+            monitor.stop()
+        blocks.append(out)
+print("RESULT " + json.dumps({"rank": dist.get_rank(), "blocks": blocks}), flush=True)
 del model, opt
 # DDP must go before its group: dropping the last reference in the group's teardown
 # can deadlock gloo's worker threads at exit.
@@ -108,7 +132,7 @@ class _Endpoint:
         self.server.close()
 
 
-def _run(script: Path, ranks: int, steps: int, dim: int, detect: str | None,
+def _run(script: Path, ranks: int, steps: int, dim: int, pairs: int, detect: str,
          timeout_s: float) -> list[dict[str, Any]]:
     port = free_port()
     procs = []
@@ -117,13 +141,10 @@ def _run(script: Path, ranks: int, steps: int, dim: int, detect: str | None,
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                    "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-                   "FTRUN_SECRET": SECRET, "FTRUN_RUN_ID": JOB, "FTRUN_NODE_ID": "bench"}
-            env.pop("FTRUN_DETECT", None)
-            if detect:
-                env["FTRUN_DETECT"] = detect
-            procs.append(subprocess.Popen([sys.executable, str(script), str(steps), str(dim)],
-                                          env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
+                   "FTRUN_SECRET": SECRET, "FTRUN_RUN_ID": JOB, "FTRUN_DETECT": detect}
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), str(steps), str(dim), str(pairs)], env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         results = []
         for proc in procs:
             out, _ = proc.communicate(timeout=timeout_s)
@@ -139,47 +160,51 @@ def _run(script: Path, ranks: int, steps: int, dim: int, detect: str | None,
                 proc.wait(10)
 
 
-def overhead(runs: int = 4, steps: int = 300, ranks: int = 3, dim: int = 512,
-             timeout_s: float = 300.0) -> dict[str, Any]:
-    """Step time with and without the collective monitor, ``runs`` interleaved pairs."""
+def overhead(pairs: int = 8, steps: int = 600, ranks: int = 3, dim: int = 512,
+             timeout_s: float = 900.0) -> dict[str, Any]:
+    """Step time with the monitor off and on, in ``pairs`` pairs of ``steps``-step blocks
+    that alternate in the same processes (the order alternates from pair to pair)."""
     import tempfile
 
     endpoint = _Endpoint()
-    off_med: list[float] = []
-    on_med: list[float] = []
-    cpu_per_s: list[float] = []
-    full_dumps = 0
     try:
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "worker.py"
             script.write_text(WORKER)
-            for i in range(runs):
-                order = (None, endpoint.address) if i % 2 == 0 else (endpoint.address, None)
-                for detect in order:
-                    res = _run(script, ranks, steps, dim, detect, timeout_s)
-                    med = statistics.median(t for r in res for t in r["times"])
-                    (on_med if detect else off_med).append(med)
-                    if detect:
-                        for r in res:
-                            cpu_per_s.append(r["cpu_s"] / sum(r["times"]))
-                            full_dumps += r["full_dumps"]
+            res = _run(script, ranks, steps, dim, pairs, endpoint.address, timeout_s)
     finally:
         endpoint.close()
-    off, on = statistics.median(off_med), statistics.median(on_med)
-    result = {"runs": runs, "steps": steps, "ranks": ranks, "dim": dim,
-              "step_off_ms": off * 1e3, "step_on_ms": on * 1e3, "ratio": on / off,
-              "monitor_cpu_ms_per_s": statistics.median(cpu_per_s) * 1e3,
-              "reports": endpoint.count, "full_dumps": full_dumps,
-              "off_runs_ms": [m * 1e3 for m in off_med], "on_runs_ms": [m * 1e3 for m in on_med]}
-    print(f"monitor overhead: {ranks} ranks gloo DDP, {steps} steps x {runs} interleaved pairs")
+
+    def block_median(pair: int, mode: str) -> float:
+        """A block's step time: the median over the ranks of their medians."""
+        return statistics.median(b["median_s"] for r in res for b in r["blocks"]
+                                 if b["pair"] == pair and b["mode"] == mode)
+
+    off_med = [block_median(i, "off") for i in range(pairs)]
+    on_med = [block_median(i, "on") for i in range(pairs)]
+    ratios = [on / off for on, off in zip(on_med, off_med, strict=True)]
+    on_blocks = [b for r in res for b in r["blocks"] if b["mode"] == "on"]
+    result = {"pairs": pairs, "steps": steps, "ranks": ranks, "dim": dim,
+              "step_off_ms": statistics.median(off_med) * 1e3,
+              "step_on_ms": statistics.median(on_med) * 1e3,
+              "ratio": statistics.median(ratios),
+              "monitor_cpu_ms_per_s": statistics.median(b["cpu_s"] / b["seconds"]
+                                                        for b in on_blocks) * 1e3,
+              "reads_per_s": statistics.median(b["reads"] / b["seconds"] for b in on_blocks),
+              "reports": endpoint.count, "full_dumps": sum(b["dumps"] for b in on_blocks),
+              "pair_ratios": ratios, "off_blocks_ms": [m * 1e3 for m in off_med],
+              "on_blocks_ms": [m * 1e3 for m in on_med]}
+    print(f"monitor overhead: {ranks} ranks gloo DDP, {pairs} pairs of {steps}-step blocks "
+          "(monitor off, on) in the same processes")
     print(f"{'':24}{'median step':>14}")
     print(f"{'monitor off':24}{result['step_off_ms']:>11.3f} ms")
     print(f"{'monitor on':24}{result['step_on_ms']:>11.3f} ms")
-    print(f"{'ratio on/off':24}{result['ratio']:>14.4f}  ({(result['ratio'] - 1) * 100:+.2f}%)")
-    print(f"{'monitor thread CPU':24}{result['monitor_cpu_ms_per_s']:>11.3f} ms/s")
-    print(f"{'reports received':24}{endpoint.count:>14}  (full dumps: {full_dumps})")
-    print("per run off:", " ".join(f"{m:.3f}" for m in result["off_runs_ms"]),
-          " on:", " ".join(f"{m:.3f}" for m in result["on_runs_ms"]))
+    print(f"{'ratio on/off (pairs)':24}{result['ratio']:>14.4f}  "
+          f"({(result['ratio'] - 1) * 100:+.2f}%, median of the pairs' ratios)")
+    print(f"{'monitor thread CPU':24}{result['monitor_cpu_ms_per_s']:>11.3f} ms/s  "
+          f"({result['reads_per_s']:.1f} reads/s)")
+    print(f"{'reports received':24}{endpoint.count:>14}  (full dumps: {result['full_dumps']})")
+    print("pair ratios:", " ".join(f"{r:.4f}" for r in ratios))
     return result
 
 
@@ -194,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("parts", nargs="*", metavar="PART",
                    help=f"which parts to run: {', '.join(PARTS)} (default: all, in one run)")
-    p.add_argument("--runs", type=int, default=4, help="overhead: interleaved off/on pairs")
-    p.add_argument("--steps", type=int, default=300, help="overhead: timed steps per run")
+    p.add_argument("--pairs", type=int, default=8,
+                   help="overhead: pairs of blocks, monitor off and on (default 8)")
+    p.add_argument("--steps", type=int, default=600,
+                   help="overhead: steps per block (default 600; long blocks: the monitor "
+                   "reads finely for 2 s after a long collective)")
     p.add_argument("--ranks", type=int, default=3, help="overhead: ranks (default 3)")
     p.add_argument("--dim", type=int, default=512, help="overhead: MLP width (default 512)")
     p.add_argument("--scale-ranks", type=int, default=4096,
@@ -212,12 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     sections: list[str] = []
     if "overhead" in parts:
-        r = overhead(args.runs, args.steps, args.ranks, args.dim)
+        r = overhead(args.pairs, args.steps, args.ranks, args.dim)
         results["overhead"] = r
         sections.append(
-            "**Monitor overhead** (3 gloo ranks, DDP MLP, interleaved off/on runs)\n\n"
-            "| monitor off | monitor on | ratio | monitor thread CPU |\n|---|---|---|---|\n"
+            f"**Monitor overhead** ({r['ranks']} gloo ranks, DDP MLP, {r['pairs']} pairs of "
+            f"{r['steps']}-step blocks with the monitor off and on, in the same processes)\n\n"
+            "| monitor off | monitor on | ratio (median of the pairs') | pairs' ratios | "
+            "monitor thread CPU |\n|---|---|---|---|---|\n"
             f"| {r['step_off_ms']:.3f} ms | {r['step_on_ms']:.3f} ms | {r['ratio']:.4f} | "
+            f"{min(r['pair_ratios']):.3f}-{max(r['pair_ratios']):.3f} | "
             f"{r['monitor_cpu_ms_per_s']:.1f} ms per s |")
     if "latency" in parts:
         with tempfile.TemporaryDirectory(prefix="ftrun-bench-detect-") as tmp:

@@ -171,7 +171,8 @@ DETECT = Knob(
 COLL_INTERVAL = Knob(
     "FTRUN_COLL_INTERVAL", "seconds", "0.02",
     "How often each rank's collective monitor reads torch's Flight Recorder counts (the "
-    "resolution of every collective duration it reports).", "worker",
+    "resolution of every collective duration it reports) while collectives keep ranks "
+    "waiting 50 ms or more; five times less often otherwise.", "worker",
 )
 
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Knob))

@@ -231,3 +231,57 @@ def test_ddp_fsdp2_and_async_collectives_each_counted_in_their_group(
         waits = [g["waiting_s"] for g in entries(rank, names["async"]) if g["waiting_s"]]
         assert waits and max(waits) >= 1.0, waits
     assert all((g["waiting_s"] or 0) < 1.0 for g in entries(1, names["async"]))
+
+
+def test_reads_coarsely_while_no_collective_lasts_long(monkeypatch) -> None:
+    """Scripted pg_status reads: while no collective lasts LONG_S the monitor reads every
+    COARSE_FACTOR intervals; a read that finds one pending is followed by one LONG_S later,
+    and one that lasts LONG_S brings the fine reads back for IDLE_AFTER_S."""
+    from ftrun import _torch
+    from ftrun.coordinator.detect import DetectConfig
+    from ftrun.rank import collectives as mod
+
+    # The monitor reads finely while collectives last as long as the detector's floor.
+    assert DetectConfig().slow_min_s == mod.LONG_S
+    counts = {"enq": 0, "comp": 0}
+
+    def status(_full: bool) -> dict[str, Any]:
+        return {"pg_status": {"0": {"last_enqueued_collective": str(counts["enq"]),
+                                    "last_started_collective": "-1",
+                                    "last_completed_collective": str(counts["comp"])}}}
+
+    monkeypatch.setattr(_torch, "fr_dump", status)
+    fine = 0.02
+    coarse = fine * mod.COARSE_FACTOR
+    m = mod.CollectiveMonitor("127.0.0.1:9", SECRET, JOB, rank=0, world_size=1,
+                              backend="gloo", node_id="n", host="h", restart=0,
+                              interval_s=fine)
+    try:
+        now = 1000.0
+        m._last_long = now
+
+        def read(enq: int, comp: int) -> float:
+            """One read at ``now``; returns the wait before the next."""
+            nonlocal now
+            counts.update(enq=enq, comp=comp)
+            m.sample(now)
+            wait = m.next_wait(now)
+            now += wait
+            return wait
+
+        waits = [read(i, i) for i in range(1, 200)]  # each collective done between reads
+        assert waits[0] == fine and waits[-1] == coarse
+        assert waits.index(coarse) <= mod.IDLE_AFTER_S / fine + 1
+        # Pending at a coarse read: the next read comes LONG_S later; done by then: coarse.
+        assert read(201, 200) == mod.LONG_S
+        assert read(201, 201) == coarse
+        # Still pending LONG_S later: it lasted LONG_S, so fine reads for IDLE_AFTER_S after
+        # it, and its duration is listed.
+        assert read(202, 201) == mod.LONG_S
+        assert read(202, 201) == fine
+        assert read(202, 202) == fine
+        assert m._groups["0"].done[-1][0] == 202 and m._groups["0"].done[-1][1] >= mod.LONG_S
+        waits = [read(203 + i, 203 + i) for i in range(int(mod.IDLE_AFTER_S / fine) + 5)]
+        assert waits[0] == fine and waits[-1] == coarse
+    finally:
+        m.stop()

@@ -17,11 +17,18 @@ groups. What each backend gives:
 A thread of the rank reads ``pg_status`` every ``FTRUN_COLL_INTERVAL`` seconds (0.02 s: a
 read costs about 5 µs) and notes, on the rank's own monotonic clock, when each sequence number
 was first seen enqueued (started, on NCCL) and completed. A collective's duration is the
-difference; its resolution is one interval. Every 0.5 s, and at once when a wait passes
-1 s, it sends a ``coll_report`` to the coordinator's detection endpoint (``FTRUN_DETECT``):
-per group, the counts, how long the pending collective has waited, and the collectives that
-took at least one interval with their durations. Only local durations travel; no clock
-reading is ever compared across hosts. A collective that waits past 1 s is looked up once in
+difference; its resolution is one interval. Each wake-up costs the training process about
+0.1 ms of CPU while it computes (mostly taking the GIL, twice), so the thread reads that often
+only while it matters: the coordinator looks at collectives that kept a rank waiting at least
+``LONG_S`` (its lateness floor, ``DetectConfig.slow_min_s``). Once none has for
+``IDLE_AFTER_S``, the thread reads every ``COARSE_FACTOR`` intervals, and ``LONG_S`` after a
+read that finds a collective pending, so the first one to last ``LONG_S`` brings the fine
+reads back (its own duration is counted from the coarse read that first saw it).
+
+Every 0.5 s, and at once when a wait passes 1 s, the thread sends a ``coll_report`` to the
+coordinator's detection endpoint (``FTRUN_DETECT``): per group, the counts, how long the
+pending collective has waited, and the collectives that took at least one interval with their
+durations. Only local durations travel; no clock reading is ever compared across hosts. A collective that waits past 1 s is looked up once in
 the full Flight Recorder dump (tens of ms) for its op and size; the steady state never dumps.
 
 The thread never blocks training: sends that cannot be queued are dropped (and said once),
@@ -44,6 +51,11 @@ from ftrun import _torch, knobs
 log = logging.getLogger(__name__)
 
 REPORT_S = 0.5
+# Reads every COARSE_FACTOR intervals once no collective lasted LONG_S for IDLE_AFTER_S (see
+# the module docstring).
+COARSE_FACTOR = 5
+IDLE_AFTER_S = 2.0
+LONG_S = 0.05
 URGENT_WAIT_S = 1.0
 MAX_DONE = 256  # durations listed per group and report (the newest)
 MAX_TRACKED = 4096  # enqueued collectives remembered per group
@@ -100,7 +112,11 @@ class CollectiveMonitor:
         self._thread: threading.Thread | None = None
         self._last_warn: dict[str, float] = {}
         self._last_dump = float("-inf")
-        self.counters = {"samples": 0, "reports": 0, "dropped": 0, "dumps": 0, "errors": 0}
+        # When a collective last lasted LONG_S; fine reads for IDLE_AFTER_S from the start.
+        self._last_long = time.monotonic()
+        self._pending = False  # the last read found a collective pending
+        self.counters = {"samples": 0, "reports": 0, "dropped": 0, "dumps": 0, "errors": 0,
+                         "coarse": 0}
 
     def start(self) -> None:
         if self._thread is not None:
@@ -118,9 +134,19 @@ class CollectiveMonitor:
 
     # -- the thread --------------------------------------------------------------------------
 
+    def next_wait(self, now: float) -> float:
+        """Seconds until the next read: one interval while collectives last LONG_S; else
+        COARSE_FACTOR intervals, or LONG_S when this read found one pending (still pending
+        then, it lasted LONG_S)."""
+        if now - self._last_long < IDLE_AFTER_S:
+            return self.interval_s
+        self.counters["coarse"] += 1
+        coarse = self.interval_s * COARSE_FACTOR
+        return min(LONG_S, coarse) if self._pending else coarse
+
     def _run(self) -> None:
         next_report = time.monotonic() + REPORT_S
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.next_wait(time.monotonic())):
             try:
                 now = time.monotonic()
                 urgent = self.sample(now)
@@ -143,6 +169,7 @@ class CollectiveMonitor:
         status = _torch.fr_dump(False).get("pg_status") or {}
         self.counters["samples"] += 1
         urgent = False
+        self._pending = False
         for name, st in status.items():
             enq = int(st.get("last_enqueued_collective", -1))
             started = int(st.get("last_started_collective", -1))
@@ -175,7 +202,12 @@ class CollectiveMonitor:
                         del g.since[seq]
             pending = g.completed + 1
             if g.enqueued >= pending:
+                self._pending = True
                 t0 = g.since.get(pending)
+                # Pending since a read LONG_S ago (a completed one's duration only bounds
+                # its own from above: it may have ended just after the previous read).
+                if t0 is not None and now - t0 >= LONG_S - 1e-6:  # 1 µs: float rounding
+                    self._last_long = now
                 if t0 is not None and now - t0 >= URGENT_WAIT_S and g.urgent_sent != pending:
                     g.urgent_sent = pending
                     self._look_up(g, pending)
