@@ -115,8 +115,7 @@ class CollectiveMonitor:
         # When a collective last lasted LONG_S; fine reads for IDLE_AFTER_S from the start.
         self._last_long = time.monotonic()
         self._pending = False  # the last read found a collective pending
-        self.counters = {"samples": 0, "reports": 0, "dropped": 0, "dumps": 0, "errors": 0,
-                         "coarse": 0}
+        self.counters = {"samples": 0, "reports": 0, "dropped": 0, "dumps": 0, "errors": 0}
 
     def start(self) -> None:
         if self._thread is not None:
@@ -140,7 +139,6 @@ class CollectiveMonitor:
         then, it lasted LONG_S)."""
         if now - self._last_long < IDLE_AFTER_S:
             return self.interval_s
-        self.counters["coarse"] += 1
         coarse = self.interval_s * COARSE_FACTOR
         return min(LONG_S, coarse) if self._pending else coarse
 
