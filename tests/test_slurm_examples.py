@@ -111,8 +111,10 @@ def _remove_leftover_segments() -> None:
 def _submit(cluster: SlurmCluster, work: Path, script: str, *train_args: str,
             **env: str) -> int:
     work.mkdir()
+    # cluster.env leaves out the test's FTRUN_ settings; exact_steps' one goes to the job.
     job_env = cluster.env(GPUS="1", STEPS=str(STEPS), TRAIN=TRAIN,
-                          FTRUN_STATE_DIR=str(work / "state"), **env)
+                          FTRUN_STATE_DIR=str(work / "state"),
+                          FTRUN_SNAPSHOT_WAIT=os.environ["FTRUN_SNAPSHOT_WAIT"], **env)
     return cluster.sbatch(EXAMPLES / script, *MODEL, "--result", str(work / "result.json"),
                           *train_args, options=SMALL, cwd=work, env=job_env)
 

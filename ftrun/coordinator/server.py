@@ -33,7 +33,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -57,6 +56,7 @@ from ftrun.coordinator.status import (
 )
 from ftrun.errors import ConfigError, FtrunError, UnreachableError
 from ftrun.protocol.transport import RateLimiter, Reply, Server
+from ftrun.sigrelay import SignalRelay
 
 log = logging.getLogger(__name__)
 
@@ -564,27 +564,12 @@ def lookup_endpoint(store: Any, timeout_s: float) -> str:
 # -- standalone coordinator -------------------------------------------------------------------
 
 
-def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
-    previous: dict[int, Any] = {}
-
-    def _on_signal(signum: int, _frame: Any) -> None:
+def _stop_on_signal(stop: threading.Event) -> SignalRelay:
+    def on_signal(signum: int) -> None:
         log.info("coordinator got signal %s; stopping", signal.Signals(signum).name)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            previous[sig] = signal.signal(sig, _on_signal)
-        except ValueError:  # not the main thread
-            log.warning("cannot install a %s handler outside the main thread", sig)
-    return previous
-
-
-def _restore_handlers(previous: Iterable[tuple[int, Any]]) -> None:
-    for sig, handler in previous:
-        try:
-            signal.signal(sig, handler)
-        except (ValueError, TypeError):
-            pass
+    return SignalRelay(on_signal, signal.SIGTERM, signal.SIGINT).start()
 
 
 def run_standalone(
@@ -618,7 +603,7 @@ def run_standalone(
         detection=detection,
     )
     stop = threading.Event()
-    previous = _install_stop_handlers(stop)
+    relay = _stop_on_signal(stop)
     try:
         endpoint = coordinator.bind()
         publish_endpoint(store, endpoint, coordinator.detect_endpoint)
@@ -631,6 +616,6 @@ def run_standalone(
         coordinator.serve_forever(stop)
     finally:
         coordinator.stop()
-        _restore_handlers(previous.items())
+        relay.close()
         del store
     return 0

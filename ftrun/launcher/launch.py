@@ -49,6 +49,7 @@ from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftru
 from ftrun.launcher.pdeath import LAUNCHER_PID_ENV
 from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
+from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot.store import StoreConfig
 
 log = logging.getLogger(__name__)
@@ -286,8 +287,10 @@ def _replica_host(plan: RendezvousPlan | None) -> str:
                           f"{plan.host} ({e}); pass --replica-addr HOST") from e
 
 
-def _install_signal_forwarding(ctx: AgentContext) -> None:
-    def forward(signum: int, _frame: Any) -> None:
+def _install_signal_forwarding(ctx: AgentContext) -> SignalRelay:
+    """SIGUSR1 is passed on to the workers and the store from a thread (see ftrun.sigrelay);
+    SIGUSR2 acts in its handler, which must raise in the main thread's rendezvous wait."""
+    def forward(signum: int) -> None:
         if ctx.agent is not None:
             ctx.agent.forward_signal(signum)
 
@@ -295,8 +298,8 @@ def _install_signal_forwarding(ctx: AgentContext) -> None:
         if ctx.agent is not None:
             ctx.agent.on_interrupt()  # raises HostIsolated in a rendezvous wait
 
-    signal.signal(signal.SIGUSR1, forward)
     signal.signal(signal.SIGUSR2, interrupt)
+    return SignalRelay(forward, signal.SIGUSR1, name="ftrun-forward-signals").start()
 
 
 def _detection_config(opts: FtrunOptions) -> Any:
@@ -461,7 +464,7 @@ def run(argv: list[str]) -> int:
     ctx.store.start()
     ctx.sink.event("store_started", pid=ctx.store.pid, url=store_url)
     store_file = jobs.write_store_url(run_id, node_id, store_url, opts.state_dir)
-    _install_signal_forwarding(ctx)
+    forwarding = _install_signal_forwarding(ctx)
 
     exitcode = 1
     final = "failed"
@@ -487,6 +490,7 @@ def run(argv: list[str]) -> int:
     except RendezvousError as e:
         log.error("rendezvous failed: %s: %s", type(e).__name__, e)
     finally:
+        forwarding.close()
         ctx.store.stop()
         prober.stop()
         store_file.unlink(missing_ok=True)

@@ -47,6 +47,7 @@ from ftrun.coordinator.commits import FINAL_SETTLE_S, MAX_TARGETS, CommitTracker
 from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
 from ftrun.launcher.pdeath import set_parent_death_signal
 from ftrun.protocol.transport import Client, Server
+from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.catalog import Catalog, rank_of
@@ -815,6 +816,10 @@ class SnapshotStore:
             return
         self._shards = service
 
+    def persist_on_signal(self) -> None:
+        """SIGUSR1: the serve loop asks for a persist target at its next turn."""
+        self._persist_now.set()
+
     def stop(self, unlink: bool) -> None:
         self._unlink_at_exit = unlink
         self._stop.set()
@@ -867,10 +872,17 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     secret = knobs.SECRET.get().encode() or jobs.load_secret(cfg.run_id, create=False)
     store = SnapshotStore(cfg, secret)
-    signal.signal(signal.SIGTERM, lambda *_: store.stop(unlink=True))
-    signal.signal(signal.SIGINT, lambda *_: store.stop(unlink=True))
-    signal.signal(signal.SIGUSR1, lambda *_: store._persist_now.set())
-    store.serve()
+    def on_signal(sig: int) -> None:
+        if sig == signal.SIGUSR1:
+            store.persist_on_signal()
+        else:
+            store.stop(unlink=True)
+
+    relay = SignalRelay(on_signal, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1).start()
+    try:
+        store.serve()
+    finally:
+        relay.close()
     return 0
 
 
