@@ -57,6 +57,8 @@ class SignalRelay:
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
+        if self._closed.is_set():
+            return  # the thread closes the pipe: writing to its number again could hit a reused fd
         for sig, handler in self._previous.items():
             try:
                 signal.signal(sig, handler)

@@ -68,3 +68,20 @@ def test_an_action_that_fails_does_not_stop_the_relay() -> None:
         wait_for(lambda: len(acted) == 2, 10, "the second signal")
     finally:
         relay.close()
+
+
+def test_closing_twice_writes_nothing_to_the_descriptors_the_pipe_had() -> None:
+    relay = SignalRelay(lambda _signum: None, signal.SIGUSR1).start()
+    relay.close()
+    read_fd, write_fd = os.pipe()  # likely the numbers the relay's closed pipe had
+    try:
+        os.set_blocking(read_fd, False)
+        relay.close()
+        try:
+            leaked = os.read(read_fd, 16)
+        except BlockingIOError:
+            leaked = b""
+        assert leaked == b"", "a second close wrote into a pipe the relay does not own"
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
