@@ -157,15 +157,24 @@ def test_silent_rank_hang_restarts_its_node_once_per_fault_until_a_new_world(tmp
     assert det["evidence"]["reason"] == "silent" and det["evidence"]["pg"] == "0"
     assert "rank(s) 2" in det["summary"]
     # Rank 2 comes back, still behind (its restart has not happened yet), and stops again:
-    # the same fault, within the cooldown and the same world: no second restart.
+    # the same fault, within the cooldown and the same world: no second restart, and no
+    # second detection either (the rank was ordered killed: its silence is a consequence).
     job.now += 0.5
     job.report(2, [{"pg": "0", "size": 4, "enqueued": job.op, "completed": job.op,
                     "waiting_s": None}])
     job.service.tick(job.now)
     job.stall(culprit=2)
     assert len([d for d in cb.directives if d[1] == "restart"]) == 1
+    assert len(cb.of("detection")) == 1 and service.counters["followups"] >= 1
+    # Another rank hanging in that world within the cooldown is recorded, as a warn that
+    # says a hang was already acted on (the restart under way will bring it back too).
+    job.report(2, [{"pg": "0", "size": 4, "enqueued": job.op, "completed": job.op,
+                    "waiting_s": None}])
+    job.stall(culprit=3)
+    assert len([d for d in cb.directives if d[1] == "restart"]) == 1
     later = cb.of("detection")[1:]
-    assert later and all(d["action"] == "warn" and "already acted" in d["note"] for d in later)
+    assert later and all(d["ranks"] == [3] and d["action"] == "warn"
+                         and "already acted" in d["note"] for d in later)
     # The job restarted: a new world, and the same fault again is acted on again.
     job.new_world("h0:29501")
     for _ in range(10):

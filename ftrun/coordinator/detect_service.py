@@ -28,7 +28,11 @@ and the log says so.
 
 After acting, the service waits for the job to restart (a rank reports a newer restart
 count) or ``ACTION_COOLDOWN_S`` before it acts on the same kind of finding again, so one
-fault is one decision.
+fault is one decision. A finding in that time that names only ranks it already killed or
+isolated in the same world is the action's own consequence (a killed rank stops reporting
+while the others, until their own restart, still wait for it): it is logged and counted as a
+follow-up, not recorded as a new detection. Any other repeat of the kind is recorded as a
+``warn`` that says the fault was already acted on.
 """
 
 from __future__ import annotations
@@ -102,12 +106,15 @@ class DetectService:
         self._told: set[str] = set()  # nodes already ordered out as excluded
         self._findings: list[dict[str, Any]] = []
         self._acted: dict[str, tuple[float, int]] = {}  # kind -> (mono, world generation)
+        # The ranks killed or isolated in the newest world acted on: (generation, mono, ranks).
+        self._acted_ranks: tuple[int, float, frozenset[int]] = (-1, 0.0, frozenset())
         self._server: Server | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.endpoint: str | None = None
-        self.counters = {"reports": 0, "probe_results": 0, "findings": 0, "directives": 0}
+        self.counters = {"reports": 0, "probe_results": 0, "findings": 0, "followups": 0,
+                         "directives": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -200,6 +207,11 @@ class DetectService:
         return findings
 
     def _act(self, f: Finding, now: float, generation: int) -> None:
+        if self._follows_from_an_action(f, now, generation):
+            self.counters["followups"] += 1
+            log.info("%s: %s: rank(s) already acted on in this world; waiting for the restart",
+                     f.kind, f.summary)
+            return
         self.counters["findings"] += 1
         evidence = _jsonable(f.evidence)
         entry = {"kind": f.kind, "ranks": list(f.ranks), "hosts": list(f.hosts),
@@ -223,6 +235,10 @@ class DetectService:
             self._probe(f)
             return
         self._acted[f.kind] = (now, generation)
+        ranks = frozenset(f.ranks)
+        if self._acted_ranks[0] == generation:
+            ranks |= self._acted_ranks[2]
+        self._acted_ranks = (generation, now, ranks)
         if f.kind == "comm_hang":
             self._probe(f)
         if action == "isolate":
@@ -239,6 +255,11 @@ class DetectService:
             if hosts:
                 return
         self._restart(f)
+
+    def _follows_from_an_action(self, f: Finding, now: float, generation: int) -> bool:
+        acted_generation, when, ranks = self._acted_ranks
+        return (acted_generation == generation and now - when < ACTION_COOLDOWN_S
+                and bool(f.ranks) and ranks.issuperset(f.ranks))
 
     def _action_for(self, f: Finding) -> str:
         if f.kind == "hang":
