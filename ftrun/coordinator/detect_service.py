@@ -28,11 +28,12 @@ and the log says so.
 
 After acting, the service waits for the job to restart (a rank reports a newer restart
 count) or ``ACTION_COOLDOWN_S`` before it acts on the same kind of finding again, so one
-fault is one decision. A finding in that time that names only ranks it already killed or
-isolated in the same world is the action's own consequence (a killed rank stops reporting
-while the others, until their own restart, still wait for it): it is logged and counted as a
-follow-up, not recorded as a new detection. Any other repeat of the kind is recorded as a
-``warn`` that says the fault was already acted on.
+fault is one decision. Killing or isolating a rank restarts every worker of its world, so
+until the new world reports, a finding about ranks of the world acted on is the action's own
+consequence (the killed rank stops reporting while the others, until their launchers restart
+them, still wait for it, and then stop reporting too): it is logged and counted as a
+follow-up, not recorded as a new detection. A repeat about hosts alone (probes) is recorded
+as a ``warn`` that says the fault was already acted on.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ class DetectService:
         self._told: set[str] = set()  # nodes already ordered out as excluded
         self._findings: list[dict[str, Any]] = []
         self._acted: dict[str, tuple[float, int]] = {}  # kind -> (mono, world generation)
-        # The ranks killed or isolated in the newest world acted on: (generation, mono, ranks).
-        self._acted_ranks: tuple[int, float, frozenset[int]] = (-1, 0.0, frozenset())
+        # The newest world whose ranks were killed or isolated: (generation, mono).
+        self._acted_world: tuple[int, float] = (-1, 0.0)
         self._server: Server | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._thread: threading.Thread | None = None
@@ -209,8 +210,8 @@ class DetectService:
     def _act(self, f: Finding, now: float, generation: int) -> None:
         if self._follows_from_an_action(f, now, generation):
             self.counters["followups"] += 1
-            log.info("%s: %s: rank(s) already acted on in this world; waiting for the restart",
-                     f.kind, f.summary)
+            log.info("%s: %s: this world's ranks were already acted on; waiting for the "
+                     "restart", f.kind, f.summary)
             return
         self.counters["findings"] += 1
         evidence = _jsonable(f.evidence)
@@ -235,10 +236,7 @@ class DetectService:
             self._probe(f)
             return
         self._acted[f.kind] = (now, generation)
-        ranks = frozenset(f.ranks)
-        if self._acted_ranks[0] == generation:
-            ranks |= self._acted_ranks[2]
-        self._acted_ranks = (generation, now, ranks)
+        self._acted_world = (generation, now)
         if f.kind == "comm_hang":
             self._probe(f)
         if action == "isolate":
@@ -257,9 +255,9 @@ class DetectService:
         self._restart(f)
 
     def _follows_from_an_action(self, f: Finding, now: float, generation: int) -> bool:
-        acted_generation, when, ranks = self._acted_ranks
-        return (acted_generation == generation and now - when < ACTION_COOLDOWN_S
-                and bool(f.ranks) and ranks.issuperset(f.ranks))
+        acted_generation, when = self._acted_world
+        return (bool(f.ranks) and acted_generation == generation
+                and now - when < ACTION_COOLDOWN_S)
 
     def _action_for(self, f: Finding) -> str:
         if f.kind == "hang":
