@@ -26,9 +26,9 @@ excluded host later is told the same at its first heartbeat. The host running th
 coordinator is never isolated (that would end the job): the finding is acted on as a restart
 and the log says so.
 
-After acting, the service waits for the job to restart (a rank reports a newer restart
-count) or ``ACTION_COOLDOWN_S`` before it acts on the same kind of finding again, so one
-fault is one decision. Killing or isolating a rank restarts every worker of its world, so
+After acting, the service waits for the job to restart (ranks report a new world: their
+``MASTER_ADDR:MASTER_PORT``) or ``ACTION_COOLDOWN_S`` before it acts on the same kind of
+finding again, so one fault is one decision. Killing or isolating a rank restarts every worker of its world, so
 until the new world reports, a finding about ranks of the world acted on is the action's own
 consequence (the killed rank stops reporting while the others, until their launchers restart
 them, still wait for it, and then stop reporting too): it is logged and counted as a
