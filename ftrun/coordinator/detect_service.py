@@ -28,12 +28,12 @@ and the log says so.
 
 After acting, the service waits for the job to restart (ranks report a new world: their
 ``MASTER_ADDR:MASTER_PORT``) or ``ACTION_COOLDOWN_S`` before it acts on the same kind of
-finding again, so one fault is one decision. Killing or isolating a rank restarts every worker of its world, so
-until the new world reports, a finding about ranks of the world acted on is the action's own
-consequence (the killed rank stops reporting while the others, until their launchers restart
-them, still wait for it, and then stop reporting too): it is logged and counted as a
-follow-up, not recorded as a new detection. A repeat about hosts alone (probes) is recorded
-as a ``warn`` that says the fault was already acted on.
+finding again, so one fault is one decision. Killing or isolating a rank restarts every
+worker of its world, so until the new world reports, a finding about ranks of the world
+acted on is the action's own consequence (the killed rank stops reporting while the others,
+until their launchers restart them, still wait for it, and then stop reporting too): it is
+logged and counted as a follow-up, not recorded as a new detection. A repeat about hosts
+alone (probes) is recorded as a ``warn`` that says the fault was already acted on.
 """
 
 from __future__ import annotations
@@ -107,8 +107,6 @@ class DetectService:
         self._told: set[str] = set()  # nodes already ordered out as excluded
         self._findings: list[dict[str, Any]] = []
         self._acted: dict[str, tuple[float, int]] = {}  # kind -> (mono, world generation)
-        # The newest world whose ranks were killed or isolated: (generation, mono).
-        self._acted_world: tuple[int, float] = (-1, 0.0)
         self._server: Server | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._thread: threading.Thread | None = None
@@ -236,7 +234,6 @@ class DetectService:
             self._probe(f)
             return
         self._acted[f.kind] = (now, generation)
-        self._acted_world = (generation, now)
         if f.kind == "comm_hang":
             self._probe(f)
         if action == "isolate":
@@ -255,7 +252,8 @@ class DetectService:
         self._restart(f)
 
     def _follows_from_an_action(self, f: Finding, now: float, generation: int) -> bool:
-        acted_generation, when = self._acted_world
+        # The newest action (the one with the latest monotonic time), of whatever kind.
+        when, acted_generation = max(self._acted.values(), default=(0.0, -1))
         return (bool(f.ranks) and acted_generation == generation
                 and now - when < ACTION_COOLDOWN_S)
 
