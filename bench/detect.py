@@ -52,14 +52,18 @@ import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from ftrun.rank.collectives import CollectiveMonitor
 
-steps, dim, pairs = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-dist.init_process_group("gloo")
+steps, dim, pairs, device = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+cuda = device == "cuda"
+backend = "nccl" if cuda else "gloo"
+if cuda:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group(backend)
 torch.manual_seed(0)
 model = DistributedDataParallel(torch.nn.Sequential(
     torch.nn.Linear(dim, dim), torch.nn.ReLU(), torch.nn.Linear(dim, dim), torch.nn.ReLU(),
-    torch.nn.Linear(dim, dim)))
+    torch.nn.Linear(dim, dim)).to(device))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-x = torch.randn(64, dim)
+x = torch.randn(64, dim, device=device)
 
 
 def block(n):
@@ -69,6 +73,8 @@ def block(n):
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
+        if cuda:  # the step ends when the GPU is done, as loss.item() would wait
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -87,7 +93,7 @@ for i in range(pairs):
             monitor = CollectiveMonitor(
                 os.environ["FTRUN_DETECT"], os.environ["FTRUN_SECRET"].encode(),
                 os.environ["FTRUN_RUN_ID"], rank=dist.get_rank(),
-                world_size=dist.get_world_size(), backend="gloo", node_id="bench",
+                world_size=dist.get_world_size(), backend=backend, node_id="bench",
                 host=socket.gethostname(), restart=0, interval_s=0.02)
             monitor.start()
         times = block(steps)
@@ -133,7 +139,7 @@ class _Endpoint:
 
 
 def _run(script: Path, ranks: int, steps: int, dim: int, pairs: int, detect: str,
-         timeout_s: float) -> list[dict[str, Any]]:
+         timeout_s: float, device: str = "cpu") -> list[dict[str, Any]]:
     port = free_port()
     procs = []
     try:
@@ -141,9 +147,12 @@ def _run(script: Path, ranks: int, steps: int, dim: int, pairs: int, detect: str
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                    "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-                   "FTRUN_SECRET": SECRET, "FTRUN_RUN_ID": JOB, "FTRUN_DETECT": detect}
+                   "FTRUN_SECRET": SECRET, "FTRUN_RUN_ID": JOB, "FTRUN_DETECT": detect,
+                   # as ftrun's launcher sets it for NCCL ranks: NCCL times every collective
+                   "TORCH_NCCL_ENABLE_TIMING": "1"}
             procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(steps), str(dim), str(pairs)], env=env,
+                [sys.executable, str(script), str(steps), str(dim), str(pairs), device],
+                env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         results = []
         for proc in procs:
@@ -161,7 +170,7 @@ def _run(script: Path, ranks: int, steps: int, dim: int, pairs: int, detect: str
 
 
 def overhead(pairs: int = 8, steps: int = 600, ranks: int = 3, dim: int = 512,
-             timeout_s: float = 900.0) -> dict[str, Any]:
+             timeout_s: float = 900.0, device: str = "cpu") -> dict[str, Any]:
     """Step time with the monitor off and on, in ``pairs`` pairs of ``steps``-step blocks
     that alternate in the same processes (the order alternates from pair to pair)."""
     import tempfile
@@ -171,7 +180,7 @@ def overhead(pairs: int = 8, steps: int = 600, ranks: int = 3, dim: int = 512,
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "worker.py"
             script.write_text(WORKER)
-            res = _run(script, ranks, steps, dim, pairs, endpoint.address, timeout_s)
+            res = _run(script, ranks, steps, dim, pairs, endpoint.address, timeout_s, device)
     finally:
         endpoint.close()
 
@@ -184,7 +193,7 @@ def overhead(pairs: int = 8, steps: int = 600, ranks: int = 3, dim: int = 512,
     on_med = [block_median(i, "on") for i in range(pairs)]
     ratios = [on / off for on, off in zip(on_med, off_med, strict=True)]
     on_blocks = [b for r in res for b in r["blocks"] if b["mode"] == "on"]
-    result = {"pairs": pairs, "steps": steps, "ranks": ranks, "dim": dim,
+    result = {"pairs": pairs, "steps": steps, "ranks": ranks, "dim": dim, "device": device,
               "step_off_ms": statistics.median(off_med) * 1e3,
               "step_on_ms": statistics.median(on_med) * 1e3,
               "ratio": statistics.median(ratios),
@@ -194,7 +203,8 @@ def overhead(pairs: int = 8, steps: int = 600, ranks: int = 3, dim: int = 512,
               "reports": endpoint.count, "full_dumps": sum(b["dumps"] for b in on_blocks),
               "pair_ratios": ratios, "off_blocks_ms": [m * 1e3 for m in off_med],
               "on_blocks_ms": [m * 1e3 for m in on_med]}
-    print(f"monitor overhead: {ranks} ranks gloo DDP, {pairs} pairs of {steps}-step blocks "
+    backend = "NCCL (CUDA)" if device == "cuda" else "gloo"
+    print(f"monitor overhead: {ranks} ranks {backend} DDP, {pairs} pairs of {steps}-step blocks "
           "(monitor off, on) in the same processes")
     print(f"{'':24}{'median step':>14}")
     print(f"{'monitor off':24}{result['step_off_ms']:>11.3f} ms")
@@ -226,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                    "reads finely for 2 s after a long collective)")
     p.add_argument("--ranks", type=int, default=3, help="overhead: ranks (default 3)")
     p.add_argument("--dim", type=int, default=512, help="overhead: MLP width (default 512)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="overhead: cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
     p.add_argument("--scale-ranks", type=int, default=4096,
                    help="scale: simulated ranks (default 4096)")
     p.add_argument("--scale-seconds", type=float, default=40.0,
@@ -240,10 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     sections: list[str] = []
     if "overhead" in parts:
-        r = overhead(args.pairs, args.steps, args.ranks, args.dim)
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                p.error("--device cuda: torch sees no GPU here")
+            args.ranks = min(args.ranks, torch.cuda.device_count())
+        r = overhead(args.pairs, args.steps, args.ranks, args.dim, device=args.device)
         results["overhead"] = r
+        kind = "NCCL ranks on GPUs" if args.device == "cuda" else "gloo ranks"
         sections.append(
-            f"**Monitor overhead** ({r['ranks']} gloo ranks, DDP MLP, {r['pairs']} pairs of "
+            f"**Monitor overhead** ({r['ranks']} {kind}, DDP MLP, {r['pairs']} pairs of "
             f"{r['steps']}-step blocks with the monitor off and on, in the same processes)\n\n"
             "| monitor off | monitor on | ratio (median of the pairs') | pairs' ratios | "
             "monitor thread CPU |\n|---|---|---|---|---|\n"
@@ -270,11 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.output:
         date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        if args.device == "cuda":
+            import torch
+
+            host = f"{torch.cuda.get_device_name(0)} (NCCL), torch {torch.__version__}"
+        else:
+            host = "CPU only (gloo)"
         cmd = " ".join(["python", "bench/detect.py", *(argv if argv is not None
                                                         else sys.argv[1:])])
         with open(args.output, "a") as f:
             f.write(f"\n## Detection (C4-style collective analysis)\n\n`{cmd}` on {date}, "
-                    f"{os.cpu_count()} CPUs, CPU only (gloo).\n\n" + "\n\n".join(sections)
+                    f"{os.cpu_count()} CPUs, {host}.\n\n" + "\n\n".join(sections)
                     + "\n")
     return 0
 

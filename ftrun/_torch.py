@@ -404,3 +404,19 @@ def process_groups() -> dict[str, Any]:
     from torch.distributed import distributed_c10d
 
     return {str(name): pg for pg, name in distributed_c10d._world.pg_names.items()}
+
+
+# torch.distributed.distributed_c10d._abort_process_group(group=None) (private, "experimental",
+# present since torch 2.3): aborts every process group of the process (NCCL communicators in
+# one group call, so that aborts of several communicators cannot deadlock each other; pending
+# collectives return with an error) and clears the module's group registry, so that a new
+# default group can be initialised in the same process.
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process and forget them all (no-op without one)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if c10d.GroupMember.WORLD is None:
+        return
+    c10d._abort_process_group(None)

@@ -316,6 +316,15 @@ def test_comm_hang_all_entered_none_done():
     assert sum(len(v) for v in plan.values()) == 12   # both directions of 6 pairs
 
 
+def test_a_one_rank_group_never_has_a_comm_hang():
+    # A one-rank job (or group) talks to nobody: an op it entered and has not finished
+    # after many seconds is its own stall (a long copy before it waits, a busy host), which
+    # a bench on a loaded 2-CPU host showed being named comm_hang and killed.
+    job = Job(n=1, per_node=1)
+    found, _, _ = stall(job, lambda k, s: {0: (s, s - 1, 0.5 * k)}, stop=False)
+    assert [f.kind for f in found] == []
+
+
 def test_long_but_normal_waits_raise_the_threshold():
     # A group whose ops routinely wait 1 s: a 4 s wait is within hang_factor x typical.
     job = Job(n=4, per_node=1)

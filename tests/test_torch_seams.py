@@ -433,3 +433,38 @@ def test_flight_recorder_counts_collectives_by_the_groups_registry_name() -> Non
     out = subprocess.run([sys.executable, "-c", FR_CHECK], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PORT": str(free_port())})
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+# -- aborting every process group in place (in-process restart) -----------------------------------
+
+
+ABORT_CHECK = """
+import inspect, torch, torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from ftrun import _torch
+assert list(inspect.signature(c10d._abort_process_group).parameters) == ["group"]
+_torch.abort_process_groups()  # no group yet: nothing to do
+store = dist.TCPStore("127.0.0.1", 0, 1, True)
+dist.init_process_group("gloo", store=dist.PrefixStore("world0", store), rank=0, world_size=1)
+dist.new_group([0])
+dist.all_reduce(torch.ones(4))
+_torch.abort_process_groups()
+assert c10d.GroupMember.WORLD is None and not c10d._world.pg_map and not dist.is_initialized()
+# A new default group, under a new store prefix, in the same process.
+dist.init_process_group("gloo", store=dist.PrefixStore("world1", store), rank=0, world_size=1)
+t = torch.ones(4)
+dist.all_reduce(t)
+assert t.tolist() == [1.0] * 4 and len(c10d._world.pg_map) == 1
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_abort_process_groups_forgets_every_group_so_a_new_world_can_form() -> None:
+    """``_abort_process_group(None)`` takes one optional group; after ftrun's call no group is
+    left registered and ``init_process_group`` forms a new default group in the same process."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", ABORT_CHECK], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -386,8 +386,10 @@ class Detector:
                     f"group {group.name} that {len(at_s)} rank(s) wait in ({longest:.1f} s)")))
             return found
         # Every member entered op s: a communication hang once nobody finished it and even
-        # the last to enter has waited past the threshold.
-        if len(group.members) < group.size:
+        # the last to enter has waited past the threshold. A group of one rank talks to
+        # nobody: its op can outlast the threshold only because the rank itself stalls (a
+        # busy host, a long copy before it waits), which the launcher's own checks watch.
+        if len(group.members) < group.size or group.size < 2:
             return found
         members = group.members
         if any(m.completed >= s for m in members.values()):
