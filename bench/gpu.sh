@@ -6,6 +6,7 @@
 # overhead on NCCL. It ends with one table, one row per part.
 #
 #   bash bench/gpu.sh              # results under $OUT (or /tmp/ftrun-gpu): gpu.md, logs
+#   PARTS="tests-cuda reform-nccl" bash bench/gpu.sh    # only those parts
 #
 # The machine may lack packages and have no index to fetch them from: put their wheels in
 # .whl/ (pyzmq, msgspec: see bench/README.md) and they are installed first. ftrun itself is
@@ -27,6 +28,9 @@ T0=$(date +%s)
 part() {  # part NAME LIMIT_S COMMAND...: run one part, log it, note a row
     local name=$1 limit=$2
     shift 2
+    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then
+        return 0
+    fi
     local t=$(date +%s)
     echo "== $name (limit ${limit}s): $*"
     timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -64,14 +68,14 @@ print(f"{torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB
       f"{'.'.join(map(str, torch.cuda.nccl.version()))}, Python {platform.python_version()}")
 EOF
 
-part tests-cuda 150 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_cuda.py \
+part tests-cuda 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     tests/test_torch_seams.py
 part snapshot-3gb 230 "$PY" bench/snapshot.py --device cuda --size-gib 3 --steps 12 \
     --base-steps 4 --pair-steps 4 --auto-steps 16 --quiet-wait 5 --job-timeout 150 \
     --output "$REPORT"
 part reform-nccl 60 "$PY" bench/reform.py --device cuda --rounds 5 --output "$REPORT"
 part monitor-nccl 90 "$PY" bench/detect.py overhead --device cuda --ranks 1 --pairs 4 \
-    --steps 300 --output "$REPORT"
+    --steps 2000 --output "$REPORT"
 
 {
     echo

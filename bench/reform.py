@@ -75,10 +75,16 @@ def _in_place_rank(rank: int, world: int, port: int, rounds: int, device: str,
     t = torch.ones(1 << 20, device=dev)
     dist.all_reduce(t)
     rows = []
-    for n in range(1, rounds + 1):
-        if dev.type == "cuda":
-            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the all-reduce waits behind it
-        work = dist.all_reduce(t, async_op=True)
+    for n in range(1, 2 * rounds + 1):
+        # Odd rounds abort with a collective in flight, even ones an idle group.
+        busy = n % 2 == 1
+        work = None
+        if busy:
+            if dev.type == "cuda":
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the all-reduce waits
+            work = dist.all_reduce(t, async_op=True)
+        elif dev.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.monotonic()
         _torch.abort_process_groups()
         t_abort = time.monotonic()
@@ -92,7 +98,7 @@ def _in_place_rank(rank: int, world: int, port: int, rounds: int, device: str,
             torch.cuda.synchronize()
         assert t[0].item() == world, t[0].item()
         t_done = time.monotonic()
-        rows.append({"abort_s": t_abort - t0, "init_s": t_init - t_abort,
+        rows.append({"busy": busy, "abort_s": t_abort - t0, "init_s": t_init - t_abort,
                      "first_s": t_done - t_init, "total_s": t_done - t0})
     dist.destroy_process_group()
     if rank == 0:
@@ -108,6 +114,10 @@ def in_place(world: int, rounds: int, device: str, tmp: Path) -> list[dict[str, 
                        nprocs=world, start_method="spawn", join=True)
     rows: list[dict[str, float]] = json.loads(out.read_text())
     return rows
+
+
+def _abort_idle_s(rows: list[dict[str, float]]) -> float:
+    return statistics.median(r["abort_s"] for r in rows if not r["busy"])
 
 
 def cold(world: int, rounds: int, device: str) -> list[dict[str, float]]:
@@ -142,7 +152,9 @@ def cold(world: int, rounds: int, device: str) -> list[dict[str, float]]:
 
 
 def _med(rows: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
+    """The median of ``key`` over the rounds that aborted with a collective in flight (all
+    rounds of the new-process path)."""
+    return statistics.median(r[key] for r in rows if r.get("busy", True))
 
 
 def report(device: str, world: int, rounds: int, hot: list[dict[str, float]],
@@ -155,11 +167,13 @@ def report(device: str, world: int, rounds: int, hot: list[dict[str, float]],
         "",
         f"Command: `python bench/reform.py --device {device} --ranks {world} --rounds "
         f"{rounds}`; {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {gpu}; torch "
-        f"{__import__('torch').__version__}. Medians of {rounds} rounds, rank 0's clock.",
+        f"{__import__('torch').__version__}. Medians of {rounds} rounds of each (the in-place "
+        "rounds alternate between a collective in flight and an idle group), rank 0's clock.",
         "",
         "| path | phase | median |",
         "| --- | --- | --- |",
         f"| in place | abort every group (a collective in flight) | {ms(_med(hot, 'abort_s'))} |",
+        f"| in place | abort every group (idle: nothing in flight) | {ms(_abort_idle_s(hot))} |",
         f"| in place | init_process_group, new store prefix | {ms(_med(hot, 'init_s'))} |",
         f"| in place | first all-reduce (4 MB) | {ms(_med(hot, 'first_s'))} |",
         f"| in place | **total** | **{ms(_med(hot, 'total_s'))}** |",
