@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _jobs import TOKEN_ENV, pids_with_token
+from ftrun.testing import TOKEN_ENV, kill_sessions, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -61,21 +60,8 @@ def _run(name: str, launcher: list[str], train_args: list[str], work: Path,
         except subprocess.TimeoutExpired:
             code = None
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: launcher and workers
-                proc.wait(timeout=30)
-            else:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # stragglers of an ended job
-                except ProcessLookupError:
-                    pass
-            for pid in pids_with_token(token.encode()):  # workers in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    steps = ([json.loads(ln) for ln in steplog.read_text().splitlines() if ln.strip()]
-             if steplog.exists() else [])
+            kill_sessions([proc], token.encode())  # its session, then stragglers by token
+    steps = read_jsonl(steplog)
     done = json.loads(result.read_text()) if code == 0 and result.exists() else None
     return {"code": code, "steps": steps, "result": done, "log": str(log),
             "wall_s": time.time() - t0}
@@ -84,11 +70,7 @@ def _run(name: str, launcher: list[str], train_args: list[str], work: Path,
 def _events(state: Path, since: float) -> list[dict[str, Any]]:
     out = []
     for path in state.rglob("events.jsonl"):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                e = json.loads(line)
-                if e.get("ts", 0) >= since:
-                    out.append(e)
+        out += [e for e in read_jsonl(path) if e.get("ts", 0) >= since]
     return sorted(out, key=lambda e: e["ts"])
 
 

@@ -48,18 +48,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobs import (  # noqa: E402
-    ROOT,
+from ftrun.testing import (
+    REPO as ROOT,
+)
+from ftrun.testing import (
     Launchers,
     cmdline,
     free_port,
@@ -68,6 +68,7 @@ from _jobs import (  # noqa: E402
     parent_pid,
     pid_alive,
     read_jsonl,
+    work_dir,
 )
 
 RANK_KINDS = ("kill", "stop", "raise", "hang", "corrupt")  # fired by train.py
@@ -774,23 +775,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def work_dir(keep: bool, path_arg: str | None) -> Iterator[Path]:
-    if path_arg:
-        path = Path(path_arg).resolve()
-        path.mkdir(parents=True)
-        yield path
-        return
-    path = Path(tempfile.mkdtemp(prefix="ftc-"))
-    try:
-        yield path
-    finally:
-        if keep:
-            print(f"work directory kept: {path}", file=sys.stderr)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def _on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through every cleanup
 
@@ -865,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
                    "persist_every": args.persist_every, "nodes": NODES,
                    "nproc_per_node": NPROC},
     }
-    with work_dir(args.keep, args.work_dir) as work:
+    with work_dir("ftc-", args.keep, args.work_dir) as work:
         code = work / "code"
         digest = freeze_code(code, FROZEN, args.commit)
         doc["code"] += f"; run from a copy taken at start (sha256 {digest})"

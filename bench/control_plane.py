@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,14 +52,9 @@ from ftrun.coordinator.client import (  # noqa: E402
 )
 from ftrun.coordinator.directives import REPORT_ACTION  # noqa: E402
 from ftrun.protocol.transport import Client  # noqa: E402
+from ftrun.testing import free_port  # noqa: E402
 
 WORKERS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_state(node: int, step: int, interval_s: float = 1.0) -> dict[str, Any]:

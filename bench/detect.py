@@ -34,10 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _jobs import free_port  # noqa: E402
-
 from ftrun.protocol.messages import Message  # noqa: E402
 from ftrun.protocol.transport import Server  # noqa: E402
+from ftrun.testing import free_port  # noqa: E402
 
 PARTS = ("overhead", "latency", "scale")
 SECRET = "bench-detect"

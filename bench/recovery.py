@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+
+from ftrun.testing import kill_sessions, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -50,12 +51,11 @@ def run_job(name: str, launcher: list[str], train_args: list[str], work: Path,
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            kill_sessions([proc])
             raise SystemExit(f"{name}: no result within {timeout_s:g} s; see {log}") from None
     if code != 0:
         raise SystemExit(f"{name}: exit {code}; see {log}")
-    steps = [json.loads(line) for line in steplog.read_text().splitlines()]
+    steps = read_jsonl(steplog)
     return {"result": json.loads(result.read_text()), "steps": steps, "log": log}
 
 

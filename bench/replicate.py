@@ -12,7 +12,7 @@ Parts:
   against raw pyzmq TCP (a DEALER streaming the same segment zero-copy in messages of the
   same 4 MiB to a ROUTER that drops them) between the same two endpoints, transfers
   alternating so that both see the same load. Between two network namespaces (veth over a
-  bridge, ``bench/_netns.py``) and on loopback. Goal: >= 0.8 of raw.
+  bridge, ``ftrun.testing.netns``) and on loopback. Goal: >= 0.8 of raw.
 - (b) ``training``: steps/s of ``examples/train.py`` (a model whose snapshot is tens of MB,
   a snapshot every step) on 3 launchers of one rank each, ``--replicas 2`` against
   ``--replicas 1``, and ``--replicas 2 --replica-rate R``; same steps, alternating order
@@ -54,13 +54,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _jobs import Launchers, free_port, git_tree, read_jsonl  # noqa: E402
-from _netns import Namespaces  # noqa: E402
-from _netns import available as netns_available  # noqa: E402
 
 from ftrun.snapshot import placement  # noqa: E402
+from ftrun.testing import (  # noqa: E402
+    Launchers,
+    cmdline,
+    free_port,
+    git_tree,
+    read_jsonl,
+    tree_pids,
+)
+from ftrun.testing.netns import Cluster  # noqa: E402
+from ftrun.testing.netns import unavailable_reason as netns_available  # noqa: E402
 
 VENV = Path(sys.executable).parent
 PEER = ROOT / "bench" / "_replica_peer.py"
@@ -82,26 +87,6 @@ def proc_cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / CLK_TCK
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def tree_pids(root: int) -> list[int]:
-    """``root`` and every process descended from it, now."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rpartition(b")")[2].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def read_line(proc: subprocess.Popen[str], timeout_s: float, what: str) -> str:
@@ -140,8 +125,9 @@ def throughput(where: str, size_mib: int, transfers: int, warmup: int,
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with contextlib.ExitStack() as stack:
         if where == "netns":
-            ns = stack.enter_context(Namespaces(2))
-            host = ns.addresses[1]
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ftb-ns-")))
+            ns = stack.enter_context(Cluster(2, logs))
+            host = ns.addr(1)
             wrap_send: Callable[[list[str]], list[str]] = lambda c: ns.wrap(0, c)  # noqa: E731
             wrap_recv: Callable[[list[str]], list[str]] = lambda c: ns.wrap(1, c)  # noqa: E731
         else:
@@ -219,16 +205,12 @@ def snapshot_mb(args: argparse.Namespace) -> float:
 
 def classify(pid: int) -> str:
     """``store``, ``rank`` or ``launcher`` (the launcher with its agent, and anything else)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return "launcher"
-    if b"ftrun.snapshot.store" in argv:
+    argv = cmdline(pid)
+    if "ftrun.snapshot.store" in argv:
         return "store"
-    if any(a.endswith((b"/ftrun", b"/torchrun")) for a in argv[:2]):
+    if any(a.endswith(("/ftrun", "/torchrun")) for a in argv[:2]):
         return "launcher"  # its command line names train.py too
-    return "rank" if any(a.endswith(b"train.py") for a in argv) else "launcher"
+    return "rank" if any(a.endswith("train.py") for a in argv) else "launcher"
 
 
 class CpuSampler:
@@ -252,10 +234,6 @@ class CpuSampler:
         for kind, cpu in self.seen.values():
             out[kind] += cpu
         return out
-
-
-def steps_of(path: Path) -> list[dict[str, Any]]:
-    return read_jsonl(path)
 
 
 def listening_pid(port: int, pids: Sequence[int]) -> int | None:
@@ -333,7 +311,7 @@ class Hosts:
 def wait_steps(path: Path, cond: Callable[[list[dict[str, Any]]], bool], job: Hosts,
                timeout_s: float, what: str, sampler: CpuSampler | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    while not cond(steps_of(path)):
+    while not cond(read_jsonl(path)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what}: not within {timeout_s:g} s\n{job.tail()}")
         if not job.running():
@@ -379,7 +357,7 @@ def training_run(tag: str, extra: Sequence[str], args: argparse.Namespace,
         status.setdefault("committed_step", None)
     finally:
         left = job.kill()
-    steps = steps_of(steplog)
+    steps = read_jsonl(steplog)
     timed = [s for s in steps if args.train_warmup < s["step"] <= args.train_steps]
     span = timed[-1]["time"] - steps[args.train_warmup - 1]["time"]
     cpu = {k: after[k] - before[k] for k in after}
@@ -467,14 +445,14 @@ def node_loss(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, 
                    args.job_timeout, f"(c) {launcher}: step {args.kill_step}")
         host = listening_pid(port, [p for root in job.pids for p in tree_pids(root)])
         victim = next(i for i, root in enumerate(job.pids) if host not in tree_pids(root))
-        before = steps_of(steplog)
+        before = read_jsonl(steplog)
         killed_at = job.lose(victim)
         restart0 = max(s["restart"] for s in before)
         last_done = max(s["step"] for s in before if s["time"] <= killed_at)
         wait_steps(steplog, lambda s: any(x["restart"] > restart0 or x["time"] > killed_at
                                           and x["step"] <= last_done for x in s),
                    job, args.job_timeout, f"(c) {launcher}: a step after the node loss")
-        steps = steps_of(steplog)
+        steps = read_jsonl(steplog)
         first = next(s for s in steps if s["time"] > killed_at
                      and (s["restart"] > restart0 or s["step"] <= last_done))
         # Let the job finish on the survivors: a whole run, not just one step.
@@ -484,7 +462,7 @@ def node_loss(launcher: str, args: argparse.Namespace, work: Path) -> dict[str, 
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
         codes = [p.poll() for p in survivors]
-        steps = steps_of(steplog)
+        steps = read_jsonl(steplog)
         finished = max(s["step"] for s in steps) == args.loss_steps
         new = next((s for s in steps if s["time"] > killed_at and s["step"] > last_done), None)
     finally:

@@ -39,29 +39,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import platform
 import shlex
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobs import pids_with_token  # noqa: E402
+from ftrun.testing import free_port, freeze_code, git_tree, kill_sessions, read_jsonl, work_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 # Copied into the work directory at start, so every run measures the same code even while the
@@ -162,12 +156,6 @@ class JobResult:
         return self.detect_ts - self.fault_ts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launcher_cmd(launcher: str) -> list[str]:
     """The venv's console script when it sits next to this interpreter, else ``-m``."""
     script = Path(sys.executable).parent / launcher
@@ -175,21 +163,6 @@ def launcher_cmd(launcher: str) -> list[str]:
         return [str(script)]
     module = "ftrun" if launcher == "ftrun" else "torch.distributed.run"
     return [sys.executable, "-m", module]
-
-
-def freeze_code(dest: Path) -> str:
-    """Copy the code under test to ``dest``; returns a short digest of what was copied."""
-    digest = hashlib.sha256()
-    for rel in FROZEN:
-        src, dst = ROOT / rel, dest / rel
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
-    for path in sorted(p for p in dest.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(dest)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
 
 
 def job_env(variant: Variant, job_dir: Path, steplog: Path, code: Path) -> dict[str, str]:
@@ -212,44 +185,6 @@ def job_env(variant: Variant, job_dir: Path, steplog: Path, code: Path) -> dict[
     return env
 
 
-def kill_job(procs: Sequence[subprocess.Popen[bytes]], token: bytes) -> int:
-    """SIGKILL the launchers' process groups and every process carrying ``token``.
-
-    Returns how many token-carrying processes were still alive after the launchers exited on
-    their own (0 on a clean exit).
-    """
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)  # our child: a session leader by construction
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
-    found = 0
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        pids = [pid for pid in pids_with_token(token) if not _is_zombie(pid)]
-        if not pids:
-            break
-        found = max(found, len(pids))
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-    return found
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return True
-
-
 def remove_shm(run_id: str) -> int:
     """Delete the job's snapshot segments left in /dev/shm; returns how many there were.
 
@@ -269,18 +204,6 @@ def remove_shm(run_id: str) -> int:
                     os.unlink(entry.path)
                     removed += 1
     return removed
-
-
-def read_steplog(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 @dataclass
@@ -391,7 +314,7 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path, code: Path) -> J
             if (
                 res.fault_ts is not None
                 and now > res.fault_ts + spec.resume_timeout_s
-                and recovery(read_steplog(steplog), res.fault_ts, world, 1).resume is None
+                and recovery(read_jsonl(steplog), res.fault_ts, world, 1).resume is None
             ):
                 res.outcome = "no-resume"
                 break
@@ -401,7 +324,7 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path, code: Path) -> J
             time.sleep(POLL_S)
     finally:
         res.killed_launchers = sum(1 for p in procs if p.poll() is None)
-        leftovers = kill_job(procs, token)
+        leftovers = kill_sessions(procs, token, timeout_s=10)
         if not res.killed_launchers:
             res.leftovers = leftovers  # processes that outlived their launchers
         res.shm_leftovers = remove_shm(run_id)
@@ -412,7 +335,7 @@ def run_job(cfg: argparse.Namespace, spec: JobSpec, root: Path, code: Path) -> J
     if spec.fault and res.fault_ts is None and marker.exists():
         with contextlib.suppress(OSError, ValueError, KeyError):
             res.fault_ts = float(json.loads(marker.read_text())["time"])
-    records = read_steplog(steplog)
+    records = read_jsonl(steplog)
     foreign = {r.get("ftrun") for r in records if r["ev"] == "start"} - {str(code / "ftrun")}
     if foreign:
         res.outcome = f"wrong ftrun imported: {sorted(map(str, foreign))}"
@@ -725,19 +648,6 @@ def _command_line() -> str:
     return shlex.join([exe, *sys.argv])
 
 
-def _git_tree() -> str:
-    """The commit measured, and whether the working tree had uncommitted changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, text=True, capture_output=True, timeout=30,
-                               check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + (" + uncommitted changes" if dirty else "")
-
-
 def _progress(tag: str, r: JobResult) -> None:
     parts = [f"[{tag}] {r.spec.variant.key}: {r.outcome}"]
     if r.to_step_s is not None:
@@ -750,18 +660,6 @@ def _progress(tag: str, r: JobResult) -> None:
         print(r.log_tail, file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def work_dir(keep: bool) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="ftb-"))
-    try:
-        yield path
-    finally:
-        if keep:
-            print(f"work directory kept: {path}", file=sys.stderr)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     import torch  # only for the report's host line
@@ -769,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     load = f"{os.getloadavg()[0]:.2f}"
     meta = {
         "command": _command_line(),
-        "tree": _git_tree(),
+        "tree": git_tree(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
         "load average (1 min) {load} at start / {load_end} at end, Python "
@@ -781,9 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     stop_runs: dict[str, list[JobResult]] = {}
     stop_args = ("--pg-timeout", f"{cfg.stop_pg_timeout:g}")
 
-    with work_dir(cfg.keep) as root:
+    with work_dir("ftb-", cfg.keep) as root:
         code = root / "code"
-        meta["tree"] += f"; measured from a copy taken at start (sha256 {freeze_code(code)})"
+        meta["tree"] += f"; measured from a copy taken at start (sha256 {freeze_code(code, FROZEN)})"
         for v in kill_variants:
             r = run_job(cfg, JobSpec(v, None, job_timeout_s=cfg.job_timeout), root, code)
             clean[v.key] = r

@@ -58,7 +58,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from ftrun.testing import free_port, git_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "_snapshot_worker.py"
@@ -218,12 +219,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as e:
         return f"(no log: {e})"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -721,17 +716,6 @@ def append_section(path: Path, run_text: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
-
-
-def git_tree() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                             capture_output=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, text=True, capture_output=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{rev}{' (with uncommitted changes)' if dirty.strip() else ''}"
 
 
 def host_line(gpu: str | None = None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -20,6 +21,8 @@ from typing import Any
 
 import pytest
 import zmq
+from conftest import free_port
+from conftest import wait_for as harness_wait_for
 
 from ftrun import jobs, protocol
 from ftrun.cli import exit_codes
@@ -42,20 +45,8 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def wait_for(cond: Callable[[], Any], timeout_s: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The harness's wait, with this module's defaults: a short deadline, polled finely.
+wait_for = functools.partial(harness_wait_for, timeout_s=5.0, what="condition", interval_s=0.02)
 
 
 @pytest.fixture
