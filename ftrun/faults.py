@@ -74,7 +74,7 @@ def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corrup
     """
     from ftrun.errors import IntegrityError
     from ftrun.snapshot import segment as shm
-    from ftrun.snapshot.replica import holder_prefix, replica_name, replica_prefix
+    from ftrun.store.replica import holder_prefix, replica_name, replica_prefix
 
     # Replica names: holder_prefix(holder) + origin's tag + "-r{rank}-s{slot}".
     origin_tag = replica_name(run_id, "-", origin, 0, 0)[len(holder_prefix(run_id, "-")):]

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import zmq
 
-from ftrun import jobs, protocol
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, jobs, protocol
 from ftrun.cli.status import run_status
 from ftrun.coordinator.client import NodeReporter, request
 from ftrun.coordinator.server import (

@@ -24,11 +24,12 @@ from ftrun.coordinator.commits import FINAL_SETTLE_S, CommitTracker, StoreState
 from ftrun.errors import ConfigError, IntegrityError, RestoreError
 from ftrun.faults import corrupt_persisted
 from ftrun.protocol import Message
-from ftrun.snapshot import fallback, persist, verify
+from ftrun.rank import fallback
+from ftrun.snapshot import persist, verify
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot.manifest import flatten, parse_manifest
 from ftrun.snapshot.segment import STAGED, VERIFIED, Segment, segment_name
-from ftrun.snapshot.store import SnapshotStore, StoreConfig
+from ftrun.store.store import SnapshotStore, StoreConfig
 
 # -- helpers ----------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ replica of each rank's shard. ``--verify`` re-hashes the chosen step: every tens
 memory.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
-from :mod:`ftrun.cli.exit_codes`. JSON output goes through ``sys.stdout.write`` only.
+from :mod:`ftrun.exit_codes`. JSON output goes through ``sys.stdout.write`` only.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from ftrun import jobs, knobs
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, jobs, knobs
 from ftrun.coordinator.client import request
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
 from ftrun.protocol.transport import Client

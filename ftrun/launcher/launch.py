@@ -40,17 +40,16 @@ from typing import Any
 
 import zmq
 
-from ftrun import _torch, jobs, knobs, protocol
-from ftrun.cli import exit_codes
+from ftrun import _torch, exit_codes, jobs, knobs, protocol
 from ftrun.errors import ConfigError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent, HostIsolated
 from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftrun_options
-from ftrun.launcher.pdeath import LAUNCHER_PID_ENV
 from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
+from ftrun.pdeath import LAUNCHER_PID_ENV
 from ftrun.sigrelay import SignalRelay
-from ftrun.snapshot.store import StoreConfig
+from ftrun.store.store import StoreConfig
 
 log = logging.getLogger(__name__)
 

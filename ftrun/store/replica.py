@@ -1,7 +1,7 @@
 """Replicas of committed snapshot shards in peer nodes' stores.
 
 Each node's store sends the shards of its newest committed step to the ``m - 1`` peers that
-the coordinator's placement names (:mod:`ftrun.snapshot.placement`), and keeps the replicas
+the coordinator's placement names (:mod:`ftrun.coordinator.placement`), and keeps the replicas
 its peers send it. Everything here runs on threads of the store process, never in a training
 process and never on the store's message loop:
 
@@ -64,8 +64,8 @@ from ftrun.errors import ConfigError, FtrunError, IntegrityError, ProtocolError,
 from ftrun.protocol.transport import Client, RateLimiter, Reply, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.catalog import Record
 from ftrun.snapshot.manifest import parse_manifest
+from ftrun.store.catalog import Record
 
 log = logging.getLogger("ftrun.store.replica")
 

@@ -10,7 +10,7 @@ It does the work the training loop must not wait for:
   once the step in its newer buffer is committed, so the newest committed snapshot is never
   overwritten; or, when that step is dead (some rank skipped it), to overwrite the newer
   buffer instead. A rank never waits for the answer: without it, the snapshot is skipped;
-- **catalog**: a record of every shard held here (ftrun.snapshot.catalog), served to ranks
+- **catalog**: a record of every shard held here (ftrun.store.catalog), served to ranks
   (restore), ``ftrun inspect`` and fault injection; nothing else opens segments by name;
 - **persist**: committed steps go to disk every N steps or T seconds, on SIGUSR1, and at the
   end (job end, SIGTERM, preemption), off the training path and off the message loop. The
@@ -18,12 +18,12 @@ It does the work the training loop must not wait for:
   node writes the same one; the store pins its ranks' shards of a target (their claims are
   refused) until the writer thread has copied them out, verified and written them;
 - **replicas** (``--replicas m``): committed shards are streamed to peer stores and peers'
-  shards received, chunk by chunk, each chunk verified (ftrun.snapshot.replica);
+  shards received, chunk by chunk, each chunk verified (ftrun.store.replica);
 - **adopt and clean**: segments are named after the job, so a restarted store picks them up
   (verifying whatever was staged but not yet checked); segments of dead jobs are removed;
   on SIGTERM, the job's own segments go too.
 
-Run by the launcher as ``python -m ftrun.snapshot.store`` (with a parent-death signal).
+Run by the launcher as ``python -m ftrun.store.store`` (with a parent-death signal).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from ftrun import jobs, knobs, protocol
 from ftrun.coordinator.client import HINT as COORDINATOR_HINT
 from ftrun.coordinator.commits import FINAL_SETTLE_S, MAX_TARGETS, CommitTracker
 from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
-from ftrun.launcher.pdeath import set_parent_death_signal
+from ftrun.pdeath import set_parent_death_signal
 from ftrun.protocol.transport import Client, Server
 from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.catalog import Catalog, rank_of
 from ftrun.snapshot.manifest import parse_manifest
+from ftrun.store.catalog import Catalog, rank_of
 
 log = logging.getLogger("ftrun.store")
 
@@ -76,7 +76,7 @@ class StoreConfig:
     persist_interval_s: float = 0.0
     persist_keep: int = 3
     threads: int = 0  # hashing threads (0: default_threads())
-    # Replicas on peer nodes (ftrun.snapshot.replica): m copies of every shard (1: off), the
+    # Replicas on peer nodes (ftrun.store.replica): m copies of every shard (1: off), the
     # interface the receiver listens on, and the sender's cap in MB/s (0: none).
     replicas: int = 1
     replica_host: str = "127.0.0.1"
@@ -137,8 +137,8 @@ class SnapshotStore:
         self._stop = threading.Event()
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
-        self._replication: Any = None  # ftrun.snapshot.replica.Replication, with --replicas > 1
-        self._shards: Any = None  # ftrun.snapshot.shards.ShardService
+        self._replication: Any = None  # ftrun.store.replica.Replication, with --replicas > 1
+        self._shards: Any = None  # ftrun.store.shards.ShardService
 
     # -- segments (the catalog finds, opens and adopts them) --------------------------------
     def _open(self, name: str) -> shm.Segment | None:
@@ -429,7 +429,7 @@ class SnapshotStore:
 
     def _on_stores(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         """The job's live stores' shard services, as the coordinator knows them (this store's
-        own at least): where a restoring rank looks for shards (ftrun.snapshot.shards)."""
+        own at least): where a restoring rank looks for shards (ftrun.store.shards)."""
         stores: dict[str, str] = {}
         if self._coord is not None:
             try:
@@ -785,7 +785,7 @@ class SnapshotStore:
                         "hold them (--replicas %d); snapshots stay on this node only",
                         self.cfg.replicas)
             return
-        from ftrun.snapshot.replica import ReplicaConfig, Replication
+        from ftrun.store.replica import ReplicaConfig, Replication
 
         rep = Replication(
             ReplicaConfig(self.cfg.replicas, self.cfg.replica_host,
@@ -802,7 +802,7 @@ class SnapshotStore:
         self._replication = rep
 
     def _start_shards(self) -> None:
-        from ftrun.snapshot.shards import ShardService
+        from ftrun.store.shards import ShardService
 
         rep = self._replication
         service = ShardService(self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid,
@@ -860,7 +860,7 @@ class SnapshotStore:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftrun.snapshot.store")
+    p = argparse.ArgumentParser(prog="python -m ftrun.store.store")
     p.add_argument("--config", required=True, help="JSON StoreConfig")
     args = p.parse_args(argv)
     set_parent_death_signal(signal.SIGKILL)

@@ -2,7 +2,7 @@
 
 A restore after a lost node, or onto another number of ranks, needs shards that are not in
 its own node's memory: the lost node's ranks' shards live on as replicas in its peers' stores
-(ftrun.snapshot.replica), and a rank of a resharded job reads parts of several old ranks'
+(ftrun.store.replica), and a rank of a resharded job reads parts of several old ranks'
 shards. Two halves:
 
 - :class:`ShardService` runs in every node's store, on a thread of its own and a TCP socket
@@ -37,9 +37,9 @@ from ftrun.errors import FtrunError, IntegrityError
 from ftrun.protocol.transport import Client, Reply, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.catalog import Catalog, Record
 from ftrun.snapshot.manifest import parse_manifest
-from ftrun.snapshot.replica import pack_hashes, unpack_hashes
+from ftrun.store.catalog import Catalog, Record
+from ftrun.store.replica import pack_hashes, unpack_hashes
 
 log = logging.getLogger("ftrun.shards")
 
