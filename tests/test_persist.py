@@ -29,7 +29,8 @@ from ftrun.snapshot import persist, verify
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot.manifest import flatten, parse_manifest
 from ftrun.snapshot.segment import STAGED, VERIFIED, Segment, segment_name
-from ftrun.store.store import SnapshotStore, StoreConfig
+from ftrun.store.api import StoreConfig
+from ftrun.store.store import SnapshotStore
 
 # -- helpers ----------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from ftrun.errors import IntegrityError
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
+from ftrun.snapshot.verify import pack_hashes
 from ftrun.store.replica import (
     Abandoned,
     Peer,
@@ -27,7 +28,6 @@ from ftrun.store.replica import (
     ReplicaReceiver,
     ReplicaSender,
     _Pacer,
-    pack_hashes,
     replica_prefix,
 )
 

@@ -18,15 +18,9 @@ from snapshot_helpers import stage_segment
 
 from ftrun.errors import IntegrityError
 from ftrun.rank import memload
+from ftrun.rank.shards import Holding, ShardReader, complete, describe_gaps, survey
 from ftrun.snapshot.segment import Segment
-from ftrun.store.shards import (
-    Holding,
-    ShardReader,
-    ShardService,
-    complete,
-    describe_gaps,
-    survey,
-)
+from ftrun.store.shards import ShardService
 
 SECRET = b"s" * 32
 

@@ -17,7 +17,8 @@ from test_store_epoch import run_id  # noqa: F401 (fixture)
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import flatten, tensor_view
-from ftrun.store.store import SnapshotStore, StoreConfig
+from ftrun.store.api import StoreConfig
+from ftrun.store.store import SnapshotStore
 
 
 def test_chunks_are_hashed_as_their_tensors_land_in_any_order() -> None:

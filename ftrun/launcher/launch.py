@@ -49,7 +49,7 @@ from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.pdeath import LAUNCHER_PID_ENV
 from ftrun.sigrelay import SignalRelay
-from ftrun.store.store import StoreConfig
+from ftrun.store.api import StoreConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-from ftrun.store.store import StoreConfig
+from ftrun.store.api import StoreConfig
 
 log = logging.getLogger(__name__)
 

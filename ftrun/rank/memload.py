@@ -26,9 +26,9 @@ from typing import Any
 
 from ftrun.errors import IntegrityError
 from ftrun.rank.fallback import RESHARDED_ROOTS, overlay, resharded_keys
+from ftrun.rank.shards import ShardReader
 from ftrun.snapshot.manifest import TensorEntry, entries, tensor_view, unflatten
 from ftrun.snapshot.persist import StepLayout, drop_rank_local
-from ftrun.store.shards import ShardReader
 
 log = logging.getLogger("ftrun.restore")
 

@@ -46,11 +46,11 @@ import torch
 from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
 from ftrun.protocol.transport import Client
+from ftrun.rank import shards
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 from ftrun.snapshot.verify import ChunkHasher
-from ftrun.store import shards
 
 log = logging.getLogger(__name__)
 

@@ -137,16 +137,6 @@ def read_origin(seg: shm.Segment) -> str | None:
         return None
 
 
-def pack_hashes(hashes: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(hashes)}Q", *hashes)
-
-
-def unpack_hashes(blob: bytes | memoryview) -> list[int]:
-    if len(blob) % 8:
-        raise ProtocolError(f"a chunk hash table of {len(blob)} bytes (not a multiple of 8)")
-    return list(struct.unpack(f"<{len(blob) // 8}Q", blob))
-
-
 # -- receiving ----------------------------------------------------------------------------------
 
 
@@ -375,7 +365,7 @@ class ReplicaReceiver:
             raise ProtocolError("replica_begin carries the manifest and the chunk hash table "
                                 f"as two frames, got {len(msg.frames)}")
         manifest, table = bytes(msg.frames[0]), msg.frames[1]
-        hashes = unpack_hashes(table)
+        hashes = verify.unpack_hashes(table)
         data_len, chunk_size = b["data_len"], b["chunk_size"]
         if chunk_size <= 0 or chunk_size > protocol.MAX_FRAME_BYTES:
             raise ProtocolError(f"chunk size {chunk_size} is outside 1..{protocol.MAX_FRAME_BYTES}")
@@ -723,7 +713,7 @@ class ReplicaSender:
         self._acks.clear()
         h = self._check(seg, epoch, step)
         manifest = seg.manifest_bytes(h)
-        table = pack_hashes(seg.hashes(h))
+        table = verify.pack_hashes(seg.hashes(h))
         self._check(seg, epoch, step)
         ready = client.request("replica_begin", {
             "origin": self.node_id, "epoch": epoch, "rank": rank, "step": step,

@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import parse_manifest
+from ftrun.store.api import StoreConfig
 from ftrun.store.catalog import Catalog, rank_of
 
 log = logging.getLogger("ftrun.store")
@@ -62,25 +62,6 @@ COORDINATOR_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 600.0
 # How long ranks skip snapshots to keep the newest durable step while replication is behind.
 DURABLE_KEEP_S = 60.0
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    run_id: str
-    url: str  # ipc:// endpoint the ranks connect to
-    coordinator: str | None
-    node_id: str
-    owner_pid: int
-    persist_dir: str | None = None
-    persist_every: int = 0
-    persist_interval_s: float = 0.0
-    persist_keep: int = 3
-    threads: int = 0  # hashing threads (0: default_threads())
-    # Replicas on peer nodes (ftrun.store.replica): m copies of every shard (1: off), the
-    # interface the receiver listens on, and the sender's cap in MB/s (0: none).
-    replicas: int = 1
-    replica_host: str = "127.0.0.1"
-    replica_rate_mb_s: float = 0.0
 
 
 # A shard copied out of shared memory for the disk: manifest, data region, chunk size, and

@@ -1,0 +1,24 @@
+"""The store's public types: its configuration (what the launcher starts it with) and states."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    run_id: str
+    url: str  # ipc:// endpoint the ranks connect to
+    coordinator: str | None
+    node_id: str
+    owner_pid: int
+    persist_dir: str | None = None
+    persist_every: int = 0
+    persist_interval_s: float = 0.0
+    persist_keep: int = 3
+    threads: int = 0  # hashing threads (0: default_threads())
+    # Replicas on peer nodes (ftrun.store.replica): m copies of every shard (1: off), the
+    # interface the receiver listens on, and the sender's cap in MB/s (0: none).
+    replicas: int = 1
+    replica_host: str = "127.0.0.1"
+    replica_rate_mb_s: float = 0.0
