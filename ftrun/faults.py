@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ftrun import knobs
 from ftrun.errors import FtrunError, FtrunTimeoutError
+from ftrun.snapshot.api import SegmentState
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ def corrupt_newest_snapshot(rank: int, run_id: str | None = None,
         while True:
             reply = chan.request("catalog_request", {"rank": rank}, "catalog_reply", 5.0,
                                  attempts=3)
-            held = [r for r in reply.body["records"] if r["state"] != "empty"]
+            held = [r for r in reply.body["records"] if r["state"] != SegmentState.EMPTY]
             # Wait until the newest snapshot is verified, so the one corrupted is the one a
             # restore would pick.
-            if held and max(held, key=lambda r: r["step"])["state"] == "verified":
+            if held and max(held, key=lambda r: r["step"])["state"] == SegmentState.VERIFIED:
                 done = chan.request("fault_corrupt", {"rank": rank}, "fault_reply", 5.0)
                 log.warning("fault injection: the store flipped byte %d of rank %d's snapshot "
                             "of step %d (%s)", done.body["offset"], rank, done.body["step"],

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "pdeath": 2,
     "knobs": 1,
     "errors": 1,
+    "_enum": 0,
 }
 
 

@@ -43,6 +43,7 @@ from ftrun.coordinator.client import request
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import persist, segment, verify
+from ftrun.snapshot.api import SegmentState
 from ftrun.snapshot.manifest import entries, parse_manifest
 from ftrun.snapshot.segment import (
     STAGED,
@@ -594,7 +595,8 @@ def _render_live(doc: dict[str, Any], console: Console) -> None:
                                 (f" on {doc['host']}: {len(doc['segments'])} snapshot "
                                  f"segment(s) in {doc['shm_dir']}", "")))
     if doc["segments"]:
-        style = {"verified": "green", "staged": "cyan", "writing": "yellow", "empty": "dim"}
+        style = {SegmentState.VERIFIED: "green", SegmentState.STAGED: "cyan",
+                 SegmentState.WRITING: "yellow", SegmentState.EMPTY: "dim"}
         table = Table(box=None, pad_edge=False)
         for column in ("rank", "buffer", "state", "step", "epoch", "bytes", "tensors", "owner"):
             table.add_column(column, no_wrap=True)

@@ -41,6 +41,7 @@ from typing import Any
 import zmq
 
 from ftrun import _torch, exit_codes, jobs, knobs, protocol
+from ftrun.coordinator.api import NodeState
 from ftrun.errors import ConfigError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent, HostIsolated
@@ -428,7 +429,7 @@ def run(argv: list[str]) -> int:
     reporter = None
     if endpoint:
         def state() -> dict[str, Any]:
-            base = {"state": "init", "group_rank": None, "group_world_size": None,
+            base = {"state": NodeState.INIT, "group_rank": None, "group_world_size": None,
                     "restarts": 0, "max_restarts": args.max_restarts, "workers": [],
                     "last_error": None}
             fields = ctx.agent.node_state() if ctx.agent is not None else base
@@ -466,11 +467,11 @@ def run(argv: list[str]) -> int:
     forwarding = _install_signal_forwarding(ctx)
 
     exitcode = 1
-    final = "failed"
+    final = NodeState.FAILED
     try:
         # torch's launch_agent builds an FtrunAgent where it builds a LocalElasticAgent.
         _torch.run_torchrun(args, lambda **kwargs: FtrunAgent(ctx=ctx, **kwargs))
-        exitcode, final = 0, "succeeded"
+        exitcode, final = 0, NodeState.SUCCEEDED
     except ChildFailedError as e:
         log.error("%s", e.format_msg())
     except HostIsolated as e:
@@ -481,11 +482,11 @@ def run(argv: list[str]) -> int:
                   " (but this launcher runs the job's rendezvous store and coordinator, so the "
                   "job ends with it; run `ftrun coordinator` on a host of its own to keep a job "
                   "going when a host is isolated)" if coordinator is not None else "")
-        exitcode, final = exit_codes.ISOLATED, "isolated"
+        exitcode, final = exit_codes.ISOLATED, NodeState.ISOLATED
     except SignalException as e:
         # torch's agent already stopped the workers with the same signal.
         log.warning("stopped by %s", signal.Signals(e.sigval).name)
-        exitcode, final = 128 + int(e.sigval), "stopped"
+        exitcode, final = 128 + int(e.sigval), NodeState.STOPPED
     except RendezvousError as e:
         log.error("rendezvous failed: %s: %s", type(e).__name__, e)
     finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftrun._enum import StrEnum
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -22,3 +24,11 @@ class StoreConfig:
     replicas: int = 1
     replica_host: str = "127.0.0.1"
     replica_rate_mb_s: float = 0.0
+
+
+class ClaimAnswer(StrEnum):
+    """Which buffer a rank may overwrite with its next snapshot (the store's answer to a claim)."""
+
+    OLDER = "older"  # its newest shard's step committed: overwrite the older buffer
+    NEWEST = "newest"  # its newest shard's step is dead: overwrite that one; the older buffer
+    # keeps the last committed step

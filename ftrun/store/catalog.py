@@ -20,6 +20,7 @@ from typing import Any
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import segment as shm
+from ftrun.snapshot.api import SegmentState
 
 log = logging.getLogger("ftrun.store")
 
@@ -32,7 +33,7 @@ class Record:
     origin: str  # the node whose rank wrote it (this node, for its own ranks)
     step: int
     epoch: str
-    state: str  # empty | writing | staged | verified
+    state: SegmentState | str  # (a str only for an unknown header code)
     data_len: int
     chunk_size: int
     hashes: list[int] | None  # chunk xxh3-64, once the rank staged it (checked table)
@@ -145,6 +146,6 @@ class Catalog:
         held: dict[int, list[int]] = {}
         for rec in self.records():
             steps = held.setdefault(rec.rank, [])
-            if rec.state == "verified":
+            if rec.state == SegmentState.VERIFIED:
                 steps.append(rec.step)
         return {r: sorted(held[r]) for r in sorted(held)}

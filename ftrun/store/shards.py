@@ -27,6 +27,7 @@ from ftrun.errors import FtrunError, IntegrityError
 from ftrun.protocol.transport import Reply, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
+from ftrun.snapshot.api import SegmentState
 from ftrun.snapshot.manifest import parse_manifest
 from ftrun.store.catalog import Catalog, Record
 
@@ -76,9 +77,9 @@ class ShardService:
 
     # -- what is held ---------------------------------------------------------------------
     def _held(self) -> dict[str, Record]:
-        records = [r for r in self.catalog.records() if r.state == "verified" and r.hashes]
+        records = [r for r in self.catalog.records() if r.state == SegmentState.VERIFIED and r.hashes]
         if self._replicas is not None:
-            records += [r for r in self._replicas() if r.state == "verified" and r.hashes]
+            records += [r for r in self._replicas() if r.state == SegmentState.VERIFIED and r.hashes]
         return {r.segment: r for r in records}
 
     def _world_size(self, seg: shm.Segment, h: shm.Header) -> int | None:

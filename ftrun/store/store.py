@@ -49,8 +49,9 @@ from ftrun.protocol.transport import Client, Server
 from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
+from ftrun.snapshot.api import SegmentState
 from ftrun.snapshot.manifest import parse_manifest
-from ftrun.store.api import StoreConfig
+from ftrun.store.api import ClaimAnswer, StoreConfig
 from ftrun.store.catalog import Catalog, rank_of
 
 log = logging.getLogger("ftrun.store")
@@ -297,7 +298,7 @@ class SnapshotStore:
                         "--snapshot-every", behind, self._durable, self._committed)
         return True
 
-    def _claim(self, epoch: str, need: int) -> str | None:
+    def _claim(self, epoch: str, need: int) -> ClaimAnswer | None:
         """Whether a rank whose newest shard is step ``need`` may write its next snapshot:
         "older" (``need`` committed: overwrite the older buffer), "newest" (``need`` is dead:
         overwrite that shard, the older buffer keeps the last committed step) or None."""
@@ -307,9 +308,9 @@ class SnapshotStore:
             if epoch != self._epoch:
                 return None
             if self._committed >= need and self._durable_kept(need):
-                return "older"
+                return ClaimAnswer.OLDER
             if need in self._dead:
-                return "newest"
+                return ClaimAnswer.NEWEST
         return None
 
     def request_persist(self, reason: str, final: bool = False) -> dict[str, Any] | None:
@@ -376,7 +377,7 @@ class SnapshotStore:
             return "snap_claim_reply", {"ok": False, "committed": self._committed}
         which = self._claim(b["epoch"], b["need_committed"])
         reply = {"ok": which is not None, "committed": self._committed}
-        if which == "newest":
+        if which == ClaimAnswer.NEWEST:
             reply["buffer"] = 1 - b["buffer"]
         return "snap_claim_reply", reply
 
@@ -432,7 +433,7 @@ class SnapshotStore:
     def _corrupt(self, rank: int) -> dict[str, Any]:
         """Fault injection: flip one byte in the middle of ``rank``'s newest verified shard,
         leaving its state and hashes as they are (silent corruption)."""
-        shards = [r for r in self.catalog.records(rank) if r.state == "verified"]
+        shards = [r for r in self.catalog.records(rank) if r.state == SegmentState.VERIFIED]
         if not shards:
             raise FtrunError(f"this store holds no verified shard of rank {rank} to corrupt; "
                              "retry once a snapshot of it has been verified")
