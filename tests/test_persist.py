@@ -27,6 +27,7 @@ from ftrun.protocol import Message
 from ftrun.rank import fallback
 from ftrun.snapshot import persist, verify
 from ftrun.snapshot import segment as shm
+from ftrun.snapshot.api import PersistConfig
 from ftrun.snapshot.manifest import flatten, parse_manifest
 from ftrun.snapshot.segment import STAGED, VERIFIED, Segment, segment_name
 from ftrun.store.api import StoreConfig
@@ -474,8 +475,8 @@ def test_restore_refuses_to_start_fresh_silently(workdir: Path) -> None:
 def test_store_persists_each_target_before_its_buffer_is_reused(workdir: Path) -> None:
     run_id = f"tp{uuid.uuid4().hex[:10]}"
     cfg = StoreConfig(run_id=run_id, url="ipc:///nonexistent", coordinator=None,
-                      node_id="host/1", owner_pid=os.getpid(), persist_dir=str(workdir),
-                      persist_every=2, persist_keep=10)
+                      node_id="host/1", owner_pid=os.getpid(),
+                      persist=PersistConfig(dir=str(workdir), every=2, keep=10))
     store = SnapshotStore(cfg, b"s" * 32)
 
     def send(kind: str, **body: Any) -> dict[str, Any]:

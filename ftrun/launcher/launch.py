@@ -398,7 +398,7 @@ def run(argv: list[str]) -> int:
     ctx.worker_env = {
         knobs.STORE.name: store_url,
         knobs.SECRET.name: secret.decode(),
-        knobs.PERSIST_DIR.name: opts.persist_dir or "",
+        knobs.PERSIST_DIR.name: opts.persist.dir or "",
         knobs.START_FRESH.name: "1" if opts.start_fresh else "0",
         knobs.SNAPSHOT_EVERY.name: opts.snapshot_every,
         knobs.SNAPSHOT_WAIT.name: str(opts.snapshot_wait_s),
@@ -453,9 +453,7 @@ def run(argv: list[str]) -> int:
                         endpoint, HELLO_WAIT_S)
     ctx.store = StoreProcess(
         StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
-                    owner_pid=os.getpid(), persist_dir=opts.persist_dir,
-                    persist_every=opts.persist_every,
-                    persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep,
+                    owner_pid=os.getpid(), persist=opts.persist,
                     threads=opts.store_threads, replicas=opts.replicas,
                     replica_host=data_host,
                     replica_rate_mb_s=opts.replica_rate_mb_s),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ftrun._enum import StrEnum
+from ftrun.snapshot.api import PersistConfig
 
 
 @dataclass(frozen=True)
@@ -14,16 +16,18 @@ class StoreConfig:
     coordinator: str | None
     node_id: str
     owner_pid: int
-    persist_dir: str | None = None
-    persist_every: int = 0
-    persist_interval_s: float = 0.0
-    persist_keep: int = 3
+    persist: PersistConfig = PersistConfig()
     threads: int = 0  # hashing threads (0: default_threads())
     # Replicas on peer nodes (ftrun.store.replica): m copies of every shard (1: off), the
     # interface the receiver listens on, and the sender's cap in MB/s (0: none).
     replicas: int = 1
     replica_host: str = "127.0.0.1"
     replica_rate_mb_s: float = 0.0
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> StoreConfig:
+        """The config from ``dataclasses.asdict`` of one, as the launcher passes it (JSON)."""
+        return cls(**{**doc, "persist": PersistConfig(**doc.get("persist", {}))})
 
 
 class ClaimAnswer(StrEnum):

@@ -200,10 +200,10 @@ class SnapshotStore:
                                 "base_step": base_step, "world_size": self._world_size}
         if self._source:
             body["source"] = self._source
-        if self.cfg.persist_dir:
+        if self.cfg.persist.dir:
             # The coordinator schedules targets with these (every store passes the same).
-            body["persist_every"] = self.cfg.persist_every
-            body["persist_interval_s"] = float(self.cfg.persist_interval_s)
+            body["persist_every"] = self.cfg.persist.every
+            body["persist_interval_s"] = float(self.cfg.persist.interval_s)
         return body
 
     def _ask_epoch(self, kind: str, body: dict[str, Any], epoch: str) -> dict[str, Any] | None:
@@ -490,7 +490,7 @@ class SnapshotStore:
         here (logged), never waited for, except the final one (the job is ending, the
         buffers no longer change).
         """
-        if not self.cfg.persist_dir:
+        if not self.cfg.persist.dir:
             return
         final = step == self._final
         self._report_due = True
@@ -607,8 +607,8 @@ class SnapshotStore:
     def _write(self, step: int, shards: list[Shard]) -> None:
         from ftrun.snapshot import persist
 
-        assert self.cfg.persist_dir
-        root = Path(self.cfg.persist_dir)
+        assert self.cfg.persist.dir
+        root = Path(self.cfg.persist.dir)
         t0 = time.perf_counter()
         try:
             for doc, data, chunk_size, chunk_hashes in shards:
@@ -619,7 +619,7 @@ class SnapshotStore:
                                   f"step {step} rank {doc['rank']}", self._hashers)
                 persist.write_rank(root, doc, memoryview(data), verify.tensor_hashes(doc, data))
             if any(doc["rank"] == 0 for doc, *_ in shards):
-                persist.prune(root, self.cfg.persist_keep)
+                persist.prune(root, self.cfg.persist.keep)
         except Exception:
             log.exception("persisting step %d failed", step)
             return
@@ -635,7 +635,7 @@ class SnapshotStore:
 
     def _persist_final(self) -> None:
         """At the end (job end, SIGTERM): write the final target every node agreed on."""
-        if not self.cfg.persist_dir or not self._epoch:
+        if not self.cfg.persist.dir or not self._epoch:
             return
         info = self.request_persist("end of job", final=True)
         if info is None and self._coord is not None:
@@ -696,7 +696,7 @@ class SnapshotStore:
                 reply = self._coord.request("store_report", {
                     "node_id": self.cfg.node_id, "bytes": total, "segments": len(names),
                     "persisted_step": self._persisted_step, "ranks": sorted(ranks),
-                    "persist": bool(self.cfg.persist_dir), "final": final,
+                    "persist": bool(self.cfg.persist.dir), "final": final,
                     "epoch": self._epoch or None, "writing": self._writing(),
                     "target_done": max(self._handled, default=-1),
                     "skipped": sum(s for s, _ in self._cadence.values()),
@@ -710,7 +710,7 @@ class SnapshotStore:
 
     def _poll(self) -> None:
         """Learn targets while the ranks are quiet (no verify replies to carry them)."""
-        if self.cfg.persist_dir and self._epoch and self._coord is not None:
+        if self.cfg.persist.dir and self._epoch and self._coord is not None:
             self._ask_epoch("commit_query", {"epoch": self._epoch}, self._epoch)
 
     def serve(self) -> None:
@@ -719,7 +719,7 @@ class SnapshotStore:
         server = Server("snapshot store", self._secret, self.cfg.run_id, self._handlers(),
                         sender="store", max_frame_bytes=protocol.MAX_FRAME_BYTES)
         server.bind(self.cfg.url)
-        if self.cfg.persist_dir:
+        if self.cfg.persist.dir:
             # Import the writer's modules now (seconds), not at the first target's write.
             # On a thread of its own: the writer must be free at once to copy a target out
             # of the buffers it pins (ranks skip snapshots while it holds them).
@@ -735,7 +735,7 @@ class SnapshotStore:
                     server.serve_once(POLL_MS / 1000, max_messages=1)
                     if self._persist_now.is_set():
                         self._persist_now.clear()
-                        if self.cfg.persist_dir:
+                        if self.cfg.persist.dir:
                             self.request_persist("SIGUSR1")
                         else:
                             log.info("SIGUSR1: no --persist-dir, nothing to write")
@@ -846,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="JSON StoreConfig")
     args = p.parse_args(argv)
     set_parent_death_signal(signal.SIGKILL)
-    cfg = StoreConfig(**json.loads(args.config))
+    cfg = StoreConfig.from_json(json.loads(args.config))
     if os.getppid() != cfg.owner_pid:
         return 1  # the launcher is already gone
     logging.basicConfig(level=knobs.LOG_LEVEL.get().upper(), stream=sys.stderr,
