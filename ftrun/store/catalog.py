@@ -15,6 +15,7 @@ keeps the mappings open.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,6 +82,30 @@ class Catalog:
             return None
         self._open[name] = (st.st_ino, seg)
         return seg
+
+    def buffer_name(self, rank: int, buffer: int) -> str:
+        """The segment of ``rank``'s snapshot buffer ``buffer`` (0 or 1) on this node."""
+        return shm.segment_name(self.run_id, rank, buffer)
+
+    @staticmethod
+    def open_private(name: str) -> shm.Segment:
+        """A mapping of segment ``name`` of the caller's own, for a thread other than the
+        store's loop (which may close the catalog's mappings at any time); the caller closes
+        it. Raises OSError, IntegrityError or ValueError as ``Segment.open``."""
+        return shm.Segment.open(name)
+
+    @staticmethod
+    def nbytes(name: str) -> int:
+        """The size of segment ``name`` in the shm directory (OSError: it is gone)."""
+        return (shm.SHM_DIR / name).stat().st_size
+
+    def unlink_all(self) -> None:
+        """Remove this node's segments of the job (the store stops with the job)."""
+        for name in self.names():
+            try:
+                os.unlink(shm.SHM_DIR / name)
+            except FileNotFoundError:
+                pass
 
     def forget(self, name: str) -> None:
         old = self._open.pop(name, None)

@@ -107,6 +107,31 @@ def holder_prefix(run_id: str, holder: str) -> str:
     return f"{replica_prefix(run_id)}{_node_tag(holder)}-"
 
 
+def newest_replica(run_id: str, origin: str,
+                   rank: int | None = None) -> tuple[int, shm.Segment] | None:
+    """(step, opened segment) of the newest verified replica this host holds of ``origin``'s
+    shards (of ``rank`` if given), or None; the caller closes the segment."""
+    # Replica names: holder_prefix(holder) + origin's tag + "-r{rank}-s{slot}".
+    origin_tag = replica_name(run_id, "-", origin, 0, 0)[len(holder_prefix(run_id, "-")):]
+    origin_part = "-" + origin_tag.removesuffix("-r0-s0") + "-r"
+    newest: tuple[int, shm.Segment] | None = None
+    for path in shm.list_segments(replica_prefix(run_id)):
+        if origin_part not in path.name or (rank is not None and f"-r{rank}-s" not in path.name):
+            continue
+        try:
+            seg = shm.Segment.open(path)
+            h = seg.header()
+        except (OSError, IntegrityError, ValueError):
+            continue
+        if h.state == shm.VERIFIED and (newest is None or h.step > newest[0]):
+            if newest is not None:
+                newest[1].close()
+            newest = (h.step, seg)
+        else:
+            seg.close()
+    return newest
+
+
 def write_origin(seg: shm.Segment, origin: str) -> None:
     """Record ``origin`` at the end of the manifest slot of ``seg``."""
     blob = origin.encode()

@@ -356,7 +356,7 @@ class SnapshotStore:
         self._follow_ranks(b)
         if "every" in b:
             self._cadence[b["rank"]] = (b.get("skipped", 0), b["every"])
-        name = shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])
+        name = self.catalog.buffer_name(b["rank"], b["buffer"])
         ok, reason, _ = self._verify_staged(name, b["step"])
         if not ok:
             log.error("rank %d step %d not verified: %s", b["rank"], b["step"], reason)
@@ -371,7 +371,7 @@ class SnapshotStore:
         self._follow_ranks(b)
         # Everything staged is verified first: a claim must never race the hashing.
         self._verify_rank(b["rank"])
-        if self._pinned_buffer(shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])):
+        if self._pinned_buffer(self.catalog.buffer_name(b["rank"], b["buffer"])):
             # It holds a persist target still being copied out: not now (the rank skips
             # this snapshot; it never waits).
             return "snap_claim_reply", {"ok": False, "committed": self._committed}
@@ -468,7 +468,7 @@ class SnapshotStore:
 
     def _verify_rank(self, rank: int) -> None:
         for buffer in (0, 1):
-            name = shm.segment_name(self.cfg.run_id, rank, buffer)
+            name = self.catalog.buffer_name(rank, buffer)
             seg = self._open(name)
             if seg is not None and seg.header().state == shm.STAGED:
                 self._verify_staged(name)
@@ -567,7 +567,7 @@ class SnapshotStore:
         problems = []
         for name in names:
             try:
-                seg = shm.Segment.open(name)
+                seg = self.catalog.open_private(name)
             except (OSError, IntegrityError, ValueError) as e:
                 problems.append(f"{name}: {e}")
                 continue
@@ -682,7 +682,7 @@ class SnapshotStore:
         ranks = set()
         for name in names:
             try:
-                total += (shm.SHM_DIR / name).stat().st_size
+                total += self.catalog.nbytes(name)
                 ranks.add(self._rank_of(name)[0])
             except (OSError, ValueError):
                 continue
@@ -831,11 +831,7 @@ class SnapshotStore:
             self.report(final=True)
         self.catalog.close()
         if self._unlink_at_exit:
-            for name in self._job_segments():
-                try:
-                    os.unlink(shm.SHM_DIR / name)
-                except FileNotFoundError:
-                    pass
+            self.catalog.unlink_all()
             log.info("removed the job's snapshot segments")
         if self._coord is not None:
             self._coord.close()
