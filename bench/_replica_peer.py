@@ -4,7 +4,7 @@
     python bench/_replica_peer.py send --store H:P --raw H:P --run-id R --size-mib N ...
 
 ``recv`` listens twice on ``H`` and prints ``{"store": "H:P", "raw": "H:P"}``: ftrun's
-:class:`~ftrun.snapshot.replica.ReplicaReceiver` (the one a store runs, on its own thread) and
+:class:`~ftrun.store.replica.ReplicaReceiver` (the one a store runs, on its own thread) and
 a bare ZeroMQ ROUTER socket that receives messages and drops them, counting their bytes. It
 serves until its stdin closes.
 
@@ -13,7 +13,7 @@ leave it (data, manifest, chunk hashes, VERIFIED), then sends it ``--transfers``
 way, alternating, so both see the same load on the machine: ``raw``, a bare DEALER socket
 streaming the segment's data zero-copy in messages of the chunk size (4 MiB), then one round
 trip that says every byte arrived; ``store``, ftrun's
-:class:`~ftrun.snapshot.replica.ReplicaSender` (``send_step``, a new step each time: the whole
+:class:`~ftrun.store.replica.ReplicaSender` (``send_step``, a new step each time: the whole
 transfer from ``replica_begin`` to ``replica_end``, every chunk verified into the replica
 segment). One JSON line per transfer, with its seconds and the sender's CPU seconds (ZeroMQ's
 I/O thread included). ``--warmup`` store transfers come first: they create the receiver's two
@@ -40,7 +40,7 @@ from ftrun.protocol.endpoints import join_endpoint  # noqa: E402
 from ftrun.snapshot import segment as shm  # noqa: E402
 from ftrun.snapshot import verify  # noqa: E402
 from ftrun.snapshot.manifest import flatten, manifest_blob, tensor_view  # noqa: E402
-from ftrun.snapshot.replica import WINDOW, Peer, ReplicaReceiver, ReplicaSender  # noqa: E402
+from ftrun.store.replica import WINDOW, Peer, ReplicaReceiver, ReplicaSender  # noqa: E402
 
 SECRET = b"bench-replicate-secret-0123456789"
 ORIGIN = "bench-sender"

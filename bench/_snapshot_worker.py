@@ -784,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.async_copy = bool(args.async_copy)
     # Die with the launcher (torchrun starts workers in sessions of their own).
-    from ftrun.launcher.pdeath import set_parent_death_signal
+    from ftrun.pdeath import set_parent_death_signal
 
     set_parent_death_signal()
     run = {"ftrun": run_ftrun, "auto": run_auto, "baselines": run_baselines}[args.mode]

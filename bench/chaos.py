@@ -534,7 +534,7 @@ class ChaosRun:
             if e["type"] in ("store_started", "store_restarted") and e["node"] == node:
                 pid = e["pid"]
         if pid is None or parent_pid(pid) != launcher or not any(
-                "ftrun.snapshot.store" in a for a in cmdline(pid)):
+                "ftrun.store" in a for a in cmdline(pid)):
             raise ChaosError(f"cannot find node {f.node}'s store (event pid {pid}, launcher "
                              f"{launcher}, node {node})")
         f.in_progress = max(r["step"] for r in job.steps(job.starts[-1])) + 1

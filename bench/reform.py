@@ -31,9 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from _jobs import free_port  # noqa: E402
+from ftrun.testing import free_port  # noqa: E402
 
 COLD = r"""
 import os, sys, time

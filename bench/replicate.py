@@ -22,7 +22,7 @@ Parts:
   (``--nnodes 2:3``, 3 nodes, ``--replicas 2``, ``--persist-dir`` every ``--persist-every``)
   against torchrun tuned (``--nnodes 2:3``, c10d with a short keep-alive and last call,
   ``train.py --torch-save-dir`` every ``--save-every`` steps). Goal: ftrun <= 0.5x torchrun.
-- (d) ``simulate``: over ftrun's own placement code (``ftrun.snapshot.placement``), the
+- (d) ``simulate``: over ftrun's own placement code (``ftrun.coordinator.placement``), the
   probability that ``k`` simultaneous node losses, every set of ``k`` nodes equally likely,
   leave a copy of every node's snapshot shards in some live node's memory, for Gemini's group
   placement (mixed when ``m`` does not divide ``N``) against ring placement. Exact (every loss
@@ -55,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ftrun.snapshot import placement  # noqa: E402
+from ftrun.coordinator import placement  # noqa: E402
 from ftrun.testing import (  # noqa: E402
     Launchers,
     cmdline,
@@ -206,7 +206,7 @@ def snapshot_mb(args: argparse.Namespace) -> float:
 def classify(pid: int) -> str:
     """``store``, ``rank`` or ``launcher`` (the launcher with its agent, and anything else)."""
     argv = cmdline(pid)
-    if "ftrun.snapshot.store" in argv:
+    if "ftrun.store.store" in argv:  # python -m ftrun.store.store
         return "store"
     if any(a.endswith(("/ftrun", "/torchrun")) for a in argv[:2]):
         return "launcher"  # its command line names train.py too
@@ -625,7 +625,7 @@ def run_simulate(args: argparse.Namespace) -> tuple[str, list[dict[str, object]]
     wrong = check_gemini()
     text = ("(d) Probability that k simultaneous node losses (every set of k nodes equally "
             "likely) leave a copy of every node's shards in memory, for ftrun's placement code "
-            "(ftrun.snapshot.placement): Gemini's group placement (mixed when m does not divide "
+            "(ftrun.coordinator.placement): Gemini's group placement (mixed when m does not divide "
             "N: ring over the last m + N mod m nodes) vs ring placement. m = copies of each "
             f"shard. Exact enumeration up to {args.exact_limit:,} loss sets, else Monte Carlo "
             f"(± one standard error). {time.perf_counter() - t0:.1f} s.\n\n{table(rows)}\n\n"

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from ftrun.launcher.pdeath import LAUNCHER_PID_ENV, set_parent_death_signal
+from ftrun.pdeath import LAUNCHER_PID_ENV, set_parent_death_signal
 
 
 def main(argv: list[str]) -> None:

@@ -1,7 +1,7 @@
 """The small hierarchy of errors ftrun raises.
 
 Library code raises these; only the CLI turns them into a one-line message and an exit code
-(see ``ftrun.cli.exit_codes``). Each message names the bad value and what to do about it.
+(see ``ftrun.exit_codes``). Each message names the bad value and what to do about it.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ftrun import knobs
 from ftrun.errors import FtrunError, FtrunTimeoutError
+from ftrun.snapshot.api import SegmentState
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ def corrupt_newest_snapshot(rank: int, run_id: str | None = None,
         while True:
             reply = chan.request("catalog_request", {"rank": rank}, "catalog_reply", 5.0,
                                  attempts=3)
-            held = [r for r in reply.body["records"] if r["state"] != "empty"]
+            held = [r for r in reply.body["records"] if r["state"] != SegmentState.EMPTY]
             # Wait until the newest snapshot is verified, so the one corrupted is the one a
             # restore would pick.
-            if held and max(held, key=lambda r: r["step"])["state"] == "verified":
+            if held and max(held, key=lambda r: r["step"])["state"] == SegmentState.VERIFIED:
                 done = chan.request("fault_corrupt", {"rank": rank}, "fault_reply", 5.0)
                 log.warning("fault injection: the store flipped byte %d of rank %d's snapshot "
                             "of step %d (%s)", done.body["offset"], rank, done.body["step"],
@@ -72,28 +73,10 @@ def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corrup
     Runs on the holding host (FTRUN_SHM_DIR as its store's). Meant for after the origin is
     lost: a live origin's sender would soon replace the replica with a newer step.
     """
-    from ftrun.errors import IntegrityError
     from ftrun.snapshot import segment as shm
-    from ftrun.snapshot.replica import holder_prefix, replica_name, replica_prefix
+    from ftrun.store.replica import newest_replica
 
-    # Replica names: holder_prefix(holder) + origin's tag + "-r{rank}-s{slot}".
-    origin_tag = replica_name(run_id, "-", origin, 0, 0)[len(holder_prefix(run_id, "-")):]
-    origin_part = "-" + origin_tag.removesuffix("-r0-s0") + "-r"
-    newest: tuple[int, shm.Segment] | None = None
-    for path in shm.list_segments(replica_prefix(run_id)):
-        if origin_part not in path.name or (rank is not None and f"-r{rank}-s" not in path.name):
-            continue
-        try:
-            seg = shm.Segment.open(path)
-            h = seg.header()
-        except (OSError, IntegrityError, ValueError):
-            continue
-        if h.state == shm.VERIFIED and (newest is None or h.step > newest[0]):
-            if newest is not None:
-                newest[1].close()
-            newest = (h.step, seg)
-        else:
-            seg.close()
+    newest = newest_replica(run_id, origin, rank)
     if newest is None:
         raise FtrunError(f"this host ({shm.SHM_DIR}) holds no verified replica of {origin}'s "
                          f"shards{'' if rank is None else f' of rank {rank}'} in job {run_id}")

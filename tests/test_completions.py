@@ -16,7 +16,8 @@ import typer
 import typer.main
 from typer.testing import CliRunner
 
-from ftrun.cli import completions, exit_codes
+from ftrun import exit_codes
+from ftrun.cli import completions
 from ftrun.cli.completions import FILENAMES, REGENERATE, SHELLS, generate
 from ftrun.errors import ConfigError
 

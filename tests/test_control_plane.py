@@ -17,8 +17,7 @@ import pytest
 import zmq
 from conftest import wait_for
 
-from ftrun import jobs, protocol
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, jobs, protocol
 from ftrun.cli.status import run_status
 from ftrun.coordinator import server as server_mod
 from ftrun.coordinator.client import HeartbeatComposer, coordinator_client

@@ -24,8 +24,7 @@ import zmq
 from conftest import free_port
 from conftest import wait_for as harness_wait_for
 
-from ftrun import jobs, protocol
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, jobs, protocol
 from ftrun.cli.status import run_status
 from ftrun.coordinator.client import NodeReporter, request
 from ftrun.coordinator.server import (

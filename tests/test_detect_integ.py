@@ -25,7 +25,7 @@ from netns import (  # noqa: F401  (the fixtures)
     reference_3_fixture,
 )
 
-from ftrun.cli.exit_codes import ISOLATED
+from ftrun.exit_codes import ISOLATED
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,7 @@ import torch
 import xxhash
 from snapshot_helpers import stage_segment, write_plain
 
-from ftrun import jobs, protocol
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, jobs, protocol
 from ftrun.cli import inspect as inspect_cli
 from ftrun.errors import UnreachableError
 from ftrun.snapshot import persist

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TRAIN, Procs, free_port, read_events, wait_for
 
-from ftrun import knobs
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, knobs
 from ftrun.errors import ConfigError
 from ftrun.launcher.args import build_parser, ftrun_options
 

@@ -24,11 +24,14 @@ from ftrun.coordinator.commits import FINAL_SETTLE_S, CommitTracker, StoreState
 from ftrun.errors import ConfigError, IntegrityError, RestoreError
 from ftrun.faults import corrupt_persisted
 from ftrun.protocol import Message
-from ftrun.snapshot import fallback, persist, verify
+from ftrun.rank import fallback
+from ftrun.snapshot import persist, verify
 from ftrun.snapshot import segment as shm
+from ftrun.snapshot.api import PersistConfig
 from ftrun.snapshot.manifest import flatten, parse_manifest
 from ftrun.snapshot.segment import STAGED, VERIFIED, Segment, segment_name
-from ftrun.snapshot.store import SnapshotStore, StoreConfig
+from ftrun.store.api import StoreConfig
+from ftrun.store.store import SnapshotStore
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -472,8 +475,8 @@ def test_restore_refuses_to_start_fresh_silently(workdir: Path) -> None:
 def test_store_persists_each_target_before_its_buffer_is_reused(workdir: Path) -> None:
     run_id = f"tp{uuid.uuid4().hex[:10]}"
     cfg = StoreConfig(run_id=run_id, url="ipc:///nonexistent", coordinator=None,
-                      node_id="host/1", owner_pid=os.getpid(), persist_dir=str(workdir),
-                      persist_every=2, persist_keep=10)
+                      node_id="host/1", owner_pid=os.getpid(),
+                      persist=PersistConfig(dir=str(workdir), every=2, keep=10))
     store = SnapshotStore(cfg, b"s" * 32)
 
     def send(kind: str, **body: Any) -> dict[str, Any]:

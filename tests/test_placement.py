@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from ftrun.errors import ConfigError
-from ftrun.snapshot.placement import (
+from ftrun.coordinator.placement import (
     group_placement,
     holders_of,
     node_ids,
     recovery_probability,
     ring_placement,
 )
+from ftrun.errors import ConfigError
 
 
 def test_group_placement_disjoint_groups_when_m_divides_n() -> None:

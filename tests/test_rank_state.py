@@ -123,7 +123,8 @@ def test_the_store_trusts_the_ranks_hash_table_and_restore_catches_a_later_flip(
     from ftrun.snapshot import segment as shm
     from ftrun.snapshot import verify
     from ftrun.snapshot.manifest import entries
-    from ftrun.snapshot.store import SnapshotStore, StoreConfig
+    from ftrun.store.api import StoreConfig
+    from ftrun.store.store import SnapshotStore
 
     run_id = f"rh{uuid.uuid4().hex[:10]}"
     seg = stage_segment(run_id, 0, 0, {"w": torch.arange(1000.0)}, step=3, final_state=shm.STAGED)

@@ -20,14 +20,14 @@ from ftrun.errors import IntegrityError
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.replica import (
+from ftrun.snapshot.verify import pack_hashes
+from ftrun.store.replica import (
     Abandoned,
     Peer,
     Refused,
     ReplicaReceiver,
     ReplicaSender,
     _Pacer,
-    pack_hashes,
     replica_prefix,
 )
 
@@ -500,7 +500,7 @@ def test_a_refusal_reaches_the_coordinators_coverage_and_status(
         job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     from ftrun.cli.status import _replica_text
     from ftrun.coordinator.server import Coordinator
-    from ftrun.snapshot.replica import ReplicaConfig, Replication
+    from ftrun.store.replica import ReplicaConfig, Replication
 
     coord = Coordinator(job.run_id, SECRET, bind_host="127.0.0.1")
     coord.start()

@@ -1,4 +1,4 @@
-"""Shards across nodes (ftrun.snapshot.shards) and resharding from memory (memload).
+"""Shards across nodes (ftrun.store.shards) and resharding from memory (memload).
 
 A real shard service over real segments: it lists what it holds, serves manifests and
 chunks; a reader takes each chunk from a copy that verifies, and a chunk changed in memory
@@ -17,16 +17,10 @@ import torch
 from snapshot_helpers import stage_segment
 
 from ftrun.errors import IntegrityError
-from ftrun.snapshot import memload
+from ftrun.rank import memload
+from ftrun.rank.shards import Holding, ShardReader, complete, describe_gaps, survey
 from ftrun.snapshot.segment import Segment
-from ftrun.snapshot.shards import (
-    Holding,
-    ShardReader,
-    ShardService,
-    complete,
-    describe_gaps,
-    survey,
-)
+from ftrun.store.shards import ShardService
 
 SECRET = b"s" * 32
 

@@ -9,7 +9,7 @@ import time
 
 from rich.console import Console
 
-from ftrun.cli import exit_codes
+from ftrun import exit_codes
 from ftrun.cli.status import exit_code_for, render_status
 from ftrun.coordinator.api import JobHealth, NodeState
 from ftrun.coordinator.detect import Finding

@@ -14,7 +14,7 @@ from snapshot_helpers import stage_segment
 
 from ftrun.protocol import Message
 from ftrun.snapshot import segment as shm
-from ftrun.snapshot.store import SnapshotStore, StoreConfig
+from ftrun.store.store import SnapshotStore, StoreConfig
 
 
 @pytest.fixture

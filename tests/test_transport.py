@@ -24,7 +24,7 @@ from ftrun.errors import AuthError, FtrunError, IntegrityError, ProtocolError, U
 from ftrun.protocol import transport
 from ftrun.protocol.transport import Client, Reply, Server
 from ftrun.snapshot import segment as shm
-from ftrun.snapshot.store import SnapshotStore, StoreConfig
+from ftrun.store.store import SnapshotStore, StoreConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,8 +16,10 @@ from test_store_epoch import run_id  # noqa: F401 (fixture)
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import verify
+from ftrun.snapshot.api import PersistConfig
 from ftrun.snapshot.manifest import flatten, tensor_view
-from ftrun.snapshot.store import SnapshotStore, StoreConfig
+from ftrun.store.api import StoreConfig
+from ftrun.store.store import SnapshotStore
 
 
 def test_chunks_are_hashed_as_their_tensors_land_in_any_order() -> None:
@@ -65,7 +67,7 @@ def test_the_persist_copy_refuses_bytes_changed_after_the_rank_hashed_them(
         seg = stage_segment(run_id, 0, 0, {"w": torch.arange(64.0)}, step=4)
         store = SnapshotStore(StoreConfig(run_id=run_id, url="ipc:///nonexistent",
                                           coordinator=None, node_id="h/1",
-                                          owner_pid=os.getpid(), persist_dir=str(root),
+                                          owner_pid=os.getpid(), persist=PersistConfig(dir=str(root)),
                                           threads=2), b"s" * 32)
         h = seg.header()
         seg.mm[h.data_off + 17] ^= 0x40  # after the rank hashed it

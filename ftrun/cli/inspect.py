@@ -10,7 +10,7 @@ replica of each rank's shard. ``--verify`` re-hashes the chosen step: every tens
 memory.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
-from :mod:`ftrun.cli.exit_codes`. JSON output goes through ``sys.stdout.write`` only.
+from :mod:`ftrun.exit_codes`. JSON output goes through ``sys.stdout.write`` only.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from ftrun import jobs, knobs
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, jobs, knobs
 from ftrun.coordinator.client import request
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import persist, segment, verify
+from ftrun.snapshot.api import SegmentState
 from ftrun.snapshot.manifest import entries, parse_manifest
 from ftrun.snapshot.segment import (
     STAGED,
@@ -595,7 +595,8 @@ def _render_live(doc: dict[str, Any], console: Console) -> None:
                                 (f" on {doc['host']}: {len(doc['segments'])} snapshot "
                                  f"segment(s) in {doc['shm_dir']}", "")))
     if doc["segments"]:
-        style = {"verified": "green", "staged": "cyan", "writing": "yellow", "empty": "dim"}
+        style = {SegmentState.VERIFIED: "green", SegmentState.STAGED: "cyan",
+                 SegmentState.WRITING: "yellow", SegmentState.EMPTY: "dim"}
         table = Table(box=None, pad_edge=False)
         for column in ("rank", "buffer", "state", "step", "epoch", "bytes", "tensors", "owner"):
             table.add_column(column, no_wrap=True)

@@ -16,8 +16,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from ftrun import errors, log
-from ftrun.cli import exit_codes
+from ftrun import errors, exit_codes, log
 
 LAUNCH = "launch"
 

@@ -1,7 +1,7 @@
 """``ftrun status``: list the jobs in the state directory, or show one job's status.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
-from :mod:`ftrun.cli.exit_codes`. JSON output goes through ``sys.stdout.write`` only (never
+from :mod:`ftrun.exit_codes`. JSON output goes through ``sys.stdout.write`` only (never
 through rich), so it is never wrapped or styled. Tables never wrap a cell: every column stays
 on one line and long text (the last error, a suspect's reason) is cut with an ellipsis; the
 full text is in ``--json``. Without a terminal (a pipe, a CI log) tables are laid out
@@ -23,8 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ftrun import jobs, knobs
-from ftrun.cli import exit_codes
+from ftrun import exit_codes, jobs, knobs
 from ftrun.coordinator.api import JobHealth, NodeState
 from ftrun.coordinator.client import request
 from ftrun.coordinator.status import detection_suspects

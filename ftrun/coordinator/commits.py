@@ -50,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftrun.snapshot.api import PersistConfig as PersistPolicy
+
 MAX_PENDING_STEPS = 64  # steps tracked per epoch; older incomplete ones are dropped
 MAX_TARGETS = 8  # targets listed in a reply: far more than can pass between two replies
 NO_PEER = "one node: no peer node to hold replicas"
@@ -60,22 +62,6 @@ FINAL_SETTLE_S = 5.0
 # Persist requests by signal within this long of the last one make no new target: SIGUSR1
 # reaches every node's store at about the same time, and one write is meant.
 SIGNAL_COALESCE_S = 5.0
-
-
-@dataclass(frozen=True)
-class PersistPolicy:
-    """When a committed step is due for disk (the stores' ``--persist-*`` settings)."""
-
-    every: int = 0  # steps; 0: off
-    interval_s: float = 0.0  # seconds since the last target; 0: off
-
-    def due(self, step: int, last_step: int, since_last_s: float) -> str | None:
-        """Why ``step`` is due (None: it is not); ``last_step`` is the previous target."""
-        if self.every > 0 and step // self.every > max(last_step, 0) // self.every:
-            return f"every {self.every} steps"
-        if self.interval_s > 0 and since_last_s >= self.interval_s:
-            return f"interval {self.interval_s:g} s"
-        return None
 
 
 @dataclass

@@ -19,8 +19,8 @@ from ftrun import protocol
 from ftrun.coordinator.commits import CommitTracker, StoreState
 from ftrun.coordinator.events import EventLog
 from ftrun.coordinator.membership import Membership
+from ftrun.coordinator.placement import group_placement
 from ftrun.protocol.transport import Reply
-from ftrun.snapshot.placement import group_placement
 
 log = logging.getLogger(__name__)
 

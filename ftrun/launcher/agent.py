@@ -48,9 +48,9 @@ from torch.distributed.elastic.agent.server.api import (
 
 from ftrun import _torch, knobs
 from ftrun.coordinator.api import NodeState
-from ftrun.launcher.pdeath import tie_entrypoint
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
+from ftrun.pdeath import tie_entrypoint
 from ftrun.rank.progress import create_progress_file, read_progress
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ftrun import knobs
 from ftrun.errors import ConfigError
+from ftrun.snapshot.api import PersistConfig
 
 FTRUN_EPILOG = """\
 ftrun subcommands: `ftrun status [RUN_ID]` shows a job, `ftrun inspect (RUN_ID | PATH)` shows
@@ -38,10 +39,7 @@ class FtrunOptions:
     hang_timeout_s: float
     heartbeat_interval_s: float
     node_timeout_s: float
-    persist_dir: str | None = None
-    persist_every: int = 0
-    persist_interval_s: float = 0.0
-    persist_keep: int = 3
+    persist: PersistConfig = PersistConfig()
     start_fresh: bool = False
     snapshot_every: str = "1"
     snapshot_wait_s: float = 0.0
@@ -77,12 +75,6 @@ class FtrunOptions:
             raise ConfigError(
                 f"--node-timeout ({self.node_timeout_s} s) must exceed --heartbeat-interval "
                 f"({self.heartbeat_interval_s} s), or every node looks lost"
-            )
-        if self.persist_every < 0 or self.persist_interval_s < 0 or self.persist_keep < 1:
-            raise ConfigError(
-                f"--persist-every ({self.persist_every}) and --persist-interval "
-                f"({self.persist_interval_s}) must be >= 0 and --persist-keep "
-                f"({self.persist_keep}) >= 1"
             )
         if self.store_threads < 0:
             raise ConfigError(
@@ -243,10 +235,12 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         hang_timeout_s=num("hang_timeout", knobs.HANG_TIMEOUT),
         heartbeat_interval_s=num("heartbeat_interval", knobs.HEARTBEAT_INTERVAL),
         node_timeout_s=num("node_timeout", knobs.NODE_TIMEOUT),
-        persist_dir=ns.persist_dir or None,
-        persist_every=int(num("persist_every", knobs.PERSIST_EVERY)),
-        persist_interval_s=num("persist_interval", knobs.PERSIST_INTERVAL),
-        persist_keep=int(num("persist_keep", knobs.PERSIST_KEEP)),
+        persist=PersistConfig(
+            dir=ns.persist_dir or None,
+            every=int(num("persist_every", knobs.PERSIST_EVERY)),
+            interval_s=num("persist_interval", knobs.PERSIST_INTERVAL),
+            keep=int(num("persist_keep", knobs.PERSIST_KEEP)),
+        ),
         start_fresh=bool(ns.start_fresh),
         snapshot_every=str(ns.snapshot_every or knobs.SNAPSHOT_EVERY.default),
         snapshot_wait_s=num("snapshot_wait", knobs.SNAPSHOT_WAIT),

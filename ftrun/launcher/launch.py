@@ -40,17 +40,17 @@ from typing import Any
 
 import zmq
 
-from ftrun import _torch, jobs, knobs, protocol
-from ftrun.cli import exit_codes
+from ftrun import _torch, exit_codes, jobs, knobs, protocol
+from ftrun.coordinator.api import NodeState
 from ftrun.errors import ConfigError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent, HostIsolated
 from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftrun_options
-from ftrun.launcher.pdeath import LAUNCHER_PID_ENV
 from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
+from ftrun.pdeath import LAUNCHER_PID_ENV
 from ftrun.sigrelay import SignalRelay
-from ftrun.snapshot.store import StoreConfig
+from ftrun.store.api import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ def run(argv: list[str]) -> int:
     ctx.worker_env = {
         knobs.STORE.name: store_url,
         knobs.SECRET.name: secret.decode(),
-        knobs.PERSIST_DIR.name: opts.persist_dir or "",
+        knobs.PERSIST_DIR.name: opts.persist.dir or "",
         knobs.START_FRESH.name: "1" if opts.start_fresh else "0",
         knobs.SNAPSHOT_EVERY.name: opts.snapshot_every,
         knobs.SNAPSHOT_WAIT.name: str(opts.snapshot_wait_s),
@@ -429,7 +429,7 @@ def run(argv: list[str]) -> int:
     reporter = None
     if endpoint:
         def state() -> dict[str, Any]:
-            base = {"state": "init", "group_rank": None, "group_world_size": None,
+            base = {"state": NodeState.INIT, "group_rank": None, "group_world_size": None,
                     "restarts": 0, "max_restarts": args.max_restarts, "workers": [],
                     "last_error": None}
             fields = ctx.agent.node_state() if ctx.agent is not None else base
@@ -453,9 +453,7 @@ def run(argv: list[str]) -> int:
                         endpoint, HELLO_WAIT_S)
     ctx.store = StoreProcess(
         StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
-                    owner_pid=os.getpid(), persist_dir=opts.persist_dir,
-                    persist_every=opts.persist_every,
-                    persist_interval_s=opts.persist_interval_s, persist_keep=opts.persist_keep,
+                    owner_pid=os.getpid(), persist=opts.persist,
                     threads=opts.store_threads, replicas=opts.replicas,
                     replica_host=data_host,
                     replica_rate_mb_s=opts.replica_rate_mb_s),
@@ -467,11 +465,11 @@ def run(argv: list[str]) -> int:
     forwarding = _install_signal_forwarding(ctx)
 
     exitcode = 1
-    final = "failed"
+    final = NodeState.FAILED
     try:
         # torch's launch_agent builds an FtrunAgent where it builds a LocalElasticAgent.
         _torch.run_torchrun(args, lambda **kwargs: FtrunAgent(ctx=ctx, **kwargs))
-        exitcode, final = 0, "succeeded"
+        exitcode, final = 0, NodeState.SUCCEEDED
     except ChildFailedError as e:
         log.error("%s", e.format_msg())
     except HostIsolated as e:
@@ -482,11 +480,11 @@ def run(argv: list[str]) -> int:
                   " (but this launcher runs the job's rendezvous store and coordinator, so the "
                   "job ends with it; run `ftrun coordinator` on a host of its own to keep a job "
                   "going when a host is isolated)" if coordinator is not None else "")
-        exitcode, final = exit_codes.ISOLATED, "isolated"
+        exitcode, final = exit_codes.ISOLATED, NodeState.ISOLATED
     except SignalException as e:
         # torch's agent already stopped the workers with the same signal.
         log.warning("stopped by %s", signal.Signals(e.sigval).name)
-        exitcode, final = 128 + int(e.sigval), "stopped"
+        exitcode, final = 128 + int(e.sigval), NodeState.STOPPED
     except RendezvousError as e:
         log.error("rendezvous failed: %s: %s", type(e).__name__, e)
     finally:

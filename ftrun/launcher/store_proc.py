@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-from ftrun.snapshot.store import StoreConfig
+from ftrun.store.api import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class StoreProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ftrun.snapshot.store", "--config", json.dumps(asdict(self.cfg))],
+            [sys.executable, "-m", "ftrun.store.store", "--config", json.dumps(asdict(self.cfg))],
             env={**os.environ, **self._env}, start_new_session=True,
         )
         log.info("snapshot store started (pid %d)", self.proc.pid)

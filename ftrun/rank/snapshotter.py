@@ -46,8 +46,9 @@ import torch
 from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
 from ftrun.protocol.transport import Client
+from ftrun.rank import shards
 from ftrun.snapshot import segment as shm
-from ftrun.snapshot import shards, verify
+from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 from ftrun.snapshot.verify import ChunkHasher
 
@@ -874,7 +875,7 @@ class Snapshotter:
         from, its own buffer when that is what was loaded). Its own buffer when it holds it;
         else the shard of the same rank from whichever node holds it; else, taken by another
         number of ranks, resharded from theirs."""
-        from ftrun.snapshot import memload
+        from ftrun.rank import memload
 
         node = knobs.NODE_ID.get()
         buffer = local.get(cand.step)
@@ -954,12 +955,12 @@ class Snapshotter:
 
     def _restore_persisted(self, distributed: bool) -> tuple[int, str]:
         """The newest persisted step that is complete and verifies on every rank (collective;
-        ftrun.snapshot.fallback). Raises RestoreError when steps exist but none is usable."""
+        ftrun.rank.fallback). Raises RestoreError when steps exist but none is usable."""
         root = knobs.PERSIST_DIR.get()
         if not root:
             return 0, "none"
         from ftrun.errors import RestoreError
-        from ftrun.snapshot.fallback import gather_all, record_for_launcher, restore_from_disk
+        from ftrun.rank.fallback import gather_all, record_for_launcher, restore_from_disk
 
         try:
             found = restore_from_disk(root, rank=self.rank, world_size=self.world_size,

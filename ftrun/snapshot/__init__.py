@@ -1,1 +1,1 @@
-"""In-memory snapshots: shared-memory segments, the rank-side client, the node's store."""
+"""The shared snapshot format: segment layout, manifest, chunk hashes (verify), the DCP layout on disk."""

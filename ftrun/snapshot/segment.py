@@ -31,6 +31,7 @@ import xxhash
 
 from ftrun import knobs
 from ftrun.errors import ConfigError, IntegrityError
+from ftrun.snapshot.api import SegmentState
 
 SHM_DIR = Path(knobs.SHM_DIR.get())
 MAGIC = b"FTRUNSN1"
@@ -41,7 +42,8 @@ ALIGN = 64
 PAGE = mmap.PAGESIZE
 
 EMPTY, WRITING, STAGED, VERIFIED = 0, 1, 2, 3
-STATE_NAMES = {EMPTY: "empty", WRITING: "writing", STAGED: "staged", VERIFIED: "verified"}
+STATE_NAMES = {EMPTY: SegmentState.EMPTY, WRITING: SegmentState.WRITING, STAGED: SegmentState.STAGED,
+               VERIFIED: SegmentState.VERIFIED}
 
 # magic, version, state, step, epoch(16s), manifest_len, manifest_cap, n_tensors, hash_off,
 # data_off, data_len, capacity, manifest_xxh3, hashes_xxh3, owner_pid, owner_start, staged_at,

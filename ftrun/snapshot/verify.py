@@ -11,6 +11,7 @@ a single 1 GiB digest), so chunks are hashed on plain threads, in parallel.
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
@@ -18,9 +19,24 @@ from typing import Any
 
 import xxhash
 
-from ftrun.errors import IntegrityError
+from ftrun.errors import IntegrityError, ProtocolError
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot.manifest import entries, parse_manifest
+
+# Chunks per shard_read_request (16 MiB of 4 MiB chunks): the shard service's limit, which
+# readers keep to.
+READ_CHUNKS_MAX = 4
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """A chunk hash table as it travels in a frame: little-endian u64s."""
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack_hashes(blob: bytes | memoryview) -> list[int]:
+    if len(blob) % 8:
+        raise ProtocolError(f"a chunk hash table of {len(blob)} bytes (not a multiple of 8)")
+    return list(struct.unpack(f"<{len(blob) // 8}Q", blob))
 
 
 def chunk_ranges(data_len: int, chunk_size: int) -> list[tuple[int, int]]:

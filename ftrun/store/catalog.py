@@ -15,11 +15,13 @@ keeps the mappings open.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import segment as shm
+from ftrun.snapshot.api import SegmentState
 
 log = logging.getLogger("ftrun.store")
 
@@ -32,7 +34,7 @@ class Record:
     origin: str  # the node whose rank wrote it (this node, for its own ranks)
     step: int
     epoch: str
-    state: str  # empty | writing | staged | verified
+    state: SegmentState | str  # (a str only for an unknown header code)
     data_len: int
     chunk_size: int
     hashes: list[int] | None  # chunk xxh3-64, once the rank staged it (checked table)
@@ -80,6 +82,30 @@ class Catalog:
             return None
         self._open[name] = (st.st_ino, seg)
         return seg
+
+    def buffer_name(self, rank: int, buffer: int) -> str:
+        """The segment of ``rank``'s snapshot buffer ``buffer`` (0 or 1) on this node."""
+        return shm.segment_name(self.run_id, rank, buffer)
+
+    @staticmethod
+    def open_private(name: str) -> shm.Segment:
+        """A mapping of segment ``name`` of the caller's own, for a thread other than the
+        store's loop (which may close the catalog's mappings at any time); the caller closes
+        it. Raises OSError, IntegrityError or ValueError as ``Segment.open``."""
+        return shm.Segment.open(name)
+
+    @staticmethod
+    def nbytes(name: str) -> int:
+        """The size of segment ``name`` in the shm directory (OSError: it is gone)."""
+        return (shm.SHM_DIR / name).stat().st_size
+
+    def unlink_all(self) -> None:
+        """Remove this node's segments of the job (the store stops with the job)."""
+        for name in self.names():
+            try:
+                os.unlink(shm.SHM_DIR / name)
+            except FileNotFoundError:
+                pass
 
     def forget(self, name: str) -> None:
         old = self._open.pop(name, None)
@@ -145,6 +171,6 @@ class Catalog:
         held: dict[int, list[int]] = {}
         for rec in self.records():
             steps = held.setdefault(rec.rank, [])
-            if rec.state == "verified":
+            if rec.state == SegmentState.VERIFIED:
                 steps.append(rec.step)
         return {r: sorted(held[r]) for r in sorted(held)}

@@ -1,31 +1,19 @@
-"""Shards served across nodes: what each store holds, and byte ranges of it, to any rank.
+"""Reading shards across nodes, rank side: what every live store holds, and one old rank's shard.
 
-A restore after a lost node, or onto another number of ranks, needs shards that are not in
-its own node's memory: the lost node's ranks' shards live on as replicas in its peers' stores
-(ftrun.snapshot.replica), and a rank of a resharded job reads parts of several old ranks'
-shards. Two halves:
-
-- :class:`ShardService` runs in every node's store, on a thread of its own and a TCP socket
-  on the node's replica/rendezvous interface. It lists the verified shards the node holds
-  (its own ranks' and the replicas of peers' ranks: ``holdings_request``) and serves a
-  shard's manifest and chunk hash table (``shard_meta_request``) and its chunks
-  (``shard_read_request``). It serves only segments it lists, reads each chunk between two
-  looks at the segment header (a rank rewriting the buffer is refused, never served torn),
-  and never blocks the store's message loop.
-- In the ranks, :func:`survey` asks every live store what it holds (in parallel, each with a
-  timeout: a store that does not answer is a lost node, and is left out), :func:`complete`
-  finds the steps whose every old rank's shard is held somewhere, and :class:`ShardReader`
-  reads one old rank's shard from its holders: its own node's segment straight from shared
-  memory, others' over the wire. Every chunk is checked against its xxh3 before it is used;
-  a chunk that fails is read from the next holder, and the failure is logged with the
-  holder, chunk and tensors.
+The stores' shard services (ftrun.store.shards) list what each node holds and serve byte
+ranges of it. Here, in the ranks, :func:`survey` asks every live store what it holds (in
+parallel, each with a timeout: a store that does not answer is a lost node, and is left out),
+:func:`complete` finds the steps whose every old rank's shard is held somewhere, and
+:class:`ShardReader` reads one old rank's shard from its holders: its own node's segment
+straight from shared memory, others' over the wire. Every chunk is checked against its xxh3
+before it is used; a chunk that fails is read from the next holder, and the failure is logged
+with the holder, chunk and tensors.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,17 +22,13 @@ import xxhash
 
 from ftrun import protocol
 from ftrun.errors import FtrunError, IntegrityError
-from ftrun.protocol.transport import Client, Reply, Server
+from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.catalog import Catalog, Record
 from ftrun.snapshot.manifest import parse_manifest
-from ftrun.snapshot.replica import pack_hashes, unpack_hashes
 
 log = logging.getLogger("ftrun.shards")
 
-SERVE_POLL_S = 0.1
-READ_CHUNKS_MAX = 4  # chunks per shard_read_request (16 MiB of 4 MiB chunks)
 SURVEY_TIMEOUT_S = 3.0  # a store that has not answered by then is taken as lost
 READ_TIMEOUT_S = 20.0
 READ_ATTEMPTS = 2
@@ -59,130 +43,6 @@ def _runs(indices: Sequence[int], most: int) -> list[list[int]]:
         else:
             runs.append([i])
     return runs
-
-
-# -- the store's side -----------------------------------------------------------------------
-
-
-class ShardService:
-    """Serves this node's verified shards (own and replicas) on a TCP socket (one thread).
-
-    ``replicas()`` lists the replica records the node's receiver holds (verified ones carry
-    their hashes); the node's own segments are found through a catalog of this thread's own.
-    """
-
-    def __init__(self, run_id: str, node_id: str, owner_pid: int, secret: bytes,
-                 replicas: Callable[[], list[Record]] | None = None) -> None:
-        self.node_id = node_id
-        self.catalog = Catalog(run_id, node_id, owner_pid)
-        self._replicas = replicas
-        self._world: dict[tuple[str, int, str, int], int] = {}  # (segment, step, epoch, manifest hash)
-        self._server = Server("shard service", secret, run_id, {
-            "holdings_request": self._on_holdings,
-            "shard_meta_request": self._on_meta,
-            "shard_read_request": self._on_read,
-        }, sender=f"shards:{node_id}")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.address = ""
-
-    def start(self, host: str) -> str:
-        self.address = self._server.bind_tcp(host)
-        self._thread = threading.Thread(target=self._serve, name="ftrun-shards", daemon=True)
-        self._thread.start()
-        log.info("serving this node's shards on %s", self.address)
-        return self.address
-
-    def _serve(self) -> None:
-        self._server.serve_until(self._stop, SERVE_POLL_S, max_messages=16)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self._server.close()
-        self.catalog.close()
-
-    # -- what is held ---------------------------------------------------------------------
-    def _held(self) -> dict[str, Record]:
-        records = [r for r in self.catalog.records() if r.state == "verified" and r.hashes]
-        if self._replicas is not None:
-            records += [r for r in self._replicas() if r.state == "verified" and r.hashes]
-        return {r.segment: r for r in records}
-
-    def _world_size(self, seg: shm.Segment, h: shm.Header) -> int | None:
-        key = (seg.name, h.step, h.epoch, h.manifest_xxh3)
-        if key not in self._world:
-            try:
-                self._world[key] = int(parse_manifest(seg.manifest_bytes(h))["world_size"])
-            except (FtrunError, KeyError, TypeError, ValueError) as e:
-                log.warning("segment %s: unreadable manifest (%s); not offered", seg.name, e)
-                return None
-            if len(self._world) > 4096:
-                self._world.pop(next(iter(self._world)))
-        return self._world[key]
-
-    def _segment(self, rec: Record, step: int, epoch: str) -> tuple[shm.Segment, shm.Header]:
-        seg = self.catalog.open(rec.segment)
-        if seg is None:
-            raise FtrunError(f"segment {rec.segment} is gone")
-        h = seg.header()
-        if (h.state, h.step, h.epoch) != (shm.VERIFIED, step, epoch):
-            raise FtrunError(f"{rec.segment} now holds step {h.step} ({h.state_name}), not "
-                             f"step {step}")
-        return seg, h
-
-    def _on_holdings(self, msg: protocol.Message) -> Reply:
-        out = []
-        for rec in self._held().values():
-            seg = self.catalog.open(rec.segment)
-            if seg is None:
-                continue
-            try:
-                h = seg.header()
-                world = self._world_size(seg, h)
-            except IntegrityError:
-                continue
-            if world is None or (h.step, h.epoch) != (rec.step, rec.epoch):
-                continue
-            out.append({"segment": rec.segment, "origin": rec.origin, "rank": rec.rank,
-                        "step": rec.step, "epoch": rec.epoch, "world_size": world,
-                        "data_len": rec.data_len, "chunk_size": rec.chunk_size})
-        return Reply("holdings_reply", {"node_id": self.node_id, "records": out})
-
-    def _record(self, b: dict[str, Any]) -> Record:
-        rec = self._held().get(b["segment"])
-        if rec is None or (rec.step, rec.epoch) != (b["step"], b["epoch"]):
-            raise FtrunError(f"this node holds no verified {b['segment']} of step {b['step']}")
-        return rec
-
-    def _on_meta(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        rec = self._record(b)
-        seg, h = self._segment(rec, b["step"], b["epoch"])
-        manifest, hashes = seg.manifest_bytes(h), seg.hashes(h)
-        if seg.header() != h:
-            raise FtrunError(f"{rec.segment} changed while it was read")
-        return Reply("shard_meta", {"data_len": h.data_len, "chunk_size": h.chunk_size},
-                     [manifest, pack_hashes(hashes)])
-
-    def _on_read(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        rec = self._record(b)
-        seg, h = self._segment(rec, b["step"], b["epoch"])
-        ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
-        first, count = b["first"], b["count"]
-        if not (first >= 0 and 0 < count <= READ_CHUNKS_MAX and first + count <= len(ranges)):
-            raise FtrunError(f"chunks {first}..{first + count - 1} of {len(ranges)} (at most "
-                             f"{READ_CHUNKS_MAX} per request)")
-        data = seg.data(h)
-        frames = [bytes(data[lo:hi]) for lo, hi in ranges[first:first + count]]
-        if seg.header() != h:
-            raise FtrunError(f"{rec.segment} changed while it was read")
-        return Reply("shard_data", {"first": first, "count": count}, frames)
-
-
-# -- the ranks' side --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -335,7 +195,7 @@ class ShardReader:
                     attempts=READ_ATTEMPTS)
                 if len(reply.frames) != 2:
                     raise IntegrityError(f"shard_meta with {len(reply.frames)} frames")
-                blob, hashes = bytes(reply.frames[0]), unpack_hashes(reply.frames[1])
+                blob, hashes = bytes(reply.frames[0]), verify.unpack_hashes(reply.frames[1])
                 data_len, chunk_size = int(reply.body["data_len"]), int(reply.body["chunk_size"])
             doc = parse_manifest(blob)
             if (doc["step"], doc["rank"], doc["world_size"]) != (h.step, h.rank, h.world_size) \
@@ -380,7 +240,7 @@ class ShardReader:
                 seg.close()
         else:
             client = self._client(h)
-            for run in _runs(want, READ_CHUNKS_MAX):
+            for run in _runs(want, verify.READ_CHUNKS_MAX):
                 got.update(self._read_run(client, h, run[0], len(run)))
         out: dict[int, bytes | memoryview] = {}
         for i, blob in got.items():

@@ -10,7 +10,7 @@ It does the work the training loop must not wait for:
   once the step in its newer buffer is committed, so the newest committed snapshot is never
   overwritten; or, when that step is dead (some rank skipped it), to overwrite the newer
   buffer instead. A rank never waits for the answer: without it, the snapshot is skipped;
-- **catalog**: a record of every shard held here (ftrun.snapshot.catalog), served to ranks
+- **catalog**: a record of every shard held here (ftrun.store.catalog), served to ranks
   (restore), ``ftrun inspect`` and fault injection; nothing else opens segments by name;
 - **persist**: committed steps go to disk every N steps or T seconds, on SIGUSR1, and at the
   end (job end, SIGTERM, preemption), off the training path and off the message loop. The
@@ -18,12 +18,12 @@ It does the work the training loop must not wait for:
   node writes the same one; the store pins its ranks' shards of a target (their claims are
   refused) until the writer thread has copied them out, verified and written them;
 - **replicas** (``--replicas m``): committed shards are streamed to peer stores and peers'
-  shards received, chunk by chunk, each chunk verified (ftrun.snapshot.replica);
+  shards received, chunk by chunk, each chunk verified (ftrun.store.replica);
 - **adopt and clean**: segments are named after the job, so a restarted store picks them up
   (verifying whatever was staged but not yet checked); segments of dead jobs are removed;
   on SIGTERM, the job's own segments go too.
 
-Run by the launcher as ``python -m ftrun.snapshot.store`` (with a parent-death signal).
+Run by the launcher as ``python -m ftrun.store.store`` (with a parent-death signal).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +44,15 @@ from ftrun import jobs, knobs, protocol
 from ftrun.coordinator.client import HINT as COORDINATOR_HINT
 from ftrun.coordinator.commits import FINAL_SETTLE_S, MAX_TARGETS, CommitTracker
 from ftrun.errors import FtrunError, IntegrityError, ProtocolError, UnreachableError
-from ftrun.launcher.pdeath import set_parent_death_signal
+from ftrun.pdeath import set_parent_death_signal
 from ftrun.protocol.transport import Client, Server
 from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.catalog import Catalog, rank_of
+from ftrun.snapshot.api import SegmentState
 from ftrun.snapshot.manifest import parse_manifest
+from ftrun.store.api import ClaimAnswer, StoreConfig
+from ftrun.store.catalog import Catalog, rank_of
 
 log = logging.getLogger("ftrun.store")
 
@@ -62,25 +63,6 @@ COORDINATOR_TIMEOUT_S = 2.0
 WRITE_TIMEOUT_S = 600.0
 # How long ranks skip snapshots to keep the newest durable step while replication is behind.
 DURABLE_KEEP_S = 60.0
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    run_id: str
-    url: str  # ipc:// endpoint the ranks connect to
-    coordinator: str | None
-    node_id: str
-    owner_pid: int
-    persist_dir: str | None = None
-    persist_every: int = 0
-    persist_interval_s: float = 0.0
-    persist_keep: int = 3
-    threads: int = 0  # hashing threads (0: default_threads())
-    # Replicas on peer nodes (ftrun.snapshot.replica): m copies of every shard (1: off), the
-    # interface the receiver listens on, and the sender's cap in MB/s (0: none).
-    replicas: int = 1
-    replica_host: str = "127.0.0.1"
-    replica_rate_mb_s: float = 0.0
 
 
 # A shard copied out of shared memory for the disk: manifest, data region, chunk size, and
@@ -137,8 +119,8 @@ class SnapshotStore:
         self._stop = threading.Event()
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
-        self._replication: Any = None  # ftrun.snapshot.replica.Replication, with --replicas > 1
-        self._shards: Any = None  # ftrun.snapshot.shards.ShardService
+        self._replication: Any = None  # ftrun.store.replica.Replication, with --replicas > 1
+        self._shards: Any = None  # ftrun.store.shards.ShardService
 
     # -- segments (the catalog finds, opens and adopts them) --------------------------------
     def _open(self, name: str) -> shm.Segment | None:
@@ -218,10 +200,10 @@ class SnapshotStore:
                                 "base_step": base_step, "world_size": self._world_size}
         if self._source:
             body["source"] = self._source
-        if self.cfg.persist_dir:
+        if self.cfg.persist.dir:
             # The coordinator schedules targets with these (every store passes the same).
-            body["persist_every"] = self.cfg.persist_every
-            body["persist_interval_s"] = float(self.cfg.persist_interval_s)
+            body["persist_every"] = self.cfg.persist.every
+            body["persist_interval_s"] = float(self.cfg.persist.interval_s)
         return body
 
     def _ask_epoch(self, kind: str, body: dict[str, Any], epoch: str) -> dict[str, Any] | None:
@@ -316,7 +298,7 @@ class SnapshotStore:
                         "--snapshot-every", behind, self._durable, self._committed)
         return True
 
-    def _claim(self, epoch: str, need: int) -> str | None:
+    def _claim(self, epoch: str, need: int) -> ClaimAnswer | None:
         """Whether a rank whose newest shard is step ``need`` may write its next snapshot:
         "older" (``need`` committed: overwrite the older buffer), "newest" (``need`` is dead:
         overwrite that shard, the older buffer keeps the last committed step) or None."""
@@ -326,9 +308,9 @@ class SnapshotStore:
             if epoch != self._epoch:
                 return None
             if self._committed >= need and self._durable_kept(need):
-                return "older"
+                return ClaimAnswer.OLDER
             if need in self._dead:
-                return "newest"
+                return ClaimAnswer.NEWEST
         return None
 
     def request_persist(self, reason: str, final: bool = False) -> dict[str, Any] | None:
@@ -374,7 +356,7 @@ class SnapshotStore:
         self._follow_ranks(b)
         if "every" in b:
             self._cadence[b["rank"]] = (b.get("skipped", 0), b["every"])
-        name = shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])
+        name = self.catalog.buffer_name(b["rank"], b["buffer"])
         ok, reason, _ = self._verify_staged(name, b["step"])
         if not ok:
             log.error("rank %d step %d not verified: %s", b["rank"], b["step"], reason)
@@ -389,13 +371,13 @@ class SnapshotStore:
         self._follow_ranks(b)
         # Everything staged is verified first: a claim must never race the hashing.
         self._verify_rank(b["rank"])
-        if self._pinned_buffer(shm.segment_name(self.cfg.run_id, b["rank"], b["buffer"])):
+        if self._pinned_buffer(self.catalog.buffer_name(b["rank"], b["buffer"])):
             # It holds a persist target still being copied out: not now (the rank skips
             # this snapshot; it never waits).
             return "snap_claim_reply", {"ok": False, "committed": self._committed}
         which = self._claim(b["epoch"], b["need_committed"])
         reply = {"ok": which is not None, "committed": self._committed}
-        if which == "newest":
+        if which == ClaimAnswer.NEWEST:
             reply["buffer"] = 1 - b["buffer"]
         return "snap_claim_reply", reply
 
@@ -429,7 +411,7 @@ class SnapshotStore:
 
     def _on_stores(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         """The job's live stores' shard services, as the coordinator knows them (this store's
-        own at least): where a restoring rank looks for shards (ftrun.snapshot.shards)."""
+        own at least): where a restoring rank looks for shards (ftrun.store.shards)."""
         stores: dict[str, str] = {}
         if self._coord is not None:
             try:
@@ -451,7 +433,7 @@ class SnapshotStore:
     def _corrupt(self, rank: int) -> dict[str, Any]:
         """Fault injection: flip one byte in the middle of ``rank``'s newest verified shard,
         leaving its state and hashes as they are (silent corruption)."""
-        shards = [r for r in self.catalog.records(rank) if r.state == "verified"]
+        shards = [r for r in self.catalog.records(rank) if r.state == SegmentState.VERIFIED]
         if not shards:
             raise FtrunError(f"this store holds no verified shard of rank {rank} to corrupt; "
                              "retry once a snapshot of it has been verified")
@@ -486,7 +468,7 @@ class SnapshotStore:
 
     def _verify_rank(self, rank: int) -> None:
         for buffer in (0, 1):
-            name = shm.segment_name(self.cfg.run_id, rank, buffer)
+            name = self.catalog.buffer_name(rank, buffer)
             seg = self._open(name)
             if seg is not None and seg.header().state == shm.STAGED:
                 self._verify_staged(name)
@@ -508,7 +490,7 @@ class SnapshotStore:
         here (logged), never waited for, except the final one (the job is ending, the
         buffers no longer change).
         """
-        if not self.cfg.persist_dir:
+        if not self.cfg.persist.dir:
             return
         final = step == self._final
         self._report_due = True
@@ -585,7 +567,7 @@ class SnapshotStore:
         problems = []
         for name in names:
             try:
-                seg = shm.Segment.open(name)
+                seg = self.catalog.open_private(name)
             except (OSError, IntegrityError, ValueError) as e:
                 problems.append(f"{name}: {e}")
                 continue
@@ -625,8 +607,8 @@ class SnapshotStore:
     def _write(self, step: int, shards: list[Shard]) -> None:
         from ftrun.snapshot import persist
 
-        assert self.cfg.persist_dir
-        root = Path(self.cfg.persist_dir)
+        assert self.cfg.persist.dir
+        root = Path(self.cfg.persist.dir)
         t0 = time.perf_counter()
         try:
             for doc, data, chunk_size, chunk_hashes in shards:
@@ -637,7 +619,7 @@ class SnapshotStore:
                                   f"step {step} rank {doc['rank']}", self._hashers)
                 persist.write_rank(root, doc, memoryview(data), verify.tensor_hashes(doc, data))
             if any(doc["rank"] == 0 for doc, *_ in shards):
-                persist.prune(root, self.cfg.persist_keep)
+                persist.prune(root, self.cfg.persist.keep)
         except Exception:
             log.exception("persisting step %d failed", step)
             return
@@ -653,7 +635,7 @@ class SnapshotStore:
 
     def _persist_final(self) -> None:
         """At the end (job end, SIGTERM): write the final target every node agreed on."""
-        if not self.cfg.persist_dir or not self._epoch:
+        if not self.cfg.persist.dir or not self._epoch:
             return
         info = self.request_persist("end of job", final=True)
         if info is None and self._coord is not None:
@@ -700,7 +682,7 @@ class SnapshotStore:
         ranks = set()
         for name in names:
             try:
-                total += (shm.SHM_DIR / name).stat().st_size
+                total += self.catalog.nbytes(name)
                 ranks.add(self._rank_of(name)[0])
             except (OSError, ValueError):
                 continue
@@ -714,7 +696,7 @@ class SnapshotStore:
                 reply = self._coord.request("store_report", {
                     "node_id": self.cfg.node_id, "bytes": total, "segments": len(names),
                     "persisted_step": self._persisted_step, "ranks": sorted(ranks),
-                    "persist": bool(self.cfg.persist_dir), "final": final,
+                    "persist": bool(self.cfg.persist.dir), "final": final,
                     "epoch": self._epoch or None, "writing": self._writing(),
                     "target_done": max(self._handled, default=-1),
                     "skipped": sum(s for s, _ in self._cadence.values()),
@@ -728,7 +710,7 @@ class SnapshotStore:
 
     def _poll(self) -> None:
         """Learn targets while the ranks are quiet (no verify replies to carry them)."""
-        if self.cfg.persist_dir and self._epoch and self._coord is not None:
+        if self.cfg.persist.dir and self._epoch and self._coord is not None:
             self._ask_epoch("commit_query", {"epoch": self._epoch}, self._epoch)
 
     def serve(self) -> None:
@@ -737,7 +719,7 @@ class SnapshotStore:
         server = Server("snapshot store", self._secret, self.cfg.run_id, self._handlers(),
                         sender="store", max_frame_bytes=protocol.MAX_FRAME_BYTES)
         server.bind(self.cfg.url)
-        if self.cfg.persist_dir:
+        if self.cfg.persist.dir:
             # Import the writer's modules now (seconds), not at the first target's write.
             # On a thread of its own: the writer must be free at once to copy a target out
             # of the buffers it pins (ranks skip snapshots while it holds them).
@@ -753,7 +735,7 @@ class SnapshotStore:
                     server.serve_once(POLL_MS / 1000, max_messages=1)
                     if self._persist_now.is_set():
                         self._persist_now.clear()
-                        if self.cfg.persist_dir:
+                        if self.cfg.persist.dir:
                             self.request_persist("SIGUSR1")
                         else:
                             log.info("SIGUSR1: no --persist-dir, nothing to write")
@@ -785,7 +767,7 @@ class SnapshotStore:
                         "hold them (--replicas %d); snapshots stay on this node only",
                         self.cfg.replicas)
             return
-        from ftrun.snapshot.replica import ReplicaConfig, Replication
+        from ftrun.store.replica import ReplicaConfig, Replication
 
         rep = Replication(
             ReplicaConfig(self.cfg.replicas, self.cfg.replica_host,
@@ -802,7 +784,7 @@ class SnapshotStore:
         self._replication = rep
 
     def _start_shards(self) -> None:
-        from ftrun.snapshot.shards import ShardService
+        from ftrun.store.shards import ShardService
 
         rep = self._replication
         service = ShardService(self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid,
@@ -849,22 +831,18 @@ class SnapshotStore:
             self.report(final=True)
         self.catalog.close()
         if self._unlink_at_exit:
-            for name in self._job_segments():
-                try:
-                    os.unlink(shm.SHM_DIR / name)
-                except FileNotFoundError:
-                    pass
+            self.catalog.unlink_all()
             log.info("removed the job's snapshot segments")
         if self._coord is not None:
             self._coord.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftrun.snapshot.store")
+    p = argparse.ArgumentParser(prog="python -m ftrun.store.store")
     p.add_argument("--config", required=True, help="JSON StoreConfig")
     args = p.parse_args(argv)
     set_parent_death_signal(signal.SIGKILL)
-    cfg = StoreConfig(**json.loads(args.config))
+    cfg = StoreConfig.from_json(json.loads(args.config))
     if os.getppid() != cfg.owner_pid:
         return 1  # the launcher is already gone
     logging.basicConfig(level=knobs.LOG_LEVEL.get().upper(), stream=sys.stderr,

@@ -1,7 +1,7 @@
 """Replicas of committed snapshot shards in peer nodes' stores.
 
 Each node's store sends the shards of its newest committed step to the ``m - 1`` peers that
-the coordinator's placement names (:mod:`ftrun.snapshot.placement`), and keeps the replicas
+the coordinator's placement names (:mod:`ftrun.coordinator.placement`), and keeps the replicas
 its peers send it. Everything here runs on threads of the store process, never in a training
 process and never on the store's message loop:
 
@@ -64,8 +64,8 @@ from ftrun.errors import ConfigError, FtrunError, IntegrityError, ProtocolError,
 from ftrun.protocol.transport import Client, RateLimiter, Reply, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
-from ftrun.snapshot.catalog import Record
 from ftrun.snapshot.manifest import parse_manifest
+from ftrun.store.catalog import Record
 
 log = logging.getLogger("ftrun.store.replica")
 
@@ -107,6 +107,31 @@ def holder_prefix(run_id: str, holder: str) -> str:
     return f"{replica_prefix(run_id)}{_node_tag(holder)}-"
 
 
+def newest_replica(run_id: str, origin: str,
+                   rank: int | None = None) -> tuple[int, shm.Segment] | None:
+    """(step, opened segment) of the newest verified replica this host holds of ``origin``'s
+    shards (of ``rank`` if given), or None; the caller closes the segment."""
+    # Replica names: holder_prefix(holder) + origin's tag + "-r{rank}-s{slot}".
+    origin_tag = replica_name(run_id, "-", origin, 0, 0)[len(holder_prefix(run_id, "-")):]
+    origin_part = "-" + origin_tag.removesuffix("-r0-s0") + "-r"
+    newest: tuple[int, shm.Segment] | None = None
+    for path in shm.list_segments(replica_prefix(run_id)):
+        if origin_part not in path.name or (rank is not None and f"-r{rank}-s" not in path.name):
+            continue
+        try:
+            seg = shm.Segment.open(path)
+            h = seg.header()
+        except (OSError, IntegrityError, ValueError):
+            continue
+        if h.state == shm.VERIFIED and (newest is None or h.step > newest[0]):
+            if newest is not None:
+                newest[1].close()
+            newest = (h.step, seg)
+        else:
+            seg.close()
+    return newest
+
+
 def write_origin(seg: shm.Segment, origin: str) -> None:
     """Record ``origin`` at the end of the manifest slot of ``seg``."""
     blob = origin.encode()
@@ -135,16 +160,6 @@ def read_origin(seg: shm.Segment) -> str | None:
         return tail[-len(ORIGIN_MAGIC) - 2 - n:-len(ORIGIN_MAGIC) - 2].decode()
     except UnicodeDecodeError:
         return None
-
-
-def pack_hashes(hashes: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(hashes)}Q", *hashes)
-
-
-def unpack_hashes(blob: bytes | memoryview) -> list[int]:
-    if len(blob) % 8:
-        raise ProtocolError(f"a chunk hash table of {len(blob)} bytes (not a multiple of 8)")
-    return list(struct.unpack(f"<{len(blob) // 8}Q", blob))
 
 
 # -- receiving ----------------------------------------------------------------------------------
@@ -375,7 +390,7 @@ class ReplicaReceiver:
             raise ProtocolError("replica_begin carries the manifest and the chunk hash table "
                                 f"as two frames, got {len(msg.frames)}")
         manifest, table = bytes(msg.frames[0]), msg.frames[1]
-        hashes = unpack_hashes(table)
+        hashes = verify.unpack_hashes(table)
         data_len, chunk_size = b["data_len"], b["chunk_size"]
         if chunk_size <= 0 or chunk_size > protocol.MAX_FRAME_BYTES:
             raise ProtocolError(f"chunk size {chunk_size} is outside 1..{protocol.MAX_FRAME_BYTES}")
@@ -723,7 +738,7 @@ class ReplicaSender:
         self._acks.clear()
         h = self._check(seg, epoch, step)
         manifest = seg.manifest_bytes(h)
-        table = pack_hashes(seg.hashes(h))
+        table = verify.pack_hashes(seg.hashes(h))
         self._check(seg, epoch, step)
         ready = client.request("replica_begin", {
             "origin": self.node_id, "epoch": epoch, "rank": rank, "step": step,

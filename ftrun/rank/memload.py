@@ -1,7 +1,7 @@
 """Load a snapshot held in the job's memory, wherever it is and whatever world size took it.
 
 :func:`load_whole` loads one old rank's shard onto the rank of the same number (same world
-size), read from any node that holds it (ftrun.snapshot.shards). :func:`reshard` loads a
+size), read from any node that holds it (ftrun.store.shards). :func:`reshard` loads a
 step taken by N ranks onto this job's M ranks: the old ranks' manifests describe every
 tensor's global shape and this shard's offsets (DCP's own chunk of a DTensor), from which
 :func:`memory_layout` builds the step's ``torch.distributed.checkpoint`` metadata, and
@@ -10,7 +10,7 @@ optimizer tensor through :class:`MemoryReader`, a storage reader whose storage i
 ranks' shards in store memory: it reads only the byte ranges the planner asks for, each
 through verified chunks. What has no global form (RNG states, ``extra``, ``state=``
 objects, hyper-parameters) is rank ``rank % N``'s, as with a persisted step
-(ftrun.snapshot.fallback).
+(ftrun.rank.fallback).
 
 A plain tensor (not a DTensor) of the model or optimizer that several old ranks hold at the
 same offsets is taken to be one replicated tensor (as DDP keeps it) and read from the first
@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ftrun.errors import IntegrityError
-from ftrun.snapshot.fallback import RESHARDED_ROOTS, overlay, resharded_keys
+from ftrun.rank.fallback import RESHARDED_ROOTS, overlay, resharded_keys
+from ftrun.rank.shards import ShardReader
 from ftrun.snapshot.manifest import TensorEntry, entries, tensor_view, unflatten
 from ftrun.snapshot.persist import StepLayout, drop_rank_local
-from ftrun.snapshot.shards import ShardReader
 
 log = logging.getLogger("ftrun.restore")
 
