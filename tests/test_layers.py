@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "__main__": 11,  # entry points and tools
     "__init__": 11,
     "faults": 11,
+    "testing": 11,  # the tests' and benches' harness (imports anything, imported by nothing)
     "cli": 10,
     "launcher": 9,
     "store": 8,
