@@ -71,7 +71,7 @@ class DirectiveBook:
                               f"{', '.join(a.value for a in Action)}")
         wire = {"id": protocol.new_id(), "action": str(action), "data": dict(data)}
         try:
-            protocol.validate(protocol.SCHEMAS["directives"], {"directives": [wire]})
+            protocol.validate("directives", {"directives": [wire]})
             protocol.encode("directives", {"directives": [wire]}, secret=b"x", job="check",
                             sender="coordinator")
         except Exception as e:  # noqa: BLE001 - ProtocolError, or a non-JSON value
