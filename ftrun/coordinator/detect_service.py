@@ -49,12 +49,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from ftrun import jobs
 from ftrun.coordinator.detect import DetectConfig, Detector, Finding
 from ftrun.errors import FtrunError
-from ftrun.protocol.transport import Reply, Server
+from ftrun.protocol import messages as m
+from ftrun.protocol.service import Service
+from ftrun.protocol.transport import Server
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,8 @@ class DetectService:
         self._told: set[str] = set()  # nodes already ordered out as excluded
         self._findings: list[dict[str, Any]] = []
         self._acted: dict[str, tuple[float, int]] = {}  # kind -> (mono, world generation)
-        self._server: Server | None = None
-        self._ctx: zmq.Context[Any] | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._service: Service | None = None
+        self._next_tick = 0.0
         self.endpoint: str | None = None
         self.counters = {"reports": 0, "probe_results": 0, "findings": 0, "followups": 0,
                          "directives": 0}
@@ -119,62 +117,36 @@ class DetectService:
 
     def start(self) -> str:
         """Bind and serve in a daemon thread; returns the endpoint ranks report to."""
-        if self._thread is not None:
+        if self._service is not None:
             assert self.endpoint is not None
             return self.endpoint
-        ctx: zmq.Context[Any] = zmq.Context()
         server = Server("detection service", self._secret, self.run_id,
                         {"coll_report": self._on_report, "probe_result": self._on_probe},
-                        sender="coordinator")
-        try:
-            bound = server.bind_tcp(self._bind_host, ctx)
-        except zmq.ZMQError as e:
-            ctx.term()
-            raise FtrunError(f"the detection service cannot listen on {self._bind_host}: {e}; "
-                             "check the coordinator's bind address") from e
+                        sender="coordinator", typed={"probe_result"})
+        service = Service(server, poll_s=POLL_S, max_messages=MAX_MESSAGES_PER_POLL,
+                          after=self._after, own_context=True, thread_name="ftrun-detect")
+        bound = service.bind_tcp(self._bind_host)
         port = int(bound.rsplit(":", 1)[1])
         from ftrun.protocol import join_endpoint
 
         self.endpoint = join_endpoint(self._advertise_host, port)
-        self._ctx, self._server = ctx, server
-        self._thread = threading.Thread(target=self._serve, name="ftrun-detect", daemon=True)
-        self._thread.start()
+        self._service = service
+        self._next_tick = time.monotonic() + TICK_S
+        service.start()
         log.info("detection service listening on %s (on hang: %s, on slow: %s)", self.endpoint,
                  self.config.on_hang, self.config.on_slow)
         return self.endpoint
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-            if thread.is_alive():
-                log.warning("detection thread did not stop within %.1f s", timeout_s)
-                return
-            self._thread = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        if self._service is not None and self._service.stop(timeout_s):
+            self._service = None
 
-    def _serve(self) -> None:
-        server = self._server
-        assert server is not None
-        next_tick = time.monotonic() + TICK_S
-        while not self._stop.is_set():
-            try:
-                server.serve_once(POLL_S, MAX_MESSAGES_PER_POLL)
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + TICK_S
-                    self.tick(now)
-            except zmq.ContextTerminated:
-                break
-            except Exception:  # noqa: BLE001 - the loop must survive anything
-                log.exception("detection loop error; continuing")
-                time.sleep(POLL_S)
+    def _after(self, n: int) -> None:
+        """Between reads, on the service thread: the analysis every TICK_S."""
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + TICK_S
+            self.tick(now)
 
     # -- input -------------------------------------------------------------------------------
 
@@ -184,14 +156,15 @@ class DetectService:
             self.counters["reports"] += 1
             self.detector.add_report(body, time.monotonic())
 
-    def _on_probe(self, msg: Any) -> Reply:
-        body = msg.body
+    def _on_probe(self, msg: Any) -> m.Ack:
+        b: m.ProbeResult = msg.body
+        results = [m.to_dict(r) for r in b.results]
         with self._lock:
             self.counters["probe_results"] += 1
-            self.detector.add_probe_result(body, time.monotonic())
-        self._record("probe_result", body["node_id"],
-                     {"id": body["id"], "results": body["results"]})
-        return Reply("ack", {"re": msg.id})
+            self.detector.add_probe_result({"node_id": b.node_id, "host": b.host, "id": b.id,
+                                            "results": results}, time.monotonic())
+        self._record("probe_result", b.node_id, {"id": b.id, "results": results})
+        return m.Ack(re=msg.id)
 
     # -- decisions ---------------------------------------------------------------------------
 
