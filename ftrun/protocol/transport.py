@@ -457,6 +457,7 @@ class Server:
         self._refusals: OrderedDict[Any, tuple[float, int]] = OrderedDict()
         self.replays = codec.ReplayGuard()
         self._next_trim = 0.0
+        self._trim_pending = False
         # Replies are numbered in a session of this server's own, like a client's messages.
         self._session = codec.new_session()
         self._counter = 0
@@ -503,6 +504,8 @@ class Server:
         if sock is None:
             raise FtrunError(f"the {self.name} is not bound; call bind() first")
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            if self._trim_pending:  # a flood ended: give its heap back now
+                self._trim(TRIM_AFTER_BYTES)
             return 0
         n = 0
         while n < max_messages:
@@ -598,9 +601,13 @@ class Server:
         """After a large refused message, hand the freed heap back to the OS (glibc keeps
         freed small blocks, such as a flood's many frames, resident otherwise)."""
         now = time.monotonic()
-        if nbytes < TRIM_AFTER_BYTES or now < self._next_trim:
+        if nbytes < TRIM_AFTER_BYTES:
+            return
+        if now < self._next_trim:
+            self._trim_pending = True  # done when the server is next idle
             return
         self._next_trim = now + TRIM_EVERY_S
+        self._trim_pending = False
         _malloc_trim()
 
     def _answer(self, msg: Message, first: Any) -> Reply | None:
