@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import jobs
+from ftrun.coordinator.api import Action, FindingKind
 from ftrun.coordinator.detect import DetectConfig, Detector, Finding
 from ftrun.errors import FtrunError
 from ftrun.protocol import messages as m
@@ -191,9 +192,9 @@ class DetectService:
                  "time": time.time()}
         action = self._action_for(f)
         last = self._acted.get(f.kind)
-        if action not in ("warn", "probe") and last is not None and \
+        if action not in (Action.WARN, Action.PROBE) and last is not None and \
                 last[1] == generation and now - last[0] < ACTION_COOLDOWN_S:
-            action = "warn"  # already acted on this fault; wait for the restart it caused
+            action = Action.WARN  # already acted on this fault; wait for the restart it caused
             entry["note"] = "already acted on this fault; waiting for the restart"
         entry["action"] = action
         with self._lock:
@@ -201,15 +202,15 @@ class DetectService:
             del self._findings[:-MAX_FINDINGS_KEPT]
         log.warning("detected %s: %s (action: %s)", f.kind, f.summary, action)
         self._record("detection", f.nodes[0] if f.nodes else None, entry)
-        if action == "warn":
+        if action == Action.WARN:
             return
-        if action == "probe":
+        if action == Action.PROBE:
             self._probe(f)
             return
         self._acted[f.kind] = (now, generation)
-        if f.kind == "comm_hang":
+        if f.kind == FindingKind.COMM_HANG:
             self._probe(f)
-        if action == "isolate":
+        if action == Action.ISOLATE:
             hosts = [h for h in f.hosts if h]
             if self._coordinator_host in hosts:
                 log.error("not isolating %s: it runs the coordinator, and the job would end; "
@@ -230,16 +231,16 @@ class DetectService:
         return (bool(f.ranks) and acted_generation == generation
                 and now - when < ACTION_COOLDOWN_S)
 
-    def _action_for(self, f: Finding) -> str:
-        if f.kind == "hang":
-            return self.config.on_hang
-        if f.kind == "comm_hang":
-            return "probe" if self.config.on_hang == "warn" else "restart"
-        if f.kind in ("slow_rank", "slow_host"):
-            return self.config.on_slow
-        if f.kind == "slow_comm":
-            return "probe"
-        return "warn"
+    def _action_for(self, f: Finding) -> Action:
+        if f.kind == FindingKind.HANG:
+            return Action(self.config.on_hang)
+        if f.kind == FindingKind.COMM_HANG:
+            return Action.PROBE if self.config.on_hang == Action.WARN else Action.RESTART
+        if f.kind in (FindingKind.SLOW_RANK, FindingKind.SLOW_HOST):
+            return Action(self.config.on_slow)
+        if f.kind == FindingKind.SLOW_COMM:
+            return Action.PROBE
+        return Action.WARN
 
     def _restart(self, f: Finding) -> None:
         """Kill the culprit ranks (or, for a hang without one, every rank of the finding);
@@ -248,7 +249,7 @@ class DetectService:
         for node, rank in zip(f.nodes, f.ranks, strict=False):
             by_node.setdefault(node, []).append(rank)
         for node, ranks in sorted(by_node.items()):
-            self._send(node, "restart", {"ranks": sorted(set(ranks)), "reason": f.summary})
+            self._send(node, Action.RESTART, {"ranks": sorted(set(ranks)), "reason": f.summary})
 
     def isolate(self, host: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
         """Put ``host`` on the exclude list, order its launchers out, run the hook."""
@@ -275,7 +276,7 @@ class DetectService:
             host = info.get("host")
             if host in excluded and node not in self._told:
                 self._told.add(node)
-                self._send(node, "isolate", {
+                self._send(node, Action.ISOLATE, {
                     "reason": f"host {host} is on the job's exclude list: "
                               f"{excluded[host]['reason']}",
                     "evidence": excluded[host].get("evidence", {})})
@@ -299,7 +300,7 @@ class DetectService:
                         "addr": by_host[p["host"]][1]["probe_addr"]}
                        for p in peers if p.get("host") in by_host]
             if targets:
-                self._send(node, "probe", {"peers": targets, "size": PROBE_BYTES})
+                self._send(node, Action.PROBE, {"peers": targets, "size": PROBE_BYTES})
                 issued += 1
         if not issued:
             log.warning("cannot probe the links behind %s: no two of its hosts report a probe "
