@@ -17,7 +17,6 @@ Adding a kind is one class here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, ClassVar, TypeVar, Union
 
@@ -69,9 +68,9 @@ def given(value: T | UnsetType, default: T) -> T:
     return default if value is UNSET else value  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class Message:
-    """One authenticated, validated message.
+class Message(msgspec.Struct, frozen=True):
+    """One authenticated, validated message (built once per message: a frozen Struct, ten
+    times cheaper to make than a frozen dataclass).
 
     ``body`` is the kind's :class:`Body` where the receiving end asked for typed messages,
     else the plain JSON object. ``re`` is the id of the request a reply answers (None in a
