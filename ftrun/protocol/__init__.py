@@ -1,6 +1,7 @@
 """The control plane's protocol: typed messages (:mod:`.messages`), their signed wire format
-(:mod:`.codec`) and the request/reply transport over ZeroMQ (:mod:`.transport`, imported on
-its own: it loads ZeroMQ)."""
+(:mod:`.codec`), the request/reply transport over ZeroMQ (:mod:`.transport`) and the service
+runtime every server runs on (:mod:`.service`); the last two are imported on their own (they
+load ZeroMQ)."""
 
 from ftrun.protocol.codec import (
     AUTH_REFUSED,

@@ -150,6 +150,11 @@ class Service:
         return self._running.is_set()
 
     @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (``setup`` work checks it to end early)."""
+        return self._stop.is_set()
+
+    @property
     def owns_thread(self) -> bool:
         """Whether it serves on a thread of its own (:meth:`start`)."""
         return self._thread is not None
