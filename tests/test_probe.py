@@ -42,7 +42,7 @@ def test_two_services_measure_rtt_and_throughput(services: list[ProbeService]) -
     for r in results:
         assert "error" not in r, r
         assert r["rtt_s"] > 0 and r["mb_s"] > 0, r
-        protocol.validate(protocol.SCHEMAS["probe_result"]["results"][0].item, r)
+        protocol.validate(protocol.messages.ProbeOutcome, r)
     # Each service saw its round trips: 5 empty probes and 3 of 1 MiB.
     assert [s.answered for s in services] == [8, 8]
 

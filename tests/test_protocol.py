@@ -118,7 +118,7 @@ def header(kind: str = "hello", body: dict[str, Any] | None = None, **over: Any)
 
 
 def test_every_kind_has_an_example() -> None:
-    assert set(EXAMPLES) == set(protocol.SCHEMAS)
+    assert set(EXAMPLES) == set(protocol.BODIES)
 
 
 @pytest.mark.parametrize("kind", sorted(EXAMPLES))
@@ -406,19 +406,19 @@ def test_the_fast_walk_defers_to_the_detailed_one() -> None:
     assert protocol.decode(frames, secret=SECRET, job=JOB).body["workers"][0][
         "progress_age_s"] == 0.5
     with pytest.raises(ProtocolError, match=r"workers\[0\].progress_age_s is nan"):
-        protocol.validate(protocol.SCHEMAS["heartbeat"],
+        protocol.validate("heartbeat",
                           {**HEARTBEAT, "workers": [{**WORKER, "progress_age_s": Seconds("nan")}]})
     # bool is not an int, even though Python says so; nesting is capped at any depth.
     with pytest.raises(ProtocolError, match="pid must be int"):
-        protocol.validate(protocol.SCHEMAS["hello"], {"node_id": "n", "host": "h", "pid": True})
+        protocol.validate("hello", {"node_id": "n", "host": "h", "pid": True})
     deep: Any = 1
     for _ in range(protocol.MAX_DEPTH + 2):
         deep = [deep]
     with pytest.raises(ProtocolError, match="nests deeper"):
-        protocol.validate(protocol.SCHEMAS["event"], {"node_id": "n", "type": "t",
+        protocol.validate("event", {"node_id": "n", "type": "t",
                                                       "data": {"x": deep}})
     shallow: Any = 1
     for _ in range(protocol.MAX_DEPTH - 2):
         shallow = [shallow]
-    protocol.validate(protocol.SCHEMAS["event"], {"node_id": "n", "type": "t",
+    protocol.validate("event", {"node_id": "n", "type": "t",
                                                   "data": {"x": shallow}})

@@ -56,3 +56,32 @@ class SuspectCause(_StrEnum):
 
     STOPPED = "stopped"  # state T or t in /proc: SIGSTOP, a job-control stop, or a tracer
     NO_PROGRESS = "no_progress"  # no ftrun.progress() call for longer than its limit
+
+
+class FindingKind(_StrEnum):
+    """What the collective analysis found (ftrun.coordinator.detect; docs/detection.md)."""
+
+    HANG = "hang"  # a rank never entered a collective the others wait in (or went silent)
+    COMM_HANG = "comm_hang"  # every rank entered, none finished: the network, probed
+    SLOW_RANK = "slow_rank"  # one rank consistently enters last
+    SLOW_COMM = "slow_comm"  # durations inflated while arrivals are aligned: probed
+    SLOW_HOST = "slow_host"  # probes: a host's row and column are slow
+    SLOW_LINK = "slow_link"  # probes: one link is slow
+
+
+class Action(_StrEnum):
+    """One vocabulary for what the coordinator does about a finding (``--on-hang``,
+    ``--on-slow``: :data:`RESPONSES`) and for the directives it sends launchers (their
+    ``data`` in brackets)."""
+
+    WARN = "warn"  # record and log only; never sent as a directive
+    RESTART = "restart"  # SIGKILL these local workers {"ranks": [global ranks], "reason"}
+    ISOLATE = "isolate"  # stop every worker, leave the job, exit ISOLATED {"reason", "evidence"}
+    PROBE = "probe"  # probe these peers, send probe_result {"peers": [...], "size": bytes}
+    # Not an order but a request, in a reply to a keep-alive whose workers the coordinator
+    # does not hold: send a full heartbeat. The reporter handles it; never handed on or acked.
+    REPORT = "report"
+
+
+# The actions a user may choose for a finding (--on-hang, --on-slow).
+RESPONSES = (Action.WARN, Action.RESTART, Action.ISOLATE)

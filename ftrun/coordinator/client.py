@@ -375,7 +375,7 @@ class NodeReporter:
             for key in ("state", "group_rank", "group_world_size", "restarts", "max_restarts"):
                 candidate = {**minimal, key: body.get(key)}
                 try:
-                    protocol.validate(protocol.SCHEMAS["heartbeat"], candidate)
+                    protocol.validate("heartbeat", candidate)
                 except ProtocolError:
                     continue
                 minimal = candidate

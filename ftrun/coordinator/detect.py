@@ -12,10 +12,13 @@ import math
 from dataclasses import dataclass, field
 from statistics import median
 
+from ftrun.coordinator.api import RESPONSES, Action, FindingKind
 from ftrun.errors import ConfigError
 
-ACTIONS = ("warn", "restart", "isolate")
-KINDS = ("hang", "comm_hang", "slow_rank", "slow_comm", "slow_host", "slow_link")
+# The vocabulary (ftrun.coordinator.api), shared with the directives: the actions a finding
+# may get (--on-hang, --on-slow), and the kinds of finding.
+ACTIONS: tuple[Action, ...] = RESPONSES
+KINDS: tuple[FindingKind, ...] = tuple(FindingKind)
 MAX_RETIRED = 16  # earlier worlds remembered (their late reports are ignored)
 
 
@@ -346,7 +349,7 @@ class Detector:
                   "longest_wait_s": round(longest, 3),
                   "silent_s": {str(r): round(now - self._ranks[r].seen, 3) for r in silent}}
             found.append((("hang", group.name, "silent", ranks), Finding(
-                "hang", ranks, hosts, nodes, ev,
+                FindingKind.HANG, ranks, hosts, nodes, ev,
                 f"hang: rank(s) {_fmt(ranks)} on {_fmt(hosts)} stopped reporting while "
                 f"{len(live_waits)} rank(s) of group {group.name} wait "
                 f"({longest:.1f} s)")))
@@ -381,7 +384,7 @@ class Detector:
                       "enqueued": {str(r): group.members[r].enqueued for r in culprits},
                       "waiting_elsewhere": elsewhere}
                 found.append((("hang", group.name, s, ranks), Finding(
-                    "hang", ranks, hosts, nodes, ev,
+                    FindingKind.HANG, ranks, hosts, nodes, ev,
                     f"hang: rank(s) {_fmt(ranks)} on {_fmt(hosts)} never entered op {s} of "
                     f"group {group.name} that {len(at_s)} rank(s) wait in ({longest:.1f} s)")))
             return found
@@ -402,7 +405,7 @@ class Detector:
               "shortest_wait_s": round(shortest, 3), "threshold_s": round(threshold, 3),
               "hosts": list(hosts)}
         found.append((("comm_hang", group.name, s), Finding(
-            "comm_hang", ranks, hosts, nodes, ev,
+            FindingKind.COMM_HANG, ranks, hosts, nodes, ev,
             f"comm_hang: all {len(ranks)} ranks of group {group.name} entered op {s} and "
             f"none finished it in {shortest:.1f} s; hosts {_fmt(hosts)}")))
         return found
@@ -505,7 +508,7 @@ class Detector:
                           "floor_s": round(floor, 4),
                           "seqs": [recent[0][0], recent[-1][0]]}
                     found.append((("slow_rank", group.name, cand), Finding(
-                        "slow_rank", ranks, hosts, nodes, ev,
+                        FindingKind.SLOW_RANK, ranks, hosts, nodes, ev,
                         f"slow_rank: rank {cand} on {_fmt(hosts)} was last in "
                         f"{last_count[cand]}/{len(recent)} ops of group {group.name}, "
                         f"{lat * 1000:.0f} ms late (median), {share:.0%} of the waiting")))
@@ -525,7 +528,7 @@ class Detector:
                       "factor": round(current / base, 2) if base > 0 else None,
                       "ops": cfg.window, "hosts": list(hosts)}
                 found.append((("slow_comm", group.name), Finding(
-                    "slow_comm", ranks, hosts, nodes, ev,
+                    FindingKind.SLOW_COMM, ranks, hosts, nodes, ev,
                     f"slow_comm: ops of group {group.name} take {current * 1000:.0f} ms "
                     f"against a baseline of {base * 1000:.0f} ms with arrivals aligned; "
                     f"probing hosts {_fmt(hosts)}")))
@@ -558,7 +561,7 @@ class Detector:
                           "column_mb_s": {a: round(c["mb_s"], 2) for (a, b), c in cells.items()
                                           if b == h}}
                     found.append((("slow_host", h), Finding(
-                        "slow_host", (), (h,), (node,), ev,
+                        FindingKind.SLOW_HOST, (), (h,), (node,), ev,
                         f"slow_host: probes {' and '.join(bad)} of host {h} median below "
                         f"{cfg.probe_frac:.2f} x {ref:.0f} MB/s")))
         ref_all = median(c["mb_s"] for c in cells.values())
@@ -574,7 +577,7 @@ class Detector:
                 ev = {"link": list(link), "mb_s": round(c["mb_s"], 2), "rtt_s": c["rtt_s"],
                       "error": c["error"], "reference_mb_s": round(ref_all, 2)}
                 found.append((key, Finding(
-                    "slow_link", (), link, nodes, ev,
+                    FindingKind.SLOW_LINK, (), link, nodes, ev,
                     f"slow_link: {a} -> {b} measured {c['mb_s']:.0f} MB/s against a median "
                     f"of {ref_all:.0f} MB/s" + (f" ({c['error']})" if c["error"] else ""))))
         return found

@@ -49,12 +49,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from ftrun import jobs
+from ftrun.coordinator.api import Action, FindingKind
 from ftrun.coordinator.detect import DetectConfig, Detector, Finding
 from ftrun.errors import FtrunError
-from ftrun.protocol.transport import Reply, Server
+from ftrun.protocol import messages as m
+from ftrun.protocol.service import Service
+from ftrun.protocol.transport import Server
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,8 @@ class DetectService:
         self._told: set[str] = set()  # nodes already ordered out as excluded
         self._findings: list[dict[str, Any]] = []
         self._acted: dict[str, tuple[float, int]] = {}  # kind -> (mono, world generation)
-        self._server: Server | None = None
-        self._ctx: zmq.Context[Any] | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._service: Service | None = None
+        self._next_tick = 0.0
         self.endpoint: str | None = None
         self.counters = {"reports": 0, "probe_results": 0, "findings": 0, "followups": 0,
                          "directives": 0}
@@ -119,62 +118,36 @@ class DetectService:
 
     def start(self) -> str:
         """Bind and serve in a daemon thread; returns the endpoint ranks report to."""
-        if self._thread is not None:
+        if self._service is not None:
             assert self.endpoint is not None
             return self.endpoint
-        ctx: zmq.Context[Any] = zmq.Context()
         server = Server("detection service", self._secret, self.run_id,
                         {"coll_report": self._on_report, "probe_result": self._on_probe},
-                        sender="coordinator")
-        try:
-            bound = server.bind_tcp(self._bind_host, ctx)
-        except zmq.ZMQError as e:
-            ctx.term()
-            raise FtrunError(f"the detection service cannot listen on {self._bind_host}: {e}; "
-                             "check the coordinator's bind address") from e
+                        sender="coordinator", typed={"probe_result"})
+        service = Service(server, poll_s=POLL_S, max_messages=MAX_MESSAGES_PER_POLL,
+                          after=self._after, own_context=True, thread_name="ftrun-detect")
+        bound = service.bind_tcp(self._bind_host)
         port = int(bound.rsplit(":", 1)[1])
         from ftrun.protocol import join_endpoint
 
         self.endpoint = join_endpoint(self._advertise_host, port)
-        self._ctx, self._server = ctx, server
-        self._thread = threading.Thread(target=self._serve, name="ftrun-detect", daemon=True)
-        self._thread.start()
+        self._service = service
+        self._next_tick = time.monotonic() + TICK_S
+        service.start()
         log.info("detection service listening on %s (on hang: %s, on slow: %s)", self.endpoint,
                  self.config.on_hang, self.config.on_slow)
         return self.endpoint
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-            if thread.is_alive():
-                log.warning("detection thread did not stop within %.1f s", timeout_s)
-                return
-            self._thread = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        if self._service is not None and self._service.stop(timeout_s):
+            self._service = None
 
-    def _serve(self) -> None:
-        server = self._server
-        assert server is not None
-        next_tick = time.monotonic() + TICK_S
-        while not self._stop.is_set():
-            try:
-                server.serve_once(POLL_S, MAX_MESSAGES_PER_POLL)
-                now = time.monotonic()
-                if now >= next_tick:
-                    next_tick = now + TICK_S
-                    self.tick(now)
-            except zmq.ContextTerminated:
-                break
-            except Exception:  # noqa: BLE001 - the loop must survive anything
-                log.exception("detection loop error; continuing")
-                time.sleep(POLL_S)
+    def _after(self, n: int) -> None:
+        """Between reads, on the service thread: the analysis every TICK_S."""
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + TICK_S
+            self.tick(now)
 
     # -- input -------------------------------------------------------------------------------
 
@@ -184,14 +157,15 @@ class DetectService:
             self.counters["reports"] += 1
             self.detector.add_report(body, time.monotonic())
 
-    def _on_probe(self, msg: Any) -> Reply:
-        body = msg.body
+    def _on_probe(self, msg: Any) -> m.Ack:
+        b: m.ProbeResult = msg.body
+        results = [m.to_dict(r) for r in b.results]
         with self._lock:
             self.counters["probe_results"] += 1
-            self.detector.add_probe_result(body, time.monotonic())
-        self._record("probe_result", body["node_id"],
-                     {"id": body["id"], "results": body["results"]})
-        return Reply("ack", {"re": msg.id})
+            self.detector.add_probe_result({"node_id": b.node_id, "host": b.host, "id": b.id,
+                                            "results": results}, time.monotonic())
+        self._record("probe_result", b.node_id, {"id": b.id, "results": results})
+        return m.Ack(re=msg.id)
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -218,9 +192,9 @@ class DetectService:
                  "time": time.time()}
         action = self._action_for(f)
         last = self._acted.get(f.kind)
-        if action not in ("warn", "probe") and last is not None and \
+        if action not in (Action.WARN, Action.PROBE) and last is not None and \
                 last[1] == generation and now - last[0] < ACTION_COOLDOWN_S:
-            action = "warn"  # already acted on this fault; wait for the restart it caused
+            action = Action.WARN  # already acted on this fault; wait for the restart it caused
             entry["note"] = "already acted on this fault; waiting for the restart"
         entry["action"] = action
         with self._lock:
@@ -228,15 +202,15 @@ class DetectService:
             del self._findings[:-MAX_FINDINGS_KEPT]
         log.warning("detected %s: %s (action: %s)", f.kind, f.summary, action)
         self._record("detection", f.nodes[0] if f.nodes else None, entry)
-        if action == "warn":
+        if action == Action.WARN:
             return
-        if action == "probe":
+        if action == Action.PROBE:
             self._probe(f)
             return
         self._acted[f.kind] = (now, generation)
-        if f.kind == "comm_hang":
+        if f.kind == FindingKind.COMM_HANG:
             self._probe(f)
-        if action == "isolate":
+        if action == Action.ISOLATE:
             hosts = [h for h in f.hosts if h]
             if self._coordinator_host in hosts:
                 log.error("not isolating %s: it runs the coordinator, and the job would end; "
@@ -257,16 +231,16 @@ class DetectService:
         return (bool(f.ranks) and acted_generation == generation
                 and now - when < ACTION_COOLDOWN_S)
 
-    def _action_for(self, f: Finding) -> str:
-        if f.kind == "hang":
-            return self.config.on_hang
-        if f.kind == "comm_hang":
-            return "probe" if self.config.on_hang == "warn" else "restart"
-        if f.kind in ("slow_rank", "slow_host"):
-            return self.config.on_slow
-        if f.kind == "slow_comm":
-            return "probe"
-        return "warn"
+    def _action_for(self, f: Finding) -> Action:
+        if f.kind == FindingKind.HANG:
+            return Action(self.config.on_hang)
+        if f.kind == FindingKind.COMM_HANG:
+            return Action.PROBE if self.config.on_hang == Action.WARN else Action.RESTART
+        if f.kind in (FindingKind.SLOW_RANK, FindingKind.SLOW_HOST):
+            return Action(self.config.on_slow)
+        if f.kind == FindingKind.SLOW_COMM:
+            return Action.PROBE
+        return Action.WARN
 
     def _restart(self, f: Finding) -> None:
         """Kill the culprit ranks (or, for a hang without one, every rank of the finding);
@@ -275,7 +249,7 @@ class DetectService:
         for node, rank in zip(f.nodes, f.ranks, strict=False):
             by_node.setdefault(node, []).append(rank)
         for node, ranks in sorted(by_node.items()):
-            self._send(node, "restart", {"ranks": sorted(set(ranks)), "reason": f.summary})
+            self._send(node, Action.RESTART, {"ranks": sorted(set(ranks)), "reason": f.summary})
 
     def isolate(self, host: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
         """Put ``host`` on the exclude list, order its launchers out, run the hook."""
@@ -302,7 +276,7 @@ class DetectService:
             host = info.get("host")
             if host in excluded and node not in self._told:
                 self._told.add(node)
-                self._send(node, "isolate", {
+                self._send(node, Action.ISOLATE, {
                     "reason": f"host {host} is on the job's exclude list: "
                               f"{excluded[host]['reason']}",
                     "evidence": excluded[host].get("evidence", {})})
@@ -326,7 +300,7 @@ class DetectService:
                         "addr": by_host[p["host"]][1]["probe_addr"]}
                        for p in peers if p.get("host") in by_host]
             if targets:
-                self._send(node, "probe", {"peers": targets, "size": PROBE_BYTES})
+                self._send(node, Action.PROBE, {"peers": targets, "size": PROBE_BYTES})
                 issued += 1
         if not issued:
             log.warning("cannot probe the links behind %s: no two of its hosts report a probe "

@@ -22,26 +22,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun import protocol
-from ftrun.coordinator.api import _StrEnum
+from ftrun.coordinator.api import Action
 from ftrun.errors import ConfigError
 
 DIRECTIVE_TTL_S = 120.0
 # Not an order but a request, sent in a ``directives`` reply to a keep-alive heartbeat whose
 # workers the coordinator does not hold (it restarted, or a full heartbeat was lost): send a
 # full heartbeat. The reporter handles it itself: never handed on, never acked.
-REPORT_ACTION = "report"
+REPORT_ACTION = Action.REPORT
 # The most directives one reply carries (the oldest first); the rest follow in later replies.
 MAX_PER_REPLY = 32
 # The most directives pending for one node; issuing more is refused (a runaway caller).
 MAX_PENDING_PER_NODE = 256
 
 
-class Action(_StrEnum):
-    """What a directive orders a launcher to do (its ``data`` in brackets)."""
-
-    RESTART = "restart"  # SIGKILL these local workers {"ranks": [global ranks], "reason"}
-    ISOLATE = "isolate"  # stop every worker, leave the job, exit ISOLATED {"reason", "evidence"}
-    PROBE = "probe"  # probe these peers, send probe_result {"peers": [...], "size": bytes}
+__all__ = ["REPORT_ACTION", "Action", "Directive", "DirectiveBook"]
 
 
 @dataclass
@@ -71,7 +66,7 @@ class DirectiveBook:
                               f"{', '.join(a.value for a in Action)}")
         wire = {"id": protocol.new_id(), "action": str(action), "data": dict(data)}
         try:
-            protocol.validate(protocol.SCHEMAS["directives"], {"directives": [wire]})
+            protocol.validate("directives", {"directives": [wire]})
             protocol.encode("directives", {"directives": [wire]}, secret=b"x", job="check",
                             sender="coordinator")
         except Exception as e:  # noqa: BLE001 - ProtocolError, or a non-JSON value

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftrun.coordinator.api import RankHealth
+from ftrun.coordinator.api import NodeState, RankHealth
 
 # Worker states (lower-cased) that count as running, and as failed.
 WORKER_RUNNING = frozenset({"running", "healthy"})
@@ -56,7 +56,7 @@ class NodeRecord:
     first_seen: float
     last_seen: float  # unix time of the last message of any kind
     last_seen_mono: float
-    state: str = "init"
+    state: str = NodeState.INIT  # what the launcher last reported
     fields: dict[str, Any] = field(default_factory=dict)  # HEARTBEAT_FIELDS last reported
     workers: list[dict[str, Any]] = field(default_factory=list)
     serial: int | None = None  # of the last full heartbeat

@@ -37,8 +37,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 from ftrun import jobs, protocol
 from ftrun.coordinator.directives import REPORT_ACTION, DirectiveBook
 from ftrun.coordinator.events import EventLog
@@ -55,6 +53,9 @@ from ftrun.coordinator.status import (
     with_detection,
 )
 from ftrun.errors import ConfigError, FtrunError, UnreachableError
+from ftrun.protocol import messages as m
+from ftrun.protocol.messages import UNSET, given
+from ftrun.protocol.service import Service
 from ftrun.protocol.transport import RateLimiter, Reply, Server
 from ftrun.sigrelay import SignalRelay
 
@@ -144,13 +145,9 @@ class Coordinator:
         self._directives = DirectiveBook()
         self._snapshots = SnapshotControl(self._membership, self._events)
         self._status = StatusBuilder(expected_nodes)
-        self._ctx: zmq.Context[Any] | None = None
-        self._server: Server | None = None
+        self._service: Service | None = None
         self._bound_host: str | None = None
         self._bound_port: int | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._serving = threading.Event()
         self._started_at = time.time()
         self._warn_limiter = RateLimiter(WARN_EVERY_S)
         # The last time the serving thread had read every queued message (see membership).
@@ -169,6 +166,9 @@ class Coordinator:
             "bye": self._on_bye,
             **self._snapshots.handlers(),
         }
+        # The kinds whose handlers take typed bodies (the others, plain objects).
+        self._typed = frozenset({"status_request", "events_request", "hello", "keepalive",
+                                 "event", "bye"})
 
     @property
     def node_timeout_s(self) -> float:
@@ -185,29 +185,29 @@ class Coordinator:
 
     def bind(self) -> str:
         """Bind the ROUTER socket (idempotent), record ``job_start``; return the endpoint."""
-        if self._server is not None:
+        if self._service is not None:
             return self.endpoint
         bind_host = self._bind_host or default_bind_host(self._advertise_host)
-        ctx: zmq.Context[Any] = zmq.Context()
         server = Server("coordinator", self._secret, self.run_id, self._handlers,
-                        sender="coordinator", on_reject=self._rejected)
+                        sender="coordinator", on_reject=self._rejected, typed=self._typed)
+        service = Service(server, poll_s=POLL_INTERVAL_S, max_messages=MAX_MESSAGES_PER_TICK,
+                          after=self._after, batch_s=BATCH_INTERVAL_S, own_context=True,
+                          thread_name=f"ftrun-coordinator-{self.run_id}")
         host = f"[{bind_host}]" if ":" in bind_host else bind_host
         port = "*" if self._port == 0 else str(self._port)
         try:
-            last = server.bind(f"tcp://{host}:{port}", ctx)
-        except zmq.ZMQError as e:
-            ctx.term()
+            last = service.bind(f"tcp://{host}:{port}")
+        except FtrunError as e:
             raise FtrunError(
-                f"coordinator cannot listen on {bind_host}:{self._port}: {e}; pick another "
-                "port or free this one, or another --bind-host"
-            ) from e
+                f"coordinator cannot listen on {bind_host}:{self._port}: {e.__cause__}; pick "
+                "another port or free this one, or another --bind-host"
+            ) from e.__cause__
         self._bound_host = bind_host
         self._bound_port = int(last.rsplit(":", 1)[1])
         self.counters = server.counters
-        self._ctx, self._server = ctx, server
+        self._service = service
         if self._events_file is not None:
             self._events.open(self._events_file)
-        self._stop.clear()
         log.info("coordinator of job %s listening on %s (bound %s:%s)", self.run_id,
                  self.endpoint, bind_host, self._bound_port)
         self._record("job_start", None, {"run_id": self.run_id, "endpoint": self.endpoint,
@@ -249,72 +249,38 @@ class Coordinator:
 
     def start(self) -> None:
         """Bind and serve in a daemon thread; returns once the socket is bound."""
-        if self._thread is not None and self._thread.is_alive():
-            return
         self.bind()
-        self._thread = threading.Thread(
-            target=self._serve, args=(self._stop,), name=f"ftrun-coordinator-{self.run_id}",
-            daemon=True,
-        )
-        self._thread.start()
+        assert self._service is not None
+        self._service.start()
 
     def serve_forever(self, stop_event: threading.Event) -> None:
         """Bind if needed and serve in the calling thread until ``stop_event`` is set."""
         self.bind()
-        self._serving.set()
+        assert self._service is not None
         try:
-            self._serve(stop_event)
+            self._service.run(stop_event)
         finally:
-            self._close()
-            self._serving.clear()
+            self._close_parts()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving (bounded by ``timeout_s``) and release the socket."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-            if thread.is_alive():
-                log.warning("coordinator thread did not stop within %.1f s; abandoning it",
-                            timeout_s)
-                return
-            self._thread = None
-        if self._serving.is_set():  # serve_forever() in another thread closes on its way out
-            deadline = time.monotonic() + timeout_s
-            while self._serving.is_set() and time.monotonic() < deadline:
-                time.sleep(0.01)
+        service = self._service
+        if service is None:
             return
-        self._close()
+        serving_elsewhere = service.serving and not service.owns_thread
+        if service.stop(timeout_s) and not serving_elsewhere:
+            self._close_parts()
 
-    def _close(self) -> None:
+    def _close_parts(self) -> None:
         if self._detection is not None:
             self._detection.stop()
-        server, ctx = self._server, self._ctx
-        self._server, self._ctx = None, None
-        if server is not None:
-            server.close()
-        if ctx is not None:
-            ctx.term()
+        self._service = None
         self._events.close()
 
     # -- serving -----------------------------------------------------------------------------
 
-    def _serve(self, stop_event: threading.Event) -> None:
-        server = self._server
-        assert server is not None
-        while not stop_event.is_set() and not self._stop.is_set():
-            try:
-                started = time.monotonic()
-                n = server.serve_once(POLL_INTERVAL_S, MAX_MESSAGES_PER_TICK)
-                self._tick(n < MAX_MESSAGES_PER_TICK)
-                if 0 < n < MAX_MESSAGES_PER_TICK:
-                    self._stop.wait(max(0.0, BATCH_INTERVAL_S - (time.monotonic() - started)))
-            except zmq.ContextTerminated:
-                break
-            except Exception:  # noqa: BLE001 - the loop must survive anything
-                log.exception("coordinator loop error; continuing")
-                time.sleep(POLL_INTERVAL_S)
-        log.debug("coordinator of job %s stopped serving", self.run_id)
+    def _after(self, n: int) -> None:
+        self._tick(n < MAX_MESSAGES_PER_TICK)
 
     def _tick(self, drained: bool) -> None:
         """Between batches: note whether the queue was drained, look for lost nodes.
@@ -359,23 +325,23 @@ class Coordinator:
     # -- handlers (kind -> handler in self._handlers) ----------------------------------------
 
     def _on_status_request(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        limit = min(PAGE_NODES, max(1, int(b.get("limit", PAGE_NODES))))
-        doc = self.status_document(select=b.get("nodes", SELECT_ALL), match=b.get("match"),
-                                   offset=int(b.get("offset", 0)), limit=limit,
-                                   max_bytes=PAGE_BYTES)
+        b: m.StatusRequest = msg.body
+        limit = min(PAGE_NODES, max(1, given(b.limit, PAGE_NODES)))
+        doc = self.status_document(select=given(b.nodes, SELECT_ALL),
+                                   match=given(b.match, None), offset=given(b.offset, 0),
+                                   limit=limit, max_bytes=PAGE_BYTES)
         return Reply("status_reply", {"doc": doc})
 
     def _on_events_request(self, msg: protocol.Message) -> Reply:
-        events, more = self._events.page(int(msg.body.get("since", 0)), EVENTS_REPLY_MAX,
+        events, more = self._events.page(given(msg.body.since, 0), EVENTS_REPLY_MAX,
                                          EVENTS_REPLY_BYTES)
         return Reply("events_reply", {"events": events, "more": more})
 
-    def _on_hello(self, msg: protocol.Message) -> Reply:
-        body = msg.body
-        self._touch(body["node_id"], body["host"], body["pid"])
+    def _on_hello(self, msg: protocol.Message) -> m.Ack:
+        b: m.Hello = msg.body
+        self._touch(b.node_id, b.host, b.pid)
         # A launcher given --coordinator has no rendezvous store to read this from.
-        return Reply("ack", {"re": msg.id, "detect": self.detect_endpoint or ""})
+        return m.Ack(re=msg.id, detect=self.detect_endpoint or "")
 
     def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
         body = msg.body
@@ -385,12 +351,12 @@ class Coordinator:
         return self._directives_reply(node.node_id, body.get("acked"))
 
     def _on_keepalive(self, msg: protocol.Message) -> Reply | None:
-        body = msg.body
-        node, joined, stale = self._membership.keepalive(body["node_id"], body["same"],
-                                                         time.time(), time.monotonic())
+        b: m.Keepalive = msg.body
+        node, joined, stale = self._membership.keepalive(b.node_id, b.same, time.time(),
+                                                         time.monotonic())
         if joined is not None:
             self._joined(node.node_id, joined)
-        reply = self._directives_reply(node.node_id, body.get("acked"))
+        reply = self._directives_reply(node.node_id, None if b.acked is UNSET else b.acked)
         if not stale:
             return reply
         # A keep-alive for workers this coordinator does not hold: ask for a full heartbeat.
@@ -399,20 +365,19 @@ class Coordinator:
         return Reply("directives", {"directives": out})
 
     def _on_event(self, msg: protocol.Message) -> None:
-        body = msg.body
-        self._touch(body["node_id"], None, None)
-        self._record(body["type"], body["node_id"], body["data"])
+        b: m.Event = msg.body
+        self._touch(b.node_id, None, None)
+        self._record(b.type, b.node_id, b.data)
 
-    def _on_bye(self, msg: protocol.Message) -> Reply:
-        body = msg.body
-        node, joined = self._membership.leave(body["node_id"], body["state"], body["exitcode"],
-                                              time.time(), time.monotonic())
+    def _on_bye(self, msg: protocol.Message) -> m.Ack:
+        b: m.Bye = msg.body
+        node, joined = self._membership.leave(b.node_id, b.state, b.exitcode, time.time(),
+                                              time.monotonic())
         if joined is not None:
             self._joined(node.node_id, joined)
-        self._record("node_left", node.node_id,
-                     {"state": body["state"], "exitcode": body["exitcode"]})
+        self._record("node_left", node.node_id, {"state": b.state, "exitcode": b.exitcode})
         self._drop_directives(node.node_id, "node left")
-        return Reply("ack", {"re": msg.id})
+        return m.Ack(re=msg.id)
 
     def _touch(self, node_id: str, host: str | None, pid: int | None) -> None:
         node, joined = self._membership.touch(node_id, host, pid, time.time(), time.monotonic())
@@ -495,7 +460,7 @@ class Coordinator:
                                     select=select, match=match, offset=offset, limit=limit,
                                     max_bytes=max_bytes)
         mono = time.monotonic()
-        behind_s = max(0.0, mono - self._caught_up) if self._server is not None else 0.0
+        behind_s = max(0.0, mono - self._caught_up) if self._service is not None else 0.0
         doc["run_id"] = self.run_id
         doc["coordinator"] = {
             "endpoint": self.endpoint if self._bound_port is not None else None,

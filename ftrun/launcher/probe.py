@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
 from typing import Any
 
@@ -28,7 +27,9 @@ import zmq
 
 from ftrun import protocol
 from ftrun.errors import FtrunError, ProtocolError
-from ftrun.protocol.transport import Client, Reply, Server
+from ftrun.protocol import messages as m
+from ftrun.protocol.service import Service
+from ftrun.protocol.transport import Client, Server
 
 log = logging.getLogger(__name__)
 
@@ -57,33 +58,24 @@ class ProbeService:
         self.node_id = node_id
         self.max_bytes = max_bytes
         self.answered = 0
-        self._server = Server("probe service", secret, run_id, {"probe": self._on_probe},
-                              sender=f"probe:{node_id}", max_frame_bytes=max_bytes, hwm=16)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service(
+            Server("probe service", secret, run_id, {"probe": self._on_probe},
+                   sender=f"probe:{node_id}", max_frame_bytes=max_bytes, hwm=16, typed=True),
+            poll_s=SERVE_POLL_S, max_messages=4, thread_name="ftrun-probe")
         self.address = ""
 
     def start(self, host: str) -> str:
         """Bind ``host`` on a port the OS picks and serve; returns the ``host:port``."""
-        self.address = self._server.bind_tcp(host)
-        self._thread = threading.Thread(target=self._serve, name="ftrun-probe", daemon=True)
-        self._thread.start()
+        self.address = self._service.bind_tcp(host)
+        self._service.start()
         log.info("answering link probes on %s", self.address)
         return self.address
 
-    def _serve(self) -> None:
-        self._server.serve_until(self._stop, SERVE_POLL_S, max_messages=4)
-
     def stop(self, timeout_s: float = 2.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning("probe service thread did not stop within %.1f s", timeout_s)
-        self._server.close()
+        self._service.stop(timeout_s)
 
-    def _on_probe(self, msg: protocol.Message) -> Reply:
-        size = int(msg.body["size"])
+    def _on_probe(self, msg: protocol.Message) -> m.ProbeAck:
+        size = msg.body.size
         received = sum(memoryview(f).nbytes for f in msg.frames)
         if size > self.max_bytes or received > self.max_bytes:
             raise ProtocolError(f"a probe of {max(size, received)} bytes exceeds this "
@@ -91,7 +83,7 @@ class ProbeService:
         if received != size:
             raise ProtocolError(f"the probe says {size} bytes but carries {received}")
         self.answered += 1
-        return Reply("probe_ack", {"size": received})
+        return m.ProbeAck(size=received)
 
 
 def _round_trip(client: Client, payload: bytes, deadline: float) -> float:

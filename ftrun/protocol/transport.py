@@ -39,9 +39,9 @@ import zmq
 from ftrun import errors
 from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
 from ftrun.protocol import codec
-from ftrun.protocol.codec import AUTH_REFUSED, Buffer
+from ftrun.protocol.codec import AUTH_REFUSED, Buffer, Typed
 from ftrun.protocol.endpoints import zmq_url
-from ftrun.protocol.messages import Message
+from ftrun.protocol.messages import Body, Message
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ MAX_AUTH_REFUSALS_PER_S = 5
 MAX_REFUSAL_REPORTS = 20
 MAX_PEERS_TRACKED = 1024
 MAX_ERROR_CHARS = 4000
+# A refused message that made the server read at least this many bytes hands the freed heap
+# back to the OS (at most once per TRIM_EVERY_S): a flood must not leave its peak resident.
+TRIM_AFTER_BYTES = 8 << 20
+TRIM_EVERY_S = 1.0
 
 _ERRORS: dict[str, type[FtrunError]] = {
     cls.__name__: cls
@@ -383,15 +387,18 @@ class Client:
 
 
 class Reply(NamedTuple):
-    """What a handler answers: a message kind, its body, and binary frames beside it."""
+    """What a handler answers: a message kind, its body (the kind's typed
+    :class:`~ftrun.protocol.messages.Body` or the plain object), and binary frames beside
+    it."""
 
     kind: str
-    body: Mapping[str, Any]
+    body: Mapping[str, Any] | Body
     frames: Sequence[Buffer] = ()
 
 
-# A handler answers a request with a Reply (or a (kind, body) pair), or None for no reply.
-Handler = Callable[[Message], Union[Reply, tuple[str, Mapping[str, Any]], None]]
+# A handler answers a request with a Reply, a typed body (its kind is the body's), a
+# (kind, body) pair, or None for no reply.
+Handler = Callable[[Message], Union[Reply, Body, tuple[str, Mapping[str, Any]], None]]
 # Told of refused messages (kind "auth_failure", "bad_message" or "replay", the peer's
 # address, reason, how many refused messages were suppressed since the last one told: this
 # peer's, and those of peers no longer tracked): the coordinator records them as events.
@@ -408,7 +415,15 @@ class Server:
     ``max_frame_bytes`` caps each data frame, ``max_message_bytes`` a whole message (header,
     MAC and data frames; default :func:`~ftrun.protocol.codec.total_cap`: a header alone for
     a server of small messages such as the coordinator). ``hwm``: the messages ZeroMQ queues
-    per connection, each way.
+    per connection, each way. ``typed``: the kinds (True: all) whose handlers take the
+    kind's typed body; the others get the plain object.
+
+    What an unauthenticated peer can cost: a message is read frame by frame, and only its
+    first ``2 + MAX_DATA_FRAMES`` frames and ``max_message_bytes`` are kept: the rest are
+    dropped as they are read, so a message of any number of frames costs the server at most
+    one message's worth of memory on top of ZeroMQ's own queue (``hwm`` messages of frames of
+    at most the frame cap, per connection, plus the one being received), and the heap a
+    large refused message used is handed back to the OS (:data:`TRIM_AFTER_BYTES`).
     """
 
     def __init__(
@@ -423,9 +438,11 @@ class Server:
         max_message_bytes: int | None = None,
         on_reject: RejectHook | None = None,
         hwm: int = 1000,
+        typed: Typed = False,
     ) -> None:
         if not secret:
             raise FtrunError(f"the {name} needs a non-empty job secret")
+        self._typed = typed
         self.name = name
         self._secret = secret
         self._job = job
@@ -439,6 +456,8 @@ class Server:
         self._warn = RateLimiter(WARN_EVERY_S, MAX_PEERS_TRACKED, MAX_REFUSAL_REPORTS)
         self._refusals: OrderedDict[Any, tuple[float, int]] = OrderedDict()
         self.replays = codec.ReplayGuard()
+        self._next_trim = 0.0
+        self._trim_pending = False
         # Replies are numbered in a session of this server's own, like a client's messages.
         self._session = codec.new_session()
         self._counter = 0
@@ -485,20 +504,40 @@ class Server:
         if sock is None:
             raise FtrunError(f"the {self.name} is not bound; call bind() first")
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            if self._trim_pending:  # a flood ended: give its heap back now
+                self._trim(TRIM_AFTER_BYTES)
             return 0
         n = 0
         while n < max_messages:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                first = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             n += 1
-            self._handle(frames)
+            self._handle(first, *self._read_rest(sock, first))
         return n
 
+    def _read_rest(self, sock: zmq.Socket[Any], first: Any) -> tuple[list[Any], int, int]:
+        """The frames of the message ``first`` opens, read one by one: those within the caps
+        are kept, the rest dropped at once. Returns (kept, frames read, bytes read)."""
+        kept: list[Any] = []
+        limit = 2 + codec.MAX_DATA_FRAMES
+        cap = self._max_message_bytes
+        count = nbytes = 0
+        more = first.more
+        while more:
+            frame = sock.recv(copy=False)
+            more = frame.more
+            count += 1
+            nbytes += len(frame)
+            if count <= limit and nbytes <= cap:
+                kept.append(frame)
+        return kept, count, nbytes
     def serve_until(self, stop: threading.Event, poll_s: float, max_messages: int) -> None:
         """The loop of a server with a thread of its own: :meth:`serve_once` until ``stop``
-        is set. An error is logged and the loop goes on, after ``poll_s``."""
+        is set. An error is logged and the loop goes on, after ``poll_s``. (The store's
+        replica receiver and shard service use it until they run on
+        :class:`ftrun.protocol.service.Service`, which replaces it.)"""
         while not stop.is_set():
             try:
                 self.serve_once(poll_s, max_messages)
@@ -508,34 +547,42 @@ class Server:
 
     # -- one message -------------------------------------------------------------------------
 
-    def _handle(self, frames: list[Any]) -> None:
-        identity = bytes(frames[0].bytes)
-        try:
-            address = frames[0].get("Peer-Address") or ""
-        except zmq.ZMQError:
-            address = ""
-        payload = [bytes(f.bytes) for f in frames[1:3]] + [f.buffer for f in frames[3:]]
-        del frames  # nothing of a refused message is kept
+    def _handle(self, first: Any, frames: list[Any], count: int, nbytes: int) -> None:
+        identity = first.bytes
         self.counters["messages"] += 1
+        if len(frames) < count:
+            self.counters["bad_messages"] += 1
+            del frames
+            limit = 2 + codec.MAX_DATA_FRAMES
+            why = (f"expected 2 to {limit} frames (header, MAC, data), got {count}"
+                   if count > limit else f"message of {count} frames is {nbytes} bytes in all "
+                   f"(max {self._max_message_bytes} here)")
+            self._reject("bad_message", first, identity, f"{why}: dropped as it was read")
+            self._trim(nbytes)
+            return
+        payload = [f.bytes for f in frames[:2]] + [f.buffer for f in frames[2:]]
+        del frames  # nothing of a refused message is kept
         try:
             header = codec.verify(payload, secret=self._secret,
                                   max_frame_bytes=self._max_frame_bytes,
                                   max_message_bytes=self._max_message_bytes)
         except AuthError as e:
             self.counters["auth_failures"] += 1
-            self._reject("auth_failure", address, identity, str(e))
+            address = self._reject("auth_failure", first, identity, str(e))
             if self._may_refuse(address or identity):
                 self._send(identity, [AUTH_REFUSED])
+            self._trim(nbytes)
             return
         except ProtocolError as e:
             self.counters["bad_messages"] += 1
-            self._reject("bad_message", address, identity, str(e))
+            self._reject("bad_message", first, identity, str(e))
+            self._trim(nbytes)
             return
         try:
-            msg = codec.parse(header, job=self._job, data=payload[2:])
+            msg = codec.parse(header, job=self._job, data=payload[2:], typed=self._typed)
         except ProtocolError as e:
             self.counters["bad_messages"] += 1
-            self._reject("bad_message", address, identity, str(e))
+            self._reject("bad_message", first, identity, str(e))
             # The header is authentic: its id, if readable, tells the client what failed.
             self._reply(identity, codec.peek(header, "id"), Reply("error", {
                 "message": str(e)[:MAX_ERROR_CHARS], "error": type(e).__name__}))
@@ -546,13 +593,26 @@ class Server:
             # Authentic, so answered: the answer goes to the connection it came on (the
             # replayer's), never to the sender it names.
             self.counters["replays"] += 1
-            self._reject("replay", address, identity, str(e))
+            self._reject("replay", first, identity, str(e))
             self._reply(identity, msg.id, Reply("error", {"message": str(e)[:MAX_ERROR_CHARS],
                                                           "error": "ProtocolError"}))
             return
-        self._reply(identity, msg.id, self._answer(msg, _peer(address, identity)))
+        self._reply(identity, msg.id, self._answer(msg, first))
 
-    def _answer(self, msg: Message, peer: str) -> Reply | None:
+    def _trim(self, nbytes: int) -> None:
+        """After a large refused message, hand the freed heap back to the OS (glibc keeps
+        freed small blocks, such as a flood's many frames, resident otherwise)."""
+        now = time.monotonic()
+        if nbytes < TRIM_AFTER_BYTES:
+            return
+        if now < self._next_trim:
+            self._trim_pending = True  # done when the server is next idle
+            return
+        self._next_trim = now + TRIM_EVERY_S
+        self._trim_pending = False
+        _malloc_trim()
+
+    def _answer(self, msg: Message, first: Any) -> Reply | None:
         handler = self.handlers.get(msg.kind)
         if handler is None:
             log.warning("%s: unexpected %s message from %s; answered with an error", self.name,
@@ -562,17 +622,21 @@ class Server:
         try:
             answer = handler(msg)
         except FtrunError as e:
-            log.warning("%s cannot answer %s from %s: %s", self.name, msg.kind, peer, e)
+            log.warning("%s cannot answer %s from %s: %s", self.name, msg.kind,
+                        _peer(_address(first), first.bytes), e)
             return Reply("error", {"message": str(e)[:MAX_ERROR_CHARS],
                                    "error": type(e).__name__})
         except Exception as e:  # noqa: BLE001 - a handler's bug must not end the loop
             self.counters["handler_errors"] += 1
-            log.exception("%s: handling %s from %s failed", self.name, msg.kind, peer)
+            log.exception("%s: handling %s from %s failed", self.name, msg.kind,
+                          _peer(_address(first), first.bytes))
             return Reply("error", {
                 "message": f"the {self.name} failed on {msg.kind}: {type(e).__name__}: "
                            f"{e}"[:MAX_ERROR_CHARS], "error": "FtrunError"})
         if answer is None or isinstance(answer, Reply):
             return answer
+        if isinstance(answer, Body):
+            return Reply(answer.KIND, answer)
         return Reply(*answer)
 
     def _reply(self, identity: bytes, re: str | None, answer: Reply | None) -> None:
@@ -599,18 +663,21 @@ class Server:
         except zmq.Again:
             log.warning("%s: reply to %s dropped: peer not reading", self.name, identity.hex())
 
-    def _reject(self, kind: str, address: str, identity: bytes, reason: str) -> None:
+    def _reject(self, kind: str, first: Any, identity: bytes, reason: str) -> str:
         """Log and report a refused message, rate-limited per peer (its address, over ipc
         its process; its connection where it has none), whatever the reason says: a sender
-        that varies its garbage gets no more lines than one that repeats it."""
+        that varies its garbage gets no more lines than one that repeats it. Returns the
+        peer's address ("" where ZeroMQ gives none)."""
+        address = _address(first)
         allowed, suppressed = self._warn.allow(address or identity)
         if not allowed:
-            return
+            return address
         more = f" ({suppressed} more refused since, not logged)" if suppressed else ""
         log.warning("%s: %s from peer %s: %s%s", self.name, kind.replace("_", " "),
                     _peer(address, identity), reason, more)
         if self._on_reject is not None:
             self._on_reject(kind, address, reason, suppressed)
+        return address
 
     def _may_refuse(self, peer: Any) -> bool:
         """At most a few refusals per second per peer: a flood is not echoed."""
@@ -629,4 +696,32 @@ class Server:
 
 def _peer(address: str, identity: bytes) -> str:
     return f"{address or '?'} (id {identity.hex()})"
+
+
+def _address(frame: Any) -> str:
+    """The peer address ZeroMQ gives a received frame ("" where it has none); read only
+    when needed (a refusal, a log line), not for every message."""
+    try:
+        return str(frame.get("Peer-Address") or "")
+    except zmq.ZMQError:
+        return ""
+
+
+_LIBC: Any = None
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0), where there is one."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - probe: AttributeError off glibc
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
