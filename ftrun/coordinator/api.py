@@ -8,17 +8,10 @@ Launchers send them in heartbeats, the coordinator folds them into the status do
 
 from __future__ import annotations
 
-from enum import Enum
+from ftrun._enum import StrEnum
 
 
-class _StrEnum(str, Enum):
-    """A ``str`` Enum whose ``str()`` and f-string form are its value (as on every Python)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class JobHealth(_StrEnum):
+class JobHealth(StrEnum):
     """The job's health in the status document; ``ftrun status`` exits with its code."""
 
     STARTING = "starting"  # no node reported yet, or fewer than the minimum joined
@@ -29,7 +22,7 @@ class JobHealth(_StrEnum):
     FINISHED = "finished"  # every node succeeded (or left with exit code 0)
 
 
-class NodeState(_StrEnum):
+class NodeState(StrEnum):
     """What a launcher reports as its node's ``state``."""
 
     INIT = "init"  # started, not in a rendezvous yet
@@ -40,25 +33,25 @@ class NodeState(_StrEnum):
     SUCCEEDED = "succeeded"  # every worker exited with 0
     STOPPED = "stopped"  # the launcher was stopped by a signal (final state, with ``bye``)
     # The coordinator isolated the node's host (final state, with ``bye`` and exit code 8,
-    # ftrun.cli.exit_codes.ISOLATED): its workers were stopped and the job goes on without it.
+    # ftrun.exit_codes.ISOLATED): its workers were stopped and the job goes on without it.
     ISOLATED = "isolated"
 
 
-class RankHealth(_StrEnum):
+class RankHealth(StrEnum):
     """A running rank's health as its launcher judges it (see ftrun.launcher.suspect)."""
 
     OK = "ok"  # not stopped, and progress (if it reports any) within its limit
     SUSPECT = "suspect"  # stopped, or silent for longer than its progress limit
 
 
-class SuspectCause(_StrEnum):
+class SuspectCause(StrEnum):
     """Why a rank is suspect."""
 
     STOPPED = "stopped"  # state T or t in /proc: SIGSTOP, a job-control stop, or a tracer
     NO_PROGRESS = "no_progress"  # no ftrun.progress() call for longer than its limit
 
 
-class FindingKind(_StrEnum):
+class FindingKind(StrEnum):
     """What the collective analysis found (ftrun.coordinator.detect; docs/detection.md)."""
 
     HANG = "hang"  # a rank never entered a collective the others wait in (or went silent)
@@ -69,7 +62,7 @@ class FindingKind(_StrEnum):
     SLOW_LINK = "slow_link"  # probes: one link is slow
 
 
-class Action(_StrEnum):
+class Action(StrEnum):
     """One vocabulary for what the coordinator does about a finding (``--on-hang``,
     ``--on-slow``: :data:`RESPONSES`) and for the directives it sends launchers (their
     ``data`` in brackets)."""

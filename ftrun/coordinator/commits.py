@@ -31,7 +31,7 @@ is dead overwrite that shard instead, and its older buffer, the last committed s
 
 **Durable steps.** With replicas (``--replicas m``), a committed step is also *durable* once
 every rank's shard of it has ``m - 1`` verified replicas on other nodes (their stores report
-each one, ftrun.snapshot.replica). Durable steps are a subset of committed ones, and
+each one, ftrun.store.replica). Durable steps are a subset of committed ones, and
 ``durable`` never passes ``committed``. With fewer live nodes taking replicas than m, only
 ``nodes - 1`` replicas can exist: that many count. With one such node (a one-node job) there
 is no peer at all: nothing can become durable, and the summary says so (``durable_off``)
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftrun.snapshot.api import PersistConfig as PersistPolicy
+from ftrun.snapshot.api import PersistConfig
 
 MAX_PENDING_STEPS = 64  # steps tracked per epoch; older incomplete ones are dropped
 MAX_TARGETS = 8  # targets listed in a reply: far more than can pass between two replies
@@ -153,7 +153,7 @@ class CommitTracker:
         self._max_epochs = max_epochs
         self._clock = clock
         self.persisted: dict[str, int | None] = {}  # node -> newest persisted step
-        self.policy = PersistPolicy()
+        self.policy = PersistConfig()
         self._last_target_step = -1  # across epochs: a restart does not reset the schedule
         self._last_target_mono: float | None = None
         self._last_signal_mono: float | None = None
@@ -410,7 +410,7 @@ class CommitTracker:
         settling = False
         if kind == "snap_epoch":
             if body.get("persist_every") is not None or body.get("persist_interval_s") is not None:
-                self.policy = PersistPolicy(int(body.get("persist_every") or 0),
+                self.policy = PersistConfig(int(body.get("persist_every") or 0),
                                             float(body.get("persist_interval_s") or 0.0))
             known = self._epochs.get(body["epoch"]) is not None
             ep: Epoch | None = self.begin(body["epoch"], body["base_step"], body["world_size"])

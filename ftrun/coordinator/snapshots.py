@@ -71,7 +71,7 @@ class SnapshotControl:
         return Reply("ack", {"re": msg.id})
 
     def _on_stores(self, msg: protocol.Message) -> Reply:
-        """The shard services of the live stores (ftrun.snapshot.shards): where a restore
+        """The shard services of the live stores (ftrun.store.shards): where a restore
         looks for the shards its node does not hold."""
         mono = time.monotonic()
         with self._lock:
@@ -81,7 +81,7 @@ class SnapshotControl:
                       and not self._gone(node, mono)]
         return Reply("stores_reply", {"stores": stores})
 
-    # -- replicas (ftrun.snapshot.replica) ----------------------------------------------------
+    # -- replicas (ftrun.store.replica) ----------------------------------------------------
 
     def _replica_members(self) -> dict[str, str]:
         """node -> replica address, for the live stores that take replicas. Caller holds

@@ -17,13 +17,13 @@ Adding a kind is one class here.
 from __future__ import annotations
 
 import math
-from enum import Enum
 from typing import Annotated, Any, ClassVar, TypeVar, Union
 
 import msgspec
 import msgspec.inspect as mi
 from msgspec import UNSET, UnsetType
 
+from ftrun._enum import StrEnum
 from ftrun.errors import ProtocolError
 
 MAX_STRING_CHARS = 64 * 1024
@@ -37,7 +37,7 @@ __all__ = ["BODIES", "MAX_DEPTH", "MAX_LIST_ITEMS", "MAX_STRING_CHARS", "UNSET",
 T = TypeVar("T")
 
 
-class ReplyKind(str, Enum):
+class ReplyKind(StrEnum):
     """Kinds that only ever answer a request (their values are the wire names)."""
 
     ACK = "ack"
@@ -406,7 +406,7 @@ class StorePersist(Body):
 
 
 class CatalogRequest(Body):
-    """Anyone with the job secret -> a node's store: what it holds (ftrun.snapshot.catalog).
+    """Anyone with the job secret -> a node's store: what it holds (ftrun.store.catalog).
     ``rank``: only that rank's shards; ``hashes``: with their chunk hashes; ``replicas``:
     the replicas of other nodes' shards held here too (their ``origin`` is that node)."""
 
@@ -440,7 +440,7 @@ class ReplicaPlan(Body):
     off: Str | None | UnsetType = UNSET
 
 
-# Sender store -> receiver store (ftrun.snapshot.replica). replica_begin carries two binary
+# Sender store -> receiver store (ftrun.store.replica). replica_begin carries two binary
 # frames: the shard's manifest and its chunk hash table (xxh3-64, little-endian u64 each).
 # replica_chunk carries one frame, chunk ``chunk`` of the data region; its ack says whether
 # it matched its hash (``reason`` names it if not). replica_end: all chunks sent; answered
@@ -513,7 +513,7 @@ class ReplicaVerified(Body):
 
 
 class HoldingsRequest(Body):
-    """Anyone with the job secret -> a node's shard service (ftrun.snapshot.shards): the
+    """Anyone with the job secret -> a node's shard service (ftrun.store.shards): the
     verified shards the node holds, its own ranks' and replicas (``origin``: the node whose
     rank wrote it; ``world_size``: of the job that took it)."""
 
