@@ -26,7 +26,7 @@ from conftest import wait_for as harness_wait_for
 
 from ftrun import exit_codes, jobs, protocol
 from ftrun.cli.status import run_status
-from ftrun.coordinator.client import NodeReporter, request
+from ftrun.coordinator.client import NodeReporter, policy_mismatch, request
 from ftrun.coordinator.server import (
     ENDPOINT_KEY,
     Coordinator,
@@ -124,7 +124,7 @@ def test_hello_answer_says_where_ranks_report(make_coordinator: Callable[..., Co
     hello ("" when the coordinator runs no detection)."""
     from ftrun.coordinator.detect import DetectConfig
 
-    c = make_coordinator(detection=DetectConfig() if detection else None)
+    c = make_coordinator(detection=DetectConfig(on_hang="isolate") if detection else None)
     answers: list[dict[str, Any]] = []
     reporter = NodeReporter(c.endpoint, SECRET, JOB, "host-h/1", "host-h", workers_state,
                             interval_s=0.05, on_hello=answers.append)
@@ -135,6 +135,14 @@ def test_hello_answer_says_where_ranks_report(make_coordinator: Callable[..., Co
         assert answers[0]["detect"] == (c.detect_endpoint if detection else "")
         if detection:
             assert answers[0]["detect"] and answers[0]["detect"] != c.endpoint
+            # The policy it acts on, so that a launcher whose flags differ says so.
+            assert (answers[0]["on_hang"], answers[0]["on_slow"]) == ("isolate", "warn")
+            said = policy_mismatch(answers[0], "restart", "warn")
+            assert said is not None and "--on-hang restart here, isolate at the coordinator" \
+                in said and "on-slow" not in said
+            assert policy_mismatch(answers[0], "isolate", "warn") is None
+        else:
+            assert policy_mismatch(answers[0], "restart", "warn") is None
     finally:
         reporter.stop("succeeded", 0, timeout_s=3)
     assert len(answers) == 1

@@ -149,6 +149,23 @@ class HeartbeatComposer:
         return kind, body
 
 
+def policy_mismatch(answer: dict[str, Any], on_hang: str, on_slow: str) -> str | None:
+    """What a launcher says when its own ``--on-hang``/``--on-slow`` differ from the policy
+    in the coordinator's answer to its hello: the coordinator decides for the whole job, so
+    a launcher's differing flag would otherwise be ignored without a word. None when they
+    agree, or when the coordinator runs no detection (no policy in its answer)."""
+    diffs = [f"--{flag} {own} here, {theirs} at the coordinator"
+             for flag, own, theirs in (("on-hang", on_hang, answer.get("on_hang")),
+                                       ("on-slow", on_slow, answer.get("on_slow")))
+             if theirs and str(theirs) != str(own)]
+    if not diffs:
+        return None
+    return (f"this launcher's detection policy differs from the job coordinator's "
+            f"({'; '.join(diffs)}): the coordinator decides for every node, so its policy "
+            "applies; give the launcher that hosts the coordinator (or `ftrun coordinator`) "
+            "the flags you want, or drop them here")
+
+
 class NodeReporter:
     """Reports one node launcher's state to the coordinator from a background thread.
 
@@ -162,7 +179,7 @@ class NodeReporter:
     :data:`ACK_HEARTBEATS` heartbeats, and again whenever the coordinator resends it.
 
     ``on_hello`` is called from the reporter thread with the coordinator's answer to
-    ``hello`` (``{"re", "detect"}``); :meth:`wait_hello` waits for it.
+    ``hello`` (``{"re", "detect", "on_hang", "on_slow"}``); :meth:`wait_hello` waits for it.
     """
 
     def __init__(

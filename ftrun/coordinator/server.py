@@ -340,8 +340,13 @@ class Coordinator:
     def _on_hello(self, msg: protocol.Message) -> m.Ack:
         b: m.Hello = msg.body
         self._touch(b.node_id, b.host, b.pid)
-        # A launcher given --coordinator has no rendezvous store to read this from.
-        return m.Ack(re=msg.id, detect=self.detect_endpoint or "")
+        # A launcher given --coordinator has no rendezvous store to read this from; the
+        # policy lets a launcher whose --on-hang/--on-slow differ say so (this one decides).
+        if self._detection is None:
+            return m.Ack(re=msg.id, detect="")
+        policy = self._detection.config
+        return m.Ack(re=msg.id, detect=self.detect_endpoint or "", on_hang=str(policy.on_hang),
+                     on_slow=str(policy.on_slow))
 
     def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
         body = msg.body

@@ -233,12 +233,16 @@ class Error(Body):
 
 
 class Ack(Body):
-    """``detect``: in the reply to ``hello`` only, where the node's ranks report their
-    collectives ("" when the coordinator runs no detection)."""
+    """In the reply to ``hello`` only: ``detect``, where the node's ranks report their
+    collectives ("" when the coordinator runs no detection), and ``on_hang``/``on_slow``,
+    the detection policy the coordinator acts on for the whole job (a launcher whose own
+    flags differ says so)."""
 
     KIND = "ack"
     re: Str | UnsetType = UNSET
     detect: Str | UnsetType = UNSET
+    on_hang: Str | UnsetType = UNSET
+    on_slow: Str | UnsetType = UNSET
 
 
 # Snapshots. Store -> coordinator: a rank's shard of ``step`` is verified (``ok`` false: it
