@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ftrun.errors import ConfigError
+from ftrun.rank import rng
 from ftrun.rank import snapshotter as client
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 
@@ -32,20 +33,20 @@ def draws() -> tuple[float, float, float, float]:
 def test_rng_states_roundtrip_and_restore_every_generator() -> None:
     random.gauss(0, 1)  # leaves a cached gaussian in python's state
     np.random.standard_normal()  # and in numpy's
-    state = roundtrip(client._rng_state())
+    state = roundtrip(rng.rng_state())
     expected = draws()
     torch.manual_seed(99)
     random.seed(99)
     np.random.seed(99)
-    client._set_rng_state(state)  # type: ignore[arg-type]
+    rng.set_rng_state(state)  # type: ignore[arg-type]
     assert draws() == expected
 
 
 def test_rng_state_tensors_are_refreshed_in_place() -> None:
-    state = client._rng_state()
+    state = rng.rng_state()
     ref = state["torch"]
     draws()
-    client._refresh_rng_state(state)
+    rng.refresh_rng_state(state)
     assert state["torch"] is ref
     assert torch.equal(ref, torch.get_rng_state())
     assert state["python"].tolist()[1:] == list(random.getstate()[1])
@@ -55,7 +56,7 @@ def test_snapshots_written_before_rng_tensors_still_restore() -> None:
     legacy = {"torch": torch.get_rng_state(), "python": random.getstate(),
               "numpy": np.random.get_state()}
     expected = draws()
-    client._set_rng_state(roundtrip(legacy))  # type: ignore[arg-type]
+    rng.set_rng_state(roundtrip(legacy))  # type: ignore[arg-type]
     assert draws() == expected
 
 

@@ -29,14 +29,10 @@ Under plain ``torchrun`` or ``python`` (no ftrun store), both calls log once and
 from __future__ import annotations
 
 import logging
-import math
 import os
-import random
-import statistics
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,6 +43,8 @@ from ftrun import _torch, knobs, protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, UnreachableError
 from ftrun.protocol.transport import Client
 from ftrun.rank import shards
+from ftrun.rank.cadence import Cadence, seconds
+from ftrun.rank.rng import refresh_rng_state, rng_state, set_rng_state
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
@@ -66,65 +64,6 @@ HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 STORE_TIMEOUT_S = 5.0
 STORE_HINT = ("is this node's snapshot store running? (the launcher starts it and restarts it "
               "when it dies; see the launcher's log)")
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG state a training step may draw from, as tensors of fixed shapes.
-
-    Fixed shapes let a snapshot's manifest be written before the values are taken: the
-    values are those of the moment the next forward pass starts (see ``Snapshotter``).
-    """
-    version, mt, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": torch.tensor([version, *mt], dtype=torch.int64),
-        "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state["numpy"] = torch.from_numpy(keys.astype(np.int64))
-    state["numpy_meta"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
-    state["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
-    return state
-
-
-def _refresh_rng_state(state: dict[str, Any]) -> None:
-    """Overwrite the tensors of an earlier ``_rng_state()`` with the states of now."""
-    now = _rng_state()
-    for key, old in state.items():
-        new = now.get(key)
-        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
-            old.copy_(new)
-        elif isinstance(old, list) and isinstance(new, list):
-            for a, b in zip(old, new, strict=True):
-                a.copy_(b)
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"].clone())
-    py = state["python"]
-    if isinstance(py, torch.Tensor):
-        gauss = float(state["python_gauss"][0])
-        values = py.tolist()
-        random.setstate((values[0], tuple(values[1:]), None if math.isnan(gauss) else gauss))
-    else:  # snapshots written before RNG states were tensors
-        random.setstate(py)
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.clone() for t in state["cuda"]])
-    if "numpy" in state:
-        import numpy as np
-
-        np_state = state["numpy"]
-        if isinstance(np_state, torch.Tensor):
-            pos, has_gauss = (int(v) for v in state["numpy_meta"])
-            np_state = ("MT19937", np_state.numpy().astype(np.uint32), pos, has_gauss,
-                        float(state["numpy_gauss"][0]))
-        np.random.set_state(np_state)
 
 
 def _as_current(loaded: Any, current: Any) -> Any:
@@ -199,96 +138,6 @@ class _SaveJob:
             return first
 
 
-def _seconds(knob: knobs.Knob) -> float:
-    raw = knob.get()
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 and math.isfinite(value)):
-        raise ConfigError(f"{knob.name} must be a number of seconds >= 0 (0: never wait), "
-                          f"got {raw!r}")
-    return value
-
-
-class Cadence:
-    """Which steps get a snapshot: every K-th step, K fixed, or chosen online ("auto").
-
-    Under "auto" each rank times its steps (from one save() call to the next) and keeps the
-    durations of steps that overlapped a snapshot's copy apart from the others. A snapshot
-    costs the difference of their medians; K is the smallest interval whose cost stays at
-    or below ``TARGET`` of the step time. Every ``AGREE_EVERY`` steps the ranks agree on the
-    largest K any of them wants (a one-integer all_reduce), so all snapshot the same steps.
-    Until both kinds of step have been seen, K is ``WARMUP_K``.
-    """
-
-    TARGET = 0.03
-    AGREE_EVERY = 32
-    WARMUP_K = 2
-    MAX_K = 10_000
-    WINDOW = 32
-
-    def __init__(self, every: int | str) -> None:
-        text = str(every).strip().lower()
-        self.auto = text == "auto"
-        if self.auto:
-            self.k = self.WARMUP_K
-        else:
-            try:
-                self.k = int(text)
-            except ValueError:
-                self.k = 0
-            if self.k < 1:
-                raise ConfigError(f"the snapshot interval must be a number of steps >= 1 or "
-                                  f"'auto', got {every!r} (Snapshotter(every=...), "
-                                  f"--snapshot-every, {knobs.SNAPSHOT_EVERY.name})")
-        self._with_copy: deque[float] = deque(maxlen=self.WINDOW)
-        self._plain: deque[float] = deque(maxlen=self.WINDOW)
-        self._last_due = False
-
-    def due(self, step: int) -> bool:
-        return step % self.k == 0
-
-    def mark(self, due: bool) -> None:
-        self._last_due = due
-
-    def observe(self, step_s: float) -> None:
-        """The step that just ended took ``step_s``; it overlapped a copy if the last was due."""
-        (self._with_copy if self._last_due else self._plain).append(step_s)
-
-    def cost(self) -> tuple[float, float] | None:
-        """(seconds a snapshot adds to its step, seconds of a step without one), once known."""
-        if len(self._with_copy) < 3 or len(self._plain) < 3:
-            return None
-        plain = statistics.median(self._plain)
-        return max(0.0, statistics.median(self._with_copy) - plain), plain
-
-    def wanted(self) -> int:
-        """The interval this rank would pick."""
-        known = self.cost()
-        if known is None:
-            return self.k if self.k > 1 else self.WARMUP_K
-        cost, plain = known
-        if plain <= 0:
-            return self.k
-        return max(1, min(self.MAX_K, math.ceil(cost / (self.TARGET * plain))))
-
-    def agree(self, step: int) -> None:
-        import torch.distributed as dist
-
-        want = self.wanted()
-        if dist.is_available() and dist.is_initialized():
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend() == "nccl" else torch.device("cpu"))
-            t = torch.tensor([want], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            want = int(t.item())
-        if want != self.k:
-            log.info("snapshot interval: every %d step(s) from step %d (was %d)", want, step,
-                     self.k)
-        self.k = want
-
-
 def _groups(entries: list[Any], limit: int, keep: Callable[[Any], bool]) -> list[list[int]]:
     """Indices of the kept ``entries``, in order, in groups of about ``limit`` bytes."""
     groups: list[list[int]] = [[]]
@@ -319,7 +168,7 @@ class Snapshotter:
         self._rng_taken = threading.Event()
         self._copied = threading.Event()
         self._rng_restored: dict[str, Any] | None = None  # to apply at the next forward
-        self._wait_s = _seconds(knobs.SNAPSHOT_WAIT)
+        self._wait_s = seconds(knobs.SNAPSHOT_WAIT)
         self.extra: Any = None
         self.resumed_from: int = 0
         self.source = "none"  # where restore() found its step: "memory", "disk (...)", "none"
@@ -378,14 +227,14 @@ class Snapshotter:
         random draws of the training step, in the uninterrupted run or the restored one.
         """
         if self._rng_restored is not None:
-            _set_rng_state(self._rng_restored)
+            set_rng_state(self._rng_restored)
             self._rng_restored = None
         self._take_rng()
 
     def _take_rng(self) -> None:
         due, self._rng_due = self._rng_due, None
         if due is not None:
-            _refresh_rng_state(due)
+            refresh_rng_state(due)
             self._rng_taken.set()
 
     # -- state ------------------------------------------------------------------------------
@@ -397,7 +246,7 @@ class Snapshotter:
         state["model"] = {k: v.clone() if type(v) is torch.Tensor and v.data_ptr() in buffers
                           else v for k, v in state["model"].items()}
         state["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
-        state["rng"] = _rng_state()
+        state["rng"] = rng_state()
         layout = self._ddp_layout()
         if layout is not None:
             state["ddp_buckets"] = layout
@@ -441,7 +290,7 @@ class Snapshotter:
                 "to Snapshotter as the run that wrote it, or start the job afresh")
         for name, obj in self.stateful.items():
             obj.load_state_dict(saved[name])
-        _set_rng_state(tree["rng"])
+        set_rng_state(tree["rng"])
         self._rng_restored = tree["rng"]
         ddp = _torch.ddp_of(self.model)
         layout = tree.get("ddp_buckets")
