@@ -11,6 +11,7 @@ import torch
 from ftrun.errors import ConfigError
 from ftrun.rank import rng
 from ftrun.rank import snapshotter as client
+from ftrun.rank.state import check_stateful
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 
 
@@ -64,14 +65,14 @@ def test_stateful_objects_are_checked() -> None:
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    assert client._check_stateful({"scheduler": sched}) == {"scheduler": sched}
-    assert client._check_stateful(None) == {}
+    assert check_stateful({"scheduler": sched}) == {"scheduler": sched}
+    assert check_stateful(None) == {}
     with pytest.raises(ConfigError, match=r"state\['epoch'\] \(int\) has no state_dict"):
-        client._check_stateful({"epoch": 3})
+        check_stateful({"epoch": 3})
     with pytest.raises(ConfigError, match="dict of name -> object"):
-        client._check_stateful([sched])  # type: ignore[arg-type]
+        check_stateful([sched])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="non-empty strings"):
-        client._check_stateful({"": sched})
+        check_stateful({"": sched})
 
 
 def test_scheduler_and_stateful_loader_state_survive_the_manifest() -> None:
@@ -102,7 +103,7 @@ def test_buffers_are_taken_at_save_time_parameters_are_not() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     snap = client.Snapshotter(model)  # not under ftrun: snapshots off, state still readable
     try:
-        state = snap._state(1, None)["model"]
+        state = snap._training.capture(1, None)["model"]
         assert state["0.weight"].data_ptr() == model[0].weight.data_ptr()
         assert state["1.running_mean"].data_ptr() != model[1].running_mean.data_ptr()
         before = state["1.running_mean"].clone()
