@@ -326,8 +326,8 @@ def run_ftrun(args: argparse.Namespace) -> int:
     # round trip to the store that allows overwriting the older buffer.
     writes: list[tuple[int, float, float]] = []  # (step, write s, claim s)
     claim_s: list[float] = [0.0]
-    orig_write: Callable[..., None] = snap._write
-    orig_claim: Callable[..., Any] = snap._claim
+    orig_write: Callable[..., None] = snap._saver.write
+    orig_claim: Callable[..., Any] = snap._saver.claim
 
     def timed_claim(*a: Any) -> Any:
         t0 = time.perf_counter()
@@ -342,8 +342,8 @@ def run_ftrun(args: argparse.Namespace) -> int:
         orig_write(*a, **kw)
         writes.append((int(a[0].step), time.perf_counter() - t0, claim_s[0]))
 
-    snap._claim = timed_claim  # type: ignore[method-assign]
-    snap._write = timed_write  # type: ignore[method-assign]
+    snap._saver.claim = timed_claim  # type: ignore[method-assign]
+    snap._saver.write = timed_write  # type: ignore[method-assign]
 
     steps: list[dict[str, Any]] = []
     step = 0
@@ -522,8 +522,8 @@ def measure_restore(args: argparse.Namespace, model: nn.Module, opt: torch.optim
 
     out: dict[str, Any] = {"pid": os.getpid(), "loadavg_start": os.getloadavg()}
     parts: dict[str, float] = {}
-    orig_load: Callable[..., Any] = snap._load_memory
-    orig_apply: Callable[..., None] = snap._apply
+    orig_load: Callable[..., Any] = snap._restorer._load_memory
+    orig_apply: Callable[..., None] = snap._training.apply
 
     def timed_load(*a: Any) -> Any:
         t0 = clock()
@@ -539,8 +539,8 @@ def measure_restore(args: argparse.Namespace, model: nn.Module, opt: torch.optim
         finally:
             parts["apply_s"] = parts.get("apply_s", 0.0) + clock() - t0
 
-    snap._load_memory = timed_load  # type: ignore[method-assign]
-    snap._apply = timed_apply  # type: ignore[method-assign]
+    snap._restorer._load_memory = timed_load  # type: ignore[method-assign]
+    snap._training.apply = timed_apply  # type: ignore[method-assign]
     # torch's DCP state-dict helpers first give an optimizer without state one by running a
     # step with zero gradients (_init_optim_state); time that part of apply separately.
     import torch.distributed.checkpoint.state_dict as dcp_sd
@@ -562,7 +562,7 @@ def measure_restore(args: argparse.Namespace, model: nn.Module, opt: torch.optim
     out.update(parts, restored_step=restored, source=getattr(snap, "source", "?"),
                digest=digest(model, opt))
     # Where restore's time goes: hashing alone (xxh3 of every tensor, as restore() verifies).
-    seg = next((s for s in snap._segments if s is not None and s.header().step == restored), None)
+    seg = next((s for s in snap._ctx.segments if s is not None and s.header().step == restored), None)
     if seg is not None:
         t0 = clock()
         ok, reason = verify_segment(seg)

@@ -51,7 +51,7 @@ def test_a_rank_whose_newest_step_is_dead_overwrites_it_and_keeps_the_committed_
     for rank in (0, 1):
         send(store, run_id, "snap_restored", rank=rank, epoch="e", step=0, world_size=2)
         assert stage(store, run_id, rank, 0, 1, "e", 0)["ok"]
-    assert store._committed == 1
+    assert store.commits.committed == 1
     # Rank 0 snapshots step 2; rank 1 gave step 2 up (its buffer came too late) and takes 3.
     assert send(store, run_id, "snap_claim", rank=0, buffer=1, epoch="e", need_committed=1,
                 base=0)["ok"]
@@ -68,7 +68,7 @@ def test_a_rank_whose_newest_step_is_dead_overwrites_it_and_keeps_the_committed_
     assert held.header().step == 1 and held.header().state == shm.VERIFIED
     held.close()
     assert stage(store, run_id, 0, 1, 3, "e", 0)["ok"]
-    assert store._committed == 3
+    assert store.commits.committed == 3
 
 
 def test_a_corrupt_staged_shard_frees_the_other_ranks_buffers(run_id: str) -> None:  # noqa: F811
@@ -99,13 +99,13 @@ def test_a_buffer_being_copied_for_the_disk_is_not_released(run_id: str) -> None
         send(store, run_id, "snap_restored", rank=rank, epoch="e", step=0, world_size=2)
         assert stage(store, run_id, rank, 0, 1, "e", 0)["ok"]
         assert stage(store, run_id, rank, 1, 2, "e", 0)["ok"]
-    names, problem = store._locate_step(1)
+    names, problem = store.persister.locate_step(1)
     assert problem == "" and len(names) == 2
-    store._pinned.update(names)  # what _persist_target does until the writer copied them
+    store.persister.pinned.update(names)  # what persist_target does until the writer copied them
     reply = send(store, run_id, "snap_claim", rank=0, buffer=0, epoch="e", need_committed=2,
                  base=0)
     assert reply == {"ok": False, "committed": 2}
-    shards, problem = store._copy_shards(1, names)
+    shards, problem = store.persister.copy_shards(1, names)
     assert problem == "" and [doc["rank"] for doc, *_ in shards] == [0, 1]
     assert send(store, run_id, "snap_claim", rank=0, buffer=0, epoch="e", need_committed=2,
                 base=0)["ok"]

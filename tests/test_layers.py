@@ -106,7 +106,9 @@ def test_no_cycle_between_packages() -> None:
     assert not cycles, f"packages on an import cycle: {cycles}"
 
 
-@pytest.mark.parametrize("module", ["ftrun.rank.snapshotter", "ftrun.rank.shards"])
+@pytest.mark.parametrize("module", ["ftrun.rank.snapshotter", "ftrun.rank.save",
+                                    "ftrun.rank.restore", "ftrun.rank.state",
+                                    "ftrun.rank.context", "ftrun.rank.shards"])
 def test_rank_side_never_imports_the_store(module: str) -> None:
     path = ROOT.parent / (module.replace(".", "/") + ".py")
     assert not [t for _, t in _imports(path) if _unit(t) in ("store", "launcher", "cli")]

@@ -497,15 +497,15 @@ def test_store_persists_each_target_before_its_buffer_is_reused(workdir: Path) -
             seg.set_state(STAGED, epoch="e1")  # as a rank's save() does
             seg.close()
             assert send("snap_staged", rank=rank, buffer=buffer, step=step, epoch="e1")["ok"]
-        if store._pending_write is not None:  # a training step longer than a write
-            store._pending_write.result(timeout=120)
+        if store.persister.pending_write is not None:  # a training step longer than a write
+            store.persister.pending_write.result(timeout=120)
 
     try:
         for rank in (0, 1):
             send("snap_restored", rank=rank, epoch="e1", step=0, world_size=2)
         for step in range(1, 6):
             save(step)
-        assert store._committed == 5
+        assert store.commits.committed == 5
         # Steps 2 and 4 were due; each was copied before step+2 overwrote its buffer.
         assert [s for s, _ in persist.complete_steps(workdir)] == [4, 2]
         store._persist_final()  # what SIGTERM or the end of the job does
@@ -513,7 +513,7 @@ def test_store_persists_each_target_before_its_buffer_is_reused(workdir: Path) -
         assert_same(persist.load_rank(workdir, 2, 1), make_state(1, 2))
         assert_same(persist.load_rank(workdir, 4, 1), make_state(1, 4))
     finally:
-        store._writer.shutdown(wait=True)
+        store.persister.writer.shutdown(wait=True)
         for path in shm.list_segments(shm.job_prefix(run_id)):
             path.unlink(missing_ok=True)
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from ftrun.errors import ConfigError
+from ftrun.rank import rng
 from ftrun.rank import snapshotter as client
+from ftrun.rank.state import check_stateful
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view, unflatten
 
 
@@ -32,20 +34,20 @@ def draws() -> tuple[float, float, float, float]:
 def test_rng_states_roundtrip_and_restore_every_generator() -> None:
     random.gauss(0, 1)  # leaves a cached gaussian in python's state
     np.random.standard_normal()  # and in numpy's
-    state = roundtrip(client._rng_state())
+    state = roundtrip(rng.rng_state())
     expected = draws()
     torch.manual_seed(99)
     random.seed(99)
     np.random.seed(99)
-    client._set_rng_state(state)  # type: ignore[arg-type]
+    rng.set_rng_state(state)  # type: ignore[arg-type]
     assert draws() == expected
 
 
 def test_rng_state_tensors_are_refreshed_in_place() -> None:
-    state = client._rng_state()
+    state = rng.rng_state()
     ref = state["torch"]
     draws()
-    client._refresh_rng_state(state)
+    rng.refresh_rng_state(state)
     assert state["torch"] is ref
     assert torch.equal(ref, torch.get_rng_state())
     assert state["python"].tolist()[1:] == list(random.getstate()[1])
@@ -55,7 +57,7 @@ def test_snapshots_written_before_rng_tensors_still_restore() -> None:
     legacy = {"torch": torch.get_rng_state(), "python": random.getstate(),
               "numpy": np.random.get_state()}
     expected = draws()
-    client._set_rng_state(roundtrip(legacy))  # type: ignore[arg-type]
+    rng.set_rng_state(roundtrip(legacy))  # type: ignore[arg-type]
     assert draws() == expected
 
 
@@ -63,14 +65,14 @@ def test_stateful_objects_are_checked() -> None:
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    assert client._check_stateful({"scheduler": sched}) == {"scheduler": sched}
-    assert client._check_stateful(None) == {}
+    assert check_stateful({"scheduler": sched}) == {"scheduler": sched}
+    assert check_stateful(None) == {}
     with pytest.raises(ConfigError, match=r"state\['epoch'\] \(int\) has no state_dict"):
-        client._check_stateful({"epoch": 3})
+        check_stateful({"epoch": 3})
     with pytest.raises(ConfigError, match="dict of name -> object"):
-        client._check_stateful([sched])  # type: ignore[arg-type]
+        check_stateful([sched])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="non-empty strings"):
-        client._check_stateful({"": sched})
+        check_stateful({"": sched})
 
 
 def test_scheduler_and_stateful_loader_state_survive_the_manifest() -> None:
@@ -101,7 +103,7 @@ def test_buffers_are_taken_at_save_time_parameters_are_not() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     snap = client.Snapshotter(model)  # not under ftrun: snapshots off, state still readable
     try:
-        state = snap._state(1, None)["model"]
+        state = snap._training.capture(1, None)["model"]
         assert state["0.weight"].data_ptr() == model[0].weight.data_ptr()
         assert state["1.running_mean"].data_ptr() != model[1].running_mean.data_ptr()
         before = state["1.running_mean"].clone()

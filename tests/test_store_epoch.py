@@ -53,7 +53,7 @@ def test_a_store_restarted_after_a_restore_follows_the_ranks_epoch(run_id: str) 
         send(first, run_id, "snap_restored", rank=rank, epoch="e1", step=0, world_size=2)
     for rank in (0, 1):
         assert stage(first, run_id, rank, 0, 1, "e1", 0)["ok"]
-    assert first._committed == 1
+    assert first.commits.committed == 1
     # The workers restart and restore step 1 in a new epoch; then the store is killed.
     for rank in (0, 1):
         send(first, run_id, "snap_restored", rank=rank, epoch="e2", step=1, world_size=2)
@@ -61,13 +61,13 @@ def test_a_store_restarted_after_a_restore_follows_the_ranks_epoch(run_id: str) 
 
     second = new_store(run_id)
     second.adopt()
-    assert second._epoch == "e1"  # all its segments say so: a guess, and a wrong one
+    assert second.commits.epoch == "e1"  # all its segments say so: a guess, and a wrong one
     # The ranks claim the other buffer for step 2 of e2: step 1 (e2's base) is committed.
     for rank in (0, 1):
         reply = send(second, run_id, "snap_claim", rank=rank, buffer=1, epoch="e2",
                      need_committed=1, base=1)
         assert reply["ok"], reply
-    assert second._epoch == "e2"
+    assert second.commits.epoch == "e2"
     for rank in (0, 1):
         assert stage(second, run_id, rank, 1, 2, "e2", 1)["ok"]
-    assert second._committed == 2  # and what follows commits
+    assert second.commits.committed == 2  # and what follows commits

@@ -71,11 +71,11 @@ def test_the_persist_copy_refuses_bytes_changed_after_the_rank_hashed_them(
                                           threads=2), b"s" * 32)
         h = seg.header()
         seg.mm[h.data_off + 17] ^= 0x40  # after the rank hashed it
-        names, problem = store._locate_step(4)
-        shards, problem = store._copy_shards(4, names)
+        names, problem = store.persister.locate_step(4)
+        shards, problem = store.persister.copy_shards(4, names)
         assert problem == "" and len(shards) == 1
         with caplog.at_level(logging.ERROR, logger="ftrun.store"):
-            store._write(4, shards)
+            store.persister.write(4, shards)
         assert "hash mismatch in 1 chunk" in caplog.text and "tensor /w" in caplog.text
         assert not list(root.rglob("*.distcp"))
         seg.close()

@@ -1,0 +1,106 @@
+"""Which steps get a snapshot (``Cadence``: every K-th step, fixed or chosen online), and the
+snapshot wait knob read as seconds."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+
+import torch
+
+from ftrun import knobs
+from ftrun.errors import ConfigError
+
+log = logging.getLogger("ftrun.rank.snapshotter")
+
+
+def seconds(knob: knobs.Knob) -> float:
+    raw = knob.get()
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"{knob.name} must be a number of seconds >= 0 (0: never wait), "
+                          f"got {raw!r}")
+    return value
+
+
+class Cadence:
+    """Which steps get a snapshot: every K-th step, K fixed, or chosen online ("auto").
+
+    Under "auto" each rank times its steps (from one save() call to the next) and keeps the
+    durations of steps that overlapped a snapshot's copy apart from the others. A snapshot
+    costs the difference of their medians; K is the smallest interval whose cost stays at
+    or below ``TARGET`` of the step time. Every ``AGREE_EVERY`` steps the ranks agree on the
+    largest K any of them wants (a one-integer all_reduce), so all snapshot the same steps.
+    Until both kinds of step have been seen, K is ``WARMUP_K``.
+    """
+
+    TARGET = 0.03
+    AGREE_EVERY = 32
+    WARMUP_K = 2
+    MAX_K = 10_000
+    WINDOW = 32
+
+    def __init__(self, every: int | str) -> None:
+        text = str(every).strip().lower()
+        self.auto = text == "auto"
+        if self.auto:
+            self.k = self.WARMUP_K
+        else:
+            try:
+                self.k = int(text)
+            except ValueError:
+                self.k = 0
+            if self.k < 1:
+                raise ConfigError(f"the snapshot interval must be a number of steps >= 1 or "
+                                  f"'auto', got {every!r} (Snapshotter(every=...), "
+                                  f"--snapshot-every, {knobs.SNAPSHOT_EVERY.name})")
+        self._with_copy: deque[float] = deque(maxlen=self.WINDOW)
+        self._plain: deque[float] = deque(maxlen=self.WINDOW)
+        self._last_due = False
+
+    def due(self, step: int) -> bool:
+        return step % self.k == 0
+
+    def mark(self, due: bool) -> None:
+        self._last_due = due
+
+    def observe(self, step_s: float) -> None:
+        """The step that just ended took ``step_s``; it overlapped a copy if the last was due."""
+        (self._with_copy if self._last_due else self._plain).append(step_s)
+
+    def cost(self) -> tuple[float, float] | None:
+        """(seconds a snapshot adds to its step, seconds of a step without one), once known."""
+        if len(self._with_copy) < 3 or len(self._plain) < 3:
+            return None
+        plain = statistics.median(self._plain)
+        return max(0.0, statistics.median(self._with_copy) - plain), plain
+
+    def wanted(self) -> int:
+        """The interval this rank would pick."""
+        known = self.cost()
+        if known is None:
+            return self.k if self.k > 1 else self.WARMUP_K
+        cost, plain = known
+        if plain <= 0:
+            return self.k
+        return max(1, min(self.MAX_K, math.ceil(cost / (self.TARGET * plain))))
+
+    def agree(self, step: int) -> None:
+        import torch.distributed as dist
+
+        want = self.wanted()
+        if dist.is_available() and dist.is_initialized():
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend() == "nccl" else torch.device("cpu"))
+            t = torch.tensor([want], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            want = int(t.item())
+        if want != self.k:
+            log.info("snapshot interval: every %d step(s) from step %d (was %d)", want, step,
+                     self.k)
+        self.k = want

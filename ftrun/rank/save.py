@@ -1,0 +1,332 @@
+"""A rank's save: claim a buffer from the store, copy the state into it while hashing each
+chunk (in the background, overlapping the next forward and backward), mark it staged and
+tell the store. Training never waits for the store: a buffer not granted in time costs
+that snapshot, counted as skipped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ftrun.errors import FtrunError, UnreachableError
+from ftrun.rank.cadence import Cadence
+from ftrun.rank.context import STORE_TIMEOUT_S, RankContext
+from ftrun.rank.rng import refresh_rng_state
+from ftrun.rank.state import TrainingState
+from ftrun.snapshot import segment as shm
+from ftrun.snapshot.manifest import flatten, manifest_blob, tensor_view
+from ftrun.snapshot.verify import ChunkHasher
+
+log = logging.getLogger("ftrun.rank.snapshotter")
+
+CLAIM_TIMEOUT_S = 60.0
+RNG_TIMEOUT_S = 600.0
+CLAIM_ATTEMPT_S = 0.5
+RNG_KEY = "/rng/"
+SKIP_LOG_INTERVAL_S = 30.0
+COPY_GROUP_BYTES = 64 << 20  # GPU: one event per group; its chunks are hashed once it lands
+
+
+class SaveJob:
+    """One save() in flight: the copy thread starts it, or wait() gives it up first."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.future: Future[None] | None = None
+        self.given_up = False
+        self.started = threading.Event()
+        self.settled = threading.Event()  # started, or the copy thread gave up
+        self._counted = False
+        self._lock = threading.Lock()
+
+    def start(self) -> bool:
+        """Copy thread, once its buffer is granted: False if wait() gave the save up."""
+        with self._lock:
+            if not self.given_up:
+                self.started.set()
+            self.settled.set()
+            return not self.given_up
+
+    def give_up(self) -> bool:
+        """Training thread: True if the copy had not started (and now never will)."""
+        with self._lock:
+            self.given_up = not self.started.is_set()
+            return self.given_up
+
+    def count_skip(self) -> bool:
+        """True for the first of the two threads to count this save as skipped."""
+        with self._lock:
+            first, self._counted = not self._counted, True
+            return first
+
+
+def copy_groups(entries: list[Any], limit: int, keep: Callable[[Any], bool]) -> list[list[int]]:
+    """Indices of the kept ``entries``, in order, in groups of about ``limit`` bytes."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, e in enumerate(entries):
+        if not keep(e):
+            continue
+        if groups[-1] and size + e.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += e.nbytes
+    return [g for g in groups if g]
+
+
+class Saver:
+    """Takes one rank's snapshots into its two buffers, one in flight at a time."""
+
+    def __init__(self, ctx: RankContext, state: TrainingState, cadence: Cadence,
+                 async_copy: bool, wait_s: float) -> None:
+        self._ctx = ctx
+        self._state = state
+        self.cadence = cadence
+        self._async = async_copy
+        self._wait_s = wait_s
+        self._rng_due: dict[str, Any] | None = None  # the in-flight snapshot's RNG tensors
+        self._rng_taken = threading.Event()
+        self._copied = threading.Event()
+        self._pending: SaveJob | None = None
+        self._skip_logged = -SKIP_LOG_INTERVAL_S
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-snap")
+        self._copy_stream: Any = None
+        self._registered: set[int] = set()
+        self.skipped_saves = 0
+
+    def take_rng(self) -> None:
+        due, self._rng_due = self._rng_due, None
+        if due is not None:
+            refresh_rng_state(due)
+            self._rng_taken.set()
+
+    def snapshot(self, step: int, extra: Any) -> bool:
+        if not self._ctx.epoch:
+            # restore() was skipped: start counting commits without loading anything. Every
+            # rank reaches its first save together, so this collective lines up.
+            import torch.distributed as dist
+
+            log.warning("save() before restore(): starting fresh (call restore() first to "
+                        "resume after failures)")
+            self._ctx.start_epoch(0, dist.is_available() and dist.is_initialized())
+        self.wait()
+        t0 = time.perf_counter()
+        state = self._state.capture(step, extra)
+        # The RNG states go in as of the next forward pass (or wait()), not of now: that is
+        # where a restored run picks up, whatever the script does in between (see _on_forward).
+        self._rng_due = state["rng"]
+        self._rng_taken.clear()
+        self._copied.clear()
+        flat = flatten(state)
+        ctx = self._ctx
+        blob = manifest_blob(flat, step=step, rank=ctx.rank, world_size=ctx.world_size,
+                             meta={"epoch": ctx.epoch, "time": time.time()})
+        cuda = any(s.is_cuda for s in flat.sources)
+        if cuda and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        if cuda:
+            # The copy must see the values of this moment: order it after the work queued so far.
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
+        # Buffers are sized (and /dev/shm checked) here, in the caller: a job that cannot
+        # hold its snapshots fails at its first save with the fix in the message.
+        self.ensure_segments(max(len(blob) * 2, 1 << 16), len(flat.tensors), flat.data_len)
+        target = 0 if self._ctx.newest is None else 1 - self._ctx.newest[0]
+        need = -1 if self._ctx.newest is None else self._ctx.newest[1]
+        job = SaveJob(step)
+        job.future = self._pool.submit(self.write, job, target, need, flat, blob, cuda)
+        self._pending = job
+        if not self._async:
+            self._copied.wait(timeout=600.0)
+        log.debug("save(%d) returned after %.1f ms", step, (time.perf_counter() - t0) * 1e3)
+        return True
+
+    def wait(self, timeout_s: float = 600.0, claim_wait_s: float | None = None) -> None:
+        """Block until the snapshot in flight is copied; see ``Snapshotter.wait``."""
+        self.take_rng()
+        job, self._pending = self._pending, None
+        if job is None or job.future is None:
+            return
+        # The buffer comes once the previous snapshot is committed: normally within
+        # milliseconds. A store that is gone or stuck costs this snapshot, not the job.
+        job.settled.wait(self._wait_s if claim_wait_s is None else claim_wait_s)
+        if job.give_up():
+            if job.count_skip():
+                self.skipped(job.step, "the store had not released its buffer in time (the "
+                             "previous snapshot was not committed yet)")
+            return
+        try:
+            job.future.result(timeout=timeout_s)
+        except FtrunError as e:
+            log.error("snapshot failed: %s", e)
+
+    def skipped(self, step: int, why: str) -> None:
+        self.skipped_saves += 1
+        now = time.monotonic()
+        if now - self._skip_logged >= SKIP_LOG_INTERVAL_S:
+            self._skip_logged = now
+            log.warning("skipped the snapshot of step %d: %s (%d skipped so far; training does "
+                        "not wait for snapshots)", step, why, self.skipped_saves)
+
+    def claim(self, job: SaveJob, target: int, need: int) -> int | None:
+        """The buffer to write ``job`` into (``target``, or the newest one when its step can
+        never commit), once the store grants it; None: give the snapshot up."""
+        assert self._ctx.chan is not None
+        if need < 0:
+            return target if job.start() else None
+        deadline = time.monotonic() + CLAIM_TIMEOUT_S
+        delay = 0.001
+        while not job.given_up:
+            try:
+                # Short attempts: a store killed and restarted by its launcher answers a
+                # resent claim at once, instead of after one long timeout.
+                reply = self._ctx.chan.request("snap_claim", {
+                    "rank": self._ctx.rank, "buffer": target, "epoch": self._ctx.epoch,
+                    "need_committed": need, "base": self._ctx.epoch_base}, "snap_claim_reply",
+                    CLAIM_ATTEMPT_S,
+                    attempts=int(3 * STORE_TIMEOUT_S / CLAIM_ATTEMPT_S))
+            except UnreachableError as e:
+                log.warning("store unreachable (%s); keeping older snapshot", e)
+                return None
+            self._ctx.committed = max(self._ctx.committed, reply.body["committed"])
+            if reply.body["ok"]:
+                buffer = reply.body.get("buffer", target)
+                if buffer != target:
+                    log.debug("step %d can never commit (a rank skipped it): step %d "
+                              "overwrites it", need, job.step)
+                return buffer if job.start() else None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return None
+
+    def ensure_segments(self, manifest_cap: int, n_tensors: int, data_len: int) -> None:
+        """Create (or grow) both buffers so they can hold a snapshot of this size."""
+        stale = []
+        for buffer, seg in enumerate(self._ctx.segments):
+            if seg is None:
+                stale.append(buffer)
+                continue
+            h = seg.header()
+            if h.manifest_cap < manifest_cap or h.n_tensors != n_tensors \
+                    or h.capacity - h.data_off < data_len \
+                    or h.hash_slots < shm.chunk_count(data_len, h.chunk_size):
+                stale.append(buffer)
+        if not stale:
+            return
+        _, _, capacity = shm.layout_for(manifest_cap, data_len)
+        shm.check_capacity(capacity * len(stale), f"rank {self._ctx.rank}'s snapshot buffers")
+        self.wait()
+        for buffer in stale:
+            if self._ctx.newest is not None and self._ctx.newest[0] == buffer:
+                # Growing the buffer that holds the newest snapshot would lose it: the state
+                # grew (new optimizer state appears after its first step); start afresh.
+                self._ctx.newest = None
+            old = self._ctx.segments[buffer]
+            if old is not None:
+                ptr = torch.frombuffer(old.mm, dtype=torch.uint8).data_ptr()
+                if ptr in self._registered:
+                    torch.cuda.cudart().cudaHostUnregister(ptr)
+                    self._registered.discard(ptr)
+                old.close()
+            name = shm.segment_name(self._ctx.run_id, self._ctx.rank, buffer)
+            self._ctx.segments[buffer] = shm.Segment.create(name, manifest_cap, n_tensors,
+                                                            data_len, self._ctx.owner)
+
+    def write(self, job: SaveJob, target: int, need: int, flat: Any, blob: bytes,
+               cuda: bool) -> None:
+        step = job.step
+        try:
+            claimed = self.claim(job, target, need)
+        finally:
+            job.settled.set()
+        if claimed is None:
+            self._copied.set()
+            if job.count_skip():
+                self.skipped(step, f"the store did not release a buffer (step {need} not "
+                                   "committed, or the store unreachable)")
+            return
+        target = claimed
+        seg = self._ctx.segments[target]
+        assert seg is not None
+        h = seg.set_state(shm.WRITING, step=step, epoch=self._ctx.epoch, data_len=flat.data_len,
+                          hashes_xxh3=0)
+        data = seg.data(h)
+        # Each fixed-size chunk is hashed (on the hashing threads, which run without the GIL)
+        # as soon as every tensor in it is copied, while the copy goes on: the hashes cover
+        # exactly the bytes this rank wrote.
+        hasher = ChunkHasher(data, [(e.offset, e.nbytes) for e in flat.tensors],
+                             h.chunk_size, self._ctx.hasher)
+
+        def copy(i: int, non_blocking: bool = False) -> None:
+            entry = flat.tensors[i]
+            tensor_view(data, entry).copy_(flat.sources[i].reshape(entry.shape),
+                                           non_blocking=non_blocking)
+
+        groups = copy_groups(flat.tensors, COPY_GROUP_BYTES,
+                             lambda e: not e.key.startswith(RNG_KEY))
+        if cuda:
+            # Device-to-host copies in groups on the side stream, into registered (pinned)
+            # pages; each group is hashed once its event says it landed.
+            self.register(seg)
+            events = []
+            with torch.cuda.stream(self._copy_stream):
+                for group in groups:
+                    for i in group:
+                        copy(i, non_blocking=True)
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self._copy_stream)
+            for group, event in zip(groups, events, strict=True):
+                event.synchronize()
+                for i in group:
+                    hasher.copied(i)
+        else:
+            for group in groups:
+                for i in group:
+                    copy(i)
+                    hasher.copied(i)
+        self._copied.set()
+        if not self._rng_taken.wait(timeout=RNG_TIMEOUT_S):
+            self.skipped(step, f"no forward pass and no wait() within {RNG_TIMEOUT_S:.0f} s "
+                               "to take its RNG states")
+            return
+        late = [i for i, e in enumerate(flat.tensors) if e.key.startswith(RNG_KEY)]
+        for i in late:
+            copy(i)
+            hasher.copied(i)
+        hx = seg.write_hashes(hasher.finish())
+        xh = seg.write_manifest(blob)
+        seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh,
+                      hashes_xxh3=hx, staged_at=time.time())
+        self._ctx.newest = (target, step)
+        assert self._ctx.chan is not None
+        self._ctx.chan.send("snap_staged", {
+            "rank": self._ctx.rank, "buffer": target, "step": step, "epoch": self._ctx.epoch,
+            "skipped": self.skipped_saves, "every": self.cadence.k,
+            "base": self._ctx.epoch_base})
+
+    def register(self, seg: shm.Segment) -> None:
+        """Pin the segment's pages for the GPU so device-to-host copies are asynchronous DMA."""
+        view = torch.frombuffer(seg.mm, dtype=torch.uint8)
+        if view.data_ptr() in self._registered:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 0)
+        if int(rc) != 0:
+            log.warning("cudaHostRegister failed (%s); copies will be synchronous", rc)
+            return
+        self._registered.add(view.data_ptr())
+
+    def close(self) -> None:
+        """Stop the copy thread and unpin the buffers' pages (before their mappings go)."""
+        self._pool.shutdown(wait=True)
+        self._ctx.hasher.shutdown(wait=True)
+        for ptr in self._registered:  # unpin before the mappings go away
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()

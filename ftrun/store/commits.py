@@ -1,0 +1,209 @@
+"""The store's mirror of the coordinator's commit state for its snapshot epoch.
+
+The store reports every verified shard to the coordinator and learns, from each
+``commit_info`` reply, the committed step, the dead steps, the newest durable step and the
+persist targets (handed to the persist writer before any claim can see the reply). From that
+mirror it answers the ranks' claims without waiting for anyone. A coordinator that lost the
+epoch (restarted) is taught it again from the shards verified here. Without a coordinator
+this node is the whole job: the coordinator's commit rules (CommitTracker) run in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ftrun.coordinator.commits import FINAL_SETTLE_S, CommitTracker
+from ftrun.errors import FtrunError, UnreachableError
+from ftrun.protocol.transport import Client
+from ftrun.snapshot import segment as shm
+from ftrun.store.api import ClaimAnswer, StoreConfig
+from ftrun.store.catalog import Catalog, rank_of
+from ftrun.store.persist_writer import PersistWriter
+
+log = logging.getLogger("ftrun.store")
+
+COORDINATOR_TIMEOUT_S = 2.0
+# How long ranks skip snapshots to keep the newest durable step while replication is behind.
+DURABLE_KEEP_S = 60.0
+
+
+class CommitMirror:
+    """The commit state of this store's snapshot epoch, as the coordinator (or the local
+    tracker) last told it, and the claims answered from it."""
+
+    def __init__(self, cfg: StoreConfig, coord: Client | None, catalog: Catalog,
+                 persister: PersistWriter) -> None:
+        self.cfg = cfg
+        self._coord = coord
+        self.catalog = catalog
+        self._persist = persister
+        self.epoch = ""
+        self.base = -1  # the step the current epoch resumed from
+        self.committed = -1
+        self.dead: set[int] = set()  # uncommitted steps of the epoch that can never commit
+        self._durable: int | None = None  # newest durable step, while replication runs
+        self._durable_since = 0.0
+        self.source = ""  # where the epoch's ranks restored from
+        self._durable_warned = False
+        self.world_size = 0
+        # Without a coordinator this node is the whole job: the same commit and target rules
+        # run here (nothing to wait for at the end: every rank reports to this store).
+        self._local = CommitTracker(final_settle_s=0.0) if coord is None else None
+        self.replication: Any = None  # ftrun.store.replica.Replication, once started
+
+    def ask(self, kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        if self._local is not None:
+            reply, _ = self._local.handle(kind, body)
+            for t in self._local.new_targets:
+                log.info("persist target: step %d (%s%s)", t.step, t.reason,
+                         ", final" if t.final else "")
+            self._local.new_targets.clear()
+            return reply
+        assert self._coord is not None
+        try:
+            msg = self._coord.request(kind, body, "commit_info", COORDINATOR_TIMEOUT_S)
+        except (UnreachableError, FtrunError) as e:
+            log.warning("coordinator: %s", e)
+            return None
+        return msg.body
+
+    def epoch_body(self, epoch: str, base_step: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"node_id": self.cfg.node_id, "epoch": epoch,
+                                "base_step": base_step, "world_size": self.world_size}
+        if self.source:
+            body["source"] = self.source
+        if self.cfg.persist.dir:
+            # The coordinator schedules targets with these (every store passes the same).
+            body["persist_every"] = self.cfg.persist.every
+            body["persist_interval_s"] = float(self.cfg.persist.interval_s)
+        return body
+
+    def ask_epoch(self, kind: str, body: dict[str, Any], epoch: str) -> dict[str, Any] | None:
+        """``ask`` about the current epoch; a coordinator that lost it (restarted) is taught
+        it again, with every shard verified here, and asked once more."""
+        info = self.ask(kind, body)
+        if info is not None and not info["known"] and epoch == self.epoch:
+            self.reteach()
+            info = self.ask(kind, body)
+        self._note_commit(info, epoch)
+        return info
+
+    def reteach(self) -> None:
+        if not self.world_size:
+            return  # nothing verified here yet: nothing to teach
+        self.ask("snap_epoch", self.epoch_body(self.epoch, max(self.committed, 0)))
+        held = []
+        for name in self.catalog.names():
+            seg = self.catalog.open(name)
+            if seg is None:
+                continue
+            h = seg.header()
+            if h.state == shm.VERIFIED and h.epoch == self.epoch:
+                held.append((h.step, rank_of(name)[0], h.data_len))
+        # Oldest first, as they were verified: a rank's newer shard reported before its older
+        # one would make the older step look passed over (dead).
+        for step, rank, nbytes in sorted(held):
+            self.ask("snap_verified", {"node_id": self.cfg.node_id, "epoch": self.epoch,
+                                       "rank": rank, "step": step, "nbytes": nbytes})
+        if self.replication is not None:
+            self.replication.reteach()  # and the replicas of peers' shards held here
+
+    def _note_commit(self, info: dict[str, Any] | None, epoch: str) -> None:
+        """Take in a commit_info reply: the committed step, then the persist targets.
+
+        Targets are handled here, before the reply can let any claim through: a rank only
+        overwrites a target's buffer after the next step committed, which this very reply
+        may be the first to say.
+        """
+        if not (info and info.get("known") and info["epoch"] == epoch == self.epoch):
+            return
+        if info["committed"] > self.committed and self.replication is not None:
+            self.replication.sender.wake()
+        self.committed = max(self.committed, info["committed"])
+        self._note_durable(info.get("durable"))
+        self.dead = set(info.get("dead") or ())
+        if info.get("final") is not None:
+            self._persist.final = info["final"]
+        self._persist.take_targets(sorted(info.get("targets") or ()), self.base)
+
+    def report_verified(self, epoch: str, rank: int, step: int, nbytes: int) -> None:
+        if not epoch:
+            return
+        self.ask_epoch("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
+                                         "rank": rank, "step": step, "nbytes": nbytes}, epoch)
+
+    def _note_durable(self, durable: int | None) -> None:
+        """Follow the newest durable step (None: no replication running, nothing to keep)."""
+        now = time.monotonic()
+        if durable is None:
+            self._durable = None
+            return
+        if self._durable is None or durable > self._durable:
+            self._durable, self._durable_since = durable, now
+
+    def _durable_kept(self, need: int) -> bool:
+        """Whether a rank whose newest shard is step ``need`` may overwrite its older buffer
+        without losing the newest durable step: yes once ``need`` is durable itself. While
+        replication is behind, the older buffer (the durable step) is kept and the ranks skip
+        snapshots, for at most DURABLE_KEEP_S: a host lost meanwhile still restores from
+        memory. Past that, replication is too slow to wait for: local snapshots go on (a
+        crash restores the newest step; a lost host an older durable one, or the disk)."""
+        if self._durable is None or self._durable >= need or need <= self.base:
+            return True  # (the step an epoch resumed from is kept as it was)
+        behind = time.monotonic() - self._durable_since
+        if behind <= DURABLE_KEEP_S:
+            return False
+        if not self._durable_warned:
+            self._durable_warned = True
+            log.warning("replication is %.0f s behind (durable step %d, committed %d): "
+                        "snapshots no longer wait for it; a lost host restores from an older "
+                        "durable step or from disk. Raise --replica-rate or lower "
+                        "--snapshot-every", behind, self._durable, self.committed)
+        return True
+
+    def claim(self, epoch: str, need: int) -> ClaimAnswer | None:
+        """Whether a rank whose newest shard is step ``need`` may write its next snapshot:
+        "older" (``need`` committed: overwrite the older buffer), "newest" (``need`` is dead:
+        overwrite that shard, the older buffer keeps the last committed step) or None."""
+        for ask in (False, True):
+            if ask:
+                self.ask_epoch("commit_query", {"epoch": epoch}, epoch)
+            if epoch != self.epoch:
+                return None
+            if self.committed >= need and self._durable_kept(need):
+                return ClaimAnswer.OLDER
+            if need in self.dead:
+                return ClaimAnswer.NEWEST
+        return None
+
+    def request_persist(self, reason: str, final: bool = False) -> dict[str, Any] | None:
+        """Ask for a persist target now (every node's store then writes that step)."""
+        if not self.epoch:
+            log.info("persist (%s): no snapshot epoch yet, nothing committed to write", reason)
+            return None
+        body = {"node_id": self.cfg.node_id, "epoch": self.epoch, "reason": reason,
+                "final": final}
+        deadline = time.monotonic() + FINAL_SETTLE_S + 2 * COORDINATOR_TIMEOUT_S
+        while True:
+            info = self.ask_epoch("persist_request", body, self.epoch)
+            if not (info and info.get("settling")) or time.monotonic() > deadline:
+                return info
+            time.sleep(0.1)
+
+    def begin_epoch(self, epoch: str, base: int, restarted: bool) -> None:
+        self.epoch, self.committed, self.base = epoch, base, base
+        self._durable, self._durable_warned = None, False
+        self.dead = set()
+        self._persist.new_epoch(restarted)
+
+    def follow_epoch(self, epoch: str, base: int) -> None:
+        """A rank speaks of an epoch this store never heard begin: the store was restarted
+        after the workers' restore (it guessed its epoch from old segments). The ranks' epoch
+        is the current one; take it, with the step it resumed from, and teach it onwards."""
+        log.info("following the ranks into snapshot epoch %s (resumed from step %d; this store "
+                 "had %s)", epoch, base, self.epoch or "none")
+        self.begin_epoch(epoch, base, restarted=True)
+        self.reteach()
+        self.ask_epoch("commit_query", {"epoch": epoch}, epoch)
