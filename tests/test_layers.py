@@ -172,3 +172,14 @@ def test_no_cycle_inside_a_package(package: str) -> None:
 def test_rank_side_never_imports_the_store(module: str) -> None:
     path = ROOT.parent / (module.replace(".", "/") + ".py")
     assert not [t for _, t in _imports(path) if _unit(t) in ("store", "launcher", "cli")]
+
+
+@pytest.mark.parametrize("package", ["cli", "launcher"])
+def test_only_the_store_and_the_rank_map_segments(package: str) -> None:
+    """The store's catalog names and opens the segments (the rank its own two buffers):
+    ``ftrun inspect`` and the launcher go through ``ftrun.store.catalog``."""
+    modules = _modules()
+    hits = [f"{p.relative_to(ROOT.parent)} imports {t}"
+            for m, p in modules.items() if _unit(m) == package
+            for t in _module_imports(p, modules) if t == "ftrun.snapshot.segment"]
+    assert not hits, "\n".join(hits)

@@ -4,10 +4,11 @@ PATH (an existing directory) is a persist directory (``step_*`` inside), one ``s
 one ``rank_<r>`` directory: steps (complete or partial), the ranks of the chosen step and
 their tensors. RUN_ID is a job running on this host: its stores on this host say which
 segments hold which shards (their catalogs; when none answers, the job's segments are looked
-up by name in /dev/shm), the segments are read (through the store's catalog, read-only), and the coordinator, when it answers, adds
+up by name in /dev/shm), the segments are read (through :class:`ftrun.store.catalog.Catalog`,
+read-only: nothing here names or maps a segment), and the coordinator, when it answers, adds
 what it has committed and, with replicas, what is durable and which nodes hold a verified
-replica of each rank's shard. ``--verify`` re-hashes the chosen step: every tensor on disk, every chunk in
-memory.
+replica of each rank's shard. ``--verify`` re-hashes the chosen step: every tensor on disk,
+every chunk in memory.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
 from :mod:`ftrun.exit_codes`. JSON output goes through ``sys.stdout.write`` only.
