@@ -73,12 +73,12 @@ def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corrup
     Runs on the holding host (FTRUN_SHM_DIR as its store's). Meant for after the origin is
     lost: a live origin's sender would soon replace the replica with a newer step.
     """
-    from ftrun.snapshot import segment as shm
+    from ftrun.store.catalog import Catalog
     from ftrun.store.replica import newest_replica
 
     newest = newest_replica(run_id, origin, rank)
     if newest is None:
-        raise FtrunError(f"this host ({shm.SHM_DIR}) holds no verified replica of {origin}'s "
+        raise FtrunError(f"this host ({Catalog.shm_dir()}) holds no verified replica of {origin}'s "
                          f"shards{'' if rank is None else f' of rank {rank}'} in job {run_id}")
     step, seg = newest
     try:

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from ftrun import exit_codes
 from ftrun.cli import completions
 from ftrun.cli.completions import FILENAMES, REGENERATE, SHELLS, generate
+from ftrun.cli.main import app
 from ftrun.errors import ConfigError
 
 COMPLETIONS_DIR = Path(__file__).resolve().parents[1] / "completions"
@@ -27,7 +28,7 @@ SCRIPTS = {shell: COMPLETIONS_DIR / FILENAMES[shell] for shell in SHELLS}
 
 @pytest.fixture(scope="module")
 def generated() -> dict[str, str]:
-    model = completions.build_model()
+    model = completions.build_model(app)
     return {shell: generate(shell, model) for shell in SHELLS}
 
 
@@ -44,7 +45,7 @@ def test_committed_script_matches_the_cli(shell: str, generated: dict[str, str])
 
 
 def test_generate_is_deterministic(generated: dict[str, str]) -> None:
-    assert generate("bash") == generated["bash"]
+    assert generate("bash", lambda: completions.build_model(app)) == generated["bash"]
 
 
 def _spelling(shell: str, option: str) -> str:
@@ -96,13 +97,11 @@ def test_header_says_generated_and_how_to_install(shell: str) -> None:
 
 def test_unknown_shell_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="'tcsh'") as info:
-        generate("tcsh")
+        generate("tcsh", lambda: pytest.fail("the model is built for an unknown shell"))
     assert all(shell in str(info.value) for shell in SHELLS)
 
 
 def test_completions_command_prints_the_script(generated: dict[str, str]) -> None:
-    from ftrun.cli.main import app
-
     runner = CliRunner()
     result = runner.invoke(app, ["completions", "fish"])
     assert result.exit_code == 0

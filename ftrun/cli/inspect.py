@@ -4,10 +4,11 @@ PATH (an existing directory) is a persist directory (``step_*`` inside), one ``s
 one ``rank_<r>`` directory: steps (complete or partial), the ranks of the chosen step and
 their tensors. RUN_ID is a job running on this host: its stores on this host say which
 segments hold which shards (their catalogs; when none answers, the job's segments are looked
-up by name in /dev/shm), the segments are read, and the coordinator, when it answers, adds
+up by name in /dev/shm), the segments are read (through :class:`ftrun.store.catalog.Catalog`,
+read-only: nothing here names or maps a segment), and the coordinator, when it answers, adds
 what it has committed and, with replicas, what is durable and which nodes hold a verified
-replica of each rank's shard. ``--verify`` re-hashes the chosen step: every tensor on disk, every chunk in
-memory.
+replica of each rank's shard. ``--verify`` re-hashes the chosen step: every tensor on disk,
+every chunk in memory.
 
 Plain functions the typer layer calls; they write to stdout/stderr and return an exit code
 from :mod:`ftrun.exit_codes`. JSON output goes through ``sys.stdout.write`` only.
@@ -17,12 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,26 +41,15 @@ from ftrun import exit_codes, jobs, knobs
 from ftrun.coordinator.client import request
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, JobNotFoundError
 from ftrun.protocol.transport import Client
-from ftrun.snapshot import persist, segment, verify
+from ftrun.snapshot import persist, verify
 from ftrun.snapshot.api import SegmentState
-from ftrun.snapshot.manifest import entries, parse_manifest
-from ftrun.snapshot.segment import (
-    STAGED,
-    VERIFIED,
-    Header,
-    Segment,
-    job_prefix,
-    list_segments,
-    owner_alive,
-)
+from ftrun.snapshot.manifest import entries
+from ftrun.store.catalog import Catalog, Look
 
 INSPECT_VERSION = 1
 COORDINATOR_TIMEOUT_S = 2.0
 STORE_TIMEOUT_S = 2.0
-READ_ATTEMPTS = 3
 WIDE = 200  # columns when stdout is not a terminal: never cut a tensor key
-
-_SEGMENT_RE = re.compile(r"-r(\d+)-b(\d+)$")
 
 
 class _StepNotFound(JobNotFoundError):
@@ -247,57 +235,6 @@ def _persisted(path: Path, *, step: int | None, verify: bool) -> dict[str, Any]:
 # -- live snapshots in /dev/shm ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _SegInfo:
-    path: Path
-    rank: int
-    buffer: int
-    header: Header | None
-    doc: dict[str, Any] | None  # manifest, when staged or verified
-    hashes: list[int] | None  # when verified
-    problem: str | None
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-
-def _segment_contents(seg: Segment, h: Header) -> tuple[dict[str, Any] | None, list[int] | None]:
-    """(manifest, chunk hash table) of a segment as far as its state has them."""
-    if h.state not in (STAGED, VERIFIED):
-        return None, None
-    doc = parse_manifest(seg.manifest_bytes(h))
-    try:
-        entries(doc)
-    except (KeyError, TypeError, ValueError) as e:
-        raise IntegrityError(f"manifest has a malformed tensor table ({e!r})") from e
-    if h.state != VERIFIED:
-        return doc, None
-    return doc, seg.hashes(h)
-
-
-def _read_segment(path: Path, rank: int, buffer: int) -> _SegInfo:
-    """One consistent look at a segment (read again when its rank changes it meanwhile)."""
-    try:
-        seg = Segment.open(path)
-    except (OSError, IntegrityError) as e:
-        return _SegInfo(path, rank, buffer, None, None, None, f"{path}: unreadable ({e})")
-    try:
-        for _ in range(READ_ATTEMPTS):
-            h = seg.header()
-            problem = None
-            try:
-                doc, hashes = _segment_contents(seg, h)
-            except IntegrityError as e:
-                doc, hashes, problem = None, None, f"{path}: {e}"
-            if seg.header() == h:  # unchanged while we read: a consistent view
-                return _SegInfo(path, rank, buffer, h, doc, hashes, problem)
-        return _SegInfo(path, rank, buffer, seg.header(), None, None,
-                        f"{path}: changed on every read (its rank keeps rewriting it); try again")
-    finally:
-        seg.close()
-
-
 def _coordinator(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
     """What the job's coordinator says about snapshots; None when there is no job file."""
     try:
@@ -325,7 +262,7 @@ def _coordinator(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
     return out
 
 
-def _choose_live_step(infos: list[_SegInfo], step: int | None) -> int | None:
+def _choose_live_step(infos: list[Look], step: int | None) -> int | None:
     """``step`` if held; else the newest step verified on every rank (or on any, or staged)."""
     usable = [(i.header.step, i) for i in infos if i.doc is not None and i.header is not None]
     if step is not None:
@@ -348,8 +285,8 @@ def _choose_live_step(infos: list[_SegInfo], step: int | None) -> int | None:
     return max((s for s, _ in usable), default=None)
 
 
-def _stores(run_id: str, state_dir: str | None) -> tuple[list[dict[str, Any]], list[Path] | None]:
-    """Ask the job's stores on this host what they hold: (stores, segment paths), the paths
+def _stores(run_id: str, state_dir: str | None) -> tuple[list[dict[str, Any]], list[str] | None]:
+    """Ask the job's stores on this host what they hold: (stores, segment names), the names
     None when no store answered."""
     found = jobs.store_urls(run_id, state_dir)
     if not found:
@@ -358,7 +295,7 @@ def _stores(run_id: str, state_dir: str | None) -> tuple[list[dict[str, Any]], l
         secret = jobs.load_secret(run_id, state_dir, create=False)
     except FtrunError as e:
         return [dict(s, reachable=False, note=str(e)) for s in found], None
-    stores, paths = [], []
+    stores, names = [], []
     for s in found:
         chan = Client(s["url"], secret, run_id, "inspect", peer="snapshot store")
         try:
@@ -370,33 +307,30 @@ def _stores(run_id: str, state_dir: str | None) -> tuple[list[dict[str, Any]], l
             chan.close()
         records = reply.body["records"]
         stores.append(dict(s, reachable=True, note=None, shards=len(records)))
-        paths += [segment.SHM_DIR / str(r["segment"]) for r in records]
-    return stores, (paths if any(s["reachable"] for s in stores) else None)
+        names += [str(r["segment"]) for r in records]
+    return stores, (names if any(s["reachable"] for s in stores) else None)
 
 
 def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None) -> dict[str, Any]:
     # The stores say which segments are the job's (their catalogs); only when none of them
     # answers (stopped, or killed) are the segments looked up by name.
-    stores, paths = _stores(run_id, state_dir)
-    if paths is None:
-        paths = list_segments(job_prefix(run_id))
+    catalog = Catalog.reader(run_id)
+    stores, names = _stores(run_id, state_dir)
+    if names is None:
+        names = catalog.rank_buffers()
     coordinator = _coordinator(run_id, state_dir)
-    if not paths and coordinator is None:
+    if not names and coordinator is None:
         raise JobNotFoundError(
             f"{run_id!r} is not a directory, and no job with that run id has snapshot segments "
-            f"in {segment.SHM_DIR} on this host or a job file in "
+            f"in {catalog.shm_dir()} on this host or a job file in "
             f"{knobs.state_dir(state_dir) / 'jobs'}; "
             "pass a checkpoint directory, or the run id on a host of the job (--state-dir)"
         )
-    infos = []
-    for path in paths:
-        m = _SEGMENT_RE.search(path.name)
-        if m:
-            infos.append(_read_segment(path, int(m.group(1)), int(m.group(2))))
+    infos = [i for i in map(catalog.look, names) if i is not None]
     problems = [i.problem for i in infos if i.problem]
     chosen = _choose_live_step(infos, step)
 
-    picked: dict[int, _SegInfo] = {}
+    picked: dict[int, Look] = {}
     if chosen is not None:
         for i in infos:
             if i.doc is None or i.header is None or i.header.step != chosen:
@@ -434,12 +368,12 @@ def _live(run_id: str, *, step: int | None, verify: bool, state_dir: str | None)
             "capacity": h.capacity if h else None,
             "tensors": len(i.doc["tensors"]) if i.doc else None,
             "owner_pid": h.owner_pid if h else None,
-            "owner_alive": owner_alive(h) if h else None,
+            "owner_alive": i.owner_alive,
             "staged_at": h.staged_at if h and h.staged_at else None, "problem": i.problem,
         })
     return {
         "version": INSPECT_VERSION, "kind": "live", "run_id": run_id,
-        "host": socket.gethostname(), "shm_dir": str(segment.SHM_DIR), "stores": stores,
+        "host": socket.gethostname(), "shm_dir": str(catalog.shm_dir()), "stores": stores,
         "segments": segments,
         "coordinator": coordinator, "durability": _durability(coordinator), "step": chosen,
         "ranks": ranks, "totals": _totals(ranks), "verify": verified, "problems": problems,
@@ -472,7 +406,7 @@ def _durability(coordinator: dict[str, Any] | None) -> dict[str, Any] | None:
             "durable_lag_s": snaps.get("durable_lag_s"), "shards": shards}
 
 
-def _verify_segment(info: _SegInfo, out: dict[str, Any], advance: Callable[[int], None]) -> None:
+def _verify_segment(info: Look, out: dict[str, Any], advance: Callable[[int], None]) -> None:
     """Re-hash a segment's chunks against its hash table (skipped when not verified yet)."""
     assert info.doc is not None and info.header is not None
     table = entries(info.doc)
@@ -481,39 +415,31 @@ def _verify_segment(info: _SegInfo, out: dict[str, Any], advance: Callable[[int]
                                "reason": f"{info.header.state_name}: no hashes recorded yet"})
         advance(sum(e.nbytes for e in table))
         return
-    mismatches = []
     try:
-        seg = Segment.open(info.path)
+        seg = Catalog.open_private(info.name)
     except (OSError, IntegrityError) as e:
         out["skipped"].append({"rank": info.rank, "segment": info.name,
                                "reason": f"gone or unreadable ({e})"})
         return
     try:
-        h = seg.header()
-        with seg.data(h) as data:
-            got = verify.hash_chunks(data, h.chunk_size, progress=advance)
-        for c, ((lo, hi), expected, actual) in enumerate(zip(
-                verify.chunk_ranges(h.data_len, h.chunk_size), info.hashes, got, strict=True)):
-            if actual != expected:
-                keys = verify.tensors_in(info.doc, lo, hi) or ["(padding)"]
-                mismatches.append({
-                    "rank": info.rank, "key": keys[0], "keys": keys, "chunk": c,
-                    "bytes": [lo, hi], "file": info.name,
-                    "expected": persist.xxh3_hex(expected),
-                    "actual": persist.xxh3_hex(actual),
-                    "reason": f"chunk {c} (bytes {lo}-{hi}) hashes to "
-                              f"{persist.xxh3_hex(actual)}, recorded "
-                              f"{persist.xxh3_hex(expected)}",
-                })
-        out["tensors"] += len(table)
-        out["bytes"] += sum(e.nbytes for e in table)
-        if seg.header() != info.header or h != info.header:
-            out["skipped"].append({"rank": info.rank, "segment": info.name,
-                                   "reason": "rewritten by its rank while verifying; run again"})
-            return
+        bad, unchanged = Catalog.rehash(seg, info, advance)
     finally:
         seg.close()
-    out["mismatches"].extend(mismatches)
+    out["tensors"] += len(table)
+    out["bytes"] += sum(e.nbytes for e in table)
+    if not unchanged:
+        out["skipped"].append({"rank": info.rank, "segment": info.name,
+                               "reason": "rewritten by its rank while verifying; run again"})
+        return
+    for m in bad:
+        keys = verify.tensors_in(info.doc, m.lo, m.hi) or ["(padding)"]
+        out["mismatches"].append({
+            "rank": info.rank, "key": keys[0], "keys": keys, "chunk": m.chunk,
+            "bytes": [m.lo, m.hi], "file": info.name,
+            "expected": persist.xxh3_hex(m.expected), "actual": persist.xxh3_hex(m.actual),
+            "reason": f"chunk {m.chunk} (bytes {m.lo}-{m.hi}) hashes to "
+                      f"{persist.xxh3_hex(m.actual)}, recorded {persist.xxh3_hex(m.expected)}",
+        })
 
 
 # -- human output -----------------------------------------------------------------------------

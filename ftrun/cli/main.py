@@ -151,10 +151,10 @@ def completions_command(
     shell: Annotated[str, typer.Argument(help="bash, zsh or fish.")],
 ) -> None:
     """Print the shell completion script for SHELL."""
-    from ftrun.cli.completions import generate
+    from ftrun.cli.completions import build_model, generate
 
     try:
-        sys.stdout.write(generate(shell))
+        sys.stdout.write(generate(shell, lambda: build_model(app)))
     except errors.FtrunError as e:
         raise typer.Exit(_fail(e)) from None
 

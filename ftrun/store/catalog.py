@@ -10,20 +10,33 @@ A record says whose shard it is (rank, origin node), of which step and epoch, in
 and, once staged, the hashes of its chunks. The segment header in shared memory stays the
 source of truth (a rank writes it without asking); the catalog reads it on every look and
 keeps the mappings open.
+
+A process other than the store (``ftrun inspect`` when no store answers, or to read what the
+stores named) uses the catalog read-only: ``Catalog.reader(run_id)`` lists the job's rank
+buffers on this host without adopting any, takes one consistent look at each (``look``) and
+re-hashes a segment's chunks with the format's one routine (``rehash``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import segment as shm
+from ftrun.snapshot import verify
 from ftrun.snapshot.api import SegmentState
+from ftrun.snapshot.manifest import entries, parse_manifest
 
 log = logging.getLogger("ftrun.store")
+
+LOOK_ATTEMPTS = 3  # reads of a segment its rank keeps rewriting before giving up on a look
+_BUFFER_RE = re.compile(r"-r(\d+)-b(\d+)$")  # a rank's buffer (a replica ends in -s<slot>)
 
 
 @dataclass(frozen=True)
@@ -48,10 +61,64 @@ class Record:
         return out
 
 
+@dataclass(frozen=True)
+class Look:
+    """One consistent read-only look at a rank's buffer: its header and, as far as its state
+    has them, its manifest (staged or verified) and chunk hash table (verified); ``problem``
+    says what could not be read (the header is None when nothing could)."""
+
+    path: Path
+    rank: int
+    buffer: int
+    header: shm.Header | None
+    doc: dict[str, Any] | None
+    hashes: list[int] | None
+    problem: str | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def owner_alive(self) -> bool | None:
+        """Whether the launcher that owns the segment still runs (None: no header)."""
+        return None if self.header is None else shm.owner_alive(self.header)
+
+
+@dataclass(frozen=True)
+class ChunkMismatch:
+    chunk: int
+    lo: int  # byte range [lo, hi) of the data region
+    hi: int
+    expected: int  # xxh3-64 in the segment's hash table
+    actual: int  # xxh3-64 of the bytes now
+
+
 def rank_of(name: str) -> tuple[int, int]:
     """(rank, buffer) from a segment name."""
     r, b = name.rsplit("-", 2)[-2:]
     return int(r[1:]), int(b[1:])
+
+
+def buffer_of(name: str) -> tuple[int, int] | None:
+    """(rank, buffer) when ``name`` is a rank's buffer, None for any other segment (a
+    replica)."""
+    m = _BUFFER_RE.search(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _contents(seg: shm.Segment, h: shm.Header) -> tuple[dict[str, Any] | None, list[int] | None]:
+    """(manifest, chunk hash table) of a segment as far as its state has them."""
+    if h.state not in (shm.STAGED, shm.VERIFIED):
+        return None, None
+    doc = parse_manifest(seg.manifest_bytes(h))
+    try:
+        entries(doc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise IntegrityError(f"manifest has a malformed tensor table ({e!r})") from e
+    if h.state != shm.VERIFIED:
+        return doc, None
+    return doc, seg.hashes(h)
 
 
 class Catalog:
@@ -61,6 +128,18 @@ class Catalog:
         self.owner_pid = owner_pid
         self.prefix = shm.job_prefix(run_id)
         self._open: dict[str, tuple[int, shm.Segment]] = {}  # name -> (inode, mapping)
+
+    @classmethod
+    def reader(cls, run_id: str) -> Catalog:
+        """A catalog for a process other than the store, to use read-only (``rank_buffers``,
+        ``look``, ``rehash``, ``open_private``): it owns nothing and must adopt nothing, so
+        never ask it for ``names`` or ``records``."""
+        return cls(run_id, node_id="", owner_pid=0)
+
+    @staticmethod
+    def shm_dir() -> Path:
+        """The directory that holds the segments (FTRUN_SHM_DIR)."""
+        return shm.SHM_DIR
 
     # -- mappings ---------------------------------------------------------------------------
     def open(self, name: str) -> shm.Segment | None:
@@ -106,6 +185,58 @@ class Catalog:
                 os.unlink(shm.SHM_DIR / name)
             except FileNotFoundError:
                 pass
+
+    # -- read-only looks, for a process other than the store ---------------------------------
+    def rank_buffers(self) -> list[str]:
+        """Every segment of the job's rank buffers on this host, whichever launcher owns it
+        (alive or not), sorted; none is adopted."""
+        return [path.name for path in shm.list_segments(self.prefix)]
+
+    @staticmethod
+    def look(name: str) -> Look | None:
+        """One consistent look at rank buffer ``name`` (read again when its rank changes it
+        meanwhile), on a mapping of its own; None when ``name`` is no rank's buffer."""
+        where = buffer_of(name)
+        if where is None:
+            return None
+        rank, buffer = where
+        path = shm.SHM_DIR / name
+        try:
+            seg = shm.Segment.open(path)
+        except (OSError, IntegrityError) as e:
+            return Look(path, rank, buffer, None, None, None, f"{path}: unreadable ({e})")
+        try:
+            for _ in range(LOOK_ATTEMPTS):
+                h = seg.header()
+                problem = None
+                try:
+                    doc, hashes = _contents(seg, h)
+                except IntegrityError as e:
+                    doc, hashes, problem = None, None, f"{path}: {e}"
+                if seg.header() == h:  # unchanged while we read: a consistent view
+                    return Look(path, rank, buffer, h, doc, hashes, problem)
+            return Look(path, rank, buffer, seg.header(), None, None,
+                        f"{path}: changed on every read (its rank keeps rewriting it); try "
+                        "again")
+        finally:
+            seg.close()
+
+    @staticmethod
+    def rehash(seg: shm.Segment, look: Look,
+               progress: Callable[[int], None] | None = None) -> tuple[list[ChunkMismatch], bool]:
+        """Re-hash every chunk of ``seg`` (opened with ``open_private``) against the hash table
+        of ``look`` with the format's one routine (``verify.hash_chunks``; ``progress`` is told
+        each chunk's size): (the chunks that differ, whether the segment stayed as ``look``
+        saw it throughout)."""
+        assert look.hashes is not None
+        h = seg.header()
+        with seg.data(h) as data:
+            got = verify.hash_chunks(data, h.chunk_size, progress=progress)
+        bad = [ChunkMismatch(c, lo, hi, expected, actual)
+               for c, ((lo, hi), expected, actual) in enumerate(zip(
+                   verify.chunk_ranges(h.data_len, h.chunk_size), look.hashes, got, strict=True))
+               if actual != expected]
+        return bad, seg.header() == look.header and h == look.header
 
     def forget(self, name: str) -> None:
         old = self._open.pop(name, None)

@@ -3,7 +3,9 @@
 ``generate(shell)`` reads the command line's model once, at generation time, and writes it
 into a *static* script: the launcher's flags come from the argparse actions of
 :func:`ftrun.launcher.args.build_parser` (torchrun's parser plus ftrun's group), the
-subcommands and their options from the typer app in :mod:`ftrun.cli.main`. Nothing calls back
+subcommands and their options from the typer app it is given (:mod:`ftrun.cli.main`'s, which
+imports this package, never the reverse: ``__main__`` here is the entry point that joins
+them). Nothing calls back
 into ftrun at TAB time (importing torch alone takes seconds), so completion stays instant; the
 price is that the scripts must be regenerated when the CLI changes, which the test suite checks::
 
@@ -23,8 +25,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,11 +179,11 @@ def subcommands(group: Any) -> tuple[Command, ...]:
     )
 
 
-def build_model() -> Model:
-    """Read the live CLI: torchrun's and ftrun's launcher flags, and the typer subcommands."""
+def build_model(app: Any) -> Model:
+    """Read the live CLI: torchrun's and ftrun's launcher flags, and the subcommands of the
+    typer ``app`` (``ftrun.cli.main.app``)."""
     import typer.main
 
-    from ftrun.cli.main import app
     from ftrun.launcher.args import build_parser
 
     return Model(launcher_options(build_parser()), subcommands(typer.main.get_command(app)))
@@ -699,47 +700,25 @@ end
 _RENDERERS = {"bash": _bash, "zsh": _zsh, "fish": _fish}
 
 
-def generate(shell: str, model: Model | None = None) -> str:
-    """The completion script for ``shell`` (bash, zsh or fish), from the live CLI."""
+def generate(shell: str, model: Model | Callable[[], Model]) -> str:
+    """The completion script for ``shell`` (bash, zsh or fish) from ``model``, or from what
+    ``model()`` builds (``build_model`` imports torch: only for a shell that exists)."""
     render = _RENDERERS.get(shell)
     if render is None:
         raise ConfigError(
             f"unknown shell {shell!r}: completions exist for {', '.join(SHELLS)}"
         )
-    return render(model or build_model())
+    return render(model if isinstance(model, Model) else model())
 
 
-def write(directory: str | Path) -> list[Path]:
-    """Write the three scripts into ``directory``; return their paths."""
+def write(directory: str | Path, app: Any) -> list[Path]:
+    """Write the three scripts for the typer ``app`` into ``directory``; return their paths."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_model()
+    model = build_model(app)
     paths = []
     for shell in SHELLS:
         path = out / FILENAMES[shell]
         path.write_text(generate(shell, model), encoding="utf-8")
         paths.append(path)
     return paths
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m ftrun.cli.completions",
-        description="Print ftrun's completion script for SHELL, or write all of them.",
-    )
-    parser.add_argument("shell", nargs="?", choices=SHELLS, help="print this shell's script")
-    parser.add_argument("--write", metavar="DIR",
-                        help=f"write {', '.join(FILENAMES.values())} into DIR")
-    args = parser.parse_args(argv)
-    if args.write is None and args.shell is None:
-        parser.error("give SHELL or --write DIR")
-    if args.write is not None:
-        for path in write(args.write):
-            print(f"wrote {path}")
-    if args.shell is not None:
-        sys.stdout.write(generate(args.shell))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
