@@ -26,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from ftrun.protocol.messages import Message  # noqa: E402
+from ftrun.protocol.service import Service  # noqa: E402
 from ftrun.protocol.transport import Server  # noqa: E402
 from ftrun.testing import free_port  # noqa: E402
 
@@ -117,24 +117,18 @@ dist.destroy_process_group()
 class _Endpoint:
     def __init__(self) -> None:
         self.count = 0
-        self.server = Server("detect endpoint", SECRET.encode(), JOB,
-                             {"coll_report": self._on}, sender="bench")
-        self.address = self.server.bind_tcp("127.0.0.1")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        self._service = Service(Server("detect endpoint", SECRET.encode(), JOB,
+                                       {"coll_report": self._on}, sender="bench"),
+                                poll_s=0.05, max_messages=1000)
+        self.address = self._service.bind_tcp("127.0.0.1")
+        self._service.start()
 
     def _on(self, msg: Message) -> tuple[str, dict[str, Any]]:
         self.count += 1
         return "ack", {}
 
-    def _loop(self) -> None:
-        self.server.serve_until(self._stop, 0.05, max_messages=1000)
-
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.server.close()
+        self._service.stop(5)
 
 
 def _run(script: Path, ranks: int, steps: int, dim: int, pairs: int, detect: str,

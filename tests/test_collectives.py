@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ftrun.protocol.service import Service
 from ftrun.protocol.transport import Server
 
 SECRET = b"collectives-test-secret"
@@ -51,21 +51,14 @@ class Collector:
 
     def __init__(self) -> None:
         self.reports: list[dict[str, Any]] = []
-        self._server = Server("test collector", SECRET, JOB,
-                              {"coll_report": lambda m: self.reports.append(m.body)},
-                              sender="collector")
-        self.endpoint = self._server.bind_tcp("127.0.0.1")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        self._server.serve_until(self._stop, 0.05, max_messages=1000)
+        self._service = Service(Server("test collector", SECRET, JOB,
+                                       {"coll_report": lambda m: self.reports.append(m.body)},
+                                       sender="collector"), poll_s=0.05, max_messages=1000)
+        self.endpoint = self._service.bind_tcp("127.0.0.1")
+        self._service.start()
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._server.close()
+        self._service.stop(5)
 
 
 @pytest.fixture

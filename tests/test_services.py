@@ -6,8 +6,13 @@ socket. Adding a server is one entry in SERVERS."""
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +22,7 @@ from conftest import wait_for
 from ftrun import protocol
 from ftrun.errors import AuthError, ProtocolError
 from ftrun.protocol.service import Service
-from ftrun.protocol.transport import Client
+from ftrun.protocol.transport import Client, Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,12 +33,14 @@ JOB = "contract"
 @dataclass
 class Running:
     """A server under test: where it listens, its service, a request it takes (kind,
-    body) and how to stop it the way its owner does."""
+    body), how to stop it the way its owner does, and a request of a kind it does not take."""
 
     address: str
     service: Service
     request: tuple[str, dict[str, Any]]
     stop: Callable[[], None]
+    foreign: tuple[str, dict[str, Any]] = ("fault_corrupt", {"rank": 0})
+    job: str = JOB
 
 
 def _coordinator() -> Running:
@@ -68,12 +75,54 @@ def _probe() -> Running:
     return Running(address, p._service, ("probe", {"size": 0}), p.stop)
 
 
-# The servers on the runtime. The store's servers (snapshot store, replica receiver, shard
-# service) join with one line each once they run on it.
+def _snapshot_store() -> Running:
+    from ftrun.store.store import SnapshotStore, StoreConfig
+
+    # Its own job: the store removes its job's segments when it stops.
+    job = f"contract{uuid.uuid4().hex[:8]}"
+    store = SnapshotStore(StoreConfig(run_id=job, url="tcp://127.0.0.1:*", coordinator=None,
+                                      node_id="n/1", owner_pid=os.getpid()), SECRET)
+    thread = threading.Thread(target=store.serve, name="contract-store", daemon=True)
+    thread.start()
+    wait_for(lambda: store._service is not None and store._service.serving, 30,
+             "the store serving")
+    assert store._service is not None and store._service.bound is not None
+
+    def stop() -> None:  # as on SIGTERM
+        store.stop(unlink=True)
+        thread.join(30)
+        assert not thread.is_alive()
+
+    return Running(store._service.bound.removeprefix("tcp://"), store._service,
+                   ("snap_flush", {"rank": 0}), stop, foreign=("probe", {"size": 0}), job=job)
+
+
+def _replica_receiver() -> Running:
+    from ftrun.store.replica import ReplicaReceiver
+
+    r = ReplicaReceiver(JOB, f"n/{uuid.uuid4().hex[:8]}", os.getpid(), SECRET)
+    address = r.start("127.0.0.1")
+    # A chunk of no transfer in progress: refused in its ack (not an error).
+    return Running(address, r._service, ("replica_chunk", {
+        "origin": "n/2", "rank": 0, "step": 1, "chunk": 0}), lambda: r.stop(unlink=True))
+
+
+def _shard_service() -> Running:
+    from ftrun.store.shards import ShardService
+
+    s = ShardService(JOB, "n/1", os.getpid(), SECRET)
+    address = s.start("127.0.0.1")
+    return Running(address, s._service, ("holdings_request", {}), s.stop)
+
+
+# The servers on the runtime.
 SERVERS: dict[str, Callable[[], Running]] = {
     "coordinator": _coordinator,
     "detection service": _detection,
     "probe service": _probe,
+    "snapshot store": _snapshot_store,
+    "replica receiver": _replica_receiver,
+    "shard service": _shard_service,
 }
 
 
@@ -85,7 +134,7 @@ def running(request: pytest.FixtureRequest) -> Iterator[Running]:
 
 
 def _client(r: Running, secret: bytes = SECRET) -> Client:
-    return Client(r.address, secret, JOB, "contract:client", peer=r.service.name)
+    return Client(r.address, secret, r.job, "contract:client", peer=r.service.name)
 
 
 def test_it_answers_a_request_with_a_reply_its_kind_declares(running: Running) -> None:
@@ -111,10 +160,11 @@ def test_a_peer_without_the_secret_is_refused_and_told(running: Running) -> None
 
 
 def test_a_kind_it_does_not_take_is_answered_with_an_error(running: Running) -> None:
+    kind, body = running.foreign
     c = _client(running)
     try:
-        with pytest.raises(ProtocolError, match="does not accept 'fault_corrupt'"):
-            c.request("fault_corrupt", {"rank": 0}, None, 10.0)
+        with pytest.raises(ProtocolError, match=f"does not accept '{kind}'"):
+            c.request(kind, body, None, 10.0)
     finally:
         c.close()
 
@@ -157,3 +207,23 @@ def test_it_stops_within_its_bound_and_releases_its_socket(running: Running) -> 
             sock.close(0)
 
     wait_for(rebinds, 30, f"port {port} free again")
+
+
+def test_a_failing_round_is_logged_and_serving_goes_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The runtime's loop answers requests, logs a round that raises (here: the socket is
+    not bound yet) and goes on, and ends once stopped."""
+    service = Service(Server("looping server", SECRET, JOB, {"probe": lambda m: ("probe_ack", {
+        "size": m.body["size"]})}, sender="server"), poll_s=0.02, max_messages=10)
+    with caplog.at_level(logging.ERROR, logger="ftrun.protocol.service"):
+        service.start()
+        wait_for(lambda: any("looping server loop error" in r.getMessage()
+                             for r in caplog.records), 10, "the failing round's log")
+    url = service.bind(f"ipc://{tmp_path}/loop.sock")
+    client = Client(url, SECRET, JOB, "client")
+    try:
+        assert client.request("probe", {"size": 3}, "probe_ack", 5.0).body["size"] == 3
+    finally:
+        client.close()
+        assert service.stop(5)
+    assert not service.serving

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import free_port, wait_for
+from conftest import free_port
 
 from ftrun import protocol
 from ftrun.coordinator.client import request as coordinator_request
@@ -367,27 +367,3 @@ def test_wrong_secret_at_the_coordinator(tmp_path: Path) -> None:
         assert doc.body["doc"]["run_id"] == JOB
     finally:
         c.stop()
-
-
-def test_serve_until_answers_until_stopped_and_survives_a_failing_round(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The loop every serving thread runs: it answers requests, logs a round that raises
-    (here: the socket is not bound yet) and goes on, and returns once ``stop`` is set."""
-    server = Server("looping server", SECRET, JOB, {"snap_flush": echo}, sender="server")
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve_until, args=(stop, 0.02, 10), daemon=True)
-    with caplog.at_level(logging.ERROR, logger="ftrun.protocol.transport"):
-        thread.start()
-        logged = wait_for(lambda: any("looping server loop error" in r.getMessage()
-                                      for r in caplog.records), 10, "the failing round's log")
-        assert logged
-    url = server.bind(f"ipc://{tmp_path}/loop.sock")
-    client = Client(url, SECRET, JOB, "client")
-    try:
-        assert client.request("snap_flush", {"rank": 3}, "snap_done", 5.0).body["rank"] == 3
-    finally:
-        client.close()
-        stop.set()
-        thread.join(5)
-        server.close()
-    assert not thread.is_alive()

@@ -533,17 +533,6 @@ class Server:
             if count <= limit and nbytes <= cap:
                 kept.append(frame)
         return kept, count, nbytes
-    def serve_until(self, stop: threading.Event, poll_s: float, max_messages: int) -> None:
-        """The loop of a server with a thread of its own: :meth:`serve_once` until ``stop``
-        is set. An error is logged and the loop goes on, after ``poll_s``. (The store's
-        replica receiver and shard service use it until they run on
-        :class:`ftrun.protocol.service.Service`, which replaces it.)"""
-        while not stop.is_set():
-            try:
-                self.serve_once(poll_s, max_messages)
-            except Exception:  # noqa: BLE001 - a serving thread must survive anything
-                log.exception("%s loop error; continuing", self.name)
-                stop.wait(poll_s)
 
     # -- one message -------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The store's handler table: one method per message kind a rank (or a tool) sends it.
 
-Each handler answers from the store's parts (verifier, commit mirror, persist writer,
-catalog) and returns the reply's kind and body; the store's server runs them one at a time
-between the loop's own work.
+Each handler takes the request's typed body (ftrun.protocol.messages) and answers from the
+store's parts (verifier, commit mirror, persist writer, catalog) with the reply's typed body;
+the store's server runs them one at a time between the loop's own work.
 """
 
 from __future__ import annotations
@@ -10,9 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
+
 from ftrun import protocol
 from ftrun.errors import FtrunError, ProtocolError, UnreachableError
-from ftrun.protocol.transport import Client
+from ftrun.protocol import messages as m
+from ftrun.protocol.messages import UNSET, Body, given
+from ftrun.protocol.transport import Client, Reply
 from ftrun.snapshot.api import SegmentState
 from ftrun.store.api import ClaimAnswer, StoreConfig
 from ftrun.store.catalog import Catalog
@@ -22,7 +26,6 @@ from ftrun.store.verifier import Verifier
 
 log = logging.getLogger("ftrun.store")
 
-Reply = tuple[str, dict[str, Any]] | None
 
 
 class StoreHandlers:
@@ -40,12 +43,23 @@ class StoreHandlers:
         self.replication: Any = None  # ftrun.store.replica.Replication, once started
         self.shards: Any = None  # ftrun.store.shards.ShardService, once started
 
-    def handle(self, msg: protocol.Message) -> Reply:
-        """Answer one request from a rank: what the server's handler table runs."""
+    def handle(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
+        """Answer one request as the store's server does, outside it (tests, tools): a plain
+        body is decoded to its kind's typed body first; the answer comes as (kind, plain
+        body)."""
         handler = self.table().get(msg.kind)
         if handler is None:
             raise ProtocolError(f"the store does not accept {msg.kind!r}")
-        return handler(msg)
+        if not isinstance(msg.body, Body):
+            try:
+                body = msgspec.convert(msg.body, protocol.BODIES[msg.kind])
+            except msgspec.ValidationError as e:
+                raise ProtocolError(f"{msg.kind} body: {e}") from e
+            msg = msgspec.structs.replace(msg, body=body)
+        answer = handler(msg)
+        if isinstance(answer, Reply):
+            return answer.kind, dict(answer.body)
+        return None if answer is None else (answer.KIND, m.to_dict(answer))
 
     def table(self) -> dict[str, Any]:
         return {
@@ -59,70 +73,70 @@ class StoreHandlers:
             "stores_request": self._on_stores,
         }
 
-    def _follow_ranks(self, b: dict[str, Any]) -> None:
-        if b["epoch"] != self._commits.epoch and "base" in b:
-            self._commits.follow_epoch(b["epoch"], b["base"])
+    def _follow_ranks(self, b: m.SnapStaged | m.SnapClaim) -> None:
+        if b.epoch != self._commits.epoch and b.base is not UNSET:
+            self._commits.follow_epoch(b.epoch, b.base)
 
-    def _on_staged(self, msg: protocol.Message) -> Reply:
-        b = msg.body
+    def _on_staged(self, msg: protocol.Message) -> m.SnapDone:
+        b: m.SnapStaged = msg.body
         self._follow_ranks(b)
-        if "every" in b:
-            self.cadence[b["rank"]] = (b.get("skipped", 0), b["every"])
-        name = self.catalog.buffer_name(b["rank"], b["buffer"])
-        ok, reason, _ = self._verifier.verify_staged(name, b["step"])
+        if b.every is not UNSET:
+            self.cadence[b.rank] = (given(b.skipped, 0), b.every)
+        name = self.catalog.buffer_name(b.rank, b.buffer)
+        ok, reason, _ = self._verifier.verify_staged(name, b.step)
         if not ok:
-            log.error("rank %d step %d not verified: %s", b["rank"], b["step"], reason)
-        body = {"rank": b["rank"], "buffer": b["buffer"], "step": b["step"], "ok": ok,
-                "committed": self._commits.committed}
-        if reason:
-            body["reason"] = reason[:1000]
-        return "snap_done", body
+            log.error("rank %d step %d not verified: %s", b.rank, b.step, reason)
+        return m.SnapDone(rank=b.rank, buffer=b.buffer, step=b.step, ok=ok,
+                          committed=self._commits.committed,
+                          reason=reason[:1000] if reason else UNSET)
 
-    def _on_claim(self, msg: protocol.Message) -> Reply:
-        b = msg.body
+    def _on_claim(self, msg: protocol.Message) -> m.SnapClaimReply:
+        b: m.SnapClaim = msg.body
         self._follow_ranks(b)
         # Everything staged is verified first: a claim must never race the hashing.
-        self._verifier.verify_rank(b["rank"])
-        if self._persist.pinned_buffer(self.catalog.buffer_name(b["rank"], b["buffer"])):
+        self._verifier.verify_rank(b.rank)
+        if self._persist.pinned_buffer(self.catalog.buffer_name(b.rank, b.buffer)):
             # It holds a persist target still being copied out: not now (the rank skips
             # this snapshot; it never waits).
-            return "snap_claim_reply", {"ok": False, "committed": self._commits.committed}
-        which = self._commits.claim(b["epoch"], b["need_committed"])
-        reply = {"ok": which is not None, "committed": self._commits.committed}
-        if which == ClaimAnswer.NEWEST:
-            reply["buffer"] = 1 - b["buffer"]
-        return "snap_claim_reply", reply
+            return m.SnapClaimReply(ok=False, committed=self._commits.committed)
+        which = self._commits.claim(b.epoch, b.need_committed)
+        return m.SnapClaimReply(ok=which is not None, committed=self._commits.committed,
+                                buffer=1 - b.buffer if which == ClaimAnswer.NEWEST else UNSET)
 
-    def _on_flush(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        self._verifier.verify_rank(b["rank"])
-        return "ack", {"re": msg.id}
+    def _on_flush(self, msg: protocol.Message) -> m.Ack:
+        b: m.SnapFlush = msg.body
+        self._verifier.verify_rank(b.rank)
+        return m.Ack(re=msg.id)
 
-    def _on_restored(self, msg: protocol.Message) -> Reply:
-        b = msg.body
+    def _on_restored(self, msg: protocol.Message) -> m.Ack:
+        b: m.SnapRestored = msg.body
         commits = self._commits
-        if b["epoch"] != commits.epoch:
-            commits.begin_epoch(b["epoch"], b["step"], restarted=False)
-            commits.world_size = b["world_size"]
-            commits.source = b.get("source") or ""
-            commits.ask("snap_epoch", commits.epoch_body(b["epoch"], b["step"]))
-        return "ack", {"re": msg.id}
+        if b.epoch != commits.epoch:
+            commits.begin_epoch(b.epoch, b.step, restarted=False)
+            commits.world_size = b.world_size
+            commits.source = given(b.source, "")
+            commits.ask("snap_epoch", commits.epoch_body(b.epoch, b.step))
+        return m.Ack(re=msg.id)
 
-    def _on_persist(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        self._commits.request_persist(b["reason"])
-        return "ack", {"re": msg.id}
+    def _on_persist(self, msg: protocol.Message) -> m.Ack:
+        b: m.StorePersist = msg.body
+        self._commits.request_persist(b.reason)
+        return m.Ack(re=msg.id)
 
     def _on_catalog(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        records = self.catalog.records(b.get("rank"))
-        if b.get("replicas") and self.replication is not None:
+        b: m.CatalogRequest = msg.body
+        rank = given(b.rank, None)
+        records = self.catalog.records(rank)
+        if given(b.replicas, False) and self.replication is not None:
             records += [r for r in self.replication.receiver.records()
-                        if b.get("rank") is None or r.rank == b["rank"]]
-        return "catalog_reply", {"node_id": self.cfg.node_id, "records": [
-            r.to_json(with_hashes=bool(b.get("hashes"))) for r in records]}
+                        if rank is None or r.rank == rank]
+        with_hashes = given(b.hashes, False)
+        # Plain: the records' states are enum members, which only the encoder turns into
+        # JSON (a typed body takes free-form fields as JSON already).
+        return Reply("catalog_reply", {"node_id": self.cfg.node_id, "records": [
+            r.to_json(with_hashes=with_hashes) for r in records]})
 
-    def _on_stores(self, msg: protocol.Message) -> Reply:
+    def _on_stores(self, msg: protocol.Message) -> m.StoresReply:
         """The job's live stores' shard services, as the coordinator knows them (this store's
         own at least): where a restoring rank looks for shards (ftrun.store.shards)."""
         stores: dict[str, str] = {}
@@ -136,14 +150,14 @@ class StoreHandlers:
                             "this node's shards only", e)
         if self.shards is not None:
             stores[self.cfg.node_id] = self.shards.address
-        return "stores_reply", {"stores": [{"node_id": n, "addr": a}
-                                           for n, a in sorted(stores.items())]}
+        return m.StoresReply(stores=[m.Peer(node_id=n, addr=a)
+                                     for n, a in sorted(stores.items())])
 
-    def _on_fault_corrupt(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        return "fault_reply", self._corrupt(b["rank"])
+    def _on_fault_corrupt(self, msg: protocol.Message) -> m.FaultReply:
+        b: m.FaultCorrupt = msg.body
+        return self._corrupt(b.rank)
 
-    def _corrupt(self, rank: int) -> dict[str, Any]:
+    def _corrupt(self, rank: int) -> m.FaultReply:
         """Fault injection: flip one byte in the middle of ``rank``'s newest verified shard,
         leaving its state and hashes as they are (silent corruption)."""
         shards = [r for r in self.catalog.records(rank) if r.state == SegmentState.VERIFIED]
@@ -158,4 +172,4 @@ class StoreHandlers:
         seg.mm[h.data_off + offset] ^= 0xFF
         log.warning("fault injection: flipped byte %d of rank %d's shard of step %d (%s)",
                     offset, rank, h.step, newest.segment)
-        return {"segment": newest.segment, "step": h.step, "offset": offset}
+        return m.FaultReply(segment=newest.segment, step=h.step, offset=offset)

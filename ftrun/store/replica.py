@@ -61,7 +61,9 @@ from typing import Any
 
 from ftrun import protocol
 from ftrun.errors import ConfigError, FtrunError, IntegrityError, ProtocolError, UnreachableError
-from ftrun.protocol.transport import Client, RateLimiter, Reply, Server
+from ftrun.protocol import messages as m
+from ftrun.protocol.service import Service
+from ftrun.protocol.transport import Client, RateLimiter, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import parse_manifest
@@ -202,13 +204,13 @@ class ReplicaReceiver:
         self._report = report
         self._lock = threading.Lock()
         self._slots: dict[tuple[str, int], list[_Slot]] = {}
-        self._server = Server("replica receiver", secret, run_id, {
+        self._service = Service(Server("replica receiver", secret, run_id, {
             "replica_begin": self._on_begin,
             "replica_chunk": self._on_chunk,
             "replica_end": self._on_end,
-        }, sender=f"replicas:{node_id}", max_frame_bytes=protocol.MAX_FRAME_BYTES)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        }, sender=f"replicas:{node_id}", max_frame_bytes=protocol.MAX_FRAME_BYTES, typed=True),
+            poll_s=SERVE_POLL_S, max_messages=64, setup=self._adopt_and_report,
+            thread_name="ftrun-replica-recv")
         self.address = ""
         self.refused: str | None = None
         self._refusals = RateLimiter(BEHIND_WARN_EVERY_S)
@@ -219,14 +221,13 @@ class ReplicaReceiver:
 
         The thread first adopts the replicas a previous store of this node left (re-hashing
         them takes time; peers' requests queue on the socket meanwhile)."""
-        self.address = self._server.bind_tcp(host)
-        self._thread = threading.Thread(target=self._serve, name="ftrun-replica-recv",
-                                        daemon=True)
-        self._thread.start()
+        self.address = self._service.bind_tcp(host)
+        self._service.start()
         log.info("taking replicas on %s", self.address)
         return self.address
 
-    def _serve(self) -> None:
+    def _adopt_and_report(self) -> None:
+        """The serving thread's first work: adopt, and report what was adopted."""
         try:
             adopted = self.adopt()
         except Exception:  # noqa: BLE001 - without them, peers send again
@@ -235,15 +236,11 @@ class ReplicaReceiver:
         finally:
             self.adopted.set()
         for s in adopted:
-            if self._report is not None and not self._stop.is_set():
+            if self._report is not None and not self._service.stopping:
                 self._report(s.origin, s.epoch, s.rank, s.step)
-        self._server.serve_until(self._stop, SERVE_POLL_S, max_messages=64)
 
     def stop(self, unlink: bool, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self._server.close()
+        self._service.stop(timeout_s)
         with self._lock:
             slots = [s for ss in self._slots.values() for s in ss]
             self._slots.clear()
@@ -290,10 +287,10 @@ class ReplicaReceiver:
         return adopted
 
     def _adopt_one(self, seg: shm.Segment) -> _Slot:
-        m = _REPLICA_RE.search(seg.name)
-        if m is None:
+        found = _REPLICA_RE.search(seg.name)
+        if found is None:
             raise ValueError("not named like a replica segment")
-        rank, number = int(m.group(1)), int(m.group(2))
+        rank, number = int(found.group(1)), int(found.group(2))
         h = seg.header()
         if h.state != shm.VERIFIED:
             raise IntegrityError(f"{h.state_name}, not verified (a transfer was cut)")
@@ -323,11 +320,11 @@ class ReplicaReceiver:
         size = total.f_blocks * total.f_frsize
         own: dict[int, list[int]] = {}
         for path in shm.list_segments(shm.job_prefix(self.run_id)):
-            m = re.search(r"-r(\d+)-b(\d+)$", path.name)
-            if m is None:
+            found = re.search(r"-r(\d+)-b(\d+)$", path.name)
+            if found is None:
                 continue
             try:
-                own.setdefault(int(m.group(1)), []).append(path.stat().st_size)
+                own.setdefault(int(found.group(1)), []).append(path.stat().st_size)
             except OSError:
                 continue
         ranks_reserve = sum(max(sizes) for sizes in own.values() if len(sizes) < 2)
@@ -383,15 +380,15 @@ class ReplicaReceiver:
         order = sorted(range(len(slots)), key=lambda i: (slots[i].verified, slots[i].done_at))
         return None, order[0]
 
-    def _on_begin(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        origin, rank, step, epoch = b["origin"], b["rank"], b["step"], b["epoch"]
+    def _on_begin(self, msg: protocol.Message) -> m.ReplicaReady:
+        b: m.ReplicaBegin = msg.body
+        origin, rank, step, epoch = b.origin, b.rank, b.step, b.epoch
         if len(msg.frames) != 2:
             raise ProtocolError("replica_begin carries the manifest and the chunk hash table "
                                 f"as two frames, got {len(msg.frames)}")
         manifest, table = bytes(msg.frames[0]), msg.frames[1]
         hashes = verify.unpack_hashes(table)
-        data_len, chunk_size = b["data_len"], b["chunk_size"]
+        data_len, chunk_size = b.data_len, b.chunk_size
         if chunk_size <= 0 or chunk_size > protocol.MAX_FRAME_BYTES:
             raise ProtocolError(f"chunk size {chunk_size} is outside 1..{protocol.MAX_FRAME_BYTES}")
         if len(hashes) != shm.chunk_count(data_len, chunk_size):
@@ -401,12 +398,12 @@ class ReplicaReceiver:
         with self._lock:
             have, index = self._slot_for(origin, rank, step, epoch)
             if have is not None:
-                return Reply("replica_ready", {"have": True})
+                return m.ReplicaReady(have=True)
             slots = self._slots.setdefault((origin, rank), [])
             old = slots[index] if index < len(slots) else None
             number = old.number if old is not None else min(
                 set(range(KEEP_STEPS)) - {s.number for s in slots})
-            seg = self._segment(old, origin, rank, number, manifest, b["n_tensors"], data_len,
+            seg = self._segment(old, origin, rank, number, manifest, b.n_tensors, data_len,
                                 chunk_size)
             if seg is None:
                 assert self.refused is not None
@@ -415,13 +412,13 @@ class ReplicaReceiver:
                     log.warning("replica of rank %d step %d from %s refused: %s%s", rank, step,
                                 origin, self.refused,
                                 f" ({suppressed} more refused)" if suppressed else "")
-                return Reply("replica_ready", {"have": False, "refused": self.refused})
+                return m.ReplicaReady(have=False, refused=self.refused)
             if old is not None and seg is not old.seg:
                 old.seg.close()
             write_origin(seg, origin)
             # Torn until every chunk is in and checked.
             seg.set_state(shm.WRITING, step=step, epoch=epoch, data_len=data_len,
-                          n_tensors=b["n_tensors"], manifest_len=0, manifest_xxh3=0,
+                          n_tensors=b.n_tensors, manifest_len=0, manifest_xxh3=0,
                           hashes_xxh3=0, staged_at=0.0)
             xm = seg.write_manifest(manifest)
             seg.set_state(shm.WRITING, manifest_len=len(manifest), manifest_xxh3=xm)
@@ -432,7 +429,7 @@ class ReplicaReceiver:
                 slots[index] = slot
             else:
                 slots.append(slot)
-        return Reply("replica_ready", {"have": False})
+        return m.ReplicaReady(have=False)
 
     def _segment(self, old: _Slot | None, origin: str, rank: int, number: int, manifest: bytes,
                  n_tensors: int, data_len: int, chunk_size: int) -> shm.Segment | None:
@@ -464,21 +461,22 @@ class ReplicaReceiver:
                 return s
         return None
 
-    def _on_chunk(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        origin, rank, step, i = b["origin"], b["rank"], b["step"], b["chunk"]
-        ack: dict[str, Any] = {"rank": rank, "step": step, "chunk": i, "ok": False}
+    def _on_chunk(self, msg: protocol.Message) -> m.ReplicaAck:
+        b: m.ReplicaChunk = msg.body
+        origin, rank, step, i = b.origin, b.rank, b.step, b.chunk
+
+        def refuse(reason: str) -> m.ReplicaAck:
+            return m.ReplicaAck(rank=rank, step=step, chunk=i, ok=False, reason=reason)
+
         with self._lock:
             slot = self._find(origin, rank, step)
             if slot is None:
-                ack["reason"] = (f"no transfer of rank {rank} step {step} from {origin} in "
-                                 "progress here (superseded, or never begun)")
-                return Reply("replica_ack", ack)
+                return refuse(f"no transfer of rank {rank} step {step} from {origin} in "
+                              "progress here (superseded, or never begun)")
             h = slot.seg.header()
             ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
             if len(msg.frames) != 1 or not 0 <= i < len(ranges):
-                ack["reason"] = f"chunk {i} of {len(ranges)}, with {len(msg.frames)} frame(s)"
-                return Reply("replica_ack", ack)
+                return refuse(f"chunk {i} of {len(ranges)}, with {len(msg.frames)} frame(s)")
             lo, hi = ranges[i]
             data = memoryview(msg.frames[0])
             if len(data) != hi - lo or verify.bad_chunks(data, h.chunk_size, [slot.hashes[i]]):
@@ -489,17 +487,15 @@ class ReplicaReceiver:
                 slot.bad[i] = reason
                 slot.good.discard(i)
                 log.error("%s", reason)
-                ack["reason"] = reason
-                return Reply("replica_ack", ack)
+                return refuse(reason)
             slot.seg.mm[h.data_off + lo:h.data_off + hi] = data
             slot.good.add(i)
             slot.bad.pop(i, None)
-        ack["ok"] = True
-        return Reply("replica_ack", ack)
+        return m.ReplicaAck(rank=rank, step=step, chunk=i, ok=True)
 
-    def _on_end(self, msg: protocol.Message) -> Reply:
-        b = msg.body
-        origin, rank, step = b["origin"], b["rank"], b["step"]
+    def _on_end(self, msg: protocol.Message) -> m.ReplicaDone:
+        b: m.ReplicaEnd = msg.body
+        origin, rank, step = b.origin, b.rank, b.step
         with self._lock:
             slot = self._find(origin, rank, step)
             if slot is None:
@@ -520,7 +516,7 @@ class ReplicaReceiver:
                   origin, n)
         if self._report is not None:
             self._report(origin, epoch, rank, step)
-        return Reply("replica_done", {"rank": rank, "step": step, "verified": True})
+        return m.ReplicaDone(rank=rank, step=step, verified=True)
 
 
 # -- sending ------------------------------------------------------------------------------------

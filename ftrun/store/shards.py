@@ -18,12 +18,12 @@ shards. Two halves:
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from typing import Any
 
 from ftrun import protocol
 from ftrun.errors import FtrunError, IntegrityError
+from ftrun.protocol import messages as m
+from ftrun.protocol.service import Service
 from ftrun.protocol.transport import Reply, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
@@ -49,30 +49,22 @@ class ShardService:
         self.catalog = Catalog(run_id, node_id, owner_pid)
         self._replicas = replicas
         self._world: dict[tuple[str, int, str, int], int] = {}  # (segment, step, epoch, manifest hash)
-        self._server = Server("shard service", secret, run_id, {
+        self._service = Service(Server("shard service", secret, run_id, {
             "holdings_request": self._on_holdings,
             "shard_meta_request": self._on_meta,
             "shard_read_request": self._on_read,
-        }, sender=f"shards:{node_id}")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        }, sender=f"shards:{node_id}", typed=True), poll_s=SERVE_POLL_S, max_messages=16,
+            thread_name="ftrun-shards")
         self.address = ""
 
     def start(self, host: str) -> str:
-        self.address = self._server.bind_tcp(host)
-        self._thread = threading.Thread(target=self._serve, name="ftrun-shards", daemon=True)
-        self._thread.start()
+        self.address = self._service.bind_tcp(host)
+        self._service.start()
         log.info("serving this node's shards on %s", self.address)
         return self.address
 
-    def _serve(self) -> None:
-        self._server.serve_until(self._stop, SERVE_POLL_S, max_messages=16)
-
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self._server.close()
+        self._service.stop(timeout_s)
         self.catalog.close()
 
     # -- what is held ---------------------------------------------------------------------
@@ -104,7 +96,7 @@ class ShardService:
                              f"step {step}")
         return seg, h
 
-    def _on_holdings(self, msg: protocol.Message) -> Reply:
+    def _on_holdings(self, msg: protocol.Message) -> m.HoldingsReply:
         out = []
         for rec in self._held().values():
             seg = self.catalog.open(rec.segment)
@@ -120,30 +112,30 @@ class ShardService:
             out.append({"segment": rec.segment, "origin": rec.origin, "rank": rec.rank,
                         "step": rec.step, "epoch": rec.epoch, "world_size": world,
                         "data_len": rec.data_len, "chunk_size": rec.chunk_size})
-        return Reply("holdings_reply", {"node_id": self.node_id, "records": out})
+        return m.HoldingsReply(node_id=self.node_id, records=out)
 
-    def _record(self, b: dict[str, Any]) -> Record:
-        rec = self._held().get(b["segment"])
-        if rec is None or (rec.step, rec.epoch) != (b["step"], b["epoch"]):
-            raise FtrunError(f"this node holds no verified {b['segment']} of step {b['step']}")
+    def _record(self, b: m.ShardMetaRequest | m.ShardReadRequest) -> Record:
+        rec = self._held().get(b.segment)
+        if rec is None or (rec.step, rec.epoch) != (b.step, b.epoch):
+            raise FtrunError(f"this node holds no verified {b.segment} of step {b.step}")
         return rec
 
     def _on_meta(self, msg: protocol.Message) -> Reply:
-        b = msg.body
+        b: m.ShardMetaRequest = msg.body
         rec = self._record(b)
-        seg, h = self._segment(rec, b["step"], b["epoch"])
+        seg, h = self._segment(rec, b.step, b.epoch)
         manifest, hashes = seg.manifest_bytes(h), seg.hashes(h)
         if seg.header() != h:
             raise FtrunError(f"{rec.segment} changed while it was read")
-        return Reply("shard_meta", {"data_len": h.data_len, "chunk_size": h.chunk_size},
+        return Reply("shard_meta", m.ShardMeta(data_len=h.data_len, chunk_size=h.chunk_size),
                      [manifest, verify.pack_hashes(hashes)])
 
     def _on_read(self, msg: protocol.Message) -> Reply:
-        b = msg.body
+        b: m.ShardReadRequest = msg.body
         rec = self._record(b)
-        seg, h = self._segment(rec, b["step"], b["epoch"])
+        seg, h = self._segment(rec, b.step, b.epoch)
         ranges = verify.chunk_ranges(h.data_len, h.chunk_size)
-        first, count = b["first"], b["count"]
+        first, count = b.first, b.count
         if not (first >= 0 and 0 < count <= verify.READ_CHUNKS_MAX and first + count <= len(ranges)):
             raise FtrunError(f"chunks {first}..{first + count - 1} of {len(ranges)} (at most "
                              f"{verify.READ_CHUNKS_MAX} per request)")
@@ -151,4 +143,4 @@ class ShardService:
         frames = [bytes(data[lo:hi]) for lo, hi in ranges[first:first + count]]
         if seg.header() != h:
             raise FtrunError(f"{rec.segment} changed while it was read")
-        return Reply("shard_data", {"first": first, "count": count}, frames)
+        return Reply("shard_data", m.ShardData(first=first, count=count), frames)

@@ -44,6 +44,7 @@ from ftrun.coordinator.client import HINT as COORDINATOR_HINT
 from ftrun.coordinator.commits import FINAL_SETTLE_S
 from ftrun.errors import FtrunError, IntegrityError, UnreachableError
 from ftrun.pdeath import set_parent_death_signal
+from ftrun.protocol.service import Service
 from ftrun.protocol.transport import Client, Server
 from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot import segment as shm
@@ -100,6 +101,8 @@ class SnapshotStore:
         self._unlink_at_exit = False
         self._replication: Any = None  # ftrun.store.replica.Replication, with --replicas > 1
         self._shards: Any = None  # ftrun.store.shards.ShardService
+        self._service: Service | None = None  # the ranks' server, once serve() runs
+        self._last_report = self._last_poll = 0.0  # when the loop last did each
 
     def handle(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         """Answer one request from a rank: what the server's handler table runs."""
@@ -190,11 +193,13 @@ class SnapshotStore:
             self.commits.ask_epoch("commit_query", {"epoch": epoch}, epoch)
 
     def serve(self) -> None:
-        # Ranks' requests, one at a time between the loop's own work; data frames may be
-        # chunk-sized.
-        server = Server("snapshot store", self._secret, self.cfg.run_id, self.handlers.table(),
-                        sender="store", max_frame_bytes=protocol.MAX_FRAME_BYTES)
-        server.bind(self.cfg.url)
+        # Ranks' requests, one at a time between the loop's own work (_tick); data frames
+        # may be chunk-sized.
+        self._service = service = Service(
+            Server("snapshot store", self._secret, self.cfg.run_id, self.handlers.table(),
+                   sender="store", max_frame_bytes=protocol.MAX_FRAME_BYTES, typed=True),
+            poll_s=POLL_MS / 1000, max_messages=1, after=self._tick)
+        service.bind(self.cfg.url)
         if self.cfg.persist.dir:
             # Import the writer's modules now (seconds), not at the first target's write.
             # On a thread of its own: the writer must be free at once to copy a target out
@@ -204,34 +209,32 @@ class SnapshotStore:
         self._start_replication()
         self._start_shards()
         log.info("snapshot store of job %s at %s", self.cfg.run_id, self.cfg.url)
-        last_report = last_poll = 0.0
-        writer = self.persister
         try:
-            while not self._stop.is_set():
-                try:
-                    server.serve_once(POLL_MS / 1000, max_messages=1)
-                    if self._persist_now.is_set():
-                        self._persist_now.clear()
-                        if self.cfg.persist.dir:
-                            self.commits.request_persist("SIGUSR1")
-                        else:
-                            log.info("SIGUSR1: no --persist-dir, nothing to write")
-                    now = time.monotonic()
-                    if now - last_poll >= POLL_TARGETS_S:
-                        last_poll = now
-                        self._poll()
-                    if now - last_report >= REPORT_EVERY_S or (
-                            writer.report_due and writer.writing() is None):
-                        last_report = now
-                        writer.report_due = False
-                        self.report()
-                except Exception:  # noqa: BLE001 - the store must survive anything
-                    log.exception("store loop error; continuing")
-                    time.sleep(POLL_MS / 1000)
+            # Serves until stop(); on its way out it closes the socket: no claim is answered
+            # from here on, so the buffers stay as they are.
+            service.run(self._stop)
         finally:
-            # No claim is answered from here on: the buffers stay as they are.
-            server.close()
             self._shutdown()
+
+    def _tick(self, _read: int) -> None:
+        """The loop's own work after each round: a SIGUSR1's persist, learning targets,
+        reporting to the coordinator."""
+        if self._persist_now.is_set():
+            self._persist_now.clear()
+            if self.cfg.persist.dir:
+                self.commits.request_persist("SIGUSR1")
+            else:
+                log.info("SIGUSR1: no --persist-dir, nothing to write")
+        now = time.monotonic()
+        if now - self._last_poll >= POLL_TARGETS_S:
+            self._last_poll = now
+            self._poll()
+        writer = self.persister
+        if now - self._last_report >= REPORT_EVERY_S or (
+                writer.report_due and writer.writing() is None):
+            self._last_report = now
+            writer.report_due = False
+            self.report()
 
     def _start_replication(self) -> None:
         """Start the replica sender and receiver; the receiver first adopts the replicas a
