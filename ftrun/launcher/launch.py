@@ -417,7 +417,7 @@ class NodeServices:
             try:
                 close()
             except Exception:  # noqa: BLE001 - logged; the other services still close
-                log.exception("closing the node's %s failed", name)
+                log.exception("closing the %s failed; closing the rest", name)
 
     def _on_close(self, name: str, close: Callable[[], None]) -> None:
         self._closers.append((name, close))
@@ -426,7 +426,7 @@ class NodeServices:
 
     def _make_node_dir(self) -> None:
         self.node_dir = _node_dir(self.run_id)
-        self._on_close("directory", lambda: shutil.rmtree(self.node_dir, ignore_errors=True))
+        self._on_close("node directory", lambda: shutil.rmtree(self.node_dir, ignore_errors=True))
         self.store_url = _store_url(self.node_dir)
 
     def _start_coordinator(self) -> None:
