@@ -120,3 +120,22 @@ def test_store_socket_fits_even_with_long_run_ids_and_tmpdirs(tmp_path, monkeypa
     deep = tmp_path / ("d" * 120)
     deep.mkdir()
     assert launch._store_url(deep).startswith("ipc://@ftrun-")
+
+
+def test_node_services_close_in_reverse_and_past_a_failure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    node = launch.NodeServices.__new__(launch.NodeServices)  # no services: only the closing
+    node._closers = []
+    closed: list[str] = []
+
+    def failing() -> None:
+        closed.append("reporter")
+        raise RuntimeError("boom")
+
+    node._on_close("node directory", lambda: closed.append("directory"))
+    node._on_close("node reporter", failing)
+    node._on_close("snapshot store", lambda: closed.append("store"))
+    node.close()
+    node.close()  # idempotent
+    assert closed == ["store", "reporter", "directory"]
+    assert "closing the node reporter failed" in caplog.text and "boom" in caplog.text

@@ -285,7 +285,9 @@ def test_launchers_given_coordinator_detect_a_collective_hang(procs: Procs, stat
     """Launchers given ``--coordinator HOST:PORT`` read nothing from the rendezvous store:
     the coordinator's answer to their hello says where the ranks report their collectives.
     Rank 1 enters a collective nobody else enters; the coordinator names it, its launcher
-    kills it on the coordinator's order, and the job ends as the fault-free run does."""
+    kills it on the coordinator's order, and the job ends as the fault-free run does.
+    The launchers' own ``--on-hang warn`` does not apply (the coordinator's ``restart``
+    does), and each launcher says so."""
     run_id = f"given-{uuid.uuid4().hex[:8]}"
     port = free_port()
     coord = procs.ftrun("coordinator", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
@@ -294,7 +296,7 @@ def test_launchers_given_coordinator_detect_a_collective_hang(procs: Procs, stat
     wait_for(job_file.exists, 60, "the coordinator's job file")
     endpoint = json.loads(job_file.read_text())["endpoint"]
     nodes = two_nodes(procs, run_id, port, "--max-restarts", "2", "--coordinator", endpoint,
-                      "--rdzv-conf", "is_host=0",
+                      "--rdzv-conf", "is_host=0", "--on-hang", "warn",
                       train_args=("--fail-at-step", "3", "--fail-rank", "1",
                                   "--fail-mode", "collective-hang", "--pg-timeout", "900"))
     assert _job_result(procs, nodes, 200) == baseline_hash
@@ -303,6 +305,11 @@ def test_launchers_given_coordinator_detect_a_collective_hang(procs: Procs, stat
     hangs = [e for e in events if e["type"] == "detection" and e["kind"] == "hang"]
     assert hangs and hangs[0]["ranks"] == [1] and hangs[0]["action"] == "restart", hangs
     assert any(e["type"] == "directive_acked" and e.get("action") == "restart" for e in events)
+    for node in nodes:
+        assert procs.output(node).count("--on-hang warn here, restart at the coordinator") == 1
+    mismatches = [e for e in events if e["type"] == "policy_mismatch"]
+    assert len(mismatches) == 2 and all(
+        (e["on_hang"], e["coordinator_on_hang"]) == ("warn", "restart") for e in mismatches)
     coord.send_signal(signal.SIGTERM)
     assert procs.wait(coord, 30) == 0
 

@@ -17,7 +17,8 @@ Order of business on every node:
    The coordinator's endpoint is published in that store, where every launcher finds it.
 3. Tune the c10d rendezvous' dead-node detection (unless ``--rdzv-conf`` sets it), turn off
    torch's shared rendezvous store (restarted ranks read stale gloo addresses through it),
-   and run torch's elastic launch with :class:`FtrunAgent`.
+   and run torch's elastic launch with :class:`FtrunAgent`, inside the node's services
+   (:class:`NodeServices`: started in order before the launch, closed in reverse after it).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -51,6 +53,10 @@ from ftrun.launcher.store_proc import StoreProcess
 from ftrun.pdeath import LAUNCHER_PID_ENV
 from ftrun.sigrelay import SignalRelay
 from ftrun.store.api import StoreConfig
+
+if TYPE_CHECKING:
+    from ftrun.coordinator.client import NodeReporter
+    from ftrun.coordinator.server import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -328,20 +334,313 @@ def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str, endpoint: str) 
     return run_probe
 
 
+class NodeServices:
+    """The services one node launcher runs around torchrun's launch.
+
+    :meth:`start` starts them in this order, and :meth:`close` closes the ones started in the
+    reverse order (a failed start closes those before it, then raises):
+
+    1. this node's private directory (the store's socket and the ranks' progress files);
+    2. the job's coordinator, when this launcher hosts the rendezvous store and no
+       ``--coordinator`` is given: started, its endpoints published in the rendezvous store,
+       the job's files written. Otherwise nothing starts: the endpoints are read from the
+       rendezvous store, or ``--coordinator`` names the coordinator;
+    3. the link-probe service, on the address replicas use;
+    4. the node reporter, when there is a coordinator;
+    5. the snapshot store process, and the file that names its URL;
+    6. forwarding of SIGUSR1 and SIGUSR2 to the agent.
+
+    Each close is bounded by the service's own timeout (the coordinator first serves other
+    nodes' final persists, at most :data:`FINAL_PERSIST_WAIT_S`); one that fails is logged
+    and the rest still close. :meth:`launch` runs torchrun's launch with an
+    :class:`FtrunAgent` on :attr:`ctx` and records the exit code and final state that the
+    reporter's ``job_end`` event and ``bye`` carry.
+    """
+
+    # Set by start(), in order.
+    node_dir: Path
+    store_url: str
+    ctx: AgentContext
+    data_host: str  # replicas, the shard service and link probes listen here
+    probe_addr: str
+    store: StoreProcess
+
+    def __init__(self, args: argparse.Namespace, opts: FtrunOptions,
+                 plan: RendezvousPlan | None) -> None:
+        self.args = args
+        self.opts = opts
+        self.plan = plan
+        self.run_id: str = args.rdzv_id
+        self.host = socket.gethostname()
+        self.node_id = f"{self.host}/{os.getpid()}"
+        self.secret = jobs.load_secret(self.run_id, opts.state_dir)
+        # The coordinator's endpoint: --coordinator, the one this launcher runs, or the one
+        # published in the rendezvous store; None when the job has none.
+        self.endpoint: str | None = opts.coordinator
+        # Where the ranks report their collectives (ftrun.rank.collectives); "" turns that off.
+        # With --coordinator (no rendezvous store to read it from) the coordinator's answer to
+        # this launcher's hello says it.
+        self.detect_endpoint = ""
+        self.coordinator: Coordinator | None = None
+        self.reporter: NodeReporter | None = None
+        self.exitcode = 1
+        self.final = NodeState.FAILED
+        self._store_file: Path | None = None
+        self._closers: list[tuple[str, Callable[[], None]]] = []
+
+    def __enter__(self) -> NodeServices:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def start(self) -> NodeServices:
+        """Start the node's services in order (see the class); on a failure, close the ones
+        already started and re-raise."""
+        try:
+            self._make_node_dir()
+            self._start_coordinator()
+            self._make_context()
+            self._start_prober()
+            self._start_reporter()
+            self._start_store()
+            self._start_forwarding()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Close the services started, in the reverse order. Idempotent."""
+        while self._closers:
+            name, close = self._closers.pop()
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - logged; the other services still close
+                log.exception("closing the %s failed; closing the rest", name)
+
+    def _on_close(self, name: str, close: Callable[[], None]) -> None:
+        self._closers.append((name, close))
+
+    # -- starting ----------------------------------------------------------------------------
+
+    def _make_node_dir(self) -> None:
+        self.node_dir = _node_dir(self.run_id)
+        self._on_close("node directory", lambda: shutil.rmtree(self.node_dir, ignore_errors=True))
+        self.store_url = _store_url(self.node_dir)
+
+    def _start_coordinator(self) -> None:
+        from ftrun.coordinator.server import (
+            Coordinator,
+            lookup_detect_endpoint,
+            lookup_endpoint,
+            publish_endpoint,
+        )
+
+        plan, opts, run_id = self.plan, self.opts, self.run_id
+        if plan is None or self.endpoint is not None:
+            return
+        if not plan.is_host:
+            conf = _parse_conf(self.args.rdzv_conf)
+            timeout_s = float(conf.get("join_timeout", 600))
+            store = _tcp_store(plan.host, plan.port, False, timeout_s)
+            self.endpoint = lookup_endpoint(store, timeout_s)
+            self.detect_endpoint = lookup_detect_endpoint(store)
+            return
+        coordinator = Coordinator(
+            run_id, self.secret,
+            advertise_host=plan.host if plan.host != "localhost" else "127.0.0.1",
+            node_timeout_s=opts.node_timeout_s,
+            events_file=jobs.events_path(run_id, opts.state_dir),
+            detection=_detection_config(opts),
+        )
+        coordinator.start()
+        self.coordinator = coordinator
+        self._on_close("coordinator", self._stop_coordinator)
+        self.endpoint = coordinator.endpoint
+        self.detect_endpoint = coordinator.detect_endpoint or ""
+        if plan.store is None:
+            plan.store = _tcp_store(plan.host, plan.port, True, 60)
+        publish_endpoint(plan.store, self.endpoint, self.detect_endpoint)
+        if knobs.SECRET.get():
+            # For `ftrun status` from any shell that sees the state directory (a requeued
+            # job's new secret replaces the old one).
+            jobs.write_secret(run_id, self.secret, opts.state_dir)
+        jobs.write_job_file(
+            jobs.JobFile(run_id=run_id, endpoint=self.endpoint, host=self.host, pid=os.getpid(),
+                         started_at=time.time(), rdzv_endpoint=f"{plan.host}:{plan.port}"),
+            opts.state_dir,
+        )
+        log.info("coordinator of job %s at %s", run_id, self.endpoint)
+
+    def _make_context(self) -> None:
+        opts = self.opts
+        ctx = AgentContext(node_id=self.node_id, host=self.host, node_dir=self.node_dir,
+                           hang_timeout_s=opts.hang_timeout_s)
+        ctx.worker_env = {
+            knobs.STORE.name: self.store_url,
+            knobs.SECRET.name: self.secret.decode(),
+            knobs.PERSIST_DIR.name: opts.persist.dir or "",
+            knobs.START_FRESH.name: "1" if opts.start_fresh else "0",
+            knobs.SNAPSHOT_EVERY.name: opts.snapshot_every,
+            knobs.SNAPSHOT_WAIT.name: str(opts.snapshot_wait_s),
+            knobs.RUN_ID.name: self.run_id,
+            knobs.JOB_DIR.name: str(jobs.job_dir(self.run_id, opts.state_dir)),
+            knobs.NODE_ID.name: self.node_id,
+            knobs.COORDINATOR.name: self.endpoint or "",
+            knobs.DETECT.name: self.detect_endpoint,
+            LAUNCHER_PID_ENV: str(os.getpid()),
+        }
+        # NCCL's per-collective durations, for the ranks' collective monitor (the user's
+        # choice wins: worker_env overrides the launcher's environment, which the ranks
+        # inherit).
+        if "TORCH_NCCL_ENABLE_TIMING" not in os.environ:
+            ctx.worker_env["TORCH_NCCL_ENABLE_TIMING"] = "1"
+        # Restarted ranks must not bootstrap through the previous round's shared store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        self.ctx = ctx
+
+    def _start_prober(self) -> None:
+        # Replicas, the shard service (restores read other nodes' shards through it) and link
+        # probes all use the same interface.
+        self.data_host = self.opts.replica_addr or _replica_host(self.plan)
+        prober = ProbeService(self.run_id, self.node_id, self.secret)
+        try:
+            self.probe_addr = prober.start(self.data_host)
+        except zmq.ZMQError as e:
+            raise ConfigError(f"cannot listen for link probes on {self.data_host} ({e}); pass "
+                              "--replica-addr with an address of this machine") from e
+        self._on_close("link-probe service", prober.stop)
+
+    def _start_reporter(self) -> None:
+        from ftrun.coordinator.client import NodeReporter
+
+        if not self.endpoint:
+            return
+        ctx, endpoint = self.ctx, self.endpoint
+        reporter = NodeReporter(endpoint, self.secret, self.run_id, self.node_id, self.host,
+                                self._node_state, interval_s=self.opts.heartbeat_interval_s,
+                                on_directive=ctx.on_directive, on_hello=self._hello_answered)
+        self.reporter = reporter
+        reporter.start()
+        self._on_close("node reporter", self._stop_reporter)
+        ctx.sink = reporter
+        ctx.run_probe = _probe_runner(ctx, self.secret, self.run_id, endpoint)
+        if self.opts.coordinator is not None and not reporter.wait_hello(HELLO_WAIT_S):
+            log.warning("the coordinator at %s did not answer within %.0f s; this node's ranks "
+                        "report their collectives only from their first start after it does",
+                        endpoint, HELLO_WAIT_S)
+
+    def _node_state(self) -> dict[str, Any]:
+        """The reporter's heartbeat fields (called from its thread)."""
+        agent = self.ctx.agent
+        base = {"state": NodeState.INIT, "group_rank": None, "group_world_size": None,
+                "restarts": 0, "max_restarts": self.args.max_restarts, "workers": [],
+                "last_error": None}
+        fields = agent.node_state() if agent is not None else base
+        return {**fields, "probe_addr": self.probe_addr}
+
+    def _hello_answered(self, body: dict[str, Any]) -> None:
+        """The coordinator's answer to hello (the reporter calls this once, from its thread)."""
+        from ftrun.coordinator.client import policy_mismatch
+
+        opts = self.opts
+        mismatch = policy_mismatch(body, opts.on_hang, opts.on_slow)
+        if mismatch is not None:
+            log.warning("%s", mismatch)
+            if self.reporter is not None:
+                self.reporter.event("policy_mismatch", on_hang=opts.on_hang,
+                                    on_slow=opts.on_slow,
+                                    coordinator_on_hang=body.get("on_hang"),
+                                    coordinator_on_slow=body.get("on_slow"))
+        worker_env = self.ctx.worker_env
+        if not worker_env.get(knobs.DETECT.name) and body.get("detect"):
+            protocol.split_endpoint(body["detect"])  # validate
+            # Ranks started from now on report their collectives there.
+            worker_env[knobs.DETECT.name] = body["detect"]
+
+    def _start_store(self) -> None:
+        ctx, opts = self.ctx, self.opts
+        store = StoreProcess(
+            StoreConfig(run_id=self.run_id, url=self.store_url, coordinator=self.endpoint,
+                        node_id=self.node_id, owner_pid=os.getpid(), persist=opts.persist,
+                        threads=opts.store_threads, replicas=opts.replicas,
+                        replica_host=self.data_host,
+                        replica_rate_mb_s=opts.replica_rate_mb_s),
+            env={knobs.SECRET.name: self.secret.decode()},
+        )
+        self.store = ctx.store = store
+        store.start()
+        self._on_close("snapshot store", self._stop_store)
+        ctx.sink.event("store_started", pid=store.pid, url=self.store_url)
+        self._store_file = jobs.write_store_url(self.run_id, self.node_id, self.store_url,
+                                                opts.state_dir)
+
+    def _start_forwarding(self) -> None:
+        forwarding = _install_signal_forwarding(self.ctx)
+        self._on_close("signal forwarding", forwarding.close)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def launch(self) -> int:
+        """Run torchrun's launch on this node; returns the launcher's exit code."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+        ctx = self.ctx
+        try:
+            # torch's launch_agent builds an FtrunAgent where it builds a LocalElasticAgent.
+            _torch.run_torchrun(self.args, lambda **kwargs: FtrunAgent(ctx=ctx, **kwargs))
+            self.exitcode, self.final = 0, NodeState.SUCCEEDED
+        except ChildFailedError as e:
+            log.error("%s", e.format_msg())
+        except HostIsolated as e:
+            # torch's agent killed the workers and left the rendezvous open (see HostIsolated).
+            log.error("this host (%s) was isolated by the job's coordinator: %s. The launcher "
+                      "exits with code %d; the other nodes go on without it%s", self.host,
+                      e.reason, exit_codes.ISOLATED,
+                      " (but this launcher runs the job's rendezvous store and coordinator, so "
+                      "the job ends with it; run `ftrun coordinator` on a host of its own to "
+                      "keep a job going when a host is isolated)"
+                      if self.coordinator is not None else "")
+            self.exitcode, self.final = exit_codes.ISOLATED, NodeState.ISOLATED
+        except SignalException as e:
+            # torch's agent already stopped the workers with the same signal.
+            log.warning("stopped by %s", signal.Signals(e.sigval).name)
+            self.exitcode, self.final = 128 + int(e.sigval), NodeState.STOPPED
+        except RendezvousError as e:
+            log.error("rendezvous failed: %s: %s", type(e).__name__, e)
+        return self.exitcode
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def _stop_store(self) -> None:
+        self.store.stop()
+        if self._store_file is not None:
+            self._store_file.unlink(missing_ok=True)
+
+    def _stop_reporter(self) -> None:
+        reporter = self.reporter
+        assert reporter is not None
+        reporter.event("job_end", exitcode=self.exitcode, state=self.final)
+        reporter.stop(self.final, self.exitcode)
+
+    def _stop_coordinator(self) -> None:
+        coordinator = self.coordinator
+        assert coordinator is not None
+        # Other nodes' stores ask the coordinator which step to write as they stop (SIGTERM
+        # reaches every node at about the same time): serve them first.
+        waiting = coordinator.wait_final_persists(FINAL_PERSIST_WAIT_S, FINAL_START_GRACE_S,
+                                                  exclude=self.node_id)
+        if waiting:
+            log.warning("stopping the coordinator while node(s) %s still persist",
+                        ", ".join(waiting))
+        coordinator.stop()
+
+
 def run(argv: list[str]) -> int:
     """Launch one node of a job. Returns the process exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-
-    from ftrun.coordinator.client import NodeReporter
-    from ftrun.coordinator.server import (
-        Coordinator,
-        lookup_detect_endpoint,
-        lookup_endpoint,
-        publish_endpoint,
-    )
-
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on bad flags, exactly as torchrun
     opts = ftrun_options(args)
@@ -350,159 +649,5 @@ def run(argv: list[str]) -> int:
     check_script(args)
     plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None,
                            node0_hosts=node0_hosts)
-    run_id = args.rdzv_id
-    host = socket.gethostname()
-    node_id = f"{host}/{os.getpid()}"
-    secret = jobs.load_secret(run_id, opts.state_dir)
-
-    coordinator = None
-    endpoint = opts.coordinator
-    # Where the ranks report their collectives (ftrun.rank.collectives); "" turns that off.
-    # With --coordinator (no rendezvous store to read it from) the coordinator's answer to
-    # this launcher's hello says it.
-    detect_endpoint = ""
-    if plan is not None and plan.is_host and endpoint is None:
-        coordinator = Coordinator(
-            run_id, secret, advertise_host=plan.host if plan.host != "localhost" else "127.0.0.1",
-            node_timeout_s=opts.node_timeout_s,
-            events_file=jobs.events_path(run_id, opts.state_dir),
-            detection=_detection_config(opts),
-        )
-        coordinator.start()
-        endpoint = coordinator.endpoint
-        detect_endpoint = coordinator.detect_endpoint or ""
-        if plan.store is None:
-            plan.store = _tcp_store(plan.host, plan.port, True, 60)
-        publish_endpoint(plan.store, endpoint, detect_endpoint)
-        if knobs.SECRET.get():
-            # For `ftrun status` from any shell that sees the state directory (a requeued
-            # job's new secret replaces the old one).
-            jobs.write_secret(run_id, secret, opts.state_dir)
-        jobs.write_job_file(
-            jobs.JobFile(run_id=run_id, endpoint=endpoint, host=host, pid=os.getpid(),
-                         started_at=time.time(), rdzv_endpoint=f"{plan.host}:{plan.port}"),
-            opts.state_dir,
-        )
-        log.info("coordinator of job %s at %s", run_id, endpoint)
-    elif plan is not None and endpoint is None:
-        conf = _parse_conf(args.rdzv_conf)
-        timeout_s = float(conf.get("join_timeout", 600))
-        store = _tcp_store(plan.host, plan.port, False, timeout_s)
-        endpoint = lookup_endpoint(store, timeout_s)
-        detect_endpoint = lookup_detect_endpoint(store)
-
-    node_dir = _node_dir(run_id)
-    ctx = AgentContext(node_id=node_id, host=host, node_dir=node_dir,
-                       hang_timeout_s=opts.hang_timeout_s)
-    store_url = _store_url(node_dir)
-    ctx.worker_env = {
-        knobs.STORE.name: store_url,
-        knobs.SECRET.name: secret.decode(),
-        knobs.PERSIST_DIR.name: opts.persist.dir or "",
-        knobs.START_FRESH.name: "1" if opts.start_fresh else "0",
-        knobs.SNAPSHOT_EVERY.name: opts.snapshot_every,
-        knobs.SNAPSHOT_WAIT.name: str(opts.snapshot_wait_s),
-        knobs.RUN_ID.name: run_id,
-        knobs.JOB_DIR.name: str(jobs.job_dir(run_id, opts.state_dir)),
-        knobs.NODE_ID.name: node_id,
-        knobs.COORDINATOR.name: endpoint or "",
-        knobs.DETECT.name: detect_endpoint,
-        LAUNCHER_PID_ENV: str(os.getpid()),
-    }
-    # NCCL's per-collective durations, for the ranks' collective monitor (the user's choice
-    # wins: worker_env overrides the launcher's environment, which the ranks inherit).
-    if "TORCH_NCCL_ENABLE_TIMING" not in os.environ:
-        ctx.worker_env["TORCH_NCCL_ENABLE_TIMING"] = "1"
-    # Restarted ranks must not bootstrap through the previous round's shared store.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-
-    # Replicas, the shard service (restores read other nodes' shards through it) and link
-    # probes all use the same interface.
-    data_host = opts.replica_addr or _replica_host(plan)
-    prober = ProbeService(run_id, node_id, secret)
-    try:
-        probe_addr = prober.start(data_host)
-    except zmq.ZMQError as e:
-        raise ConfigError(f"cannot listen for link probes on {data_host} ({e}); pass "
-                          "--replica-addr with an address of this machine") from e
-
-    reporter = None
-    if endpoint:
-        def state() -> dict[str, Any]:
-            base = {"state": NodeState.INIT, "group_rank": None, "group_world_size": None,
-                    "restarts": 0, "max_restarts": args.max_restarts, "workers": [],
-                    "last_error": None}
-            fields = ctx.agent.node_state() if ctx.agent is not None else base
-            return {**fields, "probe_addr": probe_addr}
-
-        def hello_answered(body: dict[str, Any]) -> None:
-            if not ctx.worker_env.get(knobs.DETECT.name) and body.get("detect"):
-                protocol.split_endpoint(body["detect"])  # validate
-                # Ranks started from now on report their collectives there.
-                ctx.worker_env[knobs.DETECT.name] = body["detect"]
-
-        reporter = NodeReporter(endpoint, secret, run_id, node_id, host, state,
-                                interval_s=opts.heartbeat_interval_s,
-                                on_directive=ctx.on_directive, on_hello=hello_answered)
-        reporter.start()
-        ctx.sink = reporter
-        ctx.run_probe = _probe_runner(ctx, secret, run_id, endpoint)
-        if opts.coordinator is not None and not reporter.wait_hello(HELLO_WAIT_S):
-            log.warning("the coordinator at %s did not answer within %.0f s; this node's ranks "
-                        "report their collectives only from their first start after it does",
-                        endpoint, HELLO_WAIT_S)
-    ctx.store = StoreProcess(
-        StoreConfig(run_id=run_id, url=store_url, coordinator=endpoint, node_id=node_id,
-                    owner_pid=os.getpid(), persist=opts.persist,
-                    threads=opts.store_threads, replicas=opts.replicas,
-                    replica_host=data_host,
-                    replica_rate_mb_s=opts.replica_rate_mb_s),
-        env={knobs.SECRET.name: secret.decode()},
-    )
-    ctx.store.start()
-    ctx.sink.event("store_started", pid=ctx.store.pid, url=store_url)
-    store_file = jobs.write_store_url(run_id, node_id, store_url, opts.state_dir)
-    forwarding = _install_signal_forwarding(ctx)
-
-    exitcode = 1
-    final = NodeState.FAILED
-    try:
-        # torch's launch_agent builds an FtrunAgent where it builds a LocalElasticAgent.
-        _torch.run_torchrun(args, lambda **kwargs: FtrunAgent(ctx=ctx, **kwargs))
-        exitcode, final = 0, NodeState.SUCCEEDED
-    except ChildFailedError as e:
-        log.error("%s", e.format_msg())
-    except HostIsolated as e:
-        # torch's agent killed the workers and left the rendezvous open (see HostIsolated).
-        log.error("this host (%s) was isolated by the job's coordinator: %s. The launcher "
-                  "exits with code %d; the other nodes go on without it%s", host, e.reason,
-                  exit_codes.ISOLATED,
-                  " (but this launcher runs the job's rendezvous store and coordinator, so the "
-                  "job ends with it; run `ftrun coordinator` on a host of its own to keep a job "
-                  "going when a host is isolated)" if coordinator is not None else "")
-        exitcode, final = exit_codes.ISOLATED, NodeState.ISOLATED
-    except SignalException as e:
-        # torch's agent already stopped the workers with the same signal.
-        log.warning("stopped by %s", signal.Signals(e.sigval).name)
-        exitcode, final = 128 + int(e.sigval), NodeState.STOPPED
-    except RendezvousError as e:
-        log.error("rendezvous failed: %s: %s", type(e).__name__, e)
-    finally:
-        forwarding.close()
-        ctx.store.stop()
-        prober.stop()
-        store_file.unlink(missing_ok=True)
-        if reporter is not None:
-            reporter.event("job_end", exitcode=exitcode, state=final)
-            reporter.stop(final, exitcode)
-        if coordinator is not None:
-            # Other nodes' stores ask the coordinator which step to write as they stop
-            # (SIGTERM reaches every node at about the same time): serve them first.
-            waiting = coordinator.wait_final_persists(FINAL_PERSIST_WAIT_S, FINAL_START_GRACE_S,
-                                                      exclude=node_id)
-            if waiting:
-                log.warning("stopping the coordinator while node(s) %s still persist",
-                            ", ".join(waiting))
-            coordinator.stop()
-        shutil.rmtree(node_dir, ignore_errors=True)
-    return exitcode
+    with NodeServices(args, opts, plan) as node:
+        return node.launch()
