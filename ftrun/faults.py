@@ -73,8 +73,7 @@ def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corrup
     Runs on the holding host (FTRUN_SHM_DIR as its store's). Meant for after the origin is
     lost: a live origin's sender would soon replace the replica with a newer step.
     """
-    from ftrun.store.catalog import Catalog
-    from ftrun.store.replica import newest_replica
+    from ftrun.store.catalog import Catalog, newest_replica
 
     newest = newest_replica(run_id, origin, rank)
     if newest is None:

@@ -21,6 +21,7 @@ from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.verify import pack_hashes
+from ftrun.store.catalog import replica_prefix
 from ftrun.store.replica import (
     Abandoned,
     Peer,
@@ -28,7 +29,6 @@ from ftrun.store.replica import (
     ReplicaReceiver,
     ReplicaSender,
     _Pacer,
-    replica_prefix,
 )
 
 SECRET = b"r" * 32

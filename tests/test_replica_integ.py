@@ -16,7 +16,7 @@ from conftest import ROOT, TRAIN, Procs, free_port, read_events, wait_for
 from ftrun import jobs
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
-from ftrun.store.replica import replica_prefix
+from ftrun.store.catalog import replica_prefix
 
 pytestmark = [pytest.mark.integration]
 

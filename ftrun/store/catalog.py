@@ -19,6 +19,7 @@ re-hashes a segment's chunks with the format's one routine (``rehash``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -37,6 +38,54 @@ log = logging.getLogger("ftrun.store")
 
 LOOK_ATTEMPTS = 3  # reads of a segment its rank keeps rewriting before giving up on a look
 _BUFFER_RE = re.compile(r"-r(\d+)-b(\d+)$")  # a rank's buffer (a replica ends in -s<slot>)
+
+
+
+# -- replica segments' names (the store's replica sender and receiver, and fault injection,
+# name and find replicas only through these) ----------------------------------------------
+
+
+def replica_prefix(run_id: str) -> str:
+    """Every replica segment of the job on this host starts with this."""
+    return shm.job_prefix(run_id)[:-1] + ".rep-"
+
+
+def _node_tag(node_id: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9]", "", node_id)[-8:]
+    return safe + hashlib.sha1(node_id.encode()).hexdigest()[:8]
+
+
+def replica_name(run_id: str, holder: str, origin: str, rank: int, slot: int) -> str:
+    return f"{replica_prefix(run_id)}{_node_tag(holder)}-{_node_tag(origin)}-r{rank}-s{slot}"
+
+
+def holder_prefix(run_id: str, holder: str) -> str:
+    return f"{replica_prefix(run_id)}{_node_tag(holder)}-"
+
+
+def newest_replica(run_id: str, origin: str,
+                   rank: int | None = None) -> tuple[int, shm.Segment] | None:
+    """(step, opened segment) of the newest verified replica this host holds of ``origin``'s
+    shards (of ``rank`` if given), or None; the caller closes the segment."""
+    # Replica names: holder_prefix(holder) + origin's tag + "-r{rank}-s{slot}".
+    origin_tag = replica_name(run_id, "-", origin, 0, 0)[len(holder_prefix(run_id, "-")):]
+    origin_part = "-" + origin_tag.removesuffix("-r0-s0") + "-r"
+    newest: tuple[int, shm.Segment] | None = None
+    for path in shm.list_segments(replica_prefix(run_id)):
+        if origin_part not in path.name or (rank is not None and f"-r{rank}-s" not in path.name):
+            continue
+        try:
+            seg = shm.Segment.open(path)
+            h = seg.header()
+        except (OSError, IntegrityError, ValueError):
+            continue
+        if h.state == shm.VERIFIED and (newest is None or h.step > newest[0]):
+            if newest is not None:
+                newest[1].close()
+            newest = (h.step, seg)
+        else:
+            seg.close()
+    return newest
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,6 @@ and reported to the coordinator again; torn or damaged ones are removed (peers s
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -67,7 +66,11 @@ from ftrun.protocol.transport import Client, RateLimiter, Server
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import parse_manifest
-from ftrun.store.catalog import Record
+from ftrun.store.catalog import (  # replica naming lives with the catalog
+    Record,
+    holder_prefix,
+    replica_name,
+)
 
 log = logging.getLogger("ftrun.store.replica")
 
@@ -88,50 +91,7 @@ RETRY_S = 1.0  # a step whose transfer to a peer failed is sent again after this
 ORIGIN_MAGIC = b"FTRUNOR1"
 ORIGIN_SLOT = 1024  # bytes kept at the end of the manifest slot for it
 SHM_SPARE_FRACTION = 16  # 1/16 of the tmpfs stays free for other users of it
-_REPLICA_RE = re.compile(r"-r(\d+)-s(\d+)$")
-
-
-def replica_prefix(run_id: str) -> str:
-    """Every replica segment of the job on this host starts with this."""
-    return shm.job_prefix(run_id)[:-1] + ".rep-"
-
-
-def _node_tag(node_id: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9]", "", node_id)[-8:]
-    return safe + hashlib.sha1(node_id.encode()).hexdigest()[:8]
-
-
-def replica_name(run_id: str, holder: str, origin: str, rank: int, slot: int) -> str:
-    return f"{replica_prefix(run_id)}{_node_tag(holder)}-{_node_tag(origin)}-r{rank}-s{slot}"
-
-
-def holder_prefix(run_id: str, holder: str) -> str:
-    return f"{replica_prefix(run_id)}{_node_tag(holder)}-"
-
-
-def newest_replica(run_id: str, origin: str,
-                   rank: int | None = None) -> tuple[int, shm.Segment] | None:
-    """(step, opened segment) of the newest verified replica this host holds of ``origin``'s
-    shards (of ``rank`` if given), or None; the caller closes the segment."""
-    # Replica names: holder_prefix(holder) + origin's tag + "-r{rank}-s{slot}".
-    origin_tag = replica_name(run_id, "-", origin, 0, 0)[len(holder_prefix(run_id, "-")):]
-    origin_part = "-" + origin_tag.removesuffix("-r0-s0") + "-r"
-    newest: tuple[int, shm.Segment] | None = None
-    for path in shm.list_segments(replica_prefix(run_id)):
-        if origin_part not in path.name or (rank is not None and f"-r{rank}-s" not in path.name):
-            continue
-        try:
-            seg = shm.Segment.open(path)
-            h = seg.header()
-        except (OSError, IntegrityError, ValueError):
-            continue
-        if h.state == shm.VERIFIED and (newest is None or h.step > newest[0]):
-            if newest is not None:
-                newest[1].close()
-            newest = (h.step, seg)
-        else:
-            seg.close()
-    return newest
+_REPLICA_RE = re.compile(r"-r(\d+)-s(\d+)$")  # rank and slot at a replica name's end
 
 
 def write_origin(seg: shm.Segment, origin: str) -> None:
