@@ -175,4 +175,21 @@ COLL_INTERVAL = Knob(
     "waiting 50 ms or more; five times less often otherwise.", "worker",
 )
 
+RANK_CONTROL = Knob(
+    "FTRUN_RANK_CONTROL", "path", "",
+    "Set by a launcher that restarts ranks in place: the base path of this rank's control "
+    "socket (<path>.sock) and state file (<path>.json) for @ftrun.resilient. Unset: the "
+    "resilient wrapper calls the training function once.", "worker",
+)
+INPLACE_TIMEOUT = Knob(
+    "FTRUN_INPLACE_TIMEOUT", "seconds", "30",
+    "How long a launcher waits for its ranks to leave the training function after "
+    "rank_abort, and to start it again after rank_world, before it falls back to a process "
+    "restart. 0 turns in-process restart off.",
+)
+INPLACE_WAIT = Knob(
+    "FTRUN_INPLACE_WAIT", "seconds", "1800",
+    "How long a rank whose training function ended with an error waits for its launcher's "
+    "decision (run again, or exit) before it exits with that error.", "worker",
+)
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Knob))

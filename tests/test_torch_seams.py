@@ -164,6 +164,7 @@ AGENT_METHODS = {
     "_start_workers": ["self", "worker_group"],
     "_monitor_workers": ["self", "worker_group"],
     "_restart_workers": ["self", "worker_group"],
+    "_stop_workers": ["self", "worker_group"],
 }
 
 
@@ -468,3 +469,39 @@ def test_abort_process_groups_forgets_every_group_so_a_new_world_can_form() -> N
     out = subprocess.run([sys.executable, "-c", ABORT_CHECK], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_worker_env_matches_torchs_start_workers() -> None:
+    """ftrun._torch.worker_env builds, for a rank restarted in place, the keys torch's
+    _start_workers gives a new worker process."""
+    import re
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    src = inspect.getsource(LocalElasticAgent._start_workers)
+    block = src[src.index("worker_env = {"):src.index("self._set_local_rank_env")]
+    torch_keys = set(re.findall(r'"([A-Z_]+)":', block))
+    ours = inspect.getsource(_torch.worker_env)
+    assert torch_keys and torch_keys == set(re.findall(r'"([A-Z_]+)":', ours))
+    assert "self._set_local_rank_env(worker_env, local_rank, spec)" in src
+    assert 'worker_env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]' in src
+
+
+def test_detach_process_groups_lets_a_new_group_form(tmp_path: Path) -> None:
+    """detach_process_groups forgets every group at once (a new default group forms) and
+    returns the abort of the old ones."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.new_group([0])
+    assert _torch.default_backend() == "gloo"
+    abort = _torch.detach_process_groups()
+    assert _torch.default_backend() is None
+    store2 = dist.FileStore(str(tmp_path / "store2"), 1)
+    dist.init_process_group("gloo", store=store2, rank=0, world_size=1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    abort()
+    assert t.item() == 1.0
+    dist.destroy_process_group()

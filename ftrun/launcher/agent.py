@@ -48,9 +48,11 @@ from torch.distributed.elastic.agent.server.api import (
 
 from ftrun import _torch, knobs
 from ftrun.coordinator.api import NodeState
+from ftrun.errors import FtrunError
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
 from ftrun.pdeath import tie_entrypoint
+from ftrun.rank import resilient
 from ftrun.rank.progress import create_progress_file, read_progress
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,14 @@ STOPPED_LIMIT_S = 10.0
 DROPPED_GRACE_S = 2.0
 # How long an isolated node tries to leave its rendezvous round before it exits anyway.
 LEAVE_TIMEOUT_S = 5.0
+# How long a rank's control socket may take to acknowledge an order (restart in place).
+RANK_REQUEST_TIMEOUT_S = 2.0
+# The states of a rank's resilient wrapper in which it can restart in place.
+RESTARTABLE = ("running", "failed", "aborted")
+
+
+class InPlaceFailed(Exception):
+    """An in-process restart could not finish; the message says why (the fallback's why)."""
 
 
 class HostIsolated(_torch.rendezvous_keeping_error()):  # type: ignore[misc]
@@ -158,6 +168,18 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._missing_since: dict[str, float] = {}
         self._in_rendezvous = False
         self._isolated: HostIsolated | None = None
+        # In-process restart: the generation of the ranks' world (one more per restart in
+        # place), why the next restart is needed and when that was seen, and the
+        # restart-in-place order of a coordinator's directive.
+        try:
+            self._inplace_timeout_s = max(0.0, float(knobs.INPLACE_TIMEOUT.get()))
+        except ValueError:
+            self._inplace_timeout_s = float(knobs.INPLACE_TIMEOUT.default)
+        self._generation = 0
+        self._restart_why: str | None = None
+        self._detected_at: float | None = None
+        self._inplace_request: str | None = None
+        self._exit_sent: set[int] = set()
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------
@@ -226,9 +248,19 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         path = self._ctx.node_dir / f"progress-{local_rank}"
         create_progress_file(str(path))
         worker_env[knobs.PROGRESS_FILE.name] = str(path)
+        if self._inplace_timeout_s > 0:
+            worker_env[knobs.RANK_CONTROL.name] = self._control_base(local_rank)
 
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ.update(self._ctx.worker_env)
+        for w in worker_group.workers:  # a new process registers anew
+            base = self._control_base(w.local_rank)
+            for path in (base + resilient.STATE_SUFFIX, base + resilient.SOCKET_SUFFIX):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        self._exit_sent = set()
         self._exitcodes.clear()
         self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
         self._verdicts = {}
@@ -244,6 +276,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
 
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._carry_out_directives(worker_group, running=True)
+        if self._inplace_request is not None:
+            self._note_restart(self._inplace_request)
+            self._inplace_request = None
+            return RunResult(state=WorkerState.UNHEALTHY)
+        failed = self._rank_faults(worker_group)
+        if failed is not None:
+            return failed
         result = super().monitor_workers(worker_group)
         store = self._ctx.store
         if store is not None:
@@ -272,7 +311,197 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             max_restarts=worker_group.spec.max_restarts,
             reason=worker_group.state.name,
         )
-        super().restart_workers(worker_group)
+        why = self._restart_why or (
+            "a new node joins the job" if worker_group.state == WorkerState.HEALTHY
+            else f"workers {worker_group.state.name.lower()}")
+        detected = self._detected_at or time.monotonic()
+        self._restart_why, self._detected_at = None, None
+        t0 = time.monotonic()
+        cannot = self._cannot_restart_in_place(worker_group)
+        if cannot is None:
+            try:
+                self._restart_in_place(worker_group, why, detected, t0)
+                return
+            except InPlaceFailed as e:
+                how, because = "fallback", str(e)
+        else:
+            how, because = "new_process", cannot
+        log.warning("restarting the workers as new processes (%s)", because)
+        t1 = time.monotonic()
+        if self._rendezvous_done_for_fallback:
+            self._rendezvous_done_for_fallback = False
+            self.stop_workers(worker_group)
+            worker_group.state = WorkerState.STOPPED
+            self._start_new(worker_group)
+        else:
+            super().restart_workers(worker_group)
+        self._ctx.sink.event(
+            "recovery", how=how, why=why, fallback_reason=because,
+            detect_s=round(t0 - detected, 3), in_place_s=round(t1 - t0, 3),
+            restart_s=round(time.monotonic() - t1, 3),
+            total_s=round(time.monotonic() - detected, 3))
+
+    # ---- in-process restart -----------------------------------------------------------
+    _rendezvous_done_for_fallback = False
+
+    def _control_base(self, local_rank: int) -> str:
+        return str(self._ctx.node_dir / f"rank-{local_rank}")
+
+    def _note_restart(self, why: str) -> None:
+        if self._restart_why is None:
+            self._restart_why, self._detected_at = why, time.monotonic()
+
+    def _rank_states(self, worker_group: WorkerGroup) -> dict[int, dict[str, Any] | None]:
+        """Local rank -> its resilient wrapper's state, None where the running process has
+        not registered (no state file, or one of an earlier process)."""
+        pids = self.worker_pids()
+        out: dict[int, dict[str, Any] | None] = {}
+        for w in worker_group.workers:
+            doc = resilient.read_state(self._control_base(w.local_rank))
+            pid = pids.get(w.local_rank)
+            out[w.local_rank] = doc if doc is not None and doc.get("pid") == pid else None
+        return out
+
+    def _rank_faults(self, worker_group: WorkerGroup) -> RunResult | None:
+        """Ranks whose training function raised and who wait for a decision: UNHEALTHY (a
+        restart, counted) while restarts remain; else they are told to exit with their
+        error (torch's failure path then sees them die)."""
+        if self._inplace_timeout_s <= 0:
+            return None
+        failed = {lr: doc for lr, doc in self._rank_states(worker_group).items()
+                  if doc is not None and doc.get("state") == "failed"}
+        if not failed:
+            return None
+        by_local = {w.local_rank: w for w in worker_group.workers}
+        if self.remaining_restarts() > 0:
+            first = min(failed.items(), key=lambda kv: kv[1].get("ts") or 0)
+            lr, doc = first
+            rank = by_local[lr].global_rank
+            self._last_error = f"rank {rank} failed: {doc.get('error')}"[:1024]
+            for lr, doc in failed.items():
+                self._ctx.sink.event("worker_failure", rank=by_local[lr].global_rank,
+                                     local_rank=lr, pid=doc.get("pid"), exitcode=None,
+                                     signal=None, message=str(doc.get("error"))[:4096],
+                                     timestamp=doc.get("ts"), in_place=True)
+            self._note_restart(f"rank {rank} failed: {doc.get('error')}"[:300])
+            self._phase = NodeState.RESTARTING
+            return RunResult(state=WorkerState.UNHEALTHY)
+        for lr in failed:
+            if lr not in self._exit_sent:
+                self._exit_sent.add(lr)
+                self._order(lr, "rank_exit", {"generation": self._generation,
+                                              "reason": "no restarts left"}, quiet=True)
+        return None
+
+    def _cannot_restart_in_place(self, worker_group: WorkerGroup) -> str | None:
+        """Why the workers cannot restart in place (None: they can)."""
+        if self._inplace_timeout_s <= 0:
+            return "in-process restart is off (FTRUN_INPLACE_TIMEOUT=0)"
+        pids = self.worker_pids()
+        if not pids:
+            return "no workers run"
+        states = self._rank_states(worker_group)
+        for w in worker_group.workers:
+            pid = pids.get(w.local_rank)
+            if pid is None or proc_state(pid) in (None, "Z", "X"):
+                return f"local rank {w.local_rank} (rank {w.global_rank}) is dead"
+            doc = states.get(w.local_rank)
+            if doc is None:
+                return (f"local rank {w.local_rank} does not restart in place (its script "
+                        "does not use ftrun.resilient)")
+            if doc.get("state") not in RESTARTABLE:
+                return f"local rank {w.local_rank} is {doc.get('state')}"
+        return None
+
+    def _order(self, local_rank: int, kind: str, body: dict[str, Any],
+               quiet: bool = False) -> bool:
+        """Send one order to a rank's control socket; False (logged) when not acknowledged."""
+        from ftrun.protocol.transport import Client
+
+        secret = self._ctx.worker_env.get(knobs.SECRET.name) or knobs.SECRET.get()
+        client = Client(resilient.control_url(self._control_base(local_rank)), secret.encode(),
+                        self._ctx.worker_env.get(knobs.RUN_ID.name) or knobs.RUN_ID.get(),
+                        f"launcher/{os.getpid()}", peer=f"local rank {local_rank}")
+        try:
+            client.request(kind, body, "ack", RANK_REQUEST_TIMEOUT_S)
+            return True
+        except FtrunError as e:
+            (log.info if quiet else log.warning)("%s to local rank %d: %s", kind, local_rank, e)
+            return False
+        finally:
+            client.close()
+
+    def _wait_ranks(self, worker_group: WorkerGroup, ok: Callable[[dict[str, Any]], bool],
+                    what: str) -> None:
+        """Wait (bounded by FTRUN_INPLACE_TIMEOUT) until every local rank's state satisfies
+        ``ok``; raises InPlaceFailed naming the ranks that did not."""
+        deadline = time.monotonic() + self._inplace_timeout_s
+        pids = self.worker_pids()
+        while True:
+            states = self._rank_states(worker_group)
+            late = [lr for lr, doc in states.items() if doc is None or not ok(doc)]
+            dead = [lr for lr in late if proc_state(pids.get(lr, -1)) in (None, "Z", "X")]
+            if not late:
+                return
+            if dead:
+                raise InPlaceFailed(f"local rank(s) {dead} died while waiting to {what}")
+            if time.monotonic() >= deadline:
+                raise InPlaceFailed(f"local rank(s) {late} did not {what} within "
+                                    f"{self._inplace_timeout_s:g} s")
+            time.sleep(0.01)
+
+    def _restart_in_place(self, worker_group: WorkerGroup, why: str, detected: float,
+                          t0: float) -> None:
+        """Abort every local rank, re-rendezvous, hand each its new world, keep the
+        processes. Raises InPlaceFailed (the caller falls back to new processes)."""
+        gen = self._generation + 1
+        old = self._generation
+        for w in worker_group.workers:
+            if not self._order(w.local_rank, "rank_abort", {"generation": gen, "reason": why}):
+                raise InPlaceFailed(f"local rank {w.local_rank} did not acknowledge rank_abort")
+        self._wait_ranks(worker_group, lambda d: d.get("state") in ("failed", "aborted")
+                         and d.get("generation") == old, "leave the training function")
+        t_abort = time.monotonic()
+        pids = self.worker_pids()
+        self.rendezvous(worker_group)  # new ranks, world size, master address and port
+        t_rdzv = time.monotonic()
+        self._rendezvous_done_for_fallback = True
+        for w in worker_group.workers:
+            w.id = pids.get(w.local_rank)
+            env = _torch.worker_env(self, worker_group, w)
+            if not self._order(w.local_rank, "rank_world", {"generation": gen, "env": env}):
+                raise InPlaceFailed(f"local rank {w.local_rank} did not acknowledge rank_world")
+        self._wait_ranks(worker_group, lambda d: d.get("generation") == gen
+                         and d.get("state") in ("running", "done"), "run the function again")
+        self._rendezvous_done_for_fallback = False
+        t_world = time.monotonic()
+        self._generation = gen
+        self._exitcodes.clear()
+        self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
+        self._verdicts = {}
+        worker_group.state = WorkerState.HEALTHY
+        self._phase = NodeState.HEALTHY
+        restart_count = worker_group.spec.max_restarts - self.remaining_restarts()
+        self._ctx.sink.event(
+            "workers_started", restart_count=restart_count, in_place=True,
+            pids={str(k): v for k, v in pids.items()},
+            ranks=[w.global_rank for w in worker_group.workers])
+        self._ctx.sink.event(
+            "recovery", how="in_process", why=why, generation=gen, restart_count=restart_count,
+            detect_s=round(t0 - detected, 3), abort_s=round(t_abort - t0, 3),
+            rendezvous_s=round(t_rdzv - t_abort, 3), world_s=round(t_world - t_rdzv, 3),
+            total_s=round(t_world - detected, 3))
+        log.warning("workers restarted in place (generation %d, %.3f s: abort %.3f s, "
+                    "rendezvous %.3f s, world %.3f s): %s", gen, t_world - detected,
+                    t_abort - t0, t_rdzv - t_abort, t_world - t_rdzv, why)
+
+    def _start_new(self, worker_group: WorkerGroup) -> None:
+        """New processes for a group whose rendezvous is done (torch's
+        ``_initialize_workers`` after its rendezvous)."""
+        pids = self.start_workers(worker_group)
+        for local_rank, pid in pids.items():
+            worker_group.workers[local_rank].id = pid
+        worker_group.state = WorkerState.HEALTHY
 
     def shutdown(self, death_sig: signal.Signals, timeout: int) -> None:
         # A stopped process never handles SIGTERM until continued, so torch would wait the
@@ -343,6 +572,18 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                     did: Any) -> None:
         pids = self.worker_pids()
         wanted = {r for r in ranks if isinstance(r, int)}
+        mine = [w.global_rank for w in worker_group.workers if w.global_rank in wanted]
+        if mine and self.remaining_restarts() > 0 and \
+                self._cannot_restart_in_place(worker_group) is None:
+            # Every local rank can restart in place: abort them all rather than kill the
+            # culprits (one stuck inside a C call is killed after FTRUN_INPLACE_TIMEOUT).
+            log.error("rank(s) %s named by the coordinator: %s; restarting the workers in "
+                      "place", mine, reason)
+            self._last_error = f"rank(s) {', '.join(map(str, mine))} restarted: {reason}"[:1024]
+            self._inplace_request = f"coordinator: rank(s) {mine}: {reason}"[:300]
+            self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted), killed=[],
+                                 in_place=True, reason=reason)
+            return
         killed = []
         for w in worker_group.workers:
             pid = pids.get(w.local_rank)
