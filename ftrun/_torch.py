@@ -513,3 +513,98 @@ def default_backend() -> str | None:
     if c10d.GroupMember.WORLD is None:
         return None
     return str(c10d.get_backend())
+
+
+# -- replacing one worker of a running process context (in-process restart) -------------------
+#
+# torch's LocalElasticAgent keeps all local workers in one ``SubprocessContext``
+# (``agent._pcontext``, torch.distributed.elastic.multiprocessing.api): a dict of
+# ``SubprocessHandler`` (each holding its ``Popen`` as ``.proc``) by local rank in
+# ``subprocess_handlers``, the local ranks still running in ``_running_local_ranks``, the
+# failures seen in ``_failures``, and per local rank ``args``, ``envs`` (with the
+# TORCHELASTIC_ERROR_FILE reify() set), ``stdouts``, ``stderrs``, ``error_files``. Its
+# ``_poll`` closes every process as soon as one failed: ftrun reads the processes' exit codes
+# itself first (``worker_processes``) and swaps a new handler in for a dead rank
+# (``replace_worker``), so the context then monitors and closes the survivors and the
+# replacement alike. A context without these attributes (a function entrypoint's
+# MultiprocessContext, a torch that moved them) makes both return None / raise
+# ``SeamMissing``: the caller restarts every worker the way torch does.
+
+_CONTEXT_ATTRS = ("subprocess_handlers", "_running_local_ranks", "_failures", "entrypoint",
+                  "args", "envs", "stdouts", "stderrs", "error_files")
+
+
+class SeamMissing(RuntimeError):
+    """A torch internal ftrun relies on is missing (another torch version); the message
+    names it."""
+
+
+def _check_context(pcontext: Any) -> None:
+    missing = [a for a in _CONTEXT_ATTRS if not hasattr(pcontext, a)]
+    if missing:
+        raise SeamMissing(f"torch's process context {type(pcontext).__name__} has no "
+                          f"{', '.join(missing)}: dead ranks cannot get new processes alone "
+                          "(ftrun supports torch 2.11 to 2.15)")
+    for handler in pcontext.subprocess_handlers.values():
+        if not hasattr(handler, "proc"):
+            raise SeamMissing(f"torch's {type(handler).__name__} has no .proc")
+
+
+def worker_processes(pcontext: Any) -> dict[int, Any] | None:
+    """Local rank -> the worker's ``subprocess.Popen``, for a ``SubprocessContext`` (None
+    for another context, or a torch without the attributes, logged once)."""
+    if pcontext is None:
+        return None
+    try:
+        _check_context(pcontext)
+    except SeamMissing as e:
+        _warn_once(str(e))
+        return None
+    return {lr: h.proc for lr, h in pcontext.subprocess_handlers.items()}
+
+
+def replace_worker(pcontext: Any, local_rank: int, env: dict[str, str]) -> int:
+    """Start a new process for ``local_rank`` of ``pcontext`` (whose old process has exited),
+    with torch's own entrypoint, arguments and log files and environment ``env`` (plus the
+    error file torch gave that rank); the context then monitors and closes it like the
+    others. Returns its pid. Raises SeamMissing."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        get_subprocess_handler,
+    )
+
+    _check_context(pcontext)
+    old = pcontext.subprocess_handlers[local_rank]
+    if old.proc.poll() is None:
+        raise RuntimeError(f"local rank {local_rank} (pid {old.proc.pid}) still runs")
+    for f in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
+        if f is not None:
+            f.close()
+    env = dict(env)
+    error_file = pcontext.envs[local_rank].get("TORCHELASTIC_ERROR_FILE")
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+        if error_file:
+            with contextlib.suppress(FileNotFoundError):
+                import os
+
+                os.unlink(error_file)  # the old process's error is not the new one's
+    kwargs: dict[str, Any] = {}
+    if "numa_options" in inspect.signature(get_subprocess_handler).parameters:
+        kwargs["numa_options"] = getattr(pcontext, "_numa_options", None)  # not in 2.11
+    handler = get_subprocess_handler(
+        entrypoint=pcontext.entrypoint, args=pcontext.args[local_rank], env=env,
+        stdout=pcontext.stdouts[local_rank], stderr=pcontext.stderrs[local_rank],
+        local_rank_id=local_rank, **kwargs)
+    pcontext.subprocess_handlers[local_rank] = handler
+    pcontext._failures.pop(local_rank, None)
+    pcontext._running_local_ranks.add(local_rank)
+    return int(handler.proc.pid)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning("%s", msg)

@@ -181,11 +181,19 @@ RANK_CONTROL = Knob(
     "socket (<path>.sock) and state file (<path>.json) for @ftrun.resilient. Unset: the "
     "resilient wrapper calls the training function once.", "worker",
 )
+RANK_GENERATION = Knob(
+    "FTRUN_RANK_GENERATION", "integer", "0",
+    "Set by a launcher that restarts ranks in place: the generation of the world a new "
+    "process joins (how many restarts in place the launcher ran before it started).",
+    "worker",
+)
 INPLACE_TIMEOUT = Knob(
-    "FTRUN_INPLACE_TIMEOUT", "seconds", "30",
-    "How long a launcher waits for its ranks to leave the training function after "
-    "rank_abort, and to start it again after rank_world, before it falls back to a process "
-    "restart. 0 turns in-process restart off.",
+    "FTRUN_INPLACE_TIMEOUT", "seconds", "5",
+    "How long a launcher waits for a failed rank's process to exit, for the surviving ranks "
+    "to leave the training function after rank_abort and to start it again after "
+    "rank_world. A rank that does not exit or leave in time (blocked inside a C call) is "
+    "killed and gets a new process; one that does not start again falls back to a process "
+    "restart of every local rank. 0 turns in-process restart off.",
 )
 INPLACE_WAIT = Knob(
     "FTRUN_INPLACE_WAIT", "seconds", "1800",

@@ -1,16 +1,12 @@
 """In-process restart (``@ftrun.resilient``) with real ftrun launchers, gloo on CPU.
 
 examples/user_ddp.py wraps its training function in ``@ftrun.resilient``. A rank that raises
-mid-epoch is reported to its launcher, which restarts every local rank: in place when every
-rank leaves the training function within FTRUN_INPLACE_TIMEOUT, else (the fallback) as new
-processes. Either way the recovery is recorded (event ``recovery``: how, why, phases) and the
-final weights are bit-identical to the fault-free run.
-
-Measured limit on gloo (torch 2.13): a rank blocked in a collective with the failed rank is
-released only when the failed *process* exits (neither abort, shutdown nor destroying the
-group closes its connections), so a fault raised in one rank while the others wait in DDP's
-all-reduce ends in the fallback after the timeout; the test accepts both and checks what
-each implies (in place: the processes kept their pids).
+or is SIGKILLed mid-epoch is dead: its process exits, which closes its gloo connections and
+so releases the ranks blocked in DDP's all-reduce with it (their wrappers see a peer lost
+and wait for the launcher). Its launcher gives only that rank a new process; the survivors,
+on its node and on the others, are aborted, re-rendezvous and run the function again in the
+same process. The recovery is recorded (event ``recovery``: how, why, phases, new
+processes), and the final weights are bit-identical to the fault-free run.
 """
 
 from __future__ import annotations
@@ -29,13 +25,16 @@ SCRIPT = str(ROOT / "examples" / "user_ddp.py")
 ARGS = ("--epochs", "2", "--samples", "192", "--batch-size", "8", "--hidden", "64")
 
 
+def launcher_args(run_id: str, port: int, nproc: int, nnodes: int = 1) -> list[str]:
+    return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "2"]
+
+
 def run_job(procs: Procs, tmp: Path, *script_args: str) -> tuple[str, str, str]:
     """One launcher x three ranks; returns (params_xxh3, run id, output)."""
     run_id = f"inproc-{uuid.uuid4().hex[:8]}"
     env = {"FTRUN_STATE_DIR": str(tmp / "state"), "FTRUN_INPLACE_TIMEOUT": "5"}
-    p = procs.ftrun("--nproc-per-node", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                    f"127.0.0.1:{free_port()}", "--rdzv-id", run_id, "--max-restarts", "2",
-                    SCRIPT, *ARGS, "--fault-dir", str(tmp), "--pid-log", str(tmp),
+    p = procs.ftrun(*launcher_args(run_id, free_port(), 3), SCRIPT, *ARGS, "--fault-dir", str(tmp), "--pid-log", str(tmp),
                     *script_args, env=env, name="node0")
     code = procs.wait(p, 240)
     out = procs.output(p)
@@ -63,33 +62,67 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
         procs.cleanup()
 
 
-def test_raised_fault_recovers_bit_identical(procs: Procs, tmp_path: Path,
-                                             fault_free: str) -> None:
+def assert_only_rank_replaced(tmp: Path, events: list[dict], rank: int) -> dict:
+    """One in-place recovery, in which ``rank`` (and only it) got a new process."""
+    recoveries = [e for e in events if e["type"] == "recovery"]
+    assert recoveries and all(r["how"] == "in_process" for r in recoveries), recoveries
+    assert all(r["new_processes"] in ([rank], []) for r in recoveries), recoveries
+    assert [rank] in [r["new_processes"] for r in recoveries], recoveries
+    assert {"abort_s", "rendezvous_s", "world_s"} <= recoveries[0].keys(), recoveries
+    pids = pids_by_rank(tmp)
+    assert len(pids[rank]) == 2, pids  # the dead rank's new process
+    assert all(len(p) == 1 for r, p in pids.items() if r != rank), pids  # survivors kept
+    return recoveries[0]
+
+
+def test_raised_fault_recovers_in_place(procs: Procs, tmp_path: Path,
+                                        fault_free: str) -> None:
     digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "raise",
                                   "--kill-at-step", "5", "--kill-rank", "1")
     assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
     assert "raising in rank 1 in step 5" in out
-    events = read_events(tmp_path / "state", run_id)
-    recoveries = [e for e in events if e["type"] == "recovery"]
-    assert len(recoveries) == 1, recoveries
-    rec = recoveries[0]
+    rec = assert_only_rank_replaced(tmp_path, read_events(tmp_path / "state", run_id), 1)
     assert "rank 1 failed" in rec["why"] and "injected fault" in rec["why"], rec
-    pids = pids_by_rank(tmp_path)
-    if rec["how"] == "in_process":
-        assert all(len(p) == 1 for p in pids.values()), pids  # the processes were kept
-        assert {"abort_s", "rendezvous_s", "world_s"} <= rec.keys(), rec
-    else:
-        assert rec["how"] == "fallback" and rec["fallback_reason"], rec
-        assert all(len(p) == 2 for p in pids.values()), pids
+    assert sorted(rec["kept"]) == [0, 2], rec
     assert digest == fault_free
 
 
-def test_killed_rank_falls_back_to_new_processes(procs: Procs, tmp_path: Path,
-                                                  fault_free: str) -> None:
+def test_killed_rank_gets_a_new_process_alone(procs: Procs, tmp_path: Path,
+                                              fault_free: str) -> None:
     digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "kill",
                                   "--kill-at-step", "5", "--kill-rank", "1")
     assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
-    rec = [e for e in read_events(tmp_path / "state", run_id) if e["type"] == "recovery"]
-    assert len(rec) == 1 and rec[0]["how"] == "new_process", rec
-    assert "dead" in rec[0]["fallback_reason"], rec
+    rec = assert_only_rank_replaced(tmp_path, read_events(tmp_path / "state", run_id), 1)
+    assert "rank 1 died (SIGKILL)" in rec["why"], rec
     assert digest == fault_free
+
+
+def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
+                                                   fault_free: str) -> None:
+    """Launchers with 1 and 2 ranks; the rank that raises is on one of them: the survivors
+    on both nodes keep their processes (the other launcher restarts in place when the
+    rendezvous opens)."""
+    run_id = f"inproc2-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {"FTRUN_STATE_DIR": str(tmp_path / "state"), "FTRUN_INPLACE_TIMEOUT": "5"}
+    nodes = [procs.ftrun(*launcher_args(run_id, port, nproc, nnodes=2), SCRIPT, *ARGS,
+                         "--fault-dir", str(tmp_path), "--pid-log", str(tmp_path),
+                         "--fail-mode", "raise", "--kill-at-step", "5", "--kill-rank", "1",
+                         env=env, name=f"node{i}")
+             for i, nproc in enumerate((1, 2))]
+    outs = []
+    for node in nodes:
+        code = procs.wait(node, 240)
+        outs.append(procs.output(node))
+        assert code == 0, f"exit code {code}\n{outs[-1][-6000:]}"
+    assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
+    digests = re.findall(r"user-ddp: step=16 world=3 params_xxh3=([0-9a-f]+)", "".join(outs))
+    assert digests == [fault_free], digests
+    events = read_events(tmp_path / "state", run_id)
+    recoveries = [e for e in events if e["type"] == "recovery"]
+    assert len(recoveries) == 2 and all(r["how"] == "in_process" for r in recoveries), \
+        recoveries  # one per launcher
+    assert sorted(map(tuple, (r["new_processes"] for r in recoveries))) == [(), (1,)], \
+        recoveries
+    pids = pids_by_rank(tmp_path)
+    assert len(pids[1]) == 2 and len(pids[0]) == 1 and len(pids[2]) == 1, pids

@@ -119,7 +119,12 @@ class RankControl:
         from ftrun.protocol.transport import Server
 
         self.base = base
-        self.generation = 0  # the launcher's count of restarts in place this process ran
+        # The launcher's count of restarts in place of the world this process runs in (a
+        # process started for a dead rank joins a later generation).
+        try:
+            self.generation = max(0, int(knobs.RANK_GENERATION.get() or 0))
+        except ValueError:
+            self.generation = 0
         self._cond = threading.Condition()
         self._running = False
         self._async_pending = False
@@ -202,6 +207,10 @@ class RankControl:
 
     def done(self) -> None:
         self._state("done")
+
+    def failed(self, error: str) -> None:
+        """The function raised on its own: this process exits with its error."""
+        self._state("failed", error)
 
     def close(self) -> None:
         self.service.stop(2.0)
@@ -287,7 +296,9 @@ def _on_interrupt(signum: int, frame: Any) -> None:
 def _release(backend: str | None) -> None:
     """Release what the function built: abort and forget every process group (NCCL: the
     slow abort runs on a thread while the next group forms), then collect garbage so that
-    DDP modules, groups and their connections go now."""
+    DDP modules, groups and their connections go now. The collective monitor stops: it
+    watched the old world's groups (the next Snapshotter starts one for the new world)."""
+    _stop_monitor()
     if "torch.distributed" in sys.modules:
         try:
             if backend == "nccl":
@@ -301,11 +312,45 @@ def _release(backend: str | None) -> None:
     gc.collect()
 
 
+def _stop_monitor() -> None:
+    try:
+        from ftrun.rank.collectives import stop_monitor
+
+        stop_monitor()
+    except Exception as e:  # noqa: BLE001 - never in the way of a restart
+        log.warning("could not stop the collective monitor: %s: %s", type(e).__name__, e)
+
+
 def _abort_quietly(abort: Callable[[], None]) -> None:
     try:
         abort()
     except Exception as e:  # noqa: BLE001 - the groups are forgotten already
         log.warning("aborting the old process groups failed: %s: %s", type(e).__name__, e)
+
+
+# What gloo (and the c10d store) raise in a rank blocked in a collective with a peer whose
+# process exited: the peer's fault, not this rank's.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "connection refused", "socket closed", "econnreset", "epipe",
+              "communicator was aborted", "was aborted", "remote worker crash")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was raised from) is a collective failing because a peer
+    went away: torch's DistError family, or a gloo/NCCL message saying so."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        dist = sys.modules.get("torch.distributed")
+        dist_error = getattr(dist, "DistError", None) if dist is not None else None
+        if isinstance(dist_error, type) and isinstance(cur, dist_error):
+            return True
+        text = str(cur).lower()
+        if any(p in text for p in _PEER_LOST):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _summary(e: BaseException) -> str:
@@ -344,7 +389,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     try:
         while True:
-            error: BaseException | None = None
+            note: str | None = None  # why a survivor left: a peer's failure it saw
             try:
                 try:
                     control.enter()
@@ -360,26 +405,33 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 control.leave()
                 if control.aborting():
                     state = "aborted"  # an error the abort caused (a failed collective)
+                elif peer_lost(e):
+                    # A peer died (its exit closed the connections this rank's collective
+                    # used): the launcher restarts the job in place, keeping this process.
+                    state, note = "aborted", _summary(e)
+                    log.warning("a collective failed because a peer went away (%s); waiting "
+                                "for the launcher's decision", note)
                 else:
-                    state, error = "failed", e
-                    log.error("the training function failed (%s); waiting for the "
-                              "launcher's decision", _summary(e))
+                    # This rank's own fault: it is dead. Its process exits, which closes its
+                    # connections (on gloo nothing else does) and so releases every peer
+                    # blocked in a collective with it; the launcher gives this rank a new
+                    # process and the others restart in place.
+                    control.failed(_summary(e))
+                    log.error("the training function failed (%s); this process exits and "
+                              "its launcher starts a new one for this rank", _summary(e))
+                    _stop_monitor()
+                    raise
+                # Drop every frame's locals (the model, DDP, the groups they hold).
+                if e.__traceback__ is not None:
+                    traceback.clear_frames(e.__traceback__)
             else:
                 control.done()
                 return result
-            # Drop every frame's locals (the model, DDP, the groups they hold): peers blocked
-            # in a collective with this rank are released when its connections close.
-            if error is not None and error.__traceback__ is not None:
-                traceback.clear_frames(error.__traceback__)
             _release(control._backend)
             t0 = time.monotonic()
-            decision = control.wait_decision(state, _summary(error) if error else None,
-                                              _wait_s())
+            decision = control.wait_decision(state, note, _wait_s())
             if decision is None or decision.env is None:
                 why = "no decision from the launcher" if decision is None else decision.reason
-                if error is not None:
-                    log.error("not running the training function again (%s)", why)
-                    raise error
                 raise FtrunError(f"the training function was aborted for an in-process "
                                  f"restart and not run again: {why}")
             os.environ.update(decision.env)
