@@ -505,3 +505,40 @@ def test_detach_process_groups_lets_a_new_group_form(tmp_path: Path) -> None:
     abort()
     assert t.item() == 1.0
     dist.destroy_process_group()
+
+
+def test_a_dead_worker_gets_a_new_process_in_torchs_context(tmp_path: Path) -> None:
+    """ftrun._torch.worker_processes / replace_worker on torch's own SubprocessContext: the
+    exit code is read without torch's poll closing the others, the new process replaces
+    the dead one in pids(), the survivor keeps its pid, and close() ends both."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    code = "import os, sys, time; sys.exit(3) if os.environ['X'] == 'die' else time.sleep(60)"
+    pc = start_processes(
+        name="seam", entrypoint=sys.executable,
+        args={0: ("-c", code), 1: ("-c", code)},
+        envs={0: {"X": "live"}, 1: {"X": "die"}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    try:
+        procs = _torch.worker_processes(pc)
+        assert procs is not None and set(procs) == {0, 1}
+        assert procs[1].wait(30) == 3
+        assert procs[0].poll() is None  # torch's poll would have closed it by now
+        before = pc.pids()
+        new_pid = _torch.replace_worker(pc, 1, {"X": "live"})
+        after = pc.pids()
+        assert after[0] == before[0] and after[1] == new_pid != before[1]
+        assert pid_alive(new_pid)
+        assert pc.wait(0) is None  # both running: no failure left over from the dead one
+    finally:
+        pc.close(signal.SIGKILL, 5)
+    assert not pid_alive(after[0]) and not pid_alive(new_pid)
+
+
+def test_a_context_without_the_attributes_is_refused_loudly() -> None:
+    class Other:  # a MultiprocessContext, or a torch that moved the attributes
+        subprocess_handlers: dict = {}  # noqa: RUF012
+
+    assert _torch.worker_processes(Other()) is None
+    with pytest.raises(_torch.SeamMissing, match="_running_local_ranks"):
+        _torch.replace_worker(Other(), 0, {})
