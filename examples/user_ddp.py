@@ -34,6 +34,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -172,7 +173,7 @@ def train(args: argparse.Namespace) -> None:
             snap.save(step)
             ftrun.progress(step)
             if pid_log is not None:
-                pid_log.write(f"{step} {os.getpid()}\n")
+                pid_log.write(f"{step} {os.getpid()} {time.time():.6f}\n")
                 pid_log.flush()
     ftrun.progress(step, done=True)
     if pid_log is not None:

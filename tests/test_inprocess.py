@@ -47,8 +47,8 @@ def run_job(procs: Procs, tmp: Path, *script_args: str) -> tuple[str, str, str]:
 def pids_by_rank(tmp: Path) -> dict[int, set[int]]:
     out = {}
     for rank in range(3):
-        lines = (tmp / f"pids-rank{rank}.log").read_text().split()
-        out[rank] = {int(pid) for pid in lines[1::2]}
+        lines = (tmp / f"pids-rank{rank}.log").read_text().splitlines()
+        out[rank] = {int(line.split()[1]) for line in lines}  # step pid time
     return out
 
 
