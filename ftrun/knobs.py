@@ -197,7 +197,8 @@ INPLACE_TIMEOUT = Knob(
 )
 INPLACE_WAIT = Knob(
     "FTRUN_INPLACE_WAIT", "seconds", "1800",
-    "How long a rank whose training function ended with an error waits for its launcher's "
-    "decision (run again, or exit) before it exits with that error.", "worker",
+    "How long a rank that left its training function because a peer failed (or on its "
+    "launcher's abort) waits for its launcher's decision (run again, or exit) before it "
+    "exits with an error.", "worker",
 )
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Knob))

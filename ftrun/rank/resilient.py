@@ -13,12 +13,17 @@ wrapper keeps the process, its imports and its CUDA context across faults:
    function, which unwinds it. A thread blocked inside a C call sees it only when that call
    returns: on gloo, when a peer's connections close; a rank that never comes back is the
    launcher's to kill (it falls back to a process restart after its deadline).
-3. Out of the function (aborted, or failed on its own), everything it built is released
-   (process groups aborted and forgotten, its frames' locals cleared, a garbage
-   collection) and the rank waits, bounded by ``FTRUN_INPLACE_WAIT``, for its launcher's
-   decision: ``rank_world`` (the new world's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-   TORCHELASTIC_RESTART_COUNT, ...: applied to ``os.environ``) and the function runs again;
-   ``rank_exit``, or no decision in time, and the function's error is raised.
+3. The function raised on its own: the rank is dead. The error goes to the state file
+   (``failed``) and is raised again, so the process exits: that closes its connections and
+   releases the peers blocked in a collective with it (on gloo nothing else does). Its
+   launcher starts a new process for this rank alone.
+4. The function failed because a peer went away (a lost-connection error from a
+   collective, see :func:`peer_lost`) or was aborted: everything it built is released
+   (process groups aborted and forgotten, its frames' locals cleared, the collective monitor
+   stopped, a garbage collection) and the rank waits, bounded by ``FTRUN_INPLACE_WAIT``, for
+   its launcher's decision: ``rank_world`` (the new world's RANK, WORLD_SIZE, MASTER_ADDR,
+   MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...: applied to ``os.environ``) and the function
+   runs again; ``rank_exit``, or no decision in time, and :class:`FtrunError` is raised.
 
 Without ``FTRUN_RANK_CONTROL`` (plain ``python``, ``torchrun``, a launcher that does not
 restart in place) the wrapper calls the function once and returns what it returns.
