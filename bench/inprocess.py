@@ -108,8 +108,17 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
         firsts = []
         for rank in range(cfg.nproc):
             lines = [ln.split() for ln in (job / f"pids-rank{rank}.log").read_text().splitlines()]
-            after = [(float(t), int(s)) for s, _pid, t in lines if float(t) > fault]
-            firsts.append(min(after) if after else None)
+            # The restarted world's first step on this rank: the first line after the fault
+            # in a new process, or repeating a step (survivors log the faulty step itself
+            # after the marker, then resume from the snapshot before it).
+            first, prev = None, None
+            for s, pid, t in lines:
+                if prev is not None and float(t) > fault and (
+                        pid != prev[1] or int(s) <= int(prev[0])):
+                    first = (float(t), int(s))
+                    break
+                prev = (s, pid)
+            firsts.append(first)
         if all(firsts):
             to_step = max(f[0] for f in firsts if f) - fault
             next_step = max(f[1] for f in firsts if f)
