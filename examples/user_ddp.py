@@ -4,7 +4,9 @@ Everything here is stock PyTorch with default arguments: ``DistributedDataParall
 a ``DataLoader`` over a ``DistributedSampler`` (shuffled, ``set_epoch`` every epoch), dropout,
 AdamW, a ``LambdaLR`` warm-up + cosine schedule and gradient clipping. The ftrun part is the
 ``Snapshotter`` (model, optimizer and the scheduler as a stateful object), ``restore()`` before
-the loop and ``save()`` after ``optimizer.step()``.
+the loop and ``save()`` after ``optimizer.step()``, and ``@ftrun.resilient`` on the training
+function: when a rank of the job fails, the surviving processes leave it, take the new world
+from their launcher and run it again (process group, model, restore), keeping the process.
 
 Two ways to resume mid-epoch, chosen with ``--loader``:
 
@@ -32,6 +34,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -84,6 +87,9 @@ def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:
         os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
         return  # fired already in this job
+    if args.fail_mode == "raise":
+        print(f"user-ddp: raising in rank {rank} in step {step}", file=sys.stderr, flush=True)
+        raise RuntimeError(f"user-ddp: injected fault in rank {rank} at step {step}")
     print(f"user-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -102,9 +108,16 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--fail-mode", choices=("kill", "raise"), default="kill")
     p.add_argument("--fault-dir")
-    args = p.parse_args()
+    p.add_argument("--pid-log")
+    train(p.parse_args())
+    return 0
 
+
+@ftrun.resilient
+def train(args: argparse.Namespace) -> None:
+    """The whole run: under ftrun it runs again, in the same process, after a fault."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -138,6 +151,9 @@ def main() -> int:
         print(f"user-ddp: rank {rank} resumed from step {step}", file=sys.stderr, flush=True)
 
     loss_fn = nn.CrossEntropyLoss()
+    pid_log = None
+    if args.pid_log:
+        pid_log = open(os.path.join(args.pid_log, f"pids-rank{rank}.log"), "a")  # noqa: SIM115
     for epoch in range(step // steps_per_epoch, args.epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
@@ -156,14 +172,18 @@ def main() -> int:
             maybe_kill(args, rank, step)
             snap.save(step)
             ftrun.progress(step)
+            if pid_log is not None:
+                pid_log.write(f"{step} {os.getpid()} {time.time():.6f}\n")
+                pid_log.flush()
     ftrun.progress(step, done=True)
+    if pid_log is not None:
+        pid_log.close()
     snap.close()
 
     if rank == 0:
         print(f"user-ddp: step={step} world={world} params_xxh3={params_xxh3(model)}", flush=True)
     del model
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["ResumableDistributedSampler", "Snapshotter", "monitor_collectives", "progress",
-           "__version__"]
+__all__ = ["RankAborted", "ResumableDistributedSampler", "Snapshotter", "monitor_collectives",
+           "progress", "resilient", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from ftrun.rank.collectives import monitor_collectives
 
         return monitor_collectives
+    if name in ("resilient", "RankAborted"):
+        from ftrun.rank import resilient as module
+
+        return getattr(module, name)
     if name == "ResumableDistributedSampler":
         from ftrun.rank.data import ResumableDistributedSampler
 

@@ -175,6 +175,7 @@ AGENT_HOOKS = {
     "start_workers": "_start_workers",
     "monitor_workers": "_monitor_workers",
     "restart_workers": "_restart_workers",
+    "stop_workers": "_stop_workers",
     "shutdown": "_shutdown",
 }
 AGENT_ACCESSORS = ("remaining_restarts", "worker_pids")
@@ -255,7 +256,8 @@ def agent_class() -> type:
     """torch's ``LocalElasticAgent`` with its private extension points under public names.
 
     A subclass overrides ``rendezvous``, ``set_local_rank_env``, ``start_workers``,
-    ``monitor_workers``, ``restart_workers`` and ``shutdown`` (each with the arguments of the
+    ``monitor_workers``, ``restart_workers``, ``stop_workers`` and ``shutdown`` (each with
+    the arguments of the
     torch method of the same name with a leading underscore) and calls ``super()`` for
     torch's own behaviour. ``remaining_restarts()`` and ``worker_pids()`` read the agent's
     private state. Built on first call, so that importing this module imports no torch.
@@ -279,6 +281,9 @@ def agent_class() -> type:
 
         def restart_workers(self, worker_group: Any) -> None:
             super()._restart_workers(worker_group)
+
+        def stop_workers(self, worker_group: Any) -> None:
+            super()._stop_workers(worker_group)
 
         def shutdown(self, death_sig: signal.Signals, timeout: int) -> None:
             call_shutdown(super()._shutdown, death_sig, timeout)
@@ -314,10 +319,44 @@ def agent_class() -> type:
         def _restart_workers(self, worker_group: Any) -> None:
             self.restart_workers(worker_group)
 
+        def _stop_workers(self, worker_group: Any) -> None:
+            self.stop_workers(worker_group)
+
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
             self.shutdown(death_sig, timeout)
 
     return ElasticAgent
+
+
+def worker_env(agent: Any, worker_group: Any, worker: Any) -> dict[str, str]:
+    """The environment torch's ``LocalElasticAgent._start_workers`` gives ``worker`` of
+    ``worker_group`` (the same keys and values, then the agent's ``_set_local_rank_env``
+    and ``OMP_NUM_THREADS``): what a rank restarted in place must see, exactly as a new
+    process would. Reads the agent's ``_remaining_restarts``."""
+    import os
+
+    spec = worker_group.spec
+    env: dict[str, str | None] = {
+        "RANK": str(worker.global_rank),
+        "GROUP_RANK": str(worker_group.group_rank),
+        "ROLE_RANK": str(worker.role_rank),
+        "ROLE_NAME": spec.role,
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "WORLD_SIZE": str(worker.world_size),
+        "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
+        "ROLE_WORLD_SIZE": str(worker.role_world_size),
+        "MASTER_ADDR": worker_group.master_addr,
+        "MASTER_PORT": str(worker_group.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(spec.max_restarts - agent._remaining_restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+        "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", str(1)),
+    }
+    agent._set_local_rank_env(env, worker.local_rank, spec)
+    if "OMP_NUM_THREADS" in os.environ:
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    return {k: v for k, v in env.items() if v is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,3 +459,152 @@ def abort_process_groups() -> None:
     if c10d.GroupMember.WORLD is None:
         return
     c10d._abort_process_group(None)
+
+
+def detach_process_groups() -> Callable[[], None]:
+    """Forget every process group of this process now, and return the function that aborts
+    them: :func:`abort_process_groups` split in two, so that a new default group can form
+    while the old ones are aborted on another thread.
+
+    An NCCL abort costs about a second however little is pending (measured on H100, torch
+    2.11), and a new group forms alongside it in 14-19 ms; on gloo an abort costs
+    milliseconds and callers abort at once. Clears what ``_abort_process_group(None)``
+    clears after its aborts (``_update_default_pg(None)``, ``_world``'s maps, the registry of
+    ``_unregister_all_process_groups``, ``_world.group_count``) and aborts the groups in its
+    order, inside one NCCL group call.
+    """
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d.GroupMember.WORLD
+    if world is None:
+        return lambda: None
+    groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
+    try:
+        backend = world._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        backend = None
+    nccl = c10d.is_nccl_available() and isinstance(backend, c10d.ProcessGroupNCCL)
+    c10d._update_default_pg(None)
+    w = c10d._world
+    for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag,
+                  w.tags_to_pg, w.pg_coalesce_state):
+        table.clear()
+    c10d._unregister_all_process_groups()
+    w.group_count = 0
+
+    def abort() -> None:
+        if nccl:
+            backend._group_start()
+        try:
+            for pg in groups:
+                pg.abort()
+        finally:
+            if nccl:
+                backend._group_end()
+
+    return abort
+
+
+def default_backend() -> str | None:
+    """The default process group's backend name ("gloo", "nccl", ...), None without one."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if c10d.GroupMember.WORLD is None:
+        return None
+    return str(c10d.get_backend())
+
+
+# -- replacing one worker of a running process context (in-process restart) -------------------
+#
+# torch's LocalElasticAgent keeps all local workers in one ``SubprocessContext``
+# (``agent._pcontext``, torch.distributed.elastic.multiprocessing.api): a dict of
+# ``SubprocessHandler`` (each holding its ``Popen`` as ``.proc``) by local rank in
+# ``subprocess_handlers``, the local ranks still running in ``_running_local_ranks``, the
+# failures seen in ``_failures``, and per local rank ``args``, ``envs`` (with the
+# TORCHELASTIC_ERROR_FILE reify() set), ``stdouts``, ``stderrs``, ``error_files``. Its
+# ``_poll`` closes every process as soon as one failed: ftrun reads the processes' exit codes
+# itself first (``worker_processes``) and swaps a new handler in for a dead rank
+# (``replace_worker``), so the context then monitors and closes the survivors and the
+# replacement alike. A context without these attributes (a function entrypoint's
+# MultiprocessContext, a torch that moved them) makes both return None / raise
+# ``SeamMissing``: the caller restarts every worker the way torch does.
+
+_CONTEXT_ATTRS = ("subprocess_handlers", "_running_local_ranks", "_failures", "entrypoint",
+                  "args", "envs", "stdouts", "stderrs", "error_files")
+
+
+class SeamMissing(RuntimeError):
+    """A torch internal ftrun relies on is missing (another torch version); the message
+    names it."""
+
+
+def _check_context(pcontext: Any) -> None:
+    missing = [a for a in _CONTEXT_ATTRS if not hasattr(pcontext, a)]
+    if missing:
+        raise SeamMissing(f"torch's process context {type(pcontext).__name__} has no "
+                          f"{', '.join(missing)}: dead ranks cannot get new processes alone "
+                          "(ftrun supports torch 2.11 to 2.15)")
+    for handler in pcontext.subprocess_handlers.values():
+        if not hasattr(handler, "proc"):
+            raise SeamMissing(f"torch's {type(handler).__name__} has no .proc")
+
+
+def worker_processes(pcontext: Any) -> dict[int, Any] | None:
+    """Local rank -> the worker's ``subprocess.Popen``, for a ``SubprocessContext`` (None
+    for another context, or a torch without the attributes, logged once)."""
+    if pcontext is None:
+        return None
+    try:
+        _check_context(pcontext)
+    except SeamMissing as e:
+        _warn_once(str(e))
+        return None
+    return {lr: h.proc for lr, h in pcontext.subprocess_handlers.items()}
+
+
+def replace_worker(pcontext: Any, local_rank: int, env: dict[str, str]) -> int:
+    """Start a new process for ``local_rank`` of ``pcontext`` (whose old process has exited),
+    with torch's own entrypoint, arguments and log files and environment ``env`` (plus the
+    error file torch gave that rank); the context then monitors and closes it like the
+    others. Returns its pid. Raises SeamMissing."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        get_subprocess_handler,
+    )
+
+    _check_context(pcontext)
+    old = pcontext.subprocess_handlers[local_rank]
+    if old.proc.poll() is None:
+        raise RuntimeError(f"local rank {local_rank} (pid {old.proc.pid}) still runs")
+    for f in (getattr(old, "_stdout", None), getattr(old, "_stderr", None)):
+        if f is not None:
+            f.close()
+    env = dict(env)
+    error_file = pcontext.envs[local_rank].get("TORCHELASTIC_ERROR_FILE")
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+        if error_file:
+            with contextlib.suppress(FileNotFoundError):
+                import os
+
+                os.unlink(error_file)  # the old process's error is not the new one's
+    kwargs: dict[str, Any] = {}
+    if "numa_options" in inspect.signature(get_subprocess_handler).parameters:
+        kwargs["numa_options"] = getattr(pcontext, "_numa_options", None)  # not in 2.11
+    handler = get_subprocess_handler(
+        entrypoint=pcontext.entrypoint, args=pcontext.args[local_rank], env=env,
+        stdout=pcontext.stdouts[local_rank], stderr=pcontext.stderrs[local_rank],
+        local_rank_id=local_rank, **kwargs)
+    pcontext.subprocess_handlers[local_rank] = handler
+    pcontext._failures.pop(local_rank, None)
+    pcontext._running_local_ranks.add(local_rank)
+    return int(handler.proc.pid)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning("%s", msg)

@@ -175,4 +175,31 @@ COLL_INTERVAL = Knob(
     "waiting 50 ms or more; five times less often otherwise.", "worker",
 )
 
+RANK_CONTROL = Knob(
+    "FTRUN_RANK_CONTROL", "path", "",
+    "Set by a launcher that restarts ranks in place: the base path of this rank's control "
+    "socket (<path>.sock) and state file (<path>.json) for @ftrun.resilient. Unset: the "
+    "resilient wrapper calls the training function once.", "worker",
+)
+RANK_GENERATION = Knob(
+    "FTRUN_RANK_GENERATION", "integer", "0",
+    "Set by a launcher that restarts ranks in place: the generation of the world a new "
+    "process joins (how many restarts in place the launcher ran before it started).",
+    "worker",
+)
+INPLACE_TIMEOUT = Knob(
+    "FTRUN_INPLACE_TIMEOUT", "seconds", "0",
+    "Experimental in-process restart for @ftrun.resilient scripts, off by default (0): "
+    "set it (5 is a good start) to turn it on. How long a launcher waits for a failed "
+    "rank's process to exit, for the surviving ranks to leave the training function after "
+    "rank_abort and to start it again after rank_world. A rank that does not exit or leave "
+    "in time (blocked inside a C call) is killed and gets a new process; one that does not "
+    "start again falls back to a process restart of every local rank.",
+)
+INPLACE_WAIT = Knob(
+    "FTRUN_INPLACE_WAIT", "seconds", "1800",
+    "How long a rank that left its training function because a peer failed (or on its "
+    "launcher's abort) waits for its launcher's decision (run again, or exit) before it "
+    "exits with an error.", "worker",
+)
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Knob))

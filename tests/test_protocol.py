@@ -101,6 +101,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
                                                    "rtt_s": None, "mb_s": None,
                                                    "error": "timeout"}]},
     "fault_corrupt": {"rank": 2},
+    "rank_abort": {"generation": 1, "reason": "rank 2 failed"},
+    "rank_world": {"generation": 1, "env": {"RANK": "0", "MASTER_PORT": "29500"}},
+    "rank_exit": {"generation": 1, "reason": "no restarts left"},
     "fault_reply": {"segment": "s", "step": 3, "offset": 100},
 }
 

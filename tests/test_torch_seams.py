@@ -164,6 +164,7 @@ AGENT_METHODS = {
     "_start_workers": ["self", "worker_group"],
     "_monitor_workers": ["self", "worker_group"],
     "_restart_workers": ["self", "worker_group"],
+    "_stop_workers": ["self", "worker_group"],
 }
 
 
@@ -468,3 +469,76 @@ def test_abort_process_groups_forgets_every_group_so_a_new_world_can_form() -> N
     out = subprocess.run([sys.executable, "-c", ABORT_CHECK], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_worker_env_matches_torchs_start_workers() -> None:
+    """ftrun._torch.worker_env builds, for a rank restarted in place, the keys torch's
+    _start_workers gives a new worker process."""
+    import re
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    src = inspect.getsource(LocalElasticAgent._start_workers)
+    block = src[src.index("worker_env = {"):src.index("self._set_local_rank_env")]
+    torch_keys = set(re.findall(r'"([A-Z_]+)":', block))
+    ours = inspect.getsource(_torch.worker_env)
+    assert torch_keys and torch_keys == set(re.findall(r'"([A-Z_]+)":', ours))
+    assert "self._set_local_rank_env(worker_env, local_rank, spec)" in src
+    assert 'worker_env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]' in src
+
+
+def test_detach_process_groups_lets_a_new_group_form(tmp_path: Path) -> None:
+    """detach_process_groups forgets every group at once (a new default group forms) and
+    returns the abort of the old ones."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.new_group([0])
+    assert _torch.default_backend() == "gloo"
+    abort = _torch.detach_process_groups()
+    assert _torch.default_backend() is None
+    store2 = dist.FileStore(str(tmp_path / "store2"), 1)
+    dist.init_process_group("gloo", store=store2, rank=0, world_size=1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    abort()
+    assert t.item() == 1.0
+    dist.destroy_process_group()
+
+
+def test_a_dead_worker_gets_a_new_process_in_torchs_context(tmp_path: Path) -> None:
+    """ftrun._torch.worker_processes / replace_worker on torch's own SubprocessContext: the
+    exit code is read without torch's poll closing the others, the new process replaces
+    the dead one in pids(), the survivor keeps its pid, and close() ends both."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    code = "import os, sys, time; sys.exit(3) if os.environ['X'] == 'die' else time.sleep(60)"
+    pc = start_processes(
+        name="seam", entrypoint=sys.executable,
+        args={0: ("-c", code), 1: ("-c", code)},
+        envs={0: {"X": "live"}, 1: {"X": "die"}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    try:
+        procs = _torch.worker_processes(pc)
+        assert procs is not None and set(procs) == {0, 1}
+        assert procs[1].wait(30) == 3
+        assert procs[0].poll() is None  # torch's poll would have closed it by now
+        before = pc.pids()
+        new_pid = _torch.replace_worker(pc, 1, {"X": "live"})
+        after = pc.pids()
+        assert after[0] == before[0] and after[1] == new_pid != before[1]
+        assert pid_alive(new_pid)
+        assert pc.wait(0) is None  # both running: no failure left over from the dead one
+    finally:
+        pc.close(signal.SIGKILL, 5)
+    assert not pid_alive(after[0]) and not pid_alive(new_pid)
+
+
+def test_a_context_without_the_attributes_is_refused_loudly() -> None:
+    class Other:  # a MultiprocessContext, or a torch that moved the attributes
+        subprocess_handlers: dict = {}  # noqa: RUF012
+
+    assert _torch.worker_processes(Other()) is None
+    with pytest.raises(_torch.SeamMissing, match="_running_local_ranks"):
+        _torch.replace_worker(Other(), 0, {})

@@ -28,10 +28,12 @@ them through :func:`ftrun._torch.agent_class`, under public names):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -48,9 +50,11 @@ from torch.distributed.elastic.agent.server.api import (
 
 from ftrun import _torch, knobs
 from ftrun.coordinator.api import NodeState
+from ftrun.errors import FtrunError
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
 from ftrun.pdeath import tie_entrypoint
+from ftrun.rank import resilient
 from ftrun.rank.progress import create_progress_file, read_progress
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,14 @@ STOPPED_LIMIT_S = 10.0
 DROPPED_GRACE_S = 2.0
 # How long an isolated node tries to leave its rendezvous round before it exits anyway.
 LEAVE_TIMEOUT_S = 5.0
+# How long a rank's control socket may take to acknowledge an order (restart in place).
+RANK_REQUEST_TIMEOUT_S = 2.0
+# The states of a rank's resilient wrapper in which it can restart in place.
+RESTARTABLE = ("running", "failed", "aborted")
+
+
+class InPlaceFailed(Exception):
+    """An in-process restart could not finish; the message says why (the fallback's why)."""
 
 
 class HostIsolated(_torch.rendezvous_keeping_error()):  # type: ignore[misc]
@@ -131,6 +143,19 @@ def proc_state(pid: int) -> str | None:
     return rest[0] if rest else None
 
 
+def _not_restartable(worker: Any, alive: bool, state: dict[str, Any] | None) -> str | None:
+    """Why a local rank cannot restart in place (None: it can): dead, not registered by
+    ``@ftrun.resilient``, or in a state it cannot restart from."""
+    if not alive:
+        return f"local rank {worker.local_rank} (rank {worker.global_rank}) is dead"
+    if state is None:
+        return (f"local rank {worker.local_rank} does not restart in place (its script does "
+                "not use ftrun.resilient, or has not reached it yet)")
+    if state.get("state") not in RESTARTABLE:
+        return f"local rank {worker.local_rank} is {state.get('state')}"
+    return None
+
+
 def _signal_name(exitcode: int | None) -> str | None:
     if exitcode is None or exitcode >= 0:
         return None
@@ -158,6 +183,18 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._missing_since: dict[str, float] = {}
         self._in_rendezvous = False
         self._isolated: HostIsolated | None = None
+        # In-process restart: the generation of the ranks' world (one more per restart in
+        # place), why the next restart is needed and when that was seen, and the
+        # restart-in-place order of a coordinator's directive.
+        try:
+            self._inplace_timeout_s = max(0.0, float(knobs.INPLACE_TIMEOUT.get()))
+        except ValueError:
+            self._inplace_timeout_s = float(knobs.INPLACE_TIMEOUT.default)
+        self._generation = 0
+        self._restart_why: str | None = None
+        self._detected_at: float | None = None
+        self._inplace_request: str | None = None
+        self._replace: set[int] = set()  # dead local ranks the next restart gives new processes
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------
@@ -226,9 +263,20 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         path = self._ctx.node_dir / f"progress-{local_rank}"
         create_progress_file(str(path))
         worker_env[knobs.PROGRESS_FILE.name] = str(path)
+        if self._inplace_timeout_s > 0:
+            worker_env[knobs.RANK_CONTROL.name] = self._control_base(local_rank)
+            worker_env[knobs.RANK_GENERATION.name] = str(self._generation)
 
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ.update(self._ctx.worker_env)
+        for w in worker_group.workers:  # a new process registers anew
+            base = self._control_base(w.local_rank)
+            for path in (base + resilient.STATE_SUFFIX, base + resilient.SOCKET_SUFFIX):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        self._replace = set()
         self._exitcodes.clear()
         self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
         self._verdicts = {}
@@ -244,7 +292,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
 
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._carry_out_directives(worker_group, running=True)
-        result = super().monitor_workers(worker_group)
+        if self._inplace_request is not None:
+            self._note_restart(self._inplace_request)
+            self._inplace_request = None
+            return RunResult(state=WorkerState.UNHEALTHY)
+        result = self._poll_workers(worker_group)
+        if result.state == WorkerState.UNHEALTHY and self._replace:
+            return result
         store = self._ctx.store
         if store is not None:
             code = store.check()
@@ -272,7 +326,295 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             max_restarts=worker_group.spec.max_restarts,
             reason=worker_group.state.name,
         )
-        super().restart_workers(worker_group)
+        why = self._restart_why or (
+            "a new node joins the job" if worker_group.state == WorkerState.HEALTHY
+            else f"workers {worker_group.state.name.lower()}")
+        detected = self._detected_at or time.monotonic()
+        self._restart_why, self._detected_at = None, None
+        t0 = time.monotonic()
+        cannot = self._cannot_restart_in_place(worker_group)
+        if cannot is None:
+            try:
+                self._restart_in_place(worker_group, why, detected, t0)
+                return
+            except InPlaceFailed as e:
+                how, because = "fallback", str(e)
+        else:
+            how, because = "new_process", cannot
+        log.warning("restarting the workers as new processes (%s)", because)
+        t1 = time.monotonic()
+        if self._rendezvous_done_for_fallback:
+            self._rendezvous_done_for_fallback = False
+            self.stop_workers(worker_group)
+            worker_group.state = WorkerState.STOPPED
+            self._start_new(worker_group)
+        else:
+            super().restart_workers(worker_group)
+        self._ctx.sink.event(
+            "recovery", how=how, why=why, fallback_reason=because,
+            detect_s=round(t0 - detected, 3), in_place_s=round(t1 - t0, 3),
+            restart_s=round(time.monotonic() - t1, 3),
+            total_s=round(time.monotonic() - detected, 3))
+
+    # ---- in-process restart -----------------------------------------------------------
+    _rendezvous_done_for_fallback = False
+
+    def _control_base(self, local_rank: int) -> str:
+        return str(self._ctx.node_dir / f"rank-{local_rank}")
+
+    def _note_restart(self, why: str) -> None:
+        if self._restart_why is None:
+            self._restart_why, self._detected_at = why, time.monotonic()
+
+    def _rank_states(self, worker_group: WorkerGroup) -> dict[int, dict[str, Any] | None]:
+        """Local rank -> its resilient wrapper's state, None where the running process has
+        not registered (no state file, or one of an earlier process)."""
+        pids = self.worker_pids()
+        out: dict[int, dict[str, Any] | None] = {}
+        for w in worker_group.workers:
+            doc = resilient.read_state(self._control_base(w.local_rank))
+            pid = pids.get(w.local_rank)
+            out[w.local_rank] = doc if doc is not None and doc.get("pid") == pid else None
+        return out
+
+    def _poll_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """torch's monitor tick, except where dead ranks can be replaced alone.
+
+        torch's context closes every worker as soon as one failed. With in-process restart
+        on, ftrun reads the exit codes itself first: a rank that died (exit code other than
+        0, or its resilient wrapper reports ``failed`` and is exiting) while every other
+        local rank is alive and restartable in place makes the tick UNHEALTHY (a restart,
+        counted), with the dead ranks remembered for :meth:`_restart_in_place`. Otherwise
+        (no restarts left, a rank that does not restart in place, another torch) torch's
+        own tick runs and its failure path takes over as before.
+        """
+        procs = (_torch.worker_processes(self._pcontext) if self._inplace_timeout_s > 0
+                 else None)
+        if procs is None:
+            return super().monitor_workers(worker_group)
+        codes = {lr: p.poll() for lr, p in procs.items()}  # one reading for the whole tick
+        states = self._rank_states(worker_group)
+        dead = {lr for lr, c in codes.items() if c not in (None, 0)}
+        dead |= {lr for lr, doc in states.items()
+                 if codes.get(lr) is None and doc is not None and doc.get("state") == "failed"}
+        if dead:
+            if self.remaining_restarts() > 0 and self._replaceable(
+                    worker_group, dead, codes, states) is None:
+                self._on_dead_ranks(worker_group, dead, codes, states)
+                return RunResult(state=WorkerState.UNHEALTHY)
+            if any(codes[lr] is None for lr in dead):
+                return RunResult(state=WorkerState.HEALTHY)  # torch sees it exit next tick
+            return super().monitor_workers(worker_group)
+        if any(c is None for c in codes.values()):
+            return RunResult(state=WorkerState.HEALTHY)  # no exit: torch's poll has nothing
+        return super().monitor_workers(worker_group)
+
+    def _replaceable(self, worker_group: WorkerGroup, dead: set[int],
+                     codes: dict[int, int | None],
+                     states: dict[int, dict[str, Any] | None]) -> str | None:
+        """Why the dead local ranks cannot get new processes alone while the others restart
+        in place (None: they can)."""
+        for w in worker_group.workers:
+            if w.local_rank not in dead:
+                why = _not_restartable(w, codes.get(w.local_rank) is None,
+                                       states.get(w.local_rank))
+                if why is not None:
+                    return why
+        return None
+
+    def _on_dead_ranks(self, worker_group: WorkerGroup, dead: set[int],
+                       codes: dict[int, int | None],
+                       states: dict[int, dict[str, Any] | None]) -> None:
+        """Record the dead ranks (events, last error, why the restart) and remember them."""
+        by_local = {w.local_rank: w for w in worker_group.workers}
+        pids = self.worker_pids()
+        first: str | None = None
+        for lr in sorted(dead, key=lambda lr: (states.get(lr) or {}).get("ts") or 0):
+            rank = by_local[lr].global_rank
+            doc = states.get(lr)
+            code = codes.get(lr)
+            sig = _signal_name(code)
+            if doc is not None and doc.get("state") == "failed":
+                what = f"rank {rank} failed: {doc.get('error')}"
+            elif sig is not None:
+                what = f"rank {rank} died ({sig})"
+            else:
+                what = f"rank {rank} died (exit code {code})"
+            first = first or what
+            if code is not None:
+                self._exitcodes[lr] = code
+            self._ctx.sink.event("worker_failure", rank=rank, local_rank=lr, pid=pids.get(lr),
+                                 exitcode=code, signal=sig,
+                                 message=str((doc or {}).get("error") or what)[:4096],
+                                 timestamp=time.time(), in_place=True)
+        assert first is not None
+        self._last_error = first[:1024]
+        self._note_restart(first[:300])
+        self._replace = set(dead)
+        self._phase = NodeState.RESTARTING
+
+    def _cannot_restart_in_place(self, worker_group: WorkerGroup) -> str | None:
+        """Why the workers cannot restart in place (None: they can)."""
+        if self._inplace_timeout_s <= 0:
+            return "in-process restart is off (FTRUN_INPLACE_TIMEOUT=0)"
+        pids = self.worker_pids()
+        if not pids:
+            return "no workers run"
+        if _torch.worker_processes(self._pcontext) is None and self._replace:
+            return "torch's process context cannot replace one worker (see the log)"
+        states = self._rank_states(worker_group)
+        for w in worker_group.workers:
+            if w.local_rank in self._replace:
+                continue  # dead: it gets a new process
+            pid = pids.get(w.local_rank)
+            why = _not_restartable(w, pid is not None and proc_state(pid) not in
+                                   (None, "Z", "X"), states.get(w.local_rank))
+            if why is not None:
+                return why
+        return None
+
+    def _order(self, local_rank: int, kind: str, body: dict[str, Any],
+               quiet: bool = False) -> bool:
+        """Send one order to a rank's control socket; False (logged) when not acknowledged."""
+        from ftrun.protocol.transport import Client
+
+        secret = self._ctx.worker_env.get(knobs.SECRET.name) or knobs.SECRET.get()
+        client = Client(resilient.control_url(self._control_base(local_rank)), secret.encode(),
+                        self._ctx.worker_env.get(knobs.RUN_ID.name) or knobs.RUN_ID.get(),
+                        f"launcher/{os.getpid()}", peer=f"local rank {local_rank}")
+        try:
+            client.request(kind, body, "ack", RANK_REQUEST_TIMEOUT_S)
+            return True
+        except FtrunError as e:
+            (log.info if quiet else log.warning)("%s to local rank %d: %s", kind, local_rank, e)
+            return False
+        finally:
+            client.close()
+
+    def _wait_ranks(self, worker_group: WorkerGroup, local_ranks: set[int],
+                    ok: Callable[[dict[str, Any]], bool]) -> set[int]:
+        """Wait (bounded by FTRUN_INPLACE_TIMEOUT) until the state of each of ``local_ranks``
+        satisfies ``ok``; returns those that did not (late, or dead)."""
+        deadline = time.monotonic() + self._inplace_timeout_s
+        while True:
+            states = self._rank_states(worker_group)
+            late = {lr for lr in local_ranks if states.get(lr) is None or not ok(states[lr])}
+            if not late or time.monotonic() >= deadline:
+                return late
+            time.sleep(0.01)
+
+    def _reap(self, local_ranks: set[int], timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the processes of ``local_ranks`` to exit; SIGKILL
+        (and reap) those still running then: a rank that does not leave is as dead."""
+        procs = _torch.worker_processes(self._pcontext) or {}
+        deadline = time.monotonic() + timeout_s
+        for lr in sorted(local_ranks):
+            proc = procs.get(lr)
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("local rank %d (pid %d) did not exit within %.1f s; killing it",
+                            lr, proc.pid, timeout_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # torch starts it in its own session
+                proc.wait(RANK_REQUEST_TIMEOUT_S)
+
+    def _restart_in_place(self, worker_group: WorkerGroup, why: str, detected: float,
+                          t0: float) -> None:
+        """Restart in place: the dead local ranks (``self._replace``) get new processes,
+        the survivors are aborted, re-rendezvous, get their new world and keep their
+        processes. A survivor that does not leave the training function within
+        FTRUN_INPLACE_TIMEOUT (blocked inside a C call) is killed and replaced too. Raises
+        InPlaceFailed (the caller falls back to new processes for all)."""
+        gen = self._generation + 1
+        old = self._generation
+        dead = set(self._replace)
+        self._replace = set()
+        survivors = {w.local_rank for w in worker_group.workers} - dead
+        for lr in sorted(survivors):
+            if not self._order(lr, "rank_abort", {"generation": gen, "reason": why}):
+                log.warning("local rank %d did not acknowledge rank_abort: replacing it", lr)
+                dead.add(lr)
+        survivors -= dead
+        self._reap(dead, self._inplace_timeout_s)  # their exit releases the survivors (gloo)
+        late = self._wait_ranks(worker_group, survivors, lambda d: d.get("state") in (
+            "failed", "aborted") and d.get("generation") == old)
+        if late:
+            log.warning("local rank(s) %s did not leave the training function within %.1f s: "
+                        "killing them for new processes", sorted(late), self._inplace_timeout_s)
+            self._reap(late, 0.0)
+            dead |= late
+            survivors -= late
+        t_abort = time.monotonic()
+        self.rendezvous(worker_group)  # new ranks, world size, master address and port
+        t_rdzv = time.monotonic()
+        self._rendezvous_done_for_fallback = True
+        self._generation = gen  # a new process joins this generation (FTRUN_RANK_GENERATION)
+        pids = self.worker_pids()
+        for w in worker_group.workers:
+            if w.local_rank not in survivors:
+                continue
+            w.id = pids.get(w.local_rank)
+            env = _torch.worker_env(self, worker_group, w)
+            if not self._order(w.local_rank, "rank_world", {"generation": gen, "env": env}):
+                self._generation = old
+                raise InPlaceFailed(f"local rank {w.local_rank} did not acknowledge rank_world")
+        for w in worker_group.workers:
+            if w.local_rank not in dead:
+                continue
+            base = self._control_base(w.local_rank)
+            for path in (base + resilient.STATE_SUFFIX, base + resilient.SOCKET_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            env = {**self._ctx.worker_env, **_torch.worker_env(self, worker_group, w)}
+            try:
+                w.id = _torch.replace_worker(self._pcontext, w.local_rank, env)
+            except (_torch.SeamMissing, RuntimeError, OSError) as e:
+                self._generation = old
+                raise InPlaceFailed(f"cannot start a new process for local rank "
+                                    f"{w.local_rank}: {e}") from e
+            pids[w.local_rank] = w.id
+        late = self._wait_ranks(worker_group, survivors, lambda d: d.get("generation") == gen
+                                and d.get("state") in ("running", "done"))
+        if late:
+            self._generation = old
+            raise InPlaceFailed(f"local rank(s) {sorted(late)} did not run the function again "
+                                f"within {self._inplace_timeout_s:g} s")
+        self._rendezvous_done_for_fallback = False
+        t_world = time.monotonic()
+        self._exitcodes.clear()
+        self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
+        self._verdicts = {}
+        worker_group.state = WorkerState.HEALTHY
+        self._phase = NodeState.HEALTHY
+        restart_count = worker_group.spec.max_restarts - self.remaining_restarts()
+        by_local = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self._ctx.sink.event(
+            "workers_started", restart_count=restart_count, in_place=True,
+            pids={str(k): v for k, v in pids.items()},
+            ranks=[w.global_rank for w in worker_group.workers],
+            new_processes=sorted(by_local[lr] for lr in dead))
+        self._ctx.sink.event(
+            "recovery", how="in_process", why=why, generation=gen, restart_count=restart_count,
+            new_processes=sorted(by_local[lr] for lr in dead),
+            kept=sorted(by_local[lr] for lr in survivors),
+            detect_s=round(t0 - detected, 3), abort_s=round(t_abort - t0, 3),
+            rendezvous_s=round(t_rdzv - t_abort, 3), world_s=round(t_world - t_rdzv, 3),
+            total_s=round(t_world - detected, 3))
+        log.warning("workers restarted in place (generation %d, %.3f s: abort %.3f s, "
+                    "rendezvous %.3f s, world %.3f s; new processes for rank(s) %s): %s", gen,
+                    t_world - detected, t_abort - t0, t_rdzv - t_abort, t_world - t_rdzv,
+                    sorted(by_local[lr] for lr in dead) or "none", why)
+
+    def _start_new(self, worker_group: WorkerGroup) -> None:
+        """New processes for a group whose rendezvous is done (torch's
+        ``_initialize_workers`` after its rendezvous)."""
+        pids = self.start_workers(worker_group)
+        for local_rank, pid in pids.items():
+            worker_group.workers[local_rank].id = pid
+        worker_group.state = WorkerState.HEALTHY
 
     def shutdown(self, death_sig: signal.Signals, timeout: int) -> None:
         # A stopped process never handles SIGTERM until continued, so torch would wait the
@@ -343,6 +685,18 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                     did: Any) -> None:
         pids = self.worker_pids()
         wanted = {r for r in ranks if isinstance(r, int)}
+        mine = [w.global_rank for w in worker_group.workers if w.global_rank in wanted]
+        if mine and self.remaining_restarts() > 0 and \
+                self._cannot_restart_in_place(worker_group) is None:
+            # Every local rank can restart in place: abort them all rather than kill the
+            # culprits (one stuck inside a C call is killed after FTRUN_INPLACE_TIMEOUT).
+            log.error("rank(s) %s named by the coordinator: %s; restarting the workers in "
+                      "place", mine, reason)
+            self._last_error = f"rank(s) {', '.join(map(str, mine))} restarted: {reason}"[:1024]
+            self._inplace_request = f"coordinator: rank(s) {mine}: {reason}"[:300]
+            self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted), killed=[],
+                                 in_place=True, reason=reason)
+            return
         killed = []
         for w in worker_group.workers:
             pid = pids.get(w.local_rank)

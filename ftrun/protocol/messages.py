@@ -680,6 +680,38 @@ class FaultReply(Body):
     offset: int
 
 
+# In-process restart. Launcher -> one of its ranks, on the rank's control socket
+# (ftrun.rank.resilient; FTRUN_RANK_CONTROL): leave the training function (``rank_abort``),
+# run it again in this world (``rank_world``), or end with the error it raised
+# (``rank_exit``). ``generation`` numbers the launcher's restarts in place; a rank ignores an
+# order of a generation older than the one it runs.
+RankEnv = Annotated[dict[Str, Str], msgspec.Meta(max_length=256)]
+
+
+class RankAbort(Body):
+    KIND = "rank_abort"
+    REPLIES = ("ack",)
+    generation: int
+    reason: Str
+
+
+class RankWorld(Body):
+    """``env``: the variables a fresh worker of this world would start with (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...)."""
+
+    KIND = "rank_world"
+    REPLIES = ("ack",)
+    generation: int
+    env: RankEnv
+
+
+class RankExit(Body):
+    KIND = "rank_exit"
+    REPLIES = ("ack",)
+    generation: int
+    reason: Str
+
+
 def _subclasses(cls: type) -> list[type]:
     out = []
     for sub in cls.__subclasses__():

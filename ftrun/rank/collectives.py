@@ -287,7 +287,30 @@ class CollectiveMonitor:
 
 _monitor: CollectiveMonitor | None = None
 _monitor_pid = 0
+_monitor_world: tuple[int, int, int] = (-1, -1, -1)  # rank, world size, restart count
 _lock = threading.Lock()
+
+
+def stop_monitor() -> None:
+    """Stop this process's collective monitor, if one runs (``@ftrun.resilient`` calls it
+    when the training function leaves: the groups it watched are gone, and a run in the new
+    world starts a monitor of its own, with the new rank, world size and restart count)."""
+    global _monitor
+    with _lock:
+        monitor, _monitor = _monitor, None
+    if monitor is not None and _monitor_pid == os.getpid():
+        monitor.stop()
+
+
+def _world_now() -> tuple[int, int, int]:
+    """The world this process runs in: RANK, WORLD_SIZE, TORCHELASTIC_RESTART_COUNT (an
+    in-process restart changes the environment like a new process would see it)."""
+    def num(name: str) -> int:
+        try:
+            return int(os.environ.get(name) or 0)
+        except ValueError:
+            return 0
+    return num("RANK"), num("WORLD_SIZE"), num("TORCHELASTIC_RESTART_COUNT")
 
 
 def monitor_collectives() -> CollectiveMonitor | None:
@@ -297,10 +320,14 @@ def monitor_collectives() -> CollectiveMonitor | None:
     ``Snapshotter`` calls this itself; a script without snapshots calls it once after
     ``init_process_group``. Under plain torchrun or python it only logs that it is off.
     """
-    global _monitor, _monitor_pid
+    global _monitor, _monitor_pid, _monitor_world
     with _lock:
         if _monitor is not None and _monitor_pid == os.getpid():
-            return _monitor
+            if _monitor_world == _world_now():
+                return _monitor
+            # An in-process restart without stop_monitor(): the old world's monitor goes.
+            _monitor.stop()
+            _monitor = None
         endpoint = knobs.DETECT.get()
         if not endpoint:
             log.debug("collective monitor off: no %s (not launched by ftrun, or the job "
@@ -330,7 +357,7 @@ def monitor_collectives() -> CollectiveMonitor | None:
             interval_s=interval_s)
         monitor.start()
         atexit.register(monitor.stop)
-        _monitor, _monitor_pid = monitor, os.getpid()
+        _monitor, _monitor_pid, _monitor_world = monitor, os.getpid(), _world_now()
         log.debug("collective monitor reporting to %s every %.2f s (sampling every %.3f s)",
                   endpoint, REPORT_S, interval_s)
         return monitor

@@ -1,0 +1,128 @@
+"""In-process restart (``@ftrun.resilient``) with real ftrun launchers, gloo on CPU.
+
+examples/user_ddp.py wraps its training function in ``@ftrun.resilient``. A rank that raises
+or is SIGKILLed mid-epoch is dead: its process exits, which closes its gloo connections and
+so releases the ranks blocked in DDP's all-reduce with it (their wrappers see a peer lost
+and wait for the launcher). Its launcher gives only that rank a new process; the survivors,
+on its node and on the others, are aborted, re-rendezvous and run the function again in the
+same process. The recovery is recorded (event ``recovery``: how, why, phases, new
+processes), and the final weights are bit-identical to the fault-free run.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Procs, free_port, read_events
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
+
+SCRIPT = str(ROOT / "examples" / "user_ddp.py")
+# 192 samples / 3 ranks / batch 8 = 8 steps per epoch, 2 epochs.
+ARGS = ("--epochs", "2", "--samples", "192", "--batch-size", "8", "--hidden", "64")
+
+
+def launcher_args(run_id: str, port: int, nproc: int, nnodes: int = 1) -> list[str]:
+    return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "2"]
+
+
+def run_job(procs: Procs, tmp: Path, *script_args: str) -> tuple[str, str, str]:
+    """One launcher x three ranks; returns (params_xxh3, run id, output)."""
+    run_id = f"inproc-{uuid.uuid4().hex[:8]}"
+    env = {"FTRUN_STATE_DIR": str(tmp / "state"), "FTRUN_INPLACE_TIMEOUT": "5"}
+    p = procs.ftrun(*launcher_args(run_id, free_port(), 3), SCRIPT, *ARGS, "--fault-dir", str(tmp), "--pid-log", str(tmp),
+                    *script_args, env=env, name="node0")
+    code = procs.wait(p, 240)
+    out = procs.output(p)
+    assert code == 0, f"exit code {code}\n{out[-6000:]}"
+    digests = re.findall(r"user-ddp: step=16 world=3 params_xxh3=([0-9a-f]+)", out)
+    assert len(digests) == 1, out[-6000:]
+    return digests[0], run_id, out
+
+
+def pids_by_rank(tmp: Path) -> dict[int, set[int]]:
+    out = {}
+    for rank in range(3):
+        lines = (tmp / f"pids-rank{rank}.log").read_text().splitlines()
+        out[rank] = {int(line.split()[1]) for line in lines}  # step pid time
+    return out
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("inproc-baseline")
+    procs = Procs(tmp)
+    try:
+        return run_job(procs, tmp)[0]
+    finally:
+        procs.cleanup()
+
+
+def assert_only_rank_replaced(tmp: Path, events: list[dict], rank: int) -> dict:
+    """One in-place recovery, in which ``rank`` (and only it) got a new process."""
+    recoveries = [e for e in events if e["type"] == "recovery"]
+    assert recoveries and all(r["how"] == "in_process" for r in recoveries), recoveries
+    assert all(r["new_processes"] in ([rank], []) for r in recoveries), recoveries
+    assert [rank] in [r["new_processes"] for r in recoveries], recoveries
+    assert {"abort_s", "rendezvous_s", "world_s"} <= recoveries[0].keys(), recoveries
+    pids = pids_by_rank(tmp)
+    assert len(pids[rank]) == 2, pids  # the dead rank's new process
+    assert all(len(p) == 1 for r, p in pids.items() if r != rank), pids  # survivors kept
+    return recoveries[0]
+
+
+def test_raised_fault_recovers_in_place(procs: Procs, tmp_path: Path,
+                                        fault_free: str) -> None:
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "raise",
+                                  "--kill-at-step", "5", "--kill-rank", "1")
+    assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
+    assert "raising in rank 1 in step 5" in out
+    rec = assert_only_rank_replaced(tmp_path, read_events(tmp_path / "state", run_id), 1)
+    assert "rank 1 failed" in rec["why"] and "injected fault" in rec["why"], rec
+    assert sorted(rec["kept"]) == [0, 2], rec
+    assert digest == fault_free
+
+
+def test_killed_rank_gets_a_new_process_alone(procs: Procs, tmp_path: Path,
+                                              fault_free: str) -> None:
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "kill",
+                                  "--kill-at-step", "5", "--kill-rank", "1")
+    assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
+    rec = assert_only_rank_replaced(tmp_path, read_events(tmp_path / "state", run_id), 1)
+    assert "rank 1 died (SIGKILL)" in rec["why"], rec
+    assert digest == fault_free
+
+
+def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
+                                                   fault_free: str) -> None:
+    """Launchers with 1 and 2 ranks; the rank that raises is on one of them: the survivors
+    on both nodes keep their processes (the other launcher restarts in place when the
+    rendezvous opens)."""
+    run_id = f"inproc2-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {"FTRUN_STATE_DIR": str(tmp_path / "state"), "FTRUN_INPLACE_TIMEOUT": "5"}
+    nodes = [procs.ftrun(*launcher_args(run_id, port, nproc, nnodes=2), SCRIPT, *ARGS,
+                         "--fault-dir", str(tmp_path), "--pid-log", str(tmp_path),
+                         "--fail-mode", "raise", "--kill-at-step", "5", "--kill-rank", "1",
+                         env=env, name=f"node{i}")
+             for i, nproc in enumerate((1, 2))]
+    outs = []
+    for node in nodes:
+        code = procs.wait(node, 240)
+        outs.append(procs.output(node))
+        assert code == 0, f"exit code {code}\n{outs[-1][-6000:]}"
+    assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
+    digests = re.findall(r"user-ddp: step=16 world=3 params_xxh3=([0-9a-f]+)", "".join(outs))
+    assert digests == [fault_free], digests
+    events = read_events(tmp_path / "state", run_id)
+    recoveries = [e for e in events if e["type"] == "recovery"]
+    assert len(recoveries) == 2 and all(r["how"] == "in_process" for r in recoveries), \
+        recoveries  # one per launcher
+    assert sorted(map(tuple, (r["new_processes"] for r in recoveries))) == [(), (1,)], \
+        recoveries
+    pids = pids_by_rank(tmp_path)
+    assert len(pids[1]) == 2 and len(pids[0]) == 1 and len(pids[2]) == 1, pids
