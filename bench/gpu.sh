@@ -7,6 +7,8 @@
 #
 #   bash bench/gpu.sh              # results under $OUT (or /tmp/ftrun-gpu): gpu.md, logs
 #   PARTS="tests-cuda reform-nccl" bash bench/gpu.sh    # only those parts
+#   FTRUN_TREE=$(git rev-parse --short HEAD) ...         # the tree's name in the table (a
+#                                                        # copied tree's .git may be stale)
 #
 # The machine may lack packages and have no index to fetch them from: put their wheels in
 # .whl/ (pyzmq, msgspec: see bench/README.md) and they are installed first. ftrun itself is
@@ -79,7 +81,7 @@ part monitor-nccl 90 "$PY" bench/detect.py overhead --device cuda --ranks 1 --pa
 
 {
     echo
-    echo "### bench/gpu.sh: $(date -u '+%Y-%m-%d %H:%M UTC'), $(cat "$OUT/machine.txt"), tree $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    echo "### bench/gpu.sh: $(date -u '+%Y-%m-%d %H:%M UTC'), $(cat "$OUT/machine.txt"), tree ${FTRUN_TREE:-as copied (git there: $(git rev-parse --short HEAD 2>/dev/null || echo none))}"
     echo
     echo "| part | result | time | summary |"
     echo "| --- | --- | --- | --- |"
