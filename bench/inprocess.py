@@ -12,10 +12,11 @@ a step after the fault (``--pid-log``: one ``step pid time`` line per step and r
 
 Variants:
 
-- ``ftrun in place, kill`` / ``ftrun in place, raise``: ftrun at its defaults: the dead rank
-  gets a new process, the others restart in place (the event log's ``recovery`` says how);
-- ``ftrun process restart, kill``: ``FTRUN_INPLACE_TIMEOUT=0`` (every rank a new process,
-  resumed from the snapshot);
+- ``ftrun in place, kill`` / ``ftrun in place, raise``: in-process restart turned on
+  (``FTRUN_INPLACE_TIMEOUT=5``; it is off by default): the dead rank gets a new process, the
+  others restart in place (the event log's ``recovery`` says how);
+- ``ftrun process restart, kill``: ``FTRUN_INPLACE_TIMEOUT=0``, the default (every rank a new
+  process, resumed from the snapshot);
 - ``torchrun, kill``: ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (new
   processes; the Snapshotter does nothing under torchrun, so the job starts over at step 1).
 
@@ -54,8 +55,8 @@ class Variant:
 
 
 VARIANTS = [
-    Variant("ftrun in place, kill", "ftrun", "kill", {}),
-    Variant("ftrun in place, raise", "ftrun", "raise", {}),
+    Variant("ftrun in place, kill", "ftrun", "kill", {"FTRUN_INPLACE_TIMEOUT": "5"}),
+    Variant("ftrun in place, raise", "ftrun", "raise", {"FTRUN_INPLACE_TIMEOUT": "5"}),
     Variant("ftrun process restart (FTRUN_INPLACE_TIMEOUT=0), kill", "ftrun", "kill",
             {"FTRUN_INPLACE_TIMEOUT": "0"}),
     Variant("torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, kill", "torchrun", "kill",
