@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "__init__": 11,
     "faults": 11,
     "testing": 11,  # the tests' and benches' harness (imports anything, imported by nothing)
+    "integrations": 11,  # framework glue over the rank API (imported by nothing in ftrun)
     "cli": 10,
     "launcher": 9,
     "store": 8,
