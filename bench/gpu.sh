@@ -2,8 +2,9 @@
 # Everything ftrun checks on a GPU, from a fresh copy of the tree, in one run (under 8 minutes
 # on one H100): the CUDA/NCCL tests, the torch seam tests against that machine's torch, the
 # snapshot benchmark on a ~3 GB model (save every step vs none vs the pinned-copy limit, and
-# restore), NCCL group re-formation in place vs a new worker, and the collective monitor's
-# overhead on NCCL. It ends with one table, one row per part.
+# restore), in-process restart of a job whose NCCL rank raises (fault -> next step against a
+# process restart and torchrun), NCCL group re-formation in place vs a new worker, and the
+# collective monitor's overhead on NCCL. It ends with one table, one row per part.
 #
 #   bash bench/gpu.sh              # results under $OUT (or /tmp/ftrun-gpu): gpu.md, logs
 #   PARTS="tests-cuda reform-nccl" bash bench/gpu.sh    # only those parts
@@ -74,6 +75,9 @@ part tests-cuda 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     tests/test_torch_seams.py
 part snapshot-3gb 230 "$PY" bench/snapshot.py --device cuda --size-gib 3 --steps 12 \
     --base-steps 4 --pair-steps 4 --auto-steps 16 --quiet-wait 5 --job-timeout 150 \
+    --output "$REPORT"
+part inplace-nccl 240 "$PY" bench/inprocess.py --device cuda --nproc 1 --fail-rank 0 \
+    --fail-at-step 10 --fail-mode raise --samples 192 --repeats 2 --job-timeout 100 \
     --output "$REPORT"
 part reform-nccl 60 "$PY" bench/reform.py --device cuda --rounds 5 --output "$REPORT"
 part monitor-nccl 90 "$PY" bench/detect.py overhead --device cuda --ranks 1 --pairs 4 \

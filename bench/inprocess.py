@@ -84,6 +84,8 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
            "--max-restarts", "1", SCRIPT, "--epochs", str(cfg.epochs), "--samples",
            str(cfg.samples), "--batch-size", "8", "--hidden", "64", "--fault-dir", str(job),
            "--pid-log", str(job)]
+    if cfg.device != "cpu":
+        cmd += ["--device", cfg.device]
     if v.fail_mode:
         cmd += ["--fail-mode", v.fail_mode, "--kill-at-step", str(cfg.fail_at_step),
                 "--kill-rank", str(cfg.fail_rank)]
@@ -109,13 +111,14 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
         firsts = []
         for rank in range(cfg.nproc):
             lines = [ln.split() for ln in (job / f"pids-rank{rank}.log").read_text().splitlines()]
-            # The restarted world's first step on this rank: the first line after the fault
-            # in a new process, or repeating a step (survivors log the faulty step itself
-            # after the marker, then resume from the snapshot before it).
+            # The restarted world's first step on this rank: the failing rank's first line
+            # after the fault (it fails before logging the step); another rank's first line
+            # after it in a new process, or repeating a step (survivors may log the faulty
+            # step itself after the marker, then resume from the snapshot before it).
             first, prev = None, None
             for s, pid, t in lines:
-                if prev is not None and float(t) > fault and (
-                        pid != prev[1] or int(s) <= int(prev[0])):
+                if float(t) > fault and (rank == cfg.fail_rank or prev is not None and (
+                        pid != prev[1] or int(s) <= int(prev[0]))):
                     first = (float(t), int(s))
                     break
                 prev = (s, pid)
@@ -144,16 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-at-step", type=int, default=10)
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--job-timeout", type=float, default=300.0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: NCCL, one rank per GPU (--nproc at most the GPUs)")
+    p.add_argument("--fail-mode", choices=("kill", "raise"),
+                   help="every variant fails this way (default: each variant's own)")
     p.add_argument("--output", metavar="FILE", help="append the report to FILE")
     p.add_argument("--keep", action="store_true")
     cfg = p.parse_args(argv)
     started = datetime.now(timezone.utc)
     load0 = os.getloadavg()[0]
+    variants = VARIANTS
+    if cfg.fail_mode:
+        named: dict[str, Variant] = {}
+        for v in VARIANTS:
+            name = v.name.rpartition(", ")[0] + f", {cfg.fail_mode}"
+            named.setdefault(name, Variant(name, v.launcher, cfg.fail_mode, v.env))
+        variants = list(named.values())
     with work_dir("ftrun-bench-inproc-", cfg.keep) as root:
         base = run_job(cfg, Variant("fault-free", "ftrun", "", {}), root)
-        runs: dict[str, list[Result]] = {v.name: [] for v in VARIANTS}
+        runs: dict[str, list[Result]] = {v.name: [] for v in variants}
         for i in range(cfg.repeats):
-            for v in VARIANTS:
+            for v in variants:
                 r = run_job(cfg, v, root)
                 runs[v.name].append(r)
                 print(f"[{i + 1}/{cfg.repeats}] {v.name}: fault -> next step "
@@ -165,14 +179,15 @@ def main(argv: list[str] | None = None) -> int:
 
     lines = [
         "## In-process restart: only the dead rank gets a new process (issue 17)", "",
-        f"- Command: `.venv/bin/python bench/inprocess.py --repeats {cfg.repeats}`",
+        f"- Command: `python bench/inprocess.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"- Date (UTC): {started:%Y-%m-%d %H:%M} UTC",
         f"- Host: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, load "
         f"average (1 min) {load0:.2f} at start / {os.getloadavg()[0]:.2f} at end, Python "
         f"{platform.python_version()}, torch {torch.__version__}",
         f"- Code: commit {commit}",
         f"- Job: `examples/user_ddp.py --epochs {cfg.epochs} --samples {cfg.samples} "
-        f"--batch-size 8 --hidden 64` (gloo, CPU), 1 launcher x {cfg.nproc} ranks, c10d "
+        f"--batch-size 8 --hidden 64` ({'NCCL, GPU' if cfg.device == 'cuda' else 'gloo, CPU'}), "
+        f"1 launcher x {cfg.nproc} ranks, c10d "
         f"rendezvous, `--max-restarts 1`; rank {cfg.fail_rank} fails in step "
         f"{cfg.fail_at_step}; {cfg.repeats} repeat(s), variants interleaved. \"fault -> next "
         "step\": from the fault marker (written just before the kill or raise) until every "
@@ -182,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "final params = fault-free | job wall time, median |",
         "|---|---|---|---|---|---|",
     ]
-    for v in VARIANTS:
+    for v in variants:
         rs = runs[v.name]
         ts = [r.to_step_s for r in rs if r.to_step_s is not None]
         cell = (f"{statistics.median(ts):.2f} s ({min(ts):.2f}-{max(ts):.2f})" if ts

@@ -95,6 +95,7 @@ def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:
 
 
 def main() -> int:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=512)
@@ -111,6 +112,8 @@ def main() -> int:
     p.add_argument("--fail-mode", choices=("kill", "raise"), default="kill")
     p.add_argument("--fault-dir")
     p.add_argument("--pid-log")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank (LOCAL_RANK), NCCL")
     train(p.parse_args())
     return 0
 
@@ -119,7 +122,12 @@ def main() -> int:
 def train(args: argparse.Namespace) -> None:
     """The whole run: under ftrun it runs again, in the same process, after a fault."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        torch.use_deterministic_algorithms(True)  # and CUBLAS_WORKSPACE_CONFIG, see main
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
 
@@ -136,8 +144,8 @@ def train(args: argparse.Namespace) -> None:
     steps_per_epoch = len(loader)
     total_steps = args.epochs * steps_per_epoch
 
-    model = DistributedDataParallel(
-        make_model(args.features, args.hidden, args.classes, args.dropout))
+    model = make_model(args.features, args.hidden, args.classes, args.dropout).to(device)
+    model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(warmup=max(1, total_steps // 10), total=total_steps))
@@ -163,6 +171,7 @@ def train(args: argparse.Namespace) -> None:
         model.train()
         for x, y in batches:
             step += 1
+            x, y = x.to(device), y.to(device)
             loss = loss_fn(model(x), y)
             optimizer.zero_grad()
             loss.backward()

@@ -147,3 +147,48 @@ def test_nccl_group_aborted_with_work_in_flight_re_forms_in_the_same_process(
                           timeout=180, env={**os.environ, "PORT": str(free_port()),
                                             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+USER_DDP = str(Path(__file__).resolve().parent.parent / "examples" / "user_ddp.py")
+
+
+def _user_ddp(procs: Procs, tmp: Path, name: str, *script_args: str) -> tuple[str, str, str]:
+    """examples/user_ddp.py on the GPUs (NCCL, one rank per GPU, in-process restart on);
+    returns (params_xxh3, run id, output)."""
+    run_id = f"cuda-{name}-{uuid.uuid4().hex[:6]}"
+    job = tmp / name
+    job.mkdir()
+    proc = procs.ftrun("--standalone", "--rdzv-id", run_id, "--nproc-per-node", str(GPUS),
+                       "--max-restarts", "2", USER_DDP, "--device", "cuda", "--epochs", "2",
+                       "--samples", str(96 * GPUS), "--batch-size", "8", "--hidden", "64",
+                       "--fault-dir", str(job), "--pid-log", str(job), *script_args,
+                       env={"FTRUN_INPLACE_TIMEOUT": "10"}, name=name)
+    code = procs.wait(proc, 300)
+    out = procs.output(proc)
+    assert code == 0, f"exit {code}\n{out[-5000:]}"
+    digests = [line.rpartition("params_xxh3=")[2] for line in out.splitlines()
+               if line.startswith("user-ddp: step=")]
+    assert len(digests) == 1, out[-5000:]
+    return digests[0], run_id, out
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("exact_steps")
+def test_nccl_rank_that_raises_restarts_in_its_own_process_bit_identical(
+        procs: Procs, state_dir: Path, tmp_path: Path) -> None:
+    """On NCCL a rank whose training function raises keeps its process: its groups are
+    aborted, the launcher restarts every rank in place (no new process, same CUDA context),
+    the function runs again, restores from the snapshot and ends with the fault-free
+    weights."""
+    clean, _, _ = _user_ddp(procs, tmp_path, "clean")
+    digest, run_id, out = _user_ddp(procs, tmp_path, "raise", "--fail-mode", "raise",
+                                    "--kill-at-step", "5", "--kill-rank", "0")
+    assert (tmp_path / "raise" / "user-ddp-fault-rank0-step5").exists(), "never fired"
+    assert "this process stays" in out, out[-5000:]
+    recoveries = [e for e in read_events(state_dir, run_id) if e["type"] == "recovery"]
+    assert [r["how"] for r in recoveries] == ["in_process"], recoveries
+    assert recoveries[0]["new_processes"] == [], recoveries
+    pids = {int(line.split()[1]) for line in
+            (tmp_path / "raise" / "pids-rank0.log").read_text().splitlines()}
+    assert len(pids) == 1, pids  # the same process before and after the fault
+    assert digest == clean

@@ -126,3 +126,25 @@ def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
         recoveries
     pids = pids_by_rank(tmp_path)
     assert len(pids[1]) == 2 and len(pids[0]) == 1 and len(pids[2]) == 1, pids
+
+
+def test_only_nccl_ranks_that_raised_keep_their_process() -> None:
+    """Whether a rank whose function raised may run again in its process: on NCCL (its abort
+    releases the peers) yes, unless the error may have left the device unusable; on gloo
+    never (only the process's exit closes its connections)."""
+    import torch
+
+    from ftrun.rank.resilient import _keeps_process
+
+    assert _keeps_process("nccl", ValueError("bad batch"))
+    assert not _keeps_process("gloo", ValueError("bad batch"))
+    assert not _keeps_process(None, ValueError("bad batch"))
+    assert not _keeps_process("nccl", RuntimeError("CUDA error: an illegal memory access"))
+    assert not _keeps_process("nccl", torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    try:
+        try:
+            raise RuntimeError("device-side assert triggered")
+        except RuntimeError as inner:
+            raise ValueError("in the loss") from inner
+    except ValueError as e:
+        assert not _keeps_process("nccl", e)  # the cause counts

@@ -71,7 +71,7 @@ LEAVE_TIMEOUT_S = 5.0
 # How long a rank's control socket may take to acknowledge an order (restart in place).
 RANK_REQUEST_TIMEOUT_S = 2.0
 # The states of a rank's resilient wrapper in which it can restart in place.
-RESTARTABLE = ("running", "failed", "aborted")
+RESTARTABLE = ("running", "failed", "faulted", "aborted")
 
 
 class InPlaceFailed(Exception):
@@ -280,6 +280,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._exitcodes.clear()
         self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
         self._verdicts = {}
+        self._told_to_exit = set()
         pids = super().start_workers(worker_group)
         self._phase = NodeState.HEALTHY
         self._ctx.sink.event(
@@ -358,6 +359,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
 
     # ---- in-process restart -----------------------------------------------------------
     _rendezvous_done_for_fallback = False
+    _told_to_exit: set[int] = set()  # faulted local ranks sent rank_exit (replaced per world)
 
     def _control_base(self, local_rank: int) -> str:
         return str(self._ctx.node_dir / f"rank-{local_rank}")
@@ -397,6 +399,19 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         dead = {lr for lr, c in codes.items() if c not in (None, 0)}
         dead |= {lr for lr, doc in states.items()
                  if codes.get(lr) is None and doc is not None and doc.get("state") == "failed"}
+        # Ranks whose function raised and that stay to restart in place (NCCL).
+        faulted = {lr for lr, doc in states.items() if codes.get(lr) is None
+                   and doc is not None and doc.get("state") == "faulted"}
+        if faulted and not dead:
+            if self.remaining_restarts() > 0 and self._replaceable(
+                    worker_group, set(), codes, states) is None:
+                self._on_dead_ranks(worker_group, faulted, codes, states, replace=False)
+                return RunResult(state=WorkerState.UNHEALTHY)
+            for lr in sorted(faulted - self._told_to_exit):  # no restart left: they exit
+                self._told_to_exit.add(lr)
+                self._order(lr, "rank_exit", {"generation": self._generation + 1,
+                                              "reason": "no restarts left"})
+            return RunResult(state=WorkerState.HEALTHY)  # torch sees them exit
         if dead:
             if self.remaining_restarts() > 0 and self._replaceable(
                     worker_group, dead, codes, states) is None:
@@ -424,8 +439,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
 
     def _on_dead_ranks(self, worker_group: WorkerGroup, dead: set[int],
                        codes: dict[int, int | None],
-                       states: dict[int, dict[str, Any] | None]) -> None:
-        """Record the dead ranks (events, last error, why the restart) and remember them."""
+                       states: dict[int, dict[str, Any] | None], replace: bool = True) -> None:
+        """Record the failed ranks (events, last error, why the restart) and remember those
+        that get new processes (``replace``: dead ones; not those that stay, ``faulted``)."""
         by_local = {w.local_rank: w for w in worker_group.workers}
         pids = self.worker_pids()
         first: str | None = None
@@ -434,7 +450,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             doc = states.get(lr)
             code = codes.get(lr)
             sig = _signal_name(code)
-            if doc is not None and doc.get("state") == "failed":
+            if doc is not None and doc.get("state") in ("failed", "faulted"):
                 what = f"rank {rank} failed: {doc.get('error')}"
             elif sig is not None:
                 what = f"rank {rank} died ({sig})"
@@ -450,7 +466,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         assert first is not None
         self._last_error = first[:1024]
         self._note_restart(first[:300])
-        self._replace = set(dead)
+        self._replace = set(dead) if replace else set()
         self._phase = NodeState.RESTARTING
 
     def _cannot_restart_in_place(self, worker_group: WorkerGroup) -> str | None:
@@ -540,7 +556,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         survivors -= dead
         self._reap(dead, self._inplace_timeout_s)  # their exit releases the survivors (gloo)
         late = self._wait_ranks(worker_group, survivors, lambda d: d.get("state") in (
-            "failed", "aborted") and d.get("generation") == old)
+            "failed", "faulted", "aborted") and d.get("generation") == old)
         if late:
             log.warning("local rank(s) %s did not leave the training function within %.1f s: "
                         "killing them for new processes", sorted(late), self._inplace_timeout_s)

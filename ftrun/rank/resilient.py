@@ -7,16 +7,19 @@ wrapper keeps the process, its imports and its CUDA context across faults:
    like every ftrun message) on a thread of its own, and keeps a state file
    (``<FTRUN_RANK_CONTROL>.json``: pid, generation, state, error) that tells the launcher
    this rank can restart in place and where it stands: ``running``, ``failed`` (the
-   function raised on its own), ``aborted`` (it left on the launcher's order) or ``done``.
+   function raised on its own and the process exits), ``faulted`` (it raised on its own and
+   the process stays), ``aborted`` (it left on the launcher's order) or ``done``.
 2. ``rank_abort`` (another rank failed, a hang, a new member): the process groups are
    aborted and an exception (:class:`RankAborted`) is raised into the thread that runs the
    function, which unwinds it. A thread blocked inside a C call sees it only when that call
    returns: on gloo, when a peer's connections close; a rank that never comes back is the
    launcher's to kill (it falls back to a process restart after its deadline).
-3. The function raised on its own: the rank is dead. The error goes to the state file
-   (``failed``) and is raised again, so the process exits: that closes its connections and
-   releases the peers blocked in a collective with it (on gloo nothing else does). Its
-   launcher starts a new process for this rank alone.
+3. The function raised on its own. On gloo the rank is dead: the error goes to the state
+   file (``failed``) and is raised again, so the process exits: that closes its connections
+   and releases the peers blocked in a collective with it (on gloo nothing else does). Its
+   launcher starts a new process for this rank alone. On NCCL, whose abort releases the
+   peers, the rank keeps its process (``faulted``) and restarts in place with the others,
+   unless the error may have left the device unusable (a CUDA error): then it exits.
 4. The function failed because a peer went away (a lost-connection error from a
    collective, see :func:`peer_lost`) or was aborted: everything it built is released
    (process groups aborted and forgotten, its frames' locals cleared, the collective monitor
@@ -358,6 +361,32 @@ def peer_lost(e: BaseException) -> bool:
     return False
 
 
+# A CUDA error leaves the device context unusable (sticky errors: an illegal address, a
+# device-side assert): such a rank cannot run again in its process.
+_CONTEXT_LOST = ("cuda error", "cudaerror", "device-side assert", "illegal memory access",
+                 "an illegal instruction", "cublas_status", "cudnn_status", "out of memory")
+
+
+def _keeps_process(backend: str | None, e: BaseException) -> bool:
+    """Whether a rank whose function raised ``e`` on its own can run again in its process:
+    only where aborting its process groups releases the peers blocked with it (NCCL; on
+    gloo only the process's exit closes its connections), and never after an error that
+    may have left the device unusable."""
+    if backend != "nccl":
+        return False
+    accel = getattr(sys.modules.get("torch"), "AcceleratorError", None)
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(accel, type) and isinstance(cur, accel):
+            return False
+        if isinstance(cur, MemoryError) or any(p in str(cur).lower() for p in _CONTEXT_LOST):
+            return False
+        cur = cur.__cause__ or cur.__context__
+    return True
+
+
 def _summary(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()[-4000:]
 
@@ -416,6 +445,14 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                     state, note = "aborted", _summary(e)
                     log.warning("a collective failed because a peer went away (%s); waiting "
                                 "for the launcher's decision", note)
+                elif _keeps_process(control._backend, e):
+                    # This rank's own fault, on a backend whose abort releases the peers
+                    # (NCCL): the process stays, like every other rank's; the launcher
+                    # restarts the whole job in place.
+                    state, note = "faulted", _summary(e)
+                    log.error("the training function failed (%s); this process stays and "
+                              "waits for the launcher's decision (%s aborts its peers)",
+                              note, control._backend)
                 else:
                     # This rank's own fault: it is dead. Its process exits, which closes its
                     # connections (on gloo nothing else does) and so releases every peer
