@@ -107,7 +107,10 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     to_step, next_step = None, None
     marker = job / f"user-ddp-fault-rank{cfg.fail_rank}-step{cfg.fail_at_step}"
     if marker.exists():
-        fault = marker.stat().st_mtime
+        # The script writes the fault's time into the marker (a file's mtime lags by up to
+        # a clock tick, longer than a step on a GPU).
+        text_time = marker.read_text().strip()
+        fault = float(text_time) if text_time else marker.stat().st_mtime
         firsts = []
         for rank in range(cfg.nproc):
             lines = [ln.split() for ln in (job / f"pids-rank{rank}.log").read_text().splitlines()]

@@ -84,9 +84,11 @@ def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:
     directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
     marker = os.path.join(directory, f"user-ddp-fault-rank{rank}-step{step}")
     try:
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return  # fired already in this job
+    os.write(fd, f"{time.time():.6f}\n".encode())  # the fault's time (benchmarks read it)
+    os.close(fd)
     if args.fail_mode == "raise":
         print(f"user-ddp: raising in rank {rank} in step {step}", file=sys.stderr, flush=True)
         raise RuntimeError(f"user-ddp: injected fault in rank {rank} at step {step}")

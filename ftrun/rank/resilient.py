@@ -302,22 +302,60 @@ def _on_interrupt(signum: int, frame: Any) -> None:
 
 
 def _release(backend: str | None) -> None:
-    """Release what the function built: abort and forget every process group (NCCL: the
-    slow abort runs on a thread while the next group forms), then collect garbage so that
-    DDP modules, groups and their connections go now. The collective monitor stops: it
+    """Release what the function built (its Snapshotters went first, see
+    :func:`_abandon_snapshots`): every process group, aborted and forgotten (NCCL: the slow
+    abort runs on a thread while the next group forms), then collect garbage so that DDP
+    modules, groups and their connections go now. The collective monitor stops: it
     watched the old world's groups (the next Snapshotter starts one for the new world)."""
     _stop_monitor()
+    join_aborts(ABORT_JOIN_S)
     if "torch.distributed" in sys.modules:
         try:
             if backend == "nccl":
                 abort = _torch.detach_process_groups()
-                threading.Thread(target=_abort_quietly, args=(abort,), daemon=True,
-                                 name="ftrun-pg-abort").start()
+                thread = threading.Thread(target=_abort_quietly, args=(abort,), daemon=True,
+                                          name="ftrun-pg-abort")
+                thread.start()
+                _ABORTS.append(thread)
             else:
                 _torch.abort_process_groups()
         except Exception as e:  # noqa: BLE001 - the next init_process_group says more
             log.warning("could not abort the process groups: %s: %s", type(e).__name__, e)
     gc.collect()
+
+
+# Detached NCCL groups being aborted on threads of their own. Each is joined before the
+# process exits: a ProcessGroupNCCL still aborting when the interpreter exits ends the
+# process in std::terminate (SIGABRT; seen on H100, torch 2.11), which the launcher would
+# take for a failed rank.
+_ABORTS: list[threading.Thread] = []
+ABORT_JOIN_S = 60.0  # how long the exit (or the next release) waits for a pending abort
+
+
+def join_aborts(timeout_s: float) -> None:
+    """Wait (bounded) for the pending aborts of detached process groups."""
+    deadline = time.monotonic() + timeout_s
+    while _ABORTS:
+        thread = _ABORTS[0]
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning("an aborted NCCL process group is still being torn down after %.0f s",
+                        timeout_s)
+            return
+        _ABORTS.pop(0)
+
+
+def _abandon_snapshots() -> None:
+    """Release the aborted function's Snapshotters while its frames still hold them: pinned
+    pages must be unpinned before their mappings go, or the next run's cannot be pinned."""
+    if "ftrun.rank.snapshotter" not in sys.modules:
+        return
+    try:
+        from ftrun.rank.snapshotter import abandon_all
+
+        abandon_all()
+    except Exception as e:  # noqa: BLE001 - never in the way of a restart
+        log.warning("could not release the snapshotters: %s: %s", type(e).__name__, e)
 
 
 def _stop_monitor() -> None:
@@ -432,6 +470,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                     control.note_backend()
                     control.leave()
             except RankAborted:
+                _abandon_snapshots()
                 state = "aborted"
             except (KeyboardInterrupt, SystemExit):
                 raise
@@ -463,7 +502,9 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                               "its launcher starts a new one for this rank", _summary(e))
                     _stop_monitor()
                     raise
-                # Drop every frame's locals (the model, DDP, the groups they hold).
+                # Drop every frame's locals (the model, DDP, the groups they hold), once
+                # the Snapshotters among them are released.
+                _abandon_snapshots()
                 if e.__traceback__ is not None:
                     traceback.clear_frames(e.__traceback__)
             else:
@@ -482,6 +523,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                         decision.env.get("RANK"), decision.env.get("WORLD_SIZE"),
                         time.monotonic() - t0)
     finally:
+        join_aborts(ABORT_JOIN_S)
         control.close()
 
 

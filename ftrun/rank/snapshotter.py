@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,20 @@ __all__ = ["Cadence", "Snapshotter"]
 log = logging.getLogger(__name__)
 
 CLOSE_CLAIM_WAIT_S = 10.0  # close(): how long the last snapshot may wait for its buffer
+
+_OPEN: weakref.WeakSet[Snapshotter] = weakref.WeakSet()  # not closed yet: abandon_all()
+
+
+def abandon_all() -> None:
+    """Release every Snapshotter of this process that was not closed: the training function
+    was aborted for an in-process restart and the next run builds its own. The copy thread
+    stops, pinned pages are unpinned before their mappings go (a later registration of the
+    same addresses would fail), buffers and the store channel close; no snapshot is taken."""
+    for snap in list(_OPEN):
+        try:
+            snap._release()
+        except Exception as e:  # noqa: BLE001 - never in the way of a restart
+            log.warning("could not release a snapshotter: %s: %s", type(e).__name__, e)
 
 
 class Snapshotter:
@@ -76,6 +91,7 @@ class Snapshotter:
         self._unsaved: tuple[int, Any] | None = None  # (step, extra) of a save() not taken
         self._saver = Saver(ctx, self._training, self.cadence, async_copy, self._wait_s)
         self._restorer = Restorer(ctx, self._training)
+        _OPEN.add(self)
         if not self.enabled:
             log.warning("ftrun snapshots are off: not started by ftrun (no %s). Training runs "
                         "as usual; run it with `ftrun` to snapshot every step.",
@@ -193,5 +209,9 @@ class Snapshotter:
         # Training is over: nothing changes the state under the copy any more, so the last
         # snapshot may wait a little for its buffer (the others' copies of the step before).
         self.wait(claim_wait_s=max(self._wait_s, CLOSE_CLAIM_WAIT_S))
+        self._release()
+
+    def _release(self) -> None:
+        _OPEN.discard(self)
         self._saver.close()
         self._ctx.close()
