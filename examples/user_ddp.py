@@ -22,8 +22,11 @@ Run it::
 
 At the end rank 0 prints ``user-ddp: step=N params_xxh3=HEX``. ``--kill-at-step S --kill-rank
 R`` SIGKILLs rank R in step S once per job, after its optimizer step and before its snapshot
-(the snapshot of step S-1 is then staged on every rank, so the job resumes from S-1); the marker file lives in
-``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+(the snapshot of step S-1 is then staged on every rank, so the job resumes from S-1);
+``--fail-mode raise|stop`` raises or freezes it instead. ``--stuck-rank`` and
+``--kill-after-restore-rank`` add a rank that never leaves the function and a second fault
+while the job re-forms. Each fault fires once per job: its marker file (holding the fault's
+time) lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
 """
 
 from __future__ import annotations
@@ -78,22 +81,58 @@ def params_xxh3(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def once(args: argparse.Namespace, name: str) -> bool:
+    """True the first time in the job that fault ``name`` fires (a marker file)."""
+    directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    os.write(fd, f"{time.time():.6f}\n".encode())
+    os.close(fd)
+    return True
+
+
 def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:
     if step != args.kill_at_step or rank != args.kill_rank:
         return
-    directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
-    marker = os.path.join(directory, f"user-ddp-fault-rank{rank}-step{step}")
-    try:
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return  # fired already in this job
-    os.write(fd, f"{time.time():.6f}\n".encode())  # the fault's time (benchmarks read it)
-    os.close(fd)
+    if not once(args, f"user-ddp-fault-rank{rank}-step{step}"):
+        return  # fired already in this job (the marker holds its time: benchmarks read it)
     if args.fail_mode == "raise":
         print(f"user-ddp: raising in rank {rank} in step {step}", file=sys.stderr, flush=True)
         raise RuntimeError(f"user-ddp: injected fault in rank {rank} at step {step}")
+    if args.fail_mode == "stop":
+        print(f"user-ddp: stopping rank {rank} in step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     print(f"user-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_get_stuck(args: argparse.Namespace, rank: int, step: int) -> None:
+    """--stuck-rank: in step --kill-at-step, this rank enters a C call that never returns
+    and that no signal interrupts (a driver call, a C extension's loop): it cannot leave
+    the training function, whatever its launcher asks."""
+    if rank != args.stuck_rank or step != args.kill_at_step:
+        return
+    if not once(args, f"user-ddp-stuck-rank{rank}-step{step}"):
+        return
+    print(f"user-ddp: rank {rank} stuck in a C call in step {step}", file=sys.stderr, flush=True)
+    import ctypes
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL,
+                                                                     signal.SIGSTOP})
+    ctypes.CDLL(None).sleep(600)
+
+
+def maybe_fail_after_restore(args: argparse.Namespace, rank: int, step: int) -> None:
+    """--kill-after-restore-rank: once, in a restarted world, SIGKILL this rank right after
+    its restore (a second fault while the job re-forms)."""
+    if rank != args.kill_after_restore_rank or not step:
+        return
+    if once(args, f"user-ddp-after-restore-rank{rank}"):
+        print(f"user-ddp: killing rank {rank} after its restore", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -111,7 +150,12 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
-    p.add_argument("--fail-mode", choices=("kill", "raise"), default="kill")
+    p.add_argument("--fail-mode", choices=("kill", "raise", "stop"), default="kill",
+                   help="SIGKILL, raise an exception, or SIGSTOP (frozen) the rank")
+    p.add_argument("--stuck-rank", type=int, default=-1,
+                   help="in step --kill-at-step, this rank blocks in a C call for 600 s")
+    p.add_argument("--kill-after-restore-rank", type=int, default=-1,
+                   help="once, SIGKILL this rank right after a restore that found a step")
     p.add_argument("--fault-dir")
     p.add_argument("--pid-log")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -159,6 +203,7 @@ def train(args: argparse.Namespace) -> None:
     step = snap.restore()  # 0 on a fresh start
     if step:
         print(f"user-ddp: rank {rank} resumed from step {step}", file=sys.stderr, flush=True)
+    maybe_fail_after_restore(args, rank, step)
 
     loss_fn = nn.CrossEntropyLoss()
     pid_log = None
@@ -181,6 +226,7 @@ def train(args: argparse.Namespace) -> None:
             optimizer.step()
             scheduler.step()
             maybe_kill(args, rank, step)
+            maybe_get_stuck(args, rank, step)
             snap.save(step)
             ftrun.progress(step)
             if pid_log is not None:

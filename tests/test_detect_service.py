@@ -188,6 +188,27 @@ def test_silent_rank_hang_restarts_its_node_once_per_fault_until_a_new_world(tmp
     json.dumps(status)
 
 
+def test_a_launchers_own_restart_holds_findings_about_its_world(tmp_path):
+    """A rank dies and its launcher restarts (event ``worker_failure``): the others waiting
+    for it are that fault's consequence, not a hang to act on, until the new world reports;
+    there, a hang is acted on again, and its order names that world."""
+    cb = Callbacks(make_nodes(4))
+    service = make_service(tmp_path, cb, on_hang="restart")
+    job = Ranks(service, n=4)
+    for _ in range(10):
+        job.step()
+    service.note_restart("n2", "worker_failure")
+    job.stall(culprit=2)
+    assert cb.directives == [] and cb.of("detection") == []
+    assert service.counters["followups"] >= 1
+    job.new_world("h0:29502")
+    for _ in range(10):
+        job.step()
+    job.stall(culprit=1)
+    assert [(n, a, d["ranks"], d["world"]) for n, a, d in cb.directives] == [
+        ("n1", "restart", [1], "h0:29502")]
+
+
 def test_isolate_excludes_the_host_orders_its_nodes_out_and_runs_the_hook(tmp_path):
     out = tmp_path / "hook.out"
     hook = tmp_path / "hook.sh"

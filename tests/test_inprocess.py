@@ -97,6 +97,48 @@ def test_killed_rank_gets_a_new_process_alone(procs: Procs, tmp_path: Path,
     assert digest == fault_free
 
 
+def test_stopped_rank_is_killed_and_replaced_alone(procs: Procs, tmp_path: Path,
+                                                  fault_free: str) -> None:
+    """A rank frozen by SIGSTOP cannot leave the function: named by the coordinator (the
+    others wait for it) or by its launcher (stopped too long), it is killed and gets a new
+    process; the others restart in place."""
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "stop",
+                                  "--kill-at-step", "5", "--kill-rank", "1")
+    assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
+    events = read_events(tmp_path / "state", run_id)
+    named = [e for e in events if e["type"] == "directive_restart" and 1 in e["killed"]
+             or e["type"] == "hang_detected" and e["rank"] == 1]
+    assert named, [e["type"] for e in events]
+    rec = assert_only_rank_replaced(tmp_path, events, 1)
+    assert "rank 1 died (SIGKILL)" in rec["why"], rec
+    assert digest == fault_free
+
+
+def test_rank_that_never_leaves_and_a_second_fault_while_re_forming(
+        procs: Procs, tmp_path: Path, fault_free: str) -> None:
+    """Rank 1 is SIGKILLed in step 5 while rank 2 is stuck in a C call that no signal
+    interrupts: rank 2 cannot leave the function, so after FTRUN_INPLACE_TIMEOUT it is
+    killed and gets a new process too (the fallback, logged); rank 0 restarts in place.
+    Then the new rank 1 is SIGKILLed right after its restore, while the job re-forms: a
+    second in-place restart. Rank 0 keeps its process through both; the weights are the
+    fault-free run's."""
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "kill", "--kill-at-step",
+                                  "5", "--kill-rank", "1", "--stuck-rank", "2",
+                                  "--kill-after-restore-rank", "1")
+    for marker in ("user-ddp-fault-rank1-step5", "user-ddp-stuck-rank2-step5",
+                   "user-ddp-after-restore-rank1"):
+        assert (tmp_path / marker).exists(), f"{marker}: that fault never fired"
+    assert "did not leave the training function" in out, out[-6000:]
+    recoveries = [e for e in read_events(tmp_path / "state", run_id) if e["type"] == "recovery"]
+    assert [r["how"] for r in recoveries] == ["in_process", "in_process"], recoveries
+    assert [r["new_processes"] for r in recoveries] == [[1, 2], [1]], recoveries
+    assert [r["kept"] for r in recoveries] == [[0], [0, 2]], recoveries
+    pids = pids_by_rank(tmp_path)
+    # Rank 1's second process died before its first step: it logged none.
+    assert (len(pids[0]), len(pids[1]), len(pids[2])) == (1, 2, 2), pids
+    assert digest == fault_free
+
+
 def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
                                                    fault_free: str) -> None:
     """Launchers with 1 and 2 ranks; the rank that raises is on one of them: the survivors

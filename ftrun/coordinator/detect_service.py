@@ -32,7 +32,11 @@ finding again, so one fault is one decision. Killing or isolating a rank restart
 worker of its world, so until the new world reports, a finding about ranks of the world
 acted on is the action's own consequence (the killed rank stops reporting while the others,
 until their launchers restart them, still wait for it, and then stop reporting too): it is
-logged and counted as a follow-up, not recorded as a new detection. A repeat about hosts
+logged and counted as a follow-up, not recorded as a new detection. The same holds after a
+launcher restarts its workers on its own (its ``worker_failure`` or ``restart`` event: a rank
+died or raised, the world changes), so that a rank's crash is one restart, not a crash and
+then a hang named in the survivors that wait for it. A restart order names the world it
+was decided in; a launcher whose workers have moved on to another world drops it. A repeat about hosts
 alone (probes) is recorded as a ``warn`` that says the fault was already acted on.
 """
 
@@ -167,6 +171,18 @@ class DetectService:
         self._record("probe_result", b.node_id, {"id": b.id, "results": results})
         return m.Ack(re=msg.id)
 
+    def note_restart(self, node_id: str, why: str) -> None:
+        """A launcher restarts its workers on its own (a rank failed, or the world changes):
+        the world the analysis watches is ending, and what its ranks do meanwhile (the
+        dead rank stops reporting, the others wait for it) is that fault's consequence.
+        Findings about this world's ranks are held as follow-ups until the new world
+        reports (or ACTION_COOLDOWN_S), as after this service's own restart orders."""
+        with self._lock:
+            generation = self.detector.generation
+            self._acted["launcher_restart"] = (time.monotonic(), generation)
+        log.info("%s restarts its workers (%s): holding findings about world %d until the "
+                 "new world reports", node_id, why, generation)
+
     # -- decisions ---------------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Finding]:
@@ -248,8 +264,12 @@ class DetectService:
         by_node: dict[str, list[int]] = {}
         for node, rank in zip(f.nodes, f.ranks, strict=False):
             by_node.setdefault(node, []).append(rank)
+        with self._lock:
+            world = self.detector.world
         for node, ranks in sorted(by_node.items()):
-            self._send(node, Action.RESTART, {"ranks": sorted(set(ranks)), "reason": f.summary})
+            # The world named: a launcher that has restarted since drops the order.
+            self._send(node, Action.RESTART, {"ranks": sorted(set(ranks)), "reason": f.summary,
+                                              "world": world})
 
     def isolate(self, host: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
         """Put ``host`` on the exclude list, order its launchers out, run the hook."""

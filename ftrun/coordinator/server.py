@@ -66,6 +66,9 @@ __all__ = ["ENDPOINT_KEY", "STATUS_VERSION", "Coordinator", "health_of", "lookup
 
 ENDPOINT_KEY = "ftrun/coordinator"
 DETECT_KEY = "ftrun/detect"
+# A launcher's events that say its workers' world is ending (the detection service holds its
+# findings about that world's ranks until the new one reports).
+RESTART_EVENTS = frozenset({"worker_failure", "restart"})
 POLL_INTERVAL_S = 0.1
 MAX_MESSAGES_PER_TICK = 1000
 # The serving thread reads what queued up at most this often: at thousands of messages a
@@ -373,6 +376,8 @@ class Coordinator:
         b: m.Event = msg.body
         self._touch(b.node_id, None, None)
         self._record(b.type, b.node_id, b.data)
+        if self._detection is not None and b.type in RESTART_EVENTS:
+            self._detection.note_restart(b.node_id, b.type)
 
     def _on_bye(self, msg: protocol.Message) -> m.Ack:
         b: m.Bye = msg.body

@@ -407,10 +407,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                     worker_group, set(), codes, states) is None:
                 self._on_dead_ranks(worker_group, faulted, codes, states, replace=False)
                 return RunResult(state=WorkerState.UNHEALTHY)
-            for lr in sorted(faulted - self._told_to_exit):  # no restart left: they exit
-                self._told_to_exit.add(lr)
-                self._order(lr, "rank_exit", {"generation": self._generation + 1,
-                                              "reason": "no restarts left"})
+            self._tell_to_exit(faulted)
             return RunResult(state=WorkerState.HEALTHY)  # torch sees them exit
         if dead:
             if self.remaining_restarts() > 0 and self._replaceable(
@@ -420,9 +417,35 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             if any(codes[lr] is None for lr in dead):
                 return RunResult(state=WorkerState.HEALTHY)  # torch sees it exit next tick
             return super().monitor_workers(worker_group)
+        # Ranks that left the function on their own because a peer went away (a rank of
+        # another node died, or its host did): the fault is elsewhere, and waiting for the
+        # rendezvous to change could take a node's keep-alive timeout, or forever when the
+        # lost node never comes back. Restart in place now: the re-rendezvous forms the new
+        # world with whoever is there (spares, --nnodes MIN).
+        lost = {lr: doc for lr, doc in states.items() if codes.get(lr) is None
+                and doc is not None and doc.get("state") == "aborted"
+                and doc.get("generation") == self._generation}
+        if lost and self.remaining_restarts() == 0:
+            self._tell_to_exit(set(lost))
+        elif lost and self._replaceable(worker_group, set(), codes, states) is None:
+            by_local = {w.local_rank: w.global_rank for w in worker_group.workers}
+            lr, doc = min(lost.items())
+            note = str(doc.get("error") or "its peers' collective failed")
+            log.warning("rank %d left the training function: a peer went away (%s); "
+                        "restarting in place", by_local[lr], note[:300])
+            self._note_restart(f"rank {by_local[lr]} lost a peer: {note}"[:300])
+            self._phase = NodeState.RESTARTING
+            return RunResult(state=WorkerState.UNHEALTHY)
         if any(c is None for c in codes.values()):
             return RunResult(state=WorkerState.HEALTHY)  # no exit: torch's poll has nothing
         return super().monitor_workers(worker_group)
+
+    def _tell_to_exit(self, local_ranks: set[int]) -> None:
+        """No restart left: ranks waiting for a decision exit with their error (once)."""
+        for lr in sorted(local_ranks - self._told_to_exit):
+            self._told_to_exit.add(lr)
+            self._order(lr, "rank_exit", {"generation": self._generation + 1,
+                                          "reason": "no restarts left"})
 
     def _replaceable(self, worker_group: WorkerGroup, dead: set[int],
                      codes: dict[int, int | None],
@@ -681,7 +704,16 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             if action == "isolate":
                 self._isolate_by(directive, worker_group)
             elif action == "restart":
-                if running and worker_group is not None:
+                world = data.get("world")
+                ours = (f"{worker_group.master_addr}:{worker_group.master_port}"
+                        if worker_group is not None else None)
+                if running and worker_group is not None and world and world != ours:
+                    log.info("directive %s: restart of ranks %s decided in world %s; the "
+                             "workers run in world %s now: dropped", did, data.get("ranks"),
+                             world, ours)
+                    self._ctx.sink.event("directive_dropped", id=did, world=world, ours=ours,
+                                         reason=str(data.get("reason") or ""))
+                elif running and worker_group is not None:
                     self._kill_ranks(worker_group, data.get("ranks") or [],
                                      str(data.get("reason") or "no reason given"), did)
                 else:
@@ -702,6 +734,23 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         pids = self.worker_pids()
         wanted = {r for r in ranks if isinstance(r, int)}
         mine = [w.global_rank for w in worker_group.workers if w.global_rank in wanted]
+        frozen = [w for w in worker_group.workers if w.global_rank in wanted
+                  and proc_state(pids.get(w.local_rank, -1)) in ("T", "t")]
+        if frozen and self.remaining_restarts() > 0 and self._inplace_timeout_s > 0:
+            # A stopped rank cannot leave the function: it is dead. Killed now, its exit is
+            # seen on the next tick like any crash (a new process for it alone; the others
+            # restart in place where they can).
+            for w in frozen:
+                log.error("rank %d (local %d) named by the coordinator is stopped; killing it: "
+                          "%s", w.global_rank, w.local_rank, reason)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pids[w.local_rank], signal.SIGKILL)
+            self._last_error = (f"rank(s) {', '.join(str(w.global_rank) for w in frozen)} "
+                                f"killed: {reason}")[:1024]
+            self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted),
+                                 killed=[w.global_rank for w in frozen], in_place=True,
+                                 reason=reason)
+            return
         if mine and self.remaining_restarts() > 0 and \
                 self._cannot_restart_in_place(worker_group) is None:
             # Every local rank can restart in place: abort them all rather than kill the
