@@ -231,6 +231,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             "last_error": self._last_error,
         }
 
+    def run(self, role: str = "default") -> RunResult:
+        try:
+            return super().run(role)
+        finally:  # torch's shutdown runs at every restart too; the pool lives as long as this
+            if self._warm is not None:
+                self._warm.close()
+
     def forward_signal(self, sig: int) -> None:
         if self._ctx.store is not None:
             self._ctx.store.signal(sig)
@@ -633,11 +640,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        try:
-            super().shutdown(death_sig, timeout)
-        finally:
-            if self._warm is not None:
-                self._warm.close()
+        super().shutdown(death_sig, timeout)
 
     # ---- the coordinator's directives -------------------------------------------------
     @property

@@ -12,8 +12,8 @@ interpreter must hold nothing the rank's own ``python -u script.py`` would not.
 3. Block for one request on FD: a JSON document (environment, working directory, argv) and
    two file descriptors (the rank's stdout and stderr). End of file: the pool is closing,
    exit 0.
-4. Become the rank: the environment replaced whole, the working directory set, the output
-   held so far written to the rank's streams and those streams put on fds 1 and 2, every
+4. Become the rank: the output held so far written to the rank's streams and those streams
+   put on fds 1 and 2, the environment replaced whole, the working directory set, every
    descriptor the bootstrap opened closed (those torch's import opened stay open, as in a
    cold worker), ``__main__`` emptied to what ``python script``
    gives it, ``sys.argv`` set. Then run the script (or ``-m`` module) and exit as
@@ -128,19 +128,22 @@ def main(argv: list[str]) -> None:
 
         for name in filter(None, imports.split(",")):
             __import__(name)
+        sock = socket.socket(fileno=int(sock_fd))
+        try:
+            sock.sendall(b"R")
+        except OSError:
+            pass  # the launcher took this interpreter before it was ready: the request waits
+        request, fds = _receive(sock)
     except BaseException:
         _release_output(held, [held[0][1], held[1][1]])  # the launcher's log shows why
         raise
-    sock = socket.socket(fileno=int(sock_fd))
-    sock.sendall(b"R")
-    request, fds = _receive(sock)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
     _release_output(held, fds)
     sock.close()
     for fd in fds:
         os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
     atexit.register(_die_by_sigint)
     skip = {"<string>", __file__}  # the stub's frame and this file's
     args = request["argv"]
