@@ -336,38 +336,51 @@ class WarmPool:
     # -- the pool's thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        """The pool's thread. It must outlive every rank it started (their parent-death
+        signal fires when it ends): an error is logged and the loop goes on until close()."""
         while True:
-            with self._cond:
-                if self._closed:
+            try:
+                if not self._refill():
                     return
-                stale = [w for w in self._idle if w.env != self._env or w.cwd != self._cwd
-                         or w.proc.poll() is not None]
-                for w in stale:
-                    self._idle.remove(w)
-                missing = 0 if self._off else self.size - len(self._idle)
-                env, cwd = self._env, self._cwd
-            for w in stale:
-                self._reap(w)
-            if missing <= 0:
+            except Exception:  # noqa: BLE001 - logged; ending would kill the warm ranks
+                log.exception("the warm pool failed to refill; retrying in 1 s")
                 with self._cond:
                     if not self._closed:
-                        self._cond.wait(1.0)  # woken by take() and close()
-                continue
-            try:
-                warm = self._spawn(env, cwd)
-            except OSError as e:
-                self._turn_off(f"cannot start a warm interpreter: {e}")
-                continue
+                        self._cond.wait(1.0)
+
+    def _refill(self) -> bool:
+        """One round: drop dead and stale interpreters, start one that is missing or wait
+        for take() or close(). False once the pool is closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            stale = [w for w in self._idle if w.env != self._env or w.cwd != self._cwd
+                     or w.proc.poll() is not None]
+            for w in stale:
+                self._idle.remove(w)
+            missing = 0 if self._off else self.size - len(self._idle)
+            env, cwd = self._env, self._cwd
+        for w in stale:
+            self._reap(w)
+        if missing <= 0:
             with self._cond:
-                if self._closed:
-                    late = warm
-                else:
-                    self._idle.append(warm)
-                    late = None
-            if late is not None:
-                late.kill()
-                return
-            self._event("warm_spawned", pid=warm.proc.pid)
+                if not self._closed:
+                    self._cond.wait(1.0)  # woken by take() and close()
+            return True
+        try:
+            warm = self._spawn(env, cwd)
+        except OSError as e:
+            self._turn_off(f"cannot start a warm interpreter: {e}")
+            return True
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._idle.append(warm)
+        if closed:
+            warm.kill()
+            return False
+        self._event("warm_spawned", pid=warm.proc.pid)
+        return True
 
     def _spawn(self, env: dict[str, str], cwd: str) -> _Warm:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -101,7 +101,14 @@ def _exit_like_python(exc: BaseException, skip: set[str]) -> None:
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in skip:
         tb = tb.tb_next
-    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    exc = exc.with_traceback(tb)
+    # As the interpreter's own print does, and so that the exception (its frames: the model,
+    # the process group) lives until the interpreter's finalization, as in a cold worker:
+    # freed here, a process group's destructor may wait for peers blocked on this rank.
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
+    sys.excepthook(type(exc), exc, tb)
     if isinstance(exc, KeyboardInterrupt):
         _interrupted.append(True)  # _die_by_sigint, registered first, runs last at exit
     raise SystemExit(1)
@@ -120,6 +127,7 @@ def _die_by_sigint() -> None:
 def main(argv: list[str]) -> None:
     sock_fd, launcher_pid, mode, target, imports = argv
     _tie_to_launcher(int(launcher_pid))
+    atexit.register(_die_by_sigint)  # first, so that it runs last (after torch's, the script's)
     script = mode == "script"
     sys.path[0] = os.path.dirname(os.path.realpath(target)) if script else os.getcwd()
     held = _hold_output()
@@ -144,7 +152,6 @@ def main(argv: list[str]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    atexit.register(_die_by_sigint)
     skip = {"<string>", __file__}  # the stub's frame and this file's
     args = request["argv"]
     sys.orig_argv = list(request["orig_argv"])
