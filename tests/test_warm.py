@@ -35,7 +35,7 @@ from ftrun.testing import cmdline, pids_with_token, tree_pids
 SCRIPT = str(ROOT / "examples" / "user_ddp.py")
 # 192 samples / 3 ranks / batch 8 = 8 steps per epoch, 2 epochs.
 ARGS = ("--epochs", "2", "--samples", "192", "--batch-size", "8", "--hidden", "64")
-TOKEN = "FTRUN_TEST_WARM_TOKEN"  # in the launcher's environment: every process of the job has it
+TOKEN = "WARM_TEST_TOKEN"  # every process of the job has it (an FTRUN_* one warm ones lack)
 
 
 def launcher_args(run_id: str, nproc: int, max_restarts: int, *extra: str) -> list[str]:
