@@ -78,7 +78,7 @@ def test_a_killed_rank_is_replaced_warm_and_the_weights_stay_bit_identical(
 
     env, token = token_env(run_dir)
     run_id = f"warm-{uuid.uuid4().hex[:8]}"
-    p = procs.ftrun(*launcher_args(run_id, 3, 2), SCRIPT, *ARGS, "--fault-dir", str(run_dir),
+    p = procs.ftrun(*launcher_args(run_id, 3, 2, "--warm-workers"), SCRIPT, *ARGS, "--fault-dir", str(run_dir),
                     "--pid-log", str(run_dir), "--fail-mode", "kill", "--kill-at-step", "5",
                     "--kill-rank", "1", env={**env, "FTRUN_INPLACE_TIMEOUT": "5"}, name="faulted")
     assert procs.wait(p, 240) == 0, procs.output(p)[-6000:]
@@ -130,7 +130,8 @@ def test_a_process_restart_starts_warm_and_a_killed_launcher_leaves_nothing(
     script = tmp_path / "restarting.py"
     script.write_text(RESTARTING)
     env, token = token_env(tmp_path)
-    p = procs.ftrun(*launcher_args(f"warm-kill-{uuid.uuid4().hex[:8]}", 2, 1), str(script),
+    p = procs.ftrun(*launcher_args(f"warm-kill-{uuid.uuid4().hex[:8]}", 2, 1, "--warm-workers"),
+                    str(script),
                     str(tmp_path), env=env, name="launcher")
     ups = wait_for(lambda: (lambda u: u if len(u) == 2 else None)(
         sorted(tmp_path.glob("up-1-*"))), 120, "both ranks up after the restart")

@@ -50,7 +50,7 @@ class FtrunOptions:
     on_hang: str = "restart"
     on_slow: str = "warn"
     isolate_hook: str | None = None
-    warm_workers: bool = True
+    warm_workers: bool = False
     warm_imports: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -177,14 +177,14 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--warm-workers", knobs.WARM_WORKERS, bool,
      "Keep one interpreter per local rank started ahead with torch imported, so that a "
      "replaced or restarted rank skips starting Python and importing torch; a start that "
-     "differs from them (environment, command) starts cold, logged. --no-warm-workers: every "
-     "worker starts cold."),
+     "differs from them (environment, command) starts cold, logged. Off by default for now; "
+     "--no-warm-workers: every worker starts cold."),
     ("--warm-imports", knobs.WARM_IMPORTS, str,
      "Modules the warm interpreters import besides torch, comma-separated (only modules "
      "whose import does not depend on the rank)."),
 )
 
-# Switches that are on by default: they take a --no- form too.
+# Switches that take a --no- form too (on by default, or meant to be).
 _NEGATABLE = frozenset({"--warm-workers"})
 
 
