@@ -54,6 +54,7 @@ _ftrun_kind() {
         'launch --state-dir' | 'launch --state_dir') _ftrun_k='dirs' ;;
         'launch --store-threads' | 'launch --store_threads') _ftrun_k='files' ;;
         'launch -t' | 'launch --tee') _ftrun_k='files' ;;
+        'launch --warm-imports' | 'launch --warm_imports') _ftrun_k='files' ;;
         'coordinator --bind-host') _ftrun_k='files' ;;
         'coordinator --isolate-hook') _ftrun_k='files' ;;
         'coordinator --node-timeout') _ftrun_k='files' ;;
@@ -99,7 +100,9 @@ _ftrun_command() {
                 --signals-to-handle --signals_to_handle --snapshot-every --snapshot_every
                 --snapshot-wait --snapshot_wait --standalone --start-fresh --start_fresh
                 --start-method --start_method --state-dir --state_dir --store-threads
-                --store_threads -t --tee --virtual-local-rank --virtual_local_rank'
+                --store_threads -t --tee --virtual-local-rank --virtual_local_rank
+                --warm-imports --warm_imports --warm-workers --no-warm-workers --warm_workers
+                --no-warm_workers'
             _ftrun_k=none ;;
         completions)
             _ftrun_opts='--help'

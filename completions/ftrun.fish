@@ -39,12 +39,12 @@ function __ftrun_takes_value --argument-names context flag
             'launch --snapshot-wait' 'launch --snapshot_wait' 'launch --start-method' \
             'launch --start_method' 'launch --state-dir' 'launch --state_dir' \
             'launch --store-threads' 'launch --store_threads' 'launch -t' 'launch --tee' \
-            'coordinator --bind-host' 'coordinator --isolate-hook' 'coordinator --node-timeout' \
-            'coordinator --on-hang' 'coordinator --on-slow' 'coordinator --rdzv-endpoint' \
-            'coordinator --rdzv-id' 'coordinator --state-dir' 'inspect --state-dir' \
-            'inspect --step' 'status --endpoint' 'status --interval' 'status --limit' \
-            'status --match' 'status --nodes' 'status --offset' 'status --state-dir' \
-            'status --timeout'
+            'launch --warm-imports' 'launch --warm_imports' 'coordinator --bind-host' \
+            'coordinator --isolate-hook' 'coordinator --node-timeout' 'coordinator --on-hang' \
+            'coordinator --on-slow' 'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' \
+            'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' 'status --endpoint' \
+            'status --interval' 'status --limit' 'status --match' 'status --nodes' \
+            'status --offset' 'status --state-dir' 'status --timeout'
             return 0
     end
     return 1
@@ -180,6 +180,8 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'state-dir' -l 'state_dir' -x 
 complete -c ftrun -n '__ftrun_is first launch' -l 'store-threads' -l 'store_threads' -r -d 'Threads each node\'s snapshot store uses to verify chunks...'
 complete -c ftrun -n '__ftrun_is first launch' -s 't' -l 'tee' -r -d 'Tee std streams into a log file and also to console (see --redirects for format).'
 complete -c ftrun -n '__ftrun_is first launch' -l 'virtual-local-rank' -l 'virtual_local_rank' -d 'Enable virtual local rank mode for workers.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'warm-imports' -l 'warm_imports' -r -d 'Modules the warm interpreters import besides torch, comma-separated...'
+complete -c ftrun -n '__ftrun_is first launch' -l 'warm-workers' -l 'no-warm-workers' -l 'warm_workers' -l 'no-warm_workers' -d 'Keep one interpreter per local rank started ahead with torch imported, so that a replaced or...'
 complete -c ftrun -n '__ftrun_is first launch script' -F
 
 # ftrun completions

@@ -608,3 +608,49 @@ def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
         log.warning("%s", msg)
+
+
+# -- starting a worker from a pre-started interpreter (warm workers) ---------------------------
+#
+# Every worker process torch's agent starts, at the first start, at a restart of every worker
+# and through ``replace_worker``, comes from ``SubprocessHandler.__init__`` (torch.distributed.
+# elastic.multiprocessing.subprocess_handler), which opens the rank's log files as
+# ``self._stdout``/``self._stderr`` (None: inherit the launcher's), sets
+# ``self.local_rank_id`` and then calls ``self._popen(args, env)``: ``args`` the command
+# (entrypoint and arguments, possibly wrapped for NUMA binding), ``env`` the launcher's
+# environment updated with the worker's. ``_popen`` returns the ``subprocess.Popen`` that
+# becomes ``handler.proc`` (polled, waited for, and stopped with ``os.killpg(proc.pid, sig)``:
+# torch starts it with ``start_new_session=True``, so it leads a process group).
+
+WorkerStart = Callable[[tuple[str, ...], dict[str, str], Any, Any, int], Any]
+
+
+def intercept_worker_starts(start: WorkerStart) -> Callable[[], None]:
+    """Have every worker process torch's agent starts from now on ask ``start(args, env,
+    stdout, stderr, local_rank)`` first: a ``subprocess.Popen`` it returns (a process that
+    leads its own session, as torch's would) becomes the worker; None lets torch start the
+    process as it always does. Returns the function that undoes this. Raises SeamMissing."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as module,
+    )
+
+    cls = getattr(module, "SubprocessHandler", None)
+    original = getattr(cls, "_popen", None)
+    if cls is None or original is None or \
+            list(inspect.signature(original).parameters) != ["self", "args", "env"]:
+        raise SeamMissing("torch's SubprocessHandler has no _popen(self, args, env): worker "
+                          "processes cannot start from warm interpreters (ftrun supports "
+                          "torch 2.11 to 2.15)")
+
+    def _popen(self: Any, args: tuple, env: dict[str, str]) -> Any:
+        proc = start(tuple(args), env, getattr(self, "_stdout", None),
+                     getattr(self, "_stderr", None), int(getattr(self, "local_rank_id", -1)))
+        return original(self, args, env) if proc is None else proc
+
+    cls._popen = _popen
+
+    def undo() -> None:
+        if cls._popen is _popen:
+            cls._popen = original
+
+    return undo

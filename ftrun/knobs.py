@@ -202,4 +202,18 @@ INPLACE_WAIT = Knob(
     "launcher's abort) waits for its launcher's decision (run again, or exit) before it "
     "exits with an error.", "worker",
 )
+WARM_WORKERS = Knob(
+    "FTRUN_WARM_WORKERS", "bool", "0",
+    "1: keep one interpreter per local rank started ahead, with torch imported (no CUDA "
+    "context, no process group): a worker start (a dead rank replaced, a restart) takes one "
+    "instead of starting Python and importing torch. A start whose environment or command "
+    "differs from the interpreters' starts cold, logged. 0 (the default, for now): every "
+    "worker starts cold.",
+)
+WARM_IMPORTS = Knob(
+    "FTRUN_WARM_IMPORTS", "MOD,MOD", "",
+    "Modules the warm interpreters import besides torch (comma-separated), e.g. the "
+    "script's heavy libraries. Only modules without import-time side effects that depend on "
+    "the rank (RANK, LOCAL_RANK, ... are not set yet) or on the working directory.",
+)
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, Knob))

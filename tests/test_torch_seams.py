@@ -542,3 +542,53 @@ def test_a_context_without_the_attributes_is_refused_loudly() -> None:
     assert _torch.worker_processes(Other()) is None
     with pytest.raises(_torch.SeamMissing, match="_running_local_ranks"):
         _torch.replace_worker(Other(), 0, {})
+
+
+def test_worker_starts_go_through_the_hook_and_torch_keeps_the_process(tmp_path: Path) -> None:
+    """ftrun._torch.intercept_worker_starts on torch's own start_processes: the hook sees the
+    command, the merged environment, the rank's log files and its local rank; the process
+    it returns is the one torch's context watches (exit code) and stops (killpg); None lets
+    torch start the process itself, in a session of its own as a warm one is; undo restores
+    torch's start."""
+    import subprocess
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as module,
+    )
+
+    torchs = module.SubprocessHandler._popen
+    seen: list[tuple] = []
+    ours: list[subprocess.Popen] = []
+
+    def start(args: tuple, env: dict, stdout: object, stderr: object, local_rank: int) -> object:
+        seen.append((args, env.get("X"), env.get("PATH"), stdout, stderr, local_rank))
+        if local_rank == 1:
+            return None
+        ours.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                     start_new_session=True, stdout=stdout, stderr=stderr))
+        return ours[-1]
+
+    code = "import time; time.sleep(60)"
+    undo = _torch.intercept_worker_starts(start)
+    try:
+        pc = start_processes(
+            name="seam", entrypoint=sys.executable, args={0: ("-c", code), 1: ("-c", code)},
+            envs={0: {"X": "a"}, 1: {"X": "b"}},
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.ALL))
+    finally:
+        undo()
+    assert module.SubprocessHandler._popen is torchs
+    try:
+        by_rank = {s[5]: s for s in seen}
+        assert set(by_rank) == {0, 1}
+        assert by_rank[0][0] == (sys.executable, "-c", code)
+        assert by_rank[0][1:3] == ("a", os.environ["PATH"])  # the launcher's env, updated
+        assert by_rank[0][3] is not None and by_rank[0][3].name.endswith("stdout.log")
+        pids = pc.pids()
+        assert pids[0] == ours[0].pid and pids[1] != pids[0]
+        assert os.getsid(pids[0]) == pids[0] and os.getsid(pids[1]) == pids[1]
+        assert pc.wait(0) is None
+    finally:
+        pc.close(signal.SIGKILL, 5)
+    assert not pid_alive(pids[0]) and not pid_alive(pids[1])

@@ -53,6 +53,7 @@ from ftrun.coordinator.api import NodeState
 from ftrun.errors import FtrunError
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
+from ftrun.launcher.warm import WarmPool
 from ftrun.pdeath import tie_entrypoint
 from ftrun.rank import resilient
 from ftrun.rank.progress import create_progress_file, read_progress
@@ -111,6 +112,9 @@ class AgentContext:
     node_dir: Path  # private, host-local: progress files live here
     hang_timeout_s: float
     worker_env: dict[str, str] = field(default_factory=dict)
+    # Warm workers (ftrun.launcher.warm): on or off, and the modules imported ahead besides torch.
+    warm_workers: bool = False
+    warm_imports: tuple[str, ...] = ()
     sink: EventSink = field(default_factory=_NoSink)
     agent: FtrunAgent | None = None
     store: StoreProcess | None = None
@@ -195,6 +199,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._detected_at: float | None = None
         self._inplace_request: str | None = None
         self._replace: set[int] = set()  # dead local ranks the next restart gives new processes
+        # Every worker start (first, restart, replacement) tries a warm interpreter first.
+        self._warm = WarmPool.start_for(spec, ctx.worker_env, ctx.warm_imports, ctx.sink) \
+            if ctx.warm_workers else None
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------
@@ -223,6 +230,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             "workers": workers,
             "last_error": self._last_error,
         }
+
+    def run(self, role: str = "default") -> RunResult:
+        try:
+            return super().run(role)
+        finally:  # torch's shutdown runs at every restart too; the pool lives as long as this
+            if self._warm is not None:
+                self._warm.close()
 
     def forward_signal(self, sig: int) -> None:
         if self._ctx.store is not None:

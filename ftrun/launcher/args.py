@@ -50,6 +50,8 @@ class FtrunOptions:
     on_hang: str = "restart"
     on_slow: str = "warn"
     isolate_hook: str | None = None
+    warm_workers: bool = False
+    warm_imports: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         every = self.snapshot_every.strip().lower()
@@ -100,6 +102,13 @@ class FtrunOptions:
             )
         if self.isolate_hook is not None and not self.isolate_hook.strip():
             raise ConfigError("--isolate-hook is empty; give a shell command, or leave it out")
+        bad = [m for m in self.warm_imports
+               if not all(part.isidentifier() for part in m.split("."))]
+        if bad:
+            raise ConfigError(
+                f"--warm-imports takes module names separated by commas (e.g. numpy,"
+                f"transformers), got {', '.join(map(repr, bad))}"
+            )
         if self.coordinator is not None and ":" not in self.coordinator:
             raise ConfigError(
                 f"--coordinator must be HOST:PORT, got {self.coordinator!r}"
@@ -165,7 +174,18 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--start-fresh", knobs.START_FRESH, bool,
      "Start from step 0 when --persist-dir holds steps but none can be restored (all partial "
      "or corrupt); without it such a job stops with an error that lists each step and why."),
+    ("--warm-workers", knobs.WARM_WORKERS, bool,
+     "Keep one interpreter per local rank started ahead with torch imported, so that a "
+     "replaced or restarted rank skips starting Python and importing torch; a start that "
+     "differs from them (environment, command) starts cold, logged. Off by default for now; "
+     "--no-warm-workers: every worker starts cold."),
+    ("--warm-imports", knobs.WARM_IMPORTS, str,
+     "Modules the warm interpreters import besides torch, comma-separated (only modules "
+     "whose import does not depend on the rank)."),
 )
+
+# Switches that take a --no- form too (on by default, or meant to be).
+_NEGATABLE = frozenset({"--warm-workers"})
 
 
 # Flags whose values come from a fixed set: argparse checks them on the command line and
@@ -205,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
         clash = taken.intersection(spellings)
         if clash:  # torch grew a flag of the same name: fail loudly, never shadow it
             raise ConfigError(f"ftrun flag {sorted(clash)} collides with a torchrun flag")
+        if typ is bool and flag in _NEGATABLE:
+            group.add_argument(*spellings, dest=_dest(flag),
+                               action=argparse.BooleanOptionalAction, default=knob.enabled(),
+                               help=f"{help_text} [env {knob.name}]".replace("%", "%%"))
+            continue
         if typ is bool:  # a switch: no value on the command line
             group.add_argument(*spellings, dest=_dest(flag), action="store_true",
                                default=knob.enabled(),
@@ -251,6 +276,8 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         on_hang=str(ns.on_hang or knobs.ON_HANG.default).strip().lower(),
         on_slow=str(ns.on_slow or knobs.ON_SLOW.default).strip().lower(),
         isolate_hook=ns.isolate_hook or None,
+        warm_workers=bool(ns.warm_workers),
+        warm_imports=tuple(m.strip() for m in (ns.warm_imports or "").split(",") if m.strip()),
     )
 
 

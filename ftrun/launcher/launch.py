@@ -476,7 +476,8 @@ class NodeServices:
     def _make_context(self) -> None:
         opts = self.opts
         ctx = AgentContext(node_id=self.node_id, host=self.host, node_dir=self.node_dir,
-                           hang_timeout_s=opts.hang_timeout_s)
+                           hang_timeout_s=opts.hang_timeout_s, warm_workers=opts.warm_workers,
+                           warm_imports=opts.warm_imports)
         ctx.worker_env = {
             knobs.STORE.name: self.store_url,
             knobs.SECRET.name: self.secret.decode(),

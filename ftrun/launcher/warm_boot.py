@@ -1,0 +1,176 @@
+"""The bootstrap of a warm worker interpreter (see :mod:`ftrun.launcher.warm`).
+
+Run by the launcher as ``PYTHON -u -c STUB THIS_FILE FD LAUNCHER_PID MODE TARGET IMPORTS``
+(:data:`STUB` runs this file in a namespace of its own, so that emptying ``__main__`` for the
+script leaves the bootstrap's functions working). Standard library only, and no ``ftrun``: the
+interpreter must hold nothing the rank's own ``python -u script.py`` would not.
+
+1. Die with the launcher (parent-death signal, as ``ftrun._exec`` does for a cold worker);
+   put ``sys.path[0]`` where ``python -u TARGET`` puts it; hold what it writes to fds 1 and 2
+   in memory files (the rank's streams are not known yet).
+2. Import torch and the modules named in IMPORTS, then send ``R`` (ready) on socket FD.
+3. Block for one request on FD: a JSON document (environment, working directory, argv) and
+   two file descriptors (the rank's stdout and stderr). End of file: the pool is closing,
+   exit 0.
+4. Become the rank: the output held so far written to the rank's streams and those streams
+   put on fds 1 and 2, the environment replaced whole, the working directory set, every
+   descriptor the bootstrap opened closed (those torch's import opened stay open, as in a
+   cold worker), ``__main__`` emptied to what ``python script``
+   gives it, ``sys.argv`` set. Then run the script (or ``-m`` module) and exit as
+   ``python -u script`` would: ``SystemExit`` as is, an uncaught exception printed by
+   ``sys.excepthook`` without the bootstrap's frames and exit code 1, an uncaught
+   ``KeyboardInterrupt`` ending the process by SIGINT.
+"""
+
+import atexit
+import builtins
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+
+STUB = ("import sys; g = {'__name__': 'ftrun_warm_boot', '__file__': sys.argv[1]}; "
+        "exec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'), g); g['main'](sys.argv[2:])")
+# The request: JSON up to this size (an environment is rarely over 100 KiB).
+MAX_REQUEST = 4 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+def _tie_to_launcher(launcher_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher_pid:
+        raise SystemExit(f"ftrun warm worker: launcher {launcher_pid} is gone")
+
+
+def _hold_output() -> list[tuple[int, int]]:
+    """Point fds 1 and 2 at memory files; returns (fd, the original's copy) pairs."""
+    held = []
+    for fd in (1, 2):
+        saved = os.dup(fd)
+        mem = os.memfd_create(f"ftrun-warm-{fd}", os.MFD_CLOEXEC)
+        os.dup2(mem, fd)
+        os.close(mem)
+        held.append((fd, saved))
+    return held
+
+
+def _release_output(held: list[tuple[int, int]], targets: list[int]) -> None:
+    """Write what fds 1 and 2 received so far to ``targets`` and put those on fds 1 and 2."""
+    for (fd, saved), target in zip(held, targets, strict=True):
+        os.lseek(fd, 0, os.SEEK_SET)
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(target, view):]
+        os.dup2(target, fd)
+        os.close(saved)
+
+
+def _receive(sock: socket.socket) -> tuple[dict, list[int]]:
+    msg, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
+    if not msg:
+        raise SystemExit(0)  # the pool closed this interpreter unused
+    return json.loads(msg), fds
+
+
+def _main_namespace(path: str | None) -> dict:
+    """``__main__``'s namespace emptied to what ``python path`` starts with (``-m`` when
+    ``path`` is None: runpy fills it in)."""
+    from importlib.machinery import SourceFileLoader
+
+    namespace = sys.modules["__main__"].__dict__
+    namespace.clear()
+    namespace.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None,
+                     __annotations__={}, __builtins__=builtins,
+                     __loader__=None if path is None else SourceFileLoader("__main__", path))
+    if path is not None:
+        namespace.update(__file__=path, __cached__=None)
+    return namespace
+
+
+def _exit_like_python(exc: BaseException, skip: set[str]) -> None:
+    """End as the interpreter ends on an uncaught ``exc``, without this file's frames."""
+    if isinstance(exc, SystemExit):
+        raise exc
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in skip:
+        tb = tb.tb_next
+    exc = exc.with_traceback(tb)
+    # As the interpreter's own print does, and so that the exception (its frames: the model,
+    # the process group) lives until the interpreter's finalization, as in a cold worker:
+    # freed here, a process group's destructor may wait for peers blocked on this rank.
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
+    sys.excepthook(type(exc), exc, tb)
+    if isinstance(exc, KeyboardInterrupt):
+        _interrupted.append(True)  # _die_by_sigint, registered first, runs last at exit
+    raise SystemExit(1)
+
+
+_interrupted: list[bool] = []
+
+
+def _die_by_sigint() -> None:
+    if _interrupted:
+        sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def main(argv: list[str]) -> None:
+    sock_fd, launcher_pid, mode, target, imports = argv
+    _tie_to_launcher(int(launcher_pid))
+    atexit.register(_die_by_sigint)  # first, so that it runs last (after torch's, the script's)
+    script = mode == "script"
+    sys.path[0] = os.path.dirname(os.path.realpath(target)) if script else os.getcwd()
+    held = _hold_output()
+    try:
+        import torch  # noqa: F401 - the point of a warm interpreter
+
+        for name in filter(None, imports.split(",")):
+            __import__(name)
+        sock = socket.socket(fileno=int(sock_fd))
+        try:
+            sock.sendall(b"R")
+        except OSError:
+            pass  # the launcher took this interpreter before it was ready: the request waits
+        request, fds = _receive(sock)
+    except BaseException:
+        _release_output(held, [held[0][1], held[1][1]])  # the launcher's log shows why
+        raise
+    _release_output(held, fds)
+    sock.close()
+    for fd in fds:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    skip = {"<string>", __file__}  # the stub's frame and this file's
+    args = request["argv"]
+    sys.orig_argv = list(request["orig_argv"])
+    if script:
+        path = os.path.abspath(target)
+        namespace = _main_namespace(path)
+        sys.argv = [target, *args]
+        with open(path, "rb") as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+        try:
+            exec(code, namespace)
+        except BaseException as e:
+            _exit_like_python(e, skip)
+    else:
+        import runpy
+
+        _main_namespace(None)
+        sys.argv = ["-m", *args]
+        try:
+            runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` calls
+        except BaseException as e:
+            _exit_like_python(e, skip)
