@@ -653,3 +653,22 @@ def test_restore_onto_another_world_size_refuses_what_it_cannot_reshard(workdir:
     errors = restore_as(1, workdir, live=lambda _r: {"model": {"w": torch.zeros(2)}})
     assert isinstance(errors[0], RestoreError), errors
     assert "tensor model.w is not one global tensor in the step" in str(errors[0])
+
+
+def test_a_step_of_the_first_layout_reads_and_restores_on_its_world_size(workdir: Path) -> None:
+    """tests/fixtures/persist_v1: a 2-rank FSDP2 step written by an ftrun of the first layout
+    (keys "model/0.weight"), read by its hashes file's version."""
+    from fsdp_worker import _xxh3
+
+    shutil.copytree(Path(__file__).with_name("fixtures") / "persist_v1", workdir / "ckpt",
+                    ignore=shutil.ignore_patterns("README.md"))
+    root = workdir / "ckpt"
+    [step] = persist.list_steps(root)
+    assert step.complete and persist.step_layout(step).keys == persist.LAYOUT_FLAT
+    assert all(persist.verify_dir(r.path) == [] for r in step.ranks)
+    results = restore_as(2, root)
+    assert [r.step for r in results] == [3, 3] and not results[0].refused
+    # Each rank gets its own rows back: together, the weights the job had at step 3.
+    model = {k: torch.cat([r.tree["model"][k] for r in results]) for k in results[0].tree["model"]}
+    assert _xxh3(model) == "9f3ab9abb5ed0fe6"
+    assert results[1].tree["step"] == 3 and results[1].tree["optim"]["param_groups"][0]["lr"] == 0.01

@@ -11,12 +11,19 @@ checkpoint per step, written in parts by the stores of every node::
             ftrun-hashes.json                    xxh3-64 (hex) of every shard, by manifest key
         .tmp-rank_<r:05d>-<pid>/                 a rank being written (never valid)
 
-The DCP state dict is flat: ``{entry.fqn: tensor}`` for every tensor of the manifest
-(``"model/fc.weight"``, ``"optim/state/fc.weight/exp_avg"``...), each shard saved at the
-global offsets its manifest records (a DTensor's chunk, or offsets 0 for a plain tensor).
-Non-tensor leaves (step counters, RNG tuples, dtypes, bytes) live only in
-``ftrun-manifest.json``, from which :func:`load_rank` rebuilds a rank's exact state tree,
-without unpickling anything of ours.
+Each rank directory holds what ``dcp.save({"model": ..., "optim": ..., "ftrun": {...}})``
+of the rank's state writes: DCP's own keys for nested dicts (``"model.fc.weight"``,
+``"optim.state.fc.weight.exp_avg"``, ``"optim.param_groups.0.lr"``; every other root of the
+state, such as ``rng``, ``extra``, ``stateful`` and ``step``, under ``"ftrun."``), each shard
+saved at the global offsets its manifest records (a DTensor's chunk, or offsets 0 for a plain
+tensor), values that are not tensors as DCP bytes (``torch.save``). So ``dcp.load`` of
+``{"model": model_sd, "optim": optim_sd}`` (torch's ``get_state_dict`` helpers), or of
+``{"model": model.state_dict()}`` alone, reads a step as it reads any DCP checkpoint
+(:func:`dcp_keys`). ftrun itself reads the tensors by those keys and everything else from
+``ftrun-manifest.json``, from which :func:`load_rank` rebuilds a rank's exact state tree
+without unpickling anything. The version of ``ftrun-hashes.json`` names the layout of the
+keys: 2, or 1 for steps of ftrun's first layout (``"model/fc.weight"``, no bytes), which are
+read as they are.
 
 A rank directory only appears, by an atomic rename, once every file in it is written and
 fsynced. The writer that completes the set of ranks merges their metadata into the step's
@@ -27,8 +34,8 @@ not mix ranks of two timelines), and the step's ``.metadata`` is there. Scanning
 never import torch; writing, merging and loading import it (and DCP) on first use.
 
 ``torch.distributed.checkpoint.load(sd, checkpoint_id=STEP_DIR)`` reads the global tensors
-onto any world size (or whole, with ``no_dist=True``), and PyTorch's converter turns a step
-into one file of full tensors, without the non-tensor leaves::
+(and the values all ranks share) onto any world size, or whole with ``no_dist=True``, and
+PyTorch's converter turns a step into one file of nested dicts::
 
     python -m torch.distributed.checkpoint.format_utils dcp_to_torch STEP_DIR out.pt
 
@@ -99,7 +106,11 @@ def rank_dir(persist_dir: PathLike, step: int, rank: int) -> Path:
 
 LAYOUT_FLAT = 1  # ftrun's first layout: "model/fc.weight", the manifest key without its "/"
 LAYOUT_NESTED = 2  # DCP's own flattening of {"model": ..., "optim": ..., "ftrun": {the rest}}
-STANDARD_ROOTS = ("model", "optim")  # state roots stored under their own name
+# State roots stored under their own name: the names of torch's get_state_dict helpers and
+# of PyTorch's DCP recipe, so {"model": ...} loads. (torchtitan's checkpointer keeps model keys
+# at the top level and names the optimizer "optimizer"; docs/snapshots.md says how to load a
+# step there.)
+STANDARD_ROOTS = ("model", "optim")
 FTRUN_ROOT = "ftrun"  # every other root (rng, extra, stateful, step, ...) is stored under it
 
 TreePath = tuple[Any, ...]
