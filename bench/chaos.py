@@ -251,7 +251,7 @@ def flip_tensor_byte(rank_dir: Path, rng: random.Random) -> str:
     reader = dcp.FileSystemReader(str(rank_dir))
     meta = reader.read_metadata()
     keys = sorted(k for k, v in meta.state_dict_metadata.items()
-                  if k.startswith("model/") and isinstance(v, TensorStorageMetadata)
+                  if k.startswith(("model.", "model/")) and isinstance(v, TensorStorageMetadata)
                   and v.size.numel() >= 16)
     if not keys:
         raise ChaosError(f"{rank_dir} holds no model tensor to corrupt")

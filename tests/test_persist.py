@@ -130,17 +130,36 @@ def test_layout_plain_dcp_load_and_load_rank(segments: SegmentFactory, workdir: 
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]
     seg.mm.close()  # write_rank left no view into the segment behind
 
-    # Plain DCP, knowing nothing of ftrun: a flat dict of empty tensors of the right shapes.
-    flat = flatten(state)
-    plain = {e.key.lstrip("/"): torch.empty(e.shape, dtype=src.dtype)
-             for e, src in zip(flat.tensors, flat.sources, strict=True)}
-    assert "model/fc.weight" in plain and "optim/state/0/exp_avg" in plain
-    dcp.load(plain, checkpoint_id=str(out), no_dist=True)
-    for e, src in zip(flat.tensors, flat.sources, strict=True):
-        assert torch.equal(plain[e.key.lstrip("/")], src), e.key
+    # The keys are DCP's own flattening of {"model", "optim", "ftrun": {the rest}}: what
+    # dcp.save of that state writes (numpy arrays, which DCP pickles, stored as tensors).
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    nested = {"model": state["model"], "optim": state["optim"],
+              "ftrun": {k: v for k, v in state.items() if k not in ("model", "optim")}}
+    written = dcp.FileSystemReader(str(out)).read_metadata()
+    assert set(written.state_dict_metadata) == set(flatten_state_dict(nested)[0])
+    assert "model.fc.weight" in written.state_dict_metadata
+    assert written.planner_data["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
+
+    # Plain DCP, knowing nothing of ftrun: the state's own structure, empty tensors in it.
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+             "optim": {"state": {0: {k: torch.zeros_like(v)
+                                     for k, v in state["optim"]["state"][0].items()}},
+                       "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "params": []}]}}
+    dcp.load(fresh, checkpoint_id=str(out), no_dist=True)
+    assert_same(fresh, {"model": state["model"], "optim": state["optim"]})
+    only_model = {"model": {"fc.weight": torch.zeros(4, 3)}}  # a part of the checkpoint
+    dcp.load(only_model, checkpoint_id=str(out), no_dist=True)
+    assert torch.equal(only_model["model"]["fc.weight"], state["model"]["fc.weight"])
+    rest = {"ftrun": {"step": 0, "extra": {"name": ""},
+                      "rng": {"torch": torch.zeros(16, dtype=torch.uint8)}}}
+    dcp.load(rest, checkpoint_id=str(out), no_dist=True)
+    assert rest["ftrun"]["step"] == state["step"] and rest["ftrun"]["extra"]["name"] == "demo"
+    assert torch.equal(rest["ftrun"]["rng"]["torch"], state["rng"]["torch"])
 
     tree = persist.load_rank(workdir, 12, 0)
     assert_same(tree, state)
+    flat = flatten(state)
     hashes = json.loads((out / persist.HASHES_FILE).read_text())["tensors"]
     assert set(hashes) == {e.key for e in flat.tensors}
 
@@ -248,8 +267,11 @@ def test_to_torch_save_round_trip(workdir: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(out, workdir / "flat.pt")
-    flat = torch.load(workdir / "flat.pt", weights_only=True)
-    assert torch.equal(flat["model/fc.weight"], state["model"]["fc.weight"])
+    nested = torch.load(workdir / "flat.pt", weights_only=True)
+    assert_same(nested["model"], state["model"])
+    assert_same(nested["optim"]["state"], {"0": state["optim"]["state"][0]})
+    assert nested["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert nested["ftrun"]["extra"] == state["extra"] and nested["ftrun"]["step"] == 99
 
 
 def test_colliding_keys_are_refused(workdir: Path) -> None:
@@ -563,19 +585,25 @@ def test_one_dcp_checkpoint_per_step_merged_when_the_last_rank_lands(workdir: Pa
     [step] = persist.list_steps(workdir)
     assert step.merged and step.complete, step.why_incomplete
     layout = persist.step_layout(step)
-    w = layout.metadata.state_dict_metadata["model/w"]
+    w = layout.metadata.state_dict_metadata["model.w"]
     assert tuple(w.size) == (8, 3)
     assert sorted(tuple(c.offsets) for c in w.chunks) == [(0, 0), (4, 0)]
-    assert len(layout.metadata.state_dict_metadata["model/b"].chunks) == 1  # taken once
-    assert layout.rank_local == ["rng/torch"]  # differs between ranks: no global form
+    assert len(layout.metadata.state_dict_metadata["model.b"].chunks) == 1  # taken once
+    # Differ between ranks: no global form, in the rank directories only.
+    assert layout.rank_local == ["ftrun.extra.rank", "ftrun.rng.torch"]
 
-    # Plain torch.distributed.checkpoint reads the global tensors.
-    whole = {"model/w": torch.zeros(8, 3), "optim/state/w/exp_avg": torch.zeros(8, 3)}
+    # Plain torch.distributed.checkpoint reads the global tensors and the shared values.
+    whole = {"model": {"w": torch.zeros(8, 3)},
+             "optim": {"state": {"w": {"exp_avg": torch.zeros(8, 3)}},
+                       "param_groups": [{"lr": 0.0, "params": []}]},
+             "ftrun": {"step": 0}}
     dcp.load(whole, checkpoint_id=step.path, no_dist=True)
-    assert torch.equal(whole["model/w"], FULL)
-    assert torch.equal(whole["optim/state/w/exp_avg"], FULL / 10)
+    assert torch.equal(whole["model"]["w"], FULL)
+    assert torch.equal(whole["optim"]["state"]["w"]["exp_avg"], FULL / 10)
+    assert whole["optim"]["param_groups"] == [{"lr": 0.5, "params": ["w"]}]
+    assert whole["ftrun"]["step"] == 6
     dcp_to_torch_save(step.path, workdir / "flat.pt")
-    assert torch.equal(torch.load(workdir / "flat.pt", weights_only=True)["model/w"], FULL)
+    assert torch.equal(torch.load(workdir / "flat.pt", weights_only=True)["model"]["w"], FULL)
     # Each rank directory still loads as that rank's own shard.
     assert torch.equal(persist.load_rank(workdir, 6, 1)["model"]["w"], FULL[4:])
 
@@ -624,4 +652,23 @@ def test_restore_onto_another_world_size_refuses_what_it_cannot_reshard(workdir:
                     world_size=2, meta={"epoch": "e"})
     errors = restore_as(1, workdir, live=lambda _r: {"model": {"w": torch.zeros(2)}})
     assert isinstance(errors[0], RestoreError), errors
-    assert "tensor model/w is not one global tensor in the step" in str(errors[0])
+    assert "tensor model.w is not one global tensor in the step" in str(errors[0])
+
+
+def test_a_step_of_the_first_layout_reads_and_restores_on_its_world_size(workdir: Path) -> None:
+    """tests/fixtures/persist_v1: a 2-rank FSDP2 step written by an ftrun of the first layout
+    (keys "model/0.weight"), read by its hashes file's version."""
+    from fsdp_worker import _xxh3
+
+    shutil.copytree(Path(__file__).with_name("fixtures") / "persist_v1", workdir / "ckpt",
+                    ignore=shutil.ignore_patterns("README.md"))
+    root = workdir / "ckpt"
+    [step] = persist.list_steps(root)
+    assert step.complete and persist.step_layout(step).keys == persist.LAYOUT_FLAT
+    assert all(persist.verify_dir(r.path) == [] for r in step.ranks)
+    results = restore_as(2, root)
+    assert [r.step for r in results] == [3, 3] and not results[0].refused
+    # Each rank gets its own rows back: together, the weights the job had at step 3.
+    model = {k: torch.cat([r.tree["model"][k] for r in results]) for k in results[0].tree["model"]}
+    assert _xxh3(model) == "9f3ab9abb5ed0fe6"
+    assert results[1].tree["step"] == 3 and results[1].tree["optim"]["param_groups"][0]["lr"] == 0.01

@@ -3,12 +3,18 @@
 FSDP2 (``fully_shard``) on CPU/gloo shards each parameter and its AdamW state by rows; 4
 ranks and 3 ranks cut them at different rows (32 rows: 8 each, or 11, 11, 10), so the
 restore reads across the old shards' boundaries. The full weights and the full optimizer
-state after the restore must equal, bit for bit, those the 4-rank job ended with.
+state after the restore must equal, bit for bit, those the 4-rank job ended with. The same
+step loads with torch's own tools alone (``dcp.load`` + ``set_state_dict``, and
+``dcp.load({"model": model.state_dict()})``) on 1 process and, FSDP2-sharded, on 2, with the
+same values; and a step on disk in ftrun's first layout still restores, resharded.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +27,8 @@ from ftrun.snapshot import persist
 pytestmark = pytest.mark.integration
 
 WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
+LOADER = str(Path(__file__).with_name("dcp_loader.py"))
+V1_STEP = Path(__file__).with_name("fixtures") / "persist_v1"  # see its README.md
 
 
 def result(procs: Procs, nproc: int, ckpt: Path, steps: str) -> tuple[str, str]:
@@ -57,3 +65,41 @@ def test_fsdp2_checkpoint_of_4_ranks_restores_onto_3(procs: Procs, state_dir: Pa
     # The full weights and the full AdamW state, as the 4-rank job left them.
     assert resumed.split(" hash=")[1].split(" world=")[0] == \
         trained.split(" hash=")[1].split(" world=")[0]
+
+    # Torch alone loads the same values, onto 1 process and FSDP2-sharded onto 2.
+    weights, optim = trained.split(" hash=")[1].split(" world=")[0].split(" optim=")
+    alone = torch_only(step.path, 1)
+    assert f"loaded: hash={weights} optim={optim} world=1 lr=0.01" in alone, alone[-4000:]
+    assert f"plain: hash={weights} step=4" in alone, alone[-4000:]
+    sharded = torch_only(step.path, 2)
+    assert f"loaded: hash={weights} optim={optim} world=2 lr=0.01" in sharded, sharded[-4000:]
+
+
+def torch_only(step_dir: Path, nproc: int) -> str:
+    """dcp_loader.py's output: one process, or ``nproc`` under torch.distributed.run."""
+    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                     "--nproc-per-node", str(nproc)]
+    proc = subprocess.Popen([sys.executable, *launch, LOADER, str(step_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(LOADER).parent, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:  # timed out: its workers go with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_a_step_of_the_first_layout_still_restores_resharded(
+        procs: Procs, state_dir: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(V1_STEP, ckpt, ignore=shutil.ignore_patterns("README.md"))
+    [step] = persist.list_steps(ckpt)
+    assert step.complete and step.world_size == 2, step.why_incomplete
+    assert {persist.read_layout(r.path) for r in step.ranks} == {persist.LAYOUT_FLAT}
+    resumed, out = result(procs, 1, ckpt, "3")  # 2 ranks wrote it: resharded onto 1
+    assert resumed == "fsdp: start=3 hash=9f3ab9abb5ed0fe6 optim=db1cb60b31633313 world=1", \
+        out[-4000:]
+    assert "written by 2 ranks, this job has 1: model and optimizer resharded" in out

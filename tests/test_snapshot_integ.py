@@ -163,9 +163,9 @@ def _params_digest_from_checkpoint(rank_dir: Path) -> str:
     dcp.load(state, storage_reader=reader)  # plain DCP, nothing of ftrun
     manifest = json.loads((rank_dir / "ftrun-manifest.json").read_text())
     h = xxhash.xxh3_64()
-    for entry in manifest["tensors"]:
-        key = entry["key"].lstrip("/")
-        if key.startswith("model/"):
+    for entry in manifest["tensors"]:  # "/model/<fqn>" is stored as "model.<fqn>"
+        if entry["key"].startswith("/model/"):
+            key = "model." + entry["key"].removeprefix("/model/")
             h.update(state[key].contiguous().numpy().tobytes())
     return h.hexdigest()
 

@@ -229,10 +229,10 @@ def _reshard(root: str, step: int, *, rank: int, world_size: int, saved_world: i
 
 
 def resharded_keys(tree: Any, live: dict[str, Any], layout: persist.StepLayout,
-                    saved_world: int) -> dict[str, Any]:
+                   saved_world: int) -> dict[str, Any]:
     """DCP key -> live tensor for every tensor of the model and optimizer; IntegrityError when
     the step cannot fill one of them (or holds one the live state lacks)."""
-    from ftrun.snapshot.manifest import tensor_leaves
+    from ftrun.snapshot.manifest import tensor_paths
 
     if not isinstance(tree, dict):
         raise IntegrityError("the persisted state is not a dict of model/optim/...")
@@ -240,15 +240,15 @@ def resharded_keys(tree: Any, live: dict[str, Any], layout: persist.StepLayout,
     rank_local = set(layout.rank_local)
     flat: dict[str, Any] = {}
     for name in RESHARDED_ROOTS:
-        saved = {k for k, _ in tensor_leaves(tree.get(name), f"/{name}")}
-        mine = dict(tensor_leaves(live.get(name), f"/{name}"))
+        saved = {path for path, _ in tensor_paths(tree.get(name), (name,))}
+        mine = dict(tensor_paths(live.get(name), (name,)))
         if saved != set(mine):
-            odd = sorted(saved ^ set(mine))
+            odd = sorted("/" + "/".join(map(str, path)) for path in saved ^ set(mine))
             raise IntegrityError(
                 f"the step's {name} and the live one hold different tensors ({', '.join(odd[:4])}"
                 f"{', ...' if len(odd) > 4 else ''}): is this the same model and optimizer?")
-        for key, tensor in mine.items():
-            fqn = key.lstrip("/")
+        for path, tensor in mine.items():
+            fqn = persist.dcp_key(path, layout.keys)
             if fqn in rank_local:
                 raise IntegrityError(
                     f"tensor {fqn} is not one global tensor in the step: its {saved_world} "

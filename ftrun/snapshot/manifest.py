@@ -62,7 +62,9 @@ class TensorEntry:
 
     @property
     def fqn(self) -> str:
-        """The fully-qualified name DCP stores this tensor under ("model/fc.weight")."""
+        """The key without its leading ``/`` ("model/fc.weight"): the tensor's name in the
+        step metadata of an in-memory reshard (and in ftrun's first on-disk layout; persisted
+        steps now use DCP's own nested keys, see ``ftrun.snapshot.persist.dcp_keys``)."""
         return self.key.lstrip("/")
 
     @property
@@ -231,20 +233,20 @@ def entries(doc: dict[str, Any]) -> list[TensorEntry]:
     return [TensorEntry.from_json(e) for e in doc["tensors"]]
 
 
-def tensor_leaves(state: Any, path: str = "") -> list[tuple[str, Any]]:
-    """(manifest key, tensor) of every tensor in ``state``, keyed exactly as ``flatten`` keys
-    them, DTensors kept whole (to load a checkpoint into with DCP)."""
+def tensor_paths(state: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """(path, tensor) of every tensor in ``state``: the dict keys and list/tuple indices
+    leading to it, as ``flatten`` walks them; DTensors kept whole (to load a checkpoint into)."""
     import torch
 
     if isinstance(state, torch.Tensor):
         return [(path, state)]
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[tuple[Any, ...], Any]] = []
     if isinstance(state, dict):
         for k, v in state.items():
-            out += tensor_leaves(v, f"{path}/{k}")
+            out += tensor_paths(v, (*path, k))
     elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
-            out += tensor_leaves(v, f"{path}/{i}")
+            out += tensor_paths(v, (*path, i))
     return out
 
 
@@ -263,6 +265,12 @@ def tensor_view(data: memoryview, entry: TensorEntry) -> torch.Tensor:
 
 def unflatten(doc: dict[str, Any], tensor_of: Any) -> Any:
     """Rebuild the tree; ``tensor_of(index, entry)`` supplies each tensor."""
+    return decoder(doc, tensor_of)(doc["tree"])
+
+
+def decoder(doc: dict[str, Any], tensor_of: Any) -> Any:
+    """A function that rebuilds any node of the manifest's tree (a subtree of it, or a dict
+    key); ``tensor_of(index, entry)`` supplies each tensor."""
     table = entries(doc)
 
     def dec(obj: Any) -> Any:
@@ -292,4 +300,4 @@ def unflatten(doc: dict[str, Any], tensor_of: Any) -> Any:
             return np.dtype(obj["npt"]).type(obj["npv"])
         raise IntegrityError(f"manifest tree holds an unknown node {sorted(obj)}")
 
-    return dec(doc["tree"])
+    return dec

@@ -11,12 +11,19 @@ checkpoint per step, written in parts by the stores of every node::
             ftrun-hashes.json                    xxh3-64 (hex) of every shard, by manifest key
         .tmp-rank_<r:05d>-<pid>/                 a rank being written (never valid)
 
-The DCP state dict is flat: ``{entry.fqn: tensor}`` for every tensor of the manifest
-(``"model/fc.weight"``, ``"optim/state/fc.weight/exp_avg"``...), each shard saved at the
-global offsets its manifest records (a DTensor's chunk, or offsets 0 for a plain tensor).
-Non-tensor leaves (step counters, RNG tuples, dtypes, bytes) live only in
-``ftrun-manifest.json``, from which :func:`load_rank` rebuilds a rank's exact state tree,
-without unpickling anything of ours.
+Each rank directory holds what ``dcp.save({"model": ..., "optim": ..., "ftrun": {...}})``
+of the rank's state writes: DCP's own keys for nested dicts (``"model.fc.weight"``,
+``"optim.state.fc.weight.exp_avg"``, ``"optim.param_groups.0.lr"``; every other root of the
+state, such as ``rng``, ``extra``, ``stateful`` and ``step``, under ``"ftrun."``), each shard
+saved at the global offsets its manifest records (a DTensor's chunk, or offsets 0 for a plain
+tensor), values that are not tensors as DCP bytes (``torch.save``). So ``dcp.load`` of
+``{"model": model_sd, "optim": optim_sd}`` (torch's ``get_state_dict`` helpers), or of
+``{"model": model.state_dict()}`` alone, reads a step as it reads any DCP checkpoint
+(:func:`dcp_keys`). ftrun itself reads the tensors by those keys and everything else from
+``ftrun-manifest.json``, from which :func:`load_rank` rebuilds a rank's exact state tree
+without unpickling anything. The version of ``ftrun-hashes.json`` names the layout of the
+keys: 2, or 1 for steps of ftrun's first layout (``"model/fc.weight"``, no bytes), which are
+read as they are.
 
 A rank directory only appears, by an atomic rename, once every file in it is written and
 fsynced. The writer that completes the set of ranks merges their metadata into the step's
@@ -27,8 +34,8 @@ not mix ranks of two timelines), and the step's ``.metadata`` is there. Scanning
 never import torch; writing, merging and loading import it (and DCP) on first use.
 
 ``torch.distributed.checkpoint.load(sd, checkpoint_id=STEP_DIR)`` reads the global tensors
-onto any world size (or whole, with ``no_dist=True``), and PyTorch's converter turns a step
-into one file of full tensors, without the non-tensor leaves::
+(and the values all ranks share) onto any world size, or whole with ``no_dist=True``, and
+PyTorch's converter turns a step into one file of nested dicts::
 
     python -m torch.distributed.checkpoint.format_utils dcp_to_torch STEP_DIR out.pt
 
@@ -55,7 +62,14 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ftrun.errors import ConfigError, FtrunError, IntegrityError
-from ftrun.snapshot.manifest import TensorEntry, entries, parse_manifest, tensor_view, unflatten
+from ftrun.snapshot.manifest import (
+    TensorEntry,
+    decoder,
+    entries,
+    parse_manifest,
+    tensor_view,
+    unflatten,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +79,7 @@ log = logging.getLogger(__name__)
 MANIFEST_FILE = "ftrun-manifest.json"
 HASHES_FILE = "ftrun-hashes.json"
 DCP_METADATA = ".metadata"
-HASHES_VERSION = 1
+HASHES_VERSION = 2  # it names the rank directory's layout too: LAYOUT_FLAT (1), LAYOUT_NESTED
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".del-"
 STALE_TMP_S = 3600.0
@@ -88,24 +102,126 @@ def rank_dir(persist_dir: PathLike, step: int, rank: int) -> Path:
     return step_dir(persist_dir, step) / f"rank_{rank:05d}"
 
 
-def dcp_keys(table: list[TensorEntry]) -> list[str]:
-    """The DCP state-dict key of every tensor entry, index-aligned; refuses collisions."""
-    keys = [e.key.lstrip("/") for e in table]
+# -- where each value sits in the DCP checkpoint -----------------------------------------------
+
+LAYOUT_FLAT = 1  # ftrun's first layout: "model/fc.weight", the manifest key without its "/"
+LAYOUT_NESTED = 2  # DCP's own flattening of {"model": ..., "optim": ..., "ftrun": {the rest}}
+# State roots stored under their own name: the names of torch's get_state_dict helpers and
+# of PyTorch's DCP recipe, so {"model": ...} loads. (torchtitan's checkpointer keeps model keys
+# at the top level and names the optimizer "optimizer"; docs/snapshots.md says how to load a
+# step there.)
+STANDARD_ROOTS = ("model", "optim")
+FTRUN_ROOT = "ftrun"  # every other root (rng, extra, stateful, step, ...) is stored under it
+
+TreePath = tuple[Any, ...]
+
+
+def dcp_key(path: TreePath, layout: int) -> str:
+    """The checkpoint key of the value at ``path`` (dict keys and list indices from the root
+    of the snapshot's state) in a rank directory of ``layout``."""
+    if layout == LAYOUT_FLAT:
+        return "/".join(map(str, path))
+    return ".".join(map(str, _stored_path(path)))
+
+
+def _stored_path(path: TreePath) -> TreePath:
+    return path if path and str(path[0]) in STANDARD_ROOTS else (FTRUN_ROOT, *path)
+
+
+@dataclass(frozen=True)
+class DcpKeys:
+    """Where one rank's state sits in its DCP checkpoint (see the module docstring)."""
+
+    layout: int  # LAYOUT_FLAT or LAYOUT_NESTED
+    tensors: list[str]  # the key of every tensor entry, index-aligned with the manifest's
+    objects: dict[str, Any]  # key -> manifest tree node, for each value stored as DCP bytes
+    paths: dict[str, TreePath]  # key -> its path in the nested state (DCP's planner_data)
+
+
+def dcp_keys(doc: dict[str, Any], layout: int = LAYOUT_NESTED) -> DcpKeys:
+    """The checkpoint keys of a manifest's state; refuses two values under one key.
+
+    ``LAYOUT_NESTED`` follows ``torch.distributed.checkpoint``'s own flattening
+    (``_nested_dict.flatten_state_dict``): dicts are walked (keys as ``str``), a list is
+    walked when it holds a tensor or a dict, anything else (numbers, strings, tuples, lists
+    of plain values, None) is one value, stored as DCP bytes (``torch.save``). So the keys
+    are those ``dcp.save({"model": ..., "optim": ..., "ftrun": {...}})`` writes. A tensor
+    inside such a value (a tuple holding tensors) is stored there and also under a key of
+    its own, as is every numpy array, for ftrun's reads, which go tensor by tensor.
+    """
+    table = entries(doc)
+    if layout == LAYOUT_FLAT:
+        keys = [e.key.lstrip("/") for e in table]
+        _refuse_collisions(list(zip(keys, [e.key for e in table], strict=True)))
+        return DcpKeys(layout, keys, {}, {})
+    if layout != LAYOUT_NESTED:
+        raise IntegrityError(f"unknown on-disk layout {layout}; this ftrun reads "
+                             f"{LAYOUT_FLAT} and {LAYOUT_NESTED}: use a newer ftrun")
+    decode = decoder(doc, None)
+    tensor_paths: dict[int, TreePath] = {}
+    objects: dict[TreePath, Any] = {}
+    nested: list[TreePath] = []  # of the tensors stored as keys of their own in DCP too
+
+    def tensors_in(node: Any, path: TreePath) -> None:
+        if not isinstance(node, dict):
+            return
+        if "T" in node:
+            tensor_paths[node["T"]] = path
+        for k, v in node.get("D", ()):
+            tensors_in(v, (*path, str(decode(k))))
+        for i, v in enumerate(node.get("L", node.get("U", ()))):
+            tensors_in(v, (*path, i))
+
+    def walk(node: Any, path: TreePath) -> None:
+        if isinstance(node, dict) and "T" in node:
+            tensor_paths[node["T"]] = path
+            nested.append(path)
+        elif isinstance(node, dict) and "D" in node:
+            for k, v in node["D"]:
+                walk(v, (*path, str(decode(k))))
+        elif isinstance(node, dict) and "L" in node and not _terminal(node):
+            for i, v in enumerate(node["L"]):
+                walk(v, (*path, i))
+        else:
+            objects[path] = node
+            tensors_in(node, path)
+
+    root = doc["tree"]
+    if not (isinstance(root, dict) and "D" in root):
+        raise ConfigError("the state root must be a dict (model/optim/rng/extra/step), not a "
+                          "bare tensor or value")
+    walk(root, ())
+    named = [(dcp_key(tensor_paths[i], layout), e.key) for i, e in enumerate(table)]
+    named += [(dcp_key(path, layout), "/" + "/".join(map(str, path))) for path in objects]
+    _refuse_collisions(named)
+    # A tensor inside a stored value (a tuple) stays out of planner_data: DCP's converter
+    # would try to set it inside that tuple.
+    return DcpKeys(layout, [key for key, _ in named[:len(table)]],
+                   {dcp_key(path, layout): node for path, node in objects.items()},
+                   {dcp_key(path, layout): _stored_path(path) for path in [*nested, *objects]})
+
+
+def _terminal(node: Any) -> bool:
+    """Whether DCP stores this list as one value: it holds no tensor, no dict, and no list
+    that is walked (the rule of torch.distributed.checkpoint._traverse)."""
+    for child in node["L"]:
+        if isinstance(child, dict) and ("T" in child or "D" in child):
+            return False
+        if isinstance(child, dict) and "L" in child and not _terminal(child):
+            return False
+    return True
+
+
+def _refuse_collisions(named: list[tuple[str, str]]) -> None:
     seen: dict[str, str] = {}
-    for entry, key in zip(table, keys, strict=True):
-        if not key:
-            raise ConfigError(
-                f"tensor entry {entry.key!r} has an empty checkpoint key: the state root must "
-                "be a dict (model/optim/rng/extra/step), not a bare tensor"
-            )
+    for key, what in named:
         if key in seen:
             raise ConfigError(
-                f"tensors {seen[key]!r} and {entry.key!r} map to the same checkpoint key "
-                f"{key!r}; rename one of the state's dict keys (keys differing only in type, "
-                "e.g. 1 and '1', collide)"
+                f"{seen[key]!r} and {what!r} map to the same checkpoint key {key!r}; rename "
+                "one of the state's dict keys (keys differing only in type, e.g. 1 and '1', "
+                "or in '.' against nesting, e.g. 'a.b' and a/b, collide)"
             )
-        seen[key] = entry.key
-    return keys
+        seen[key] = what
 
 
 def xxh3_hex(value: int) -> str:
@@ -160,10 +276,11 @@ def _read_metadata(path: Path) -> Any:
                              "is corrupt: use another step") from e
 
 
-def _write_items(table: list[TensorEntry], keys: list[str],
-                 state: dict[str, torch.Tensor]) -> list[Any]:
+def _write_items(table: list[TensorEntry], keys: DcpKeys,
+                 state: dict[str, Any]) -> list[Any]:
     """DCP's ``WriteItem`` of every shard, from the layout the manifest recorded: exactly what
-    DCP's default planner makes of the DTensor (a SHARD chunk) or plain tensor it was."""
+    DCP's default planner makes of the DTensor (a SHARD chunk) or plain tensor it was; and
+    one of every value stored as bytes."""
     import torch
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
@@ -172,8 +289,9 @@ def _write_items(table: list[TensorEntry], keys: list[str],
     )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    items = []
-    for entry, key in zip(table, keys, strict=True):
+    items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+             for key in keys.objects]
+    for entry, key in zip(table, keys.tensors, strict=True):
         offsets = torch.Size(entry.goffsets)
         items.append(WriteItem(
             index=MetadataIndex(key, offsets),
@@ -190,6 +308,8 @@ def _planners() -> tuple[type, type]:
     """DCP planners for one rank's shards: a save planner that writes the shards at their
     recorded global offsets, and a load planner that reads a shard back into a plain tensor
     of its local shape (DCP's resharding reads, narrowed to the shard)."""
+    import dataclasses
+
     import torch
     from torch.distributed.checkpoint.default_planner import (
         DefaultLoadPlanner,
@@ -200,8 +320,9 @@ def _planners() -> tuple[type, type]:
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class ShardSavePlanner(SavePlanner):
-        def __init__(self, items: list[Any]) -> None:
+        def __init__(self, items: list[Any], paths: dict[str, Any]) -> None:
             self.items = items
+            self.paths = paths
             self.state: dict[str, Any] = {}
 
         def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
@@ -213,8 +334,9 @@ def _planners() -> tuple[type, type]:
 
         def create_global_plan(self, all_plans: list[Any]) -> Any:
             # Not DefaultSavePlanner's: it checks that the chunks cover each global tensor,
-            # which one rank's shards never do.
-            return create_default_global_save_plan(all_plans)
+            # which one rank's shards never do. The paths let DCP's converter nest the keys.
+            plans, metadata = create_default_global_save_plan(all_plans)
+            return plans, dataclasses.replace(metadata, planner_data=self.paths or None)
 
         def finish_plan(self, new_plan: Any) -> Any:
             return new_plan
@@ -252,13 +374,13 @@ def _planners() -> tuple[type, type]:
     return ShardSavePlanner, ShardLoadPlanner
 
 
-def _dcp_save(state: dict[str, torch.Tensor], path: Path, table: list[TensorEntry],
-              keys: list[str]) -> None:
+def _dcp_save(state: dict[str, Any], path: Path, table: list[TensorEntry],
+              keys: DcpKeys) -> None:
     save_planner, _ = _planners()
+    planner = save_planner(_write_items(table, keys, state), keys.paths)
     with _quiet_dcp() as dcp:
         writer = dcp.FileSystemWriter(str(path), sync_files=True, thread_count=1)
-        dcp.save(state, storage_writer=writer, planner=save_planner(_write_items(table, keys, state)),
-                 no_dist=True)
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
 
 
 def _dcp_load(state: dict[str, torch.Tensor], path: Path, table: list[TensorEntry],
@@ -349,7 +471,7 @@ def write_rank(persist_dir: PathLike, doc: dict[str, Any], data: memoryview | by
     """
     step, rank, world = _check_doc(doc)
     table = entries(doc)
-    keys = dcp_keys(table)
+    keys = dcp_keys(doc)
     if len(hashes) != len(table):
         raise IntegrityError(
             f"step {step} rank {rank}: {len(hashes)} hashes for {len(table)} tensors; "
@@ -389,6 +511,22 @@ def _finalize_after_write(persist_dir: PathLike, step: int, world_size: int) -> 
                   DCP_METADATA, e)
 
 
+def _stored_objects(doc: dict[str, Any], keys: DcpKeys, view: memoryview) -> dict[str, Any]:
+    """Each value DCP stores as bytes, ``torch.save``-d as DCP's own planner does (a tensor
+    in it copied out: a view would save the whole data region)."""
+    import io
+
+    import torch
+
+    decode = decoder(doc, lambda _i, entry: tensor_view(view, entry).clone())
+    out = {}
+    for key, node in keys.objects.items():
+        buf = io.BytesIO()
+        torch.save(decode(node), buf)
+        out[key] = buf
+    return out
+
+
 def _check_bytes(view: memoryview, table: list[TensorEntry], hashes: list[int],
                  what: str) -> None:
     for entry, expected in zip(table, hashes, strict=True):
@@ -415,7 +553,7 @@ def epoch_of(doc: dict[str, Any]) -> str | None:
 
 
 def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[TensorEntry],
-               keys: list[str], hashes: list[int], *, replace: bool = False) -> Path:
+               keys: DcpKeys, hashes: list[int], *, replace: bool = False) -> Path:
     step, rank = int(doc["step"]), int(doc["rank"])
     parent = final.parent
     try:
@@ -425,7 +563,7 @@ def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[T
                           "writable or point the persist option elsewhere") from e
     tmp = parent / f"{TMP_PREFIX}rank_{rank:05d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     try:
         tmp.mkdir()
         _write_durable(tmp / MANIFEST_FILE, json.dumps(doc, separators=(",", ":")).encode())
@@ -435,7 +573,8 @@ def _write_dir(final: Path, doc: dict[str, Any], view: memoryview, table: list[T
         with warnings.catch_warnings():
             # A read-only buffer (bytes) is only read here.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            state = {key: tensor_view(view, e) for key, e in zip(keys, table, strict=True)}
+            state = {key: tensor_view(view, e) for key, e in zip(keys.tensors, table, strict=True)}
+            state.update(_stored_objects(doc, keys, view))
         _dcp_save(state, tmp, table, keys)
         state.clear()
         _fsync_tree(tmp)
@@ -478,7 +617,9 @@ class StepLayout:
     """The DCP ``Metadata`` of a whole step, merged from its rank directories."""
 
     metadata: Any  # torch.distributed.checkpoint.metadata.Metadata
-    rank_local: list[str]  # DCP keys left out: their shards do not form one global tensor
+    rank_local: list[str]  # DCP keys left out: their shards do not form one global tensor,
+    # or the ranks hold different values under them
+    keys: int = LAYOUT_FLAT  # the layout of its keys (an in-memory reshard's are flat)
 
 
 def merge_layout(step: StepDir) -> StepLayout:
@@ -488,26 +629,45 @@ def merge_layout(step: StepDir) -> StepLayout:
     A chunk that several ranks hold (a replicated or plain tensor, offsets equal) is taken
     once, from the lowest rank, when every copy hashes the same. A tensor whose copies differ
     (per-rank state such as RNG states), whose ranks disagree on its shape or dtype, or
-    whose chunks do not cover it, is rank-local: it stays in the rank directories only.
+    whose chunks do not cover it, is rank-local: it stays in the rank directories only. So
+    is a value stored as bytes (a hyper-parameter, the step number, ``extra``) that differs
+    between the ranks; one they agree on is read from the lowest rank's directory.
     """
     import dataclasses
 
     from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
         Metadata,
         MetadataIndex,
         TensorStorageMetadata,
     )
 
     tensors: dict[str, Any] = {}
+    objects: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    first: dict[tuple[str, tuple[int, ...]], tuple[int, int | None, tuple[int, ...]]] = {}
+    paths: dict[str, Any] = {}
+    first: dict[tuple[str, tuple[int, ...]], tuple[int, Any, tuple[int, ...]]] = {}
     local: set[str] = set()
+    layouts: set[int] = set()
     for rd in step.ranks:
         md = _read_metadata(rd.path)
-        table = entries(read_manifest(rd.path))
-        recorded = read_hashes(rd.path)
-        hash_of = {key: recorded.get(e.key) for key, e in zip(dcp_keys(table), table, strict=True)}
+        doc = read_manifest(rd.path)
+        table = entries(doc)
+        layout, recorded = _read_hashes_file(rd.path)
+        layouts.add(layout)
+        keys = dcp_keys(doc, layout)
+        hash_of: dict[str, Any] = {
+            key: recorded.get(e.key) for key, e in zip(keys.tensors, table, strict=True)}
+        hash_of.update({key: _fingerprint(node, table, recorded)
+                        for key, node in keys.objects.items()})
+        paths.update(md.planner_data or {})
         for fqn, tmd in md.state_dict_metadata.items():
+            if isinstance(tmd, BytesStorageMetadata) and fqn in keys.objects:
+                objects[fqn] = tmd
+                seen = first.setdefault((fqn, ()), (rd.rank, hash_of[fqn], ()))
+                if seen[1] != hash_of[fqn]:
+                    local.add(fqn)
+                continue
             if not isinstance(tmd, TensorStorageMetadata):
                 local.add(fqn)
                 continue
@@ -528,9 +688,32 @@ def merge_layout(step: StepDir) -> StepLayout:
             if owner is not None and owner[0] == rd.rank:
                 storage[MetadataIndex(index.fqn, index.offset)] = dataclasses.replace(
                     info, relative_path=f"{rd.path.name}/{info.relative_path}")
+    if len(layouts) > 1:
+        raise IntegrityError(f"{step.path}: its ranks were written in different on-disk "
+                             f"layouts ({sorted(layouts)}) by different ftrun versions")
     storage = drop_rank_local(tensors, storage, local)
-    return StepLayout(Metadata(state_dict_metadata=tensors, storage_data=storage),
-                      sorted(local))
+    objects = {k: v for k, v in objects.items() if k not in local}
+    described = {**tensors, **objects}
+    planner_data = {k: tuple(v) for k, v in paths.items() if k in described}
+    return StepLayout(Metadata(state_dict_metadata=described, storage_data=storage,
+                               planner_data=planner_data or None),
+                      sorted(local), layouts.pop() if layouts else LAYOUT_FLAT)
+
+
+def _fingerprint(node: Any, table: list[TensorEntry], recorded: dict[str, int]) -> str:
+    """A value stored as bytes, as comparable text: its manifest node, with each tensor in it
+    replaced by its recorded hash (``torch.save`` output is not the same for equal values)."""
+
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, dict) and "T" in obj:
+            return {"T": recorded.get(table[obj["T"]].key)}
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [plain(v) for v in obj]
+        return obj
+
+    return json.dumps(plain(node), sort_keys=True)
 
 
 def drop_rank_local(tensors: dict[str, Any], storage: dict[Any, Any],
@@ -621,6 +804,7 @@ def step_layout(step: StepDir) -> StepLayout:
     def described(md: Any) -> tuple[Any, Any]:
         chunks = {fqn: (tuple(t.size), t.properties.dtype,
                         sorted((tuple(c.offsets), tuple(c.sizes)) for c in t.chunks))
+                  if hasattr(t, "chunks") else "bytes"
                   for fqn, t in md.state_dict_metadata.items()}
         spans = {(i.fqn, tuple(i.offset or ())): (v.relative_path, v.offset, v.length)
                  for i, v in md.storage_data.items()}
@@ -630,7 +814,7 @@ def step_layout(step: StepDir) -> StepLayout:
         raise IntegrityError(f"{file} does not describe the rank directories beside it (it "
                              "was written for another set of them); the step is corrupt: use "
                              "another step")
-    return StepLayout(on_disk, merged.rank_local)
+    return StepLayout(on_disk, merged.rank_local, merged.keys)
 
 
 # -- scanning ---------------------------------------------------------------------------------
@@ -741,12 +925,29 @@ def read_manifest(path: PathLike) -> dict[str, Any]:
 
 def read_hashes(path: PathLike) -> dict[str, int]:
     """Manifest key -> recorded xxh3-64, from a rank directory's ``ftrun-hashes.json``."""
+    return _read_hashes_file(path)[1]
+
+
+def read_layout(path: PathLike) -> int:
+    """The layout a rank directory was written in (``LAYOUT_FLAT``: ftrun's first;
+    ``LAYOUT_NESTED``), as its ``ftrun-hashes.json`` records it (its version)."""
+    return _read_hashes_file(path)[0]
+
+
+def rank_keys(path: PathLike, doc: dict[str, Any]) -> DcpKeys:
+    """The checkpoint keys of a rank directory's state (``doc``: its manifest)."""
+    return dcp_keys(doc, read_layout(path))
+
+
+def _read_hashes_file(path: PathLike) -> tuple[int, dict[str, int]]:
     file = Path(path) / HASHES_FILE
     try:
         doc = json.loads(file.read_bytes())
-        if doc.get("v") != HASHES_VERSION:
-            raise ValueError(f"version {doc.get('v')!r}, this ftrun reads {HASHES_VERSION}")
-        return {str(k): int(v, 16) for k, v in doc["tensors"].items()}
+        version = doc.get("v")
+        if version not in (LAYOUT_FLAT, LAYOUT_NESTED):
+            raise ValueError(f"version {version!r}; this ftrun reads {LAYOUT_FLAT} to "
+                             f"{HASHES_VERSION}: a newer ftrun wrote it?")
+        return version, {str(k): int(v, 16) for k, v in doc["tensors"].items()}
     except FileNotFoundError:
         raise IntegrityError(f"{file} is missing; the tensors cannot be checked") from None
     except OSError as e:
@@ -923,8 +1124,8 @@ def _load_flat(path: Path, table: list[TensorEntry], keys: list[str]) -> dict[st
 def read_tensors(path: PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a rank directory by its DCP key, as stored (not verified)."""
     path = Path(path)
-    table = entries(read_manifest(path))
-    return _load_flat(path, table, dcp_keys(table))
+    doc = read_manifest(path)
+    return _load_flat(path, entries(doc), rank_keys(path, doc).tensors)
 
 
 def load_dir(path: PathLike, *, verify: bool = True) -> Any:
@@ -934,8 +1135,8 @@ def load_dir(path: PathLike, *, verify: bool = True) -> Any:
         raise IntegrityError(f"{path / DCP_METADATA} is missing; not a complete checkpoint")
     doc = read_manifest(path)
     table = entries(doc)
-    keys = dcp_keys(table)
-    recorded = read_hashes(path) if verify else {}
+    layout, recorded = _read_hashes_file(path)
+    keys = dcp_keys(doc, layout).tensors
     state = _load_flat(path, table, keys)
     if verify:
         files: dict[str, str] | None = None
@@ -951,9 +1152,9 @@ def load_dir(path: PathLike, *, verify: bool = True) -> Any:
                 raise IntegrityError(f"{path / HASHES_FILE} records no hash for tensor "
                                      f"{entry.key}; the checkpoint cannot be verified")
             raise IntegrityError(
-                f"{where}: tensor {entry.key} hashes to {xxh3_hex(actual)} but "
-                f"{HASHES_FILE} records {xxh3_hex(expected)}; the file is corrupt: restore "
-                "from another step"
+                f"{where}: tensor {entry.key} (checkpoint key {key}) hashes to "
+                f"{xxh3_hex(actual)} but {HASHES_FILE} records {xxh3_hex(expected)}; the file "
+                "is corrupt: restore from another step"
             )
     return unflatten(doc, lambda i, _entry: state[keys[i]])
 
@@ -982,8 +1183,8 @@ def verify_dir(path: PathLike, *, on_tensor: Callable[[str, int], None] | None =
     path = Path(path)
     doc = read_manifest(path)
     table = entries(doc)
-    keys = dcp_keys(table)
-    recorded = read_hashes(path)
+    layout, recorded = _read_hashes_file(path)
+    keys = dcp_keys(doc, layout).tensors
     files = storage_files(path)
     out: list[Mismatch] = []
 
