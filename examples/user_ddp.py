@@ -120,8 +120,7 @@ def maybe_get_stuck(args: argparse.Namespace, rank: int, step: int) -> None:
     print(f"user-ddp: rank {rank} stuck in a C call in step {step}", file=sys.stderr, flush=True)
     import ctypes
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL,
-                                                                     signal.SIGSTOP})
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     ctypes.CDLL(None).sleep(600)
 
 

@@ -12,8 +12,10 @@ wrapper keeps the process, its imports and its CUDA context across faults:
 2. ``rank_abort`` (another rank failed, a hang, a new member): the process groups are
    aborted and an exception (:class:`RankAborted`) is raised into the thread that runs the
    function, which unwinds it. A thread blocked inside a C call sees it only when that call
-   returns: on gloo, when a peer's connections close; a rank that never comes back is the
-   launcher's to kill (it falls back to a process restart after its deadline).
+   returns: on NCCL the abort releases it; on gloo, whose abort does not, the connections
+   the function's groups accepted are shut down (:mod:`ftrun.rank.sockets`), which
+   releases this rank and the peers blocked on it; a rank that never comes back is the
+   launcher's to kill (a new process for it after its deadline).
 3. The function raised on its own. On gloo the rank is dead: the error goes to the state
    file (``failed``) and is raised again, so the process exits: that closes its connections
    and releases the peers blocked in a collective with it (on gloo nothing else does). Its
@@ -50,6 +52,7 @@ from typing import Any, TypeVar
 
 from ftrun import _torch, knobs
 from ftrun.errors import FtrunError
+from ftrun.rank import sockets
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,7 @@ class RankControl:
         self._decision: _Decision | None = None
         self._backend: str | None = None
         self._handler = False
+        self.sockets_before: set[int] = set()
         server = Server("rank control", secret, run_id,
                         {"rank_abort": self._on_abort, "rank_world": self._on_world,
                          "rank_exit": self._on_exit},
@@ -162,6 +166,7 @@ class RankControl:
         if threading.current_thread() is threading.main_thread() and not self._handler:
             signal.signal(INTERRUPT_SIGNAL, _on_interrupt)
             self._handler = True
+        self.sockets_before = sockets.socket_inodes()  # gloo's will be the ones added
         with self._cond:
             self._thread_id = threading.get_ident()
             self._running = True
@@ -261,7 +266,8 @@ class RankControl:
         # NCCL: an abort releases a collective blocked on the GPU. gloo: it does not (the
         # blocked call returns when a peer's connections close), so it is left to the
         # function's thread, which aborts once it is out.
-        if "torch.distributed" in sys.modules and _torch.default_backend() == "nccl":
+        backend = _torch.default_backend() if "torch.distributed" in sys.modules else None
+        if backend == "nccl":
             try:
                 _torch.abort_process_groups()
             except Exception as e:  # noqa: BLE001 - the main thread aborts again after
@@ -272,6 +278,10 @@ class RankControl:
                 _async_raise(self._thread_id, RankAborted)
                 if self._handler and self._thread_id == threading.main_thread().ident:
                     signal.pthread_kill(self._thread_id, INTERRUPT_SIGNAL)
+        if backend is not None and backend != "nccl":
+            # gloo: closing the group's connections releases a collective blocked in them
+            # (this rank's, and its peers' blocked on this rank).
+            _close_connections(self.sockets_before)
 
     def _on_world(self, msg: Any) -> Any:
         from ftrun.protocol.messages import Ack
@@ -301,7 +311,19 @@ def _on_interrupt(signum: int, frame: Any) -> None:
     as it runs)."""
 
 
-def _release(backend: str | None) -> None:
+def _close_connections(before: set[int]) -> None:
+    """Shut down the connections the function's gloo groups accepted (see
+    :mod:`ftrun.rank.sockets`); the job store's port is left alone."""
+    try:
+        port: int | None = int(os.environ.get("MASTER_PORT", ""))
+    except ValueError:
+        port = None
+    n = sockets.shut_down_accepted(before, port)
+    if n:
+        log.info("closed %d connection(s) of the aborted process groups", n)
+
+
+def _release(backend: str | None, sockets_before: set[int]) -> None:
     """Release what the function built (its Snapshotters went first, see
     :func:`_abandon_snapshots`): every process group, aborted and forgotten (NCCL: the slow
     abort runs on a thread while the next group forms), then collect garbage so that DDP
@@ -318,6 +340,7 @@ def _release(backend: str | None) -> None:
                 thread.start()
                 _ABORTS.append(thread)
             else:
+                _close_connections(sockets_before)  # releases peers blocked on this rank
                 _torch.abort_process_groups()
         except Exception as e:  # noqa: BLE001 - the next init_process_group says more
             log.warning("could not abort the process groups: %s: %s", type(e).__name__, e)
@@ -510,7 +533,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             else:
                 control.done()
                 return result
-            _release(control._backend)
+            _release(control._backend, control.sockets_before)
             t0 = time.monotonic()
             decision = control.wait_decision(state, note, _wait_s())
             if decision is None or decision.env is None:
