@@ -3,7 +3,7 @@
 Stock Lightning: a ``LightningModule`` (an MLP with dropout, AdamW, a warm-up + cosine
 ``LambdaLR`` stepped every optimizer step from ``configure_optimizers``), a
 ``LightningDataModule`` over a small dataset made in memory (nothing is downloaded), and a
-``Trainer`` with ``strategy="ddp"`` on CPU, validation every epoch and the default
+``Trainer`` with ``strategy="ddp"`` on CPU, validation twice an epoch and the default
 ``ModelCheckpoint``. The ftrun part is one callback: ``FtrunSnapshots()``.
 
 Launched by ftrun (or torchrun), Lightning finds the processes already started (its
@@ -157,7 +157,7 @@ def main() -> int:
         accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=args.strategy,
         max_epochs=args.epochs, max_steps=args.max_steps, default_root_dir=args.root_dir,
         callbacks=[FtrunSnapshots(every=every)],
-        enable_progress_bar=False, enable_model_summary=False)
+        val_check_interval=0.5, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, datamodule=Blobs(samples=args.samples, batch_size=args.batch_size))
 
     if trainer.is_global_zero:

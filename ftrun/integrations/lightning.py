@@ -88,7 +88,7 @@ class _SnapshotsCallback:
         trainer_state = _TrainerState(trainer, not self._own_optimizer)
         self.snapshotter = ftrun.Snapshotter(
             trainer.strategy.model, optimizers[0] if self._own_optimizer else None,
-            state={"lightning": trainer_state}, every=self.every)
+            state={"lightning": trainer_state}, every=self.every, forward_hooks=False)
         step = self.snapshotter.restore()
         self.resumed_from = step
         if step:
@@ -113,6 +113,17 @@ class _SnapshotsCallback:
                 f"epoch {trainer.current_epoch} already trained")
 
     # -- every step: save ---------------------------------------------------------------------
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        # Where a snapshot's RNG states are taken, and a restored run's put back: right before
+        # the training step, in the uninterrupted run and the restored one alike. Not at the
+        # model's forward (the Snapshotter's default): Lightning runs validation through the
+        # same forward, and a restored run does not repeat the validation that came between
+        # the snapshot and the next step. Nor does every strategy run training_step through
+        # the wrapped model's forward (single device, ModelParallel/FSDP2).
+        if self.snapshotter is not None:
+            self.snapshotter.step_begins()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Several optimizers are not the Snapshotter's: keep their update off the copy.
