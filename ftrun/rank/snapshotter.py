@@ -75,7 +75,7 @@ class Snapshotter:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, state: Mapping[str, Any] | None = None, every: int | str | None = None,
-                 async_copy: bool = True) -> None:
+                 async_copy: bool = True, forward_hooks: bool = True) -> None:
         self.cadence = Cadence(knobs.SNAPSHOT_EVERY.get() if every is None else every)
         self.model = model
         self.optimizer = optimizer
@@ -100,9 +100,10 @@ class Snapshotter:
         ctx.connect()
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_optimizer_step)
-        inner = getattr(model, "module", None)
-        for module in (model, inner) if isinstance(inner, torch.nn.Module) else (model,):
-            module.register_forward_pre_hook(self._on_forward)
+        if forward_hooks:  # False: the caller calls step_begins()
+            inner = getattr(model, "module", None)
+            for module in (model, inner) if isinstance(inner, torch.nn.Module) else (model,):
+                module.register_forward_pre_hook(self._on_forward)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # The collective monitor (ftrun.rank.collectives), once per process.
             from ftrun.rank.collectives import monitor_collectives
@@ -127,6 +128,14 @@ class Snapshotter:
     def skipped_saves(self) -> int:
         """Snapshots given up so far (training never waits for the store)."""
         return self._saver.skipped_saves
+
+    def step_begins(self) -> None:
+        """Mark the start of a training step, for ``Snapshotter(forward_hooks=False)``.
+
+        A framework whose model runs forward passes outside training steps (validation)
+        calls this right before each training step instead (``ftrun.integrations``).
+        """
+        self._on_forward()
 
     def _on_forward(self, *_: Any) -> None:
         """At the forward pass after a save() or restore(): the RNG states meet here.

@@ -1,0 +1,170 @@
+"""A PyTorch Lightning script written the way Lightning users write them, with ftrun snapshots.
+
+Stock Lightning: a ``LightningModule`` (an MLP with dropout, AdamW, a warm-up + cosine
+``LambdaLR`` stepped every optimizer step from ``configure_optimizers``), a
+``LightningDataModule`` over a small dataset made in memory (nothing is downloaded), and a
+``Trainer`` with ``strategy="ddp"`` on CPU, validation twice an epoch and the default
+``ModelCheckpoint``. The ftrun part is one callback: ``FtrunSnapshots()``.
+
+Launched by ftrun (or torchrun), Lightning finds the processes already started (its
+``TorchElasticEnvironment``) and checks that ``devices * num_nodes`` is the launcher's world
+size, so the script takes both from the launcher's ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``.
+Under plain ``python`` it uses ``--devices`` and Lightning starts the other processes itself;
+the callback then says once that snapshots are off.
+
+Run it::
+
+    ftrun --nproc-per-node 3 examples/lightning_ddp.py
+    ftrun --nproc-per-node 3 examples/lightning_ddp.py --kill-at-step 7 --kill-rank 1
+    python examples/lightning_ddp.py --devices 3        # no snapshots
+
+At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``.
+``--kill-at-step S --kill-rank R`` SIGKILLs rank R once per job, at the end of step S (after
+its optimizer step; the snapshot of S is under way). The marker file lives in
+``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+
+import lightning as L
+import torch
+import xxhash
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ftrun.integrations.lightning import FtrunSnapshots
+
+
+class Blobs(L.LightningDataModule):
+    """A small classification data set, made from a fixed seed."""
+
+    def __init__(self, samples: int = 384, features: int = 16, classes: int = 4,
+                 batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        n, f, c = self.hparams.samples, self.hparams.features, self.hparams.classes
+        x = torch.randn(n, f, generator=gen)
+        w = torch.randn(f, c, generator=gen)
+        y = (x @ w + 0.1 * torch.randn(n, c, generator=gen)).argmax(dim=1)
+        split = n * 3 // 4
+        self.train_set = TensorDataset(x[:split], y[:split])
+        self.val_set = TensorDataset(x[split:], y[split:])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, features: int = 16, hidden: int = 64, classes: int = 4,
+                 dropout: float = 0.1, lr: float = 3e-3, warmup: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden), nn.GELU(), nn.Dropout(dropout),
+            nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout),
+            nn.Linear(hidden, classes))
+        self.loss = nn.CrossEntropyLoss()
+        self.kill: tuple[int, int, str] | None = None  # (step, rank, marker directory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", self.loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        total = self.trainer.estimated_stepping_batches
+        warmup = self.hparams.warmup
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1.0 + math.cos(math.pi * min((step - warmup) / max(1, total - warmup), 1)))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.kill is None:
+            return
+        step, rank, directory = self.kill
+        if self.global_step != step or self.global_rank != rank:
+            return
+        marker = os.path.join(directory, f"lightning-fault-rank{rank}-step{step}")
+        try:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            return  # fired already in this job
+        print(f"lightning-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def params_xxh3(model: nn.Module) -> str:
+    h = xxhash.xxh3_64()
+    for _, p in model.named_parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=2, help="without a launcher")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--samples", type=int, default=384)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--every", default=None, help="snapshot interval: steps or 'auto'")
+    p.add_argument("--root-dir", default=None, help="logs and checkpoints (default: cwd)")
+    p.add_argument("--kill-at-step", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--fault-dir")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    # Under a launcher (ftrun, torchrun) the processes exist already: match its world.
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", args.devices))
+    num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices
+
+    model = Classifier()
+    if args.kill_at_step:
+        directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
+        model.kill = (args.kill_at_step, args.kill_rank, directory)
+    every = int(args.every) if args.every and args.every.isdigit() else args.every
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=args.strategy,
+        max_epochs=args.epochs, max_steps=args.max_steps, default_root_dir=args.root_dir,
+        callbacks=[FtrunSnapshots(every=every)],
+        val_check_interval=0.5, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule=Blobs(samples=args.samples, batch_size=args.batch_size))
+
+    if trainer.is_global_zero:
+        print(f"lightning-ddp: step={trainer.global_step} world={trainer.world_size} "
+              f"params_xxh3={params_xxh3(model)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
