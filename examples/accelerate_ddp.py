@@ -26,55 +26,21 @@ snapshot of S); the marker file lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``)
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import signal
 import sys
-import tempfile
 
 import torch
-import xxhash
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
+
+# The model, data, schedule and digest of examples/user_ddp.py (this script's directory is
+# on sys.path when it runs).
+from user_ddp import make_dataset, make_model, params_xxh3, warmup_cosine
 
 import ftrun
+from ftrun.faults import kill_once
 from ftrun.integrations.accelerate import AcceleratorSnapshotter
-
-
-def make_dataset(n: int, features: int, classes: int) -> TensorDataset:
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, features, generator=gen)
-    w = torch.randn(features, classes, generator=gen)
-    y = (x @ w + 0.1 * torch.randn(n, classes, generator=gen)).argmax(dim=1)
-    return TensorDataset(x, y)
-
-
-def warmup_cosine(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * min((step - warmup) / max(1, total - warmup), 1.0)))
-    return factor
-
-
-def params_xxh3(model: nn.Module) -> str:
-    h = xxhash.xxh3_64()
-    for _, p in model.named_parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def kill_once(step: int, rank: int, directory: str) -> None:
-    """Fault injection for the tests: SIGKILL this process, once per job (a marker file)."""
-    marker = os.path.join(directory, f"accelerate-ddp-fault-rank{rank}-step{step}")
-    try:
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except FileExistsError:
-        return
-    print(f"accelerate-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -82,9 +48,6 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=8, help="per process")
-    p.add_argument("--features", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--classes", type=int, default=10)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--every", default=None, help="snapshot every K steps, or auto "
                    "(default: the launcher's --snapshot-every)")
@@ -96,12 +59,10 @@ def main() -> int:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     set_seed(0)
-    model = nn.Sequential(
-        nn.Linear(args.features, args.hidden), nn.GELU(), nn.Dropout(0.1),
-        nn.Linear(args.hidden, args.hidden), nn.GELU(), nn.Dropout(0.1),
-        nn.Linear(args.hidden, args.classes))
+    features, classes = 32, 10
+    model = make_model(features, hidden=128, classes=classes, dropout=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    loader = DataLoader(make_dataset(args.samples, args.features, args.classes),
+    loader = DataLoader(make_dataset(args.samples, features, classes),
                         batch_size=args.batch_size, shuffle=True)
     # Counted before prepare(): a prepared scheduler steps once per process per step.
     total = args.epochs * len(loader)
@@ -116,7 +77,6 @@ def main() -> int:
     if step:
         print(f"accelerate-ddp: rank {rank} resumed from step {step}", file=sys.stderr,
               flush=True)
-    fault_dir = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or tempfile.gettempdir()
 
     loss_fn = nn.CrossEntropyLoss()
     first_epoch, done = divmod(step, len(loader))
@@ -133,7 +93,7 @@ def main() -> int:
             optimizer.zero_grad()
             step += 1
             if step == args.kill_at_step and rank == args.kill_rank:
-                kill_once(step, rank, fault_dir)
+                kill_once("accelerate-ddp", rank, step, args.fault_dir)
             snap.save(step)
             ftrun.progress(step)
     ftrun.progress(step, done=True)

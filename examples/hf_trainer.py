@@ -21,13 +21,10 @@ once lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 import tempfile
 
 import torch
-import xxhash
 from torch.utils.data import Dataset
 from transformers import (
     GPT2Config,
@@ -37,7 +34,9 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+from user_ddp import params_xxh3  # examples/user_ddp.py (this directory is on sys.path)
 
+from ftrun.faults import kill_once
 from ftrun.integrations.transformers import add_snapshots
 
 
@@ -57,29 +56,15 @@ class CountingDataset(Dataset):
 
 
 class KillOnce(TrainerCallback):
-    """Fault injection for the tests: SIGKILL this rank after optimizer step ``step``, once."""
+    """Fault injection for the tests: SIGKILL rank ``rank`` after its optimizer step
+    ``step``, once per job (ftrun.faults.kill_once)."""
 
-    def __init__(self, step: int, rank: int, directory: str) -> None:
+    def __init__(self, step: int, rank: int, directory: str | None) -> None:
         self.step, self.rank, self.directory = step, rank, directory
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if state.global_step != self.step or args.process_index != self.rank:
-            return
-        marker = os.path.join(self.directory, f"hf-trainer-fault-rank{self.rank}-step{self.step}")
-        try:
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        except FileExistsError:
-            return  # fired already in this job
-        print(f"hf-trainer: killing rank {self.rank} in step {self.step}", file=sys.stderr,
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def params_xxh3(model: torch.nn.Module) -> str:
-    h = xxhash.xxh3_64()
-    for _, p in model.named_parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+        if state.global_step == self.step and args.process_index == self.rank:
+            kill_once("hf-trainer", self.rank, self.step, self.directory)
 
 
 def main() -> int:
@@ -123,8 +108,7 @@ def main() -> int:
     snapshots = add_snapshots(trainer, every=int(args.every) if (args.every or "auto").isdigit()
                               else args.every)
     if args.kill_at_step:
-        directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or output_dir
-        trainer.add_callback(KillOnce(args.kill_at_step, args.kill_rank, directory))
+        trainer.add_callback(KillOnce(args.kill_at_step, args.kill_rank, args.fault_dir))
 
     result = trainer.train()
 

@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,7 @@ def check_fault_and_resume(tmp: Path, out: str, run_id: str, prefix: str,
                            snapshot_every: int) -> int:
     """The fault fired once, and every rank resumed from the same snapshot, not from 0."""
     assert (tmp / f"{prefix}-fault-rank{KILL_RANK}-step{KILL_STEP}").exists(), "no fault fired"
-    one(rf"{prefix}: killing rank {KILL_RANK} in step {KILL_STEP}\b", out)
+    one(rf"fault injection: SIGKILL rank {KILL_RANK} in step {KILL_STEP} \({prefix}\)", out)
     resumed = re.findall(rf"{prefix}: rank (\d) resumed from step (\d+)", out)
     assert sorted(int(r) for r, _ in resumed) == list(range(RANKS)), out[-6000:]
     steps = {int(s) for _, s in resumed}
@@ -87,58 +88,70 @@ def check_fault_and_resume(tmp: Path, out: str, run_id: str, prefix: str,
     return step
 
 
-def check_plain_python(procs: Procs, proc: subprocess.Popen[str]) -> str:
-    out = finish(procs, proc)
+def check_plain_python(out: str) -> None:
     assert out.count("ftrun snapshots are off") == 1, out[-6000:]
-    return out
+
+
+@dataclass(frozen=True)
+class Runs:
+    clean: str  # the fault-free job's output
+    faulted: str  # the output of the job whose rank KILL_RANK was killed after step KILL_STEP
+    run_id: str  # the faulted job's
+    plain: str  # the script's output under plain python
+
+
+def run_three(procs: Procs, tmp: Path, name: str, script: str, job_args: tuple[str, ...],
+              plain_args: tuple[str, ...], faulted_launcher: tuple[str, ...] = (),
+              dir_flag: str | None = None) -> Runs:
+    """The fault-free job, the faulted one and the plain python run, started together (their
+    imports overlap); each run gets ``dir_flag tmp/out-<run>`` when given. Waits for all."""
+    def own_dir(run: str) -> tuple[str, ...]:
+        return (dir_flag, str(tmp / f"out-{run}")) if dir_flag else ()
+
+    clean, _ = start_job(procs, tmp, f"{name}-clean", script, *job_args, *own_dir("clean"))
+    faulted, run_id = start_job(procs, tmp, f"{name}-faulted", script, *job_args,
+                                *own_dir("faulted"), "--kill-at-step", str(KILL_STEP),
+                                "--kill-rank", str(KILL_RANK), "--fault-dir", str(tmp),
+                                launcher=faulted_launcher)
+    plain = start_python(procs, tmp, script, *plain_args, *own_dir("plain"))
+    return Runs(finish(procs, clean), finish(procs, faulted), run_id, finish(procs, plain))
 
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
 def test_trainer_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
                                                                  tmp_path: Path) -> None:
-    script = str(ROOT / "examples" / "hf_trainer.py")
-    common = ("--max-steps", "10", "--fault-dir", str(tmp_path))
-    # 48 samples, 3 ranks x batch 4: 4 steps per epoch, so step 7 is mid-epoch 2 of 3.
-    clean, _ = start_job(procs, tmp_path, "hf-clean", script, *common,
-                         "--output-dir", str(tmp_path / "out-clean"))
-    # Every 2nd step here: the resume also crosses the snapshot interval.
-    faulted, run_id = start_job(procs, tmp_path, "hf-faulted", script, *common,
-                                "--output-dir", str(tmp_path / "out-faulted"),
-                                "--kill-at-step", str(KILL_STEP), "--kill-rank", str(KILL_RANK),
-                                launcher=("--snapshot-every", "2"))
-    plain = start_python(procs, tmp_path, script, "--max-steps", "4",
-                         "--output-dir", str(tmp_path / "out-plain"))
-
+    # 48 samples, 3 ranks x batch 4: 4 steps per epoch, so step 7 is mid-epoch 2 of 3. The
+    # faulted job snapshots every 2nd step: its resume also crosses the snapshot interval.
+    runs = run_three(procs, tmp_path, "hf", str(ROOT / "examples" / "hf_trainer.py"),
+                     ("--max-steps", "10"), ("--max-steps", "4"),
+                     faulted_launcher=("--snapshot-every", "2"), dir_flag="--output-dir")
     result = r"hf-trainer: step=10 world=3 params_xxh3=([0-9a-f]+) train_loss=(\S+)"
-    expected = one(result, finish(procs, clean))
-    out = finish(procs, faulted)
-    check_fault_and_resume(tmp_path, out, run_id, "hf-trainer", snapshot_every=2)
-    got = one(result, out)
+    expected = one(result, runs.clean)
+    check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "hf-trainer", snapshot_every=2)
+    got = one(result, runs.faulted)
     assert got.group(1) == expected.group(1), "final weights differ from the fault-free run"
     # The loop's loss accounts came back too: the reported train_loss is the same float.
     assert got.group(2) == expected.group(2)
-    one(r"hf-trainer: step=4 world=1 params_xxh3=", check_plain_python(procs, plain))
+    check_plain_python(runs.plain)
+    one(r"hf-trainer: step=4 world=1 params_xxh3=", runs.plain)
 
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
 def test_accelerate_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
                                                                     tmp_path: Path) -> None:
-    script = str(ROOT / "examples" / "accelerate_ddp.py")
     # 96 samples, 3 ranks x batch 8: 4 steps per epoch, 3 epochs; step 7 is in epoch 2.
-    common = ("--epochs", "3", "--fault-dir", str(tmp_path))
-    clean, _ = start_job(procs, tmp_path, "acc-clean", script, *common)
-    faulted, run_id = start_job(procs, tmp_path, "acc-faulted", script, *common,
-                                "--kill-at-step", str(KILL_STEP), "--kill-rank", str(KILL_RANK))
-    plain = start_python(procs, tmp_path, script, "--epochs", "1")
-
+    runs = run_three(procs, tmp_path, "acc", str(ROOT / "examples" / "accelerate_ddp.py"),
+                     ("--epochs", "3"), ("--epochs", "1"))
     result = r"accelerate-ddp: step=12 world=3 params_xxh3=([0-9a-f]+)"
-    expected = one(result, finish(procs, clean)).group(1)
-    out = finish(procs, faulted)
-    check_fault_and_resume(tmp_path, out, run_id, "accelerate-ddp", snapshot_every=1)
-    assert one(result, out).group(1) == expected, "final weights differ from the fault-free run"
-    one(r"accelerate-ddp: step=12 world=1 params_xxh3=", check_plain_python(procs, plain))
+    expected = one(result, runs.clean).group(1)
+    check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "accelerate-ddp",
+                           snapshot_every=1)
+    assert one(result, runs.faulted).group(1) == expected, \
+        "final weights differ from the fault-free run"
+    check_plain_python(runs.plain)
+    one(r"accelerate-ddp: step=12 world=1 params_xxh3=", runs.plain)
 
 
 def test_hf_private_seams() -> None:
@@ -173,3 +186,20 @@ def test_hf_private_seams() -> None:
     assert it.index("synchronize_rng_states") < it.index("self.set_epoch(") < \
         it.index("self.base_dataloader.__iter__()")
     assert "synchronized_generator" in inspect.signature(DataLoaderShard).parameters
+
+
+def test_accelerator_snapshotter_refuses_what_it_cannot_snapshot() -> None:
+    """A model the accelerator did not prepare, or two models: a ConfigError that says so."""
+    import torch
+    from accelerate import Accelerator
+
+    from ftrun.errors import ConfigError
+    from ftrun.integrations.accelerate import AcceleratorSnapshotter
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="pass the model accelerator.prepare"):
+        AcceleratorSnapshotter(accelerator, torch.nn.Linear(2, 2))
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="2 model"):
+        AcceleratorSnapshotter(accelerator, model)

@@ -70,6 +70,11 @@ def add_snapshots(trainer: Any, every: int | str | None = None) -> SnapshotCallb
     ``every``: snapshot every K-th optimizer step, or ``"auto"``; None takes the launcher's
     ``--snapshot-every``. Call it before ``trainer.train()``.
     """
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError(
+            "add_snapshots() does not support DeepSpeed: its engine keeps the model and "
+            "optimizer state in its own partitions, which ftrun's Snapshotter does not read. "
+            "Train with DDP under ftrun, or keep DeepSpeed and its own checkpoints")
     callback = SnapshotCallback(trainer, every)
     trainer.add_callback(callback)
     _hf.wrap_epoch_loop(trainer, callback.resume_position)
@@ -120,7 +125,7 @@ class SnapshotCallback(TrainerCallback):
         for name, value in json.loads(extra["trainer_state"]).items():
             setattr(state, name, value)
         _hf.set_loop_state(trainer, extra["loop"])
-        if args.restore_callback_states_from_checkpoint:
+        if getattr(args, "restore_callback_states_from_checkpoint", False):
             self._load_callbacks(json.loads(extra["callbacks"]))
         self.resumed_from = self._saved = step
         log.info("resumed the Trainer from step %d (epoch %.2f) of an ftrun snapshot (%s)",
