@@ -118,9 +118,17 @@ class SnapshotCallback(TrainerCallback):
         # model_wrapped is DDP(model) in a distributed run: the snapshot carries its buckets.
         self.snapshotter = ftrun.Snapshotter(trainer.model_wrapped, optimizer, state=stateful,
                                              every=self.every)
+        checkpoint_step = state.global_step  # > 0: train(resume_from_checkpoint=...) loaded one
         step = self.snapshotter.restore()
         if not step:
             return
+        if step < checkpoint_step:
+            # The epoch loop already starts after the checkpoint's epochs: it cannot go back.
+            raise ConfigError(
+                f"train(resume_from_checkpoint=...) loaded step {checkpoint_step} from disk, but "
+                f"ftrun's newest snapshot is the older step {step}: snapshot at least as often "
+                "as you save checkpoints (add_snapshots(every=...), --snapshot-every), or do "
+                "not pass resume_from_checkpoint to a job that ftrun restarts")
         extra = self.snapshotter.extra
         for name, value in json.loads(extra["trainer_state"]).items():
             setattr(state, name, value)
