@@ -137,14 +137,13 @@ class SnapshotCallback(TrainerCallback):
             self._load_callbacks(json.loads(extra["callbacks"]))
         self.resumed_from = self._saved = step
         log.info("resumed the Trainer from step %d (epoch %.2f) of an ftrun snapshot (%s)",
-                    step, state.epoch, self.snapshotter.source)
+                 step, state.epoch, self.snapshotter.source)
 
     def resume_position(self, epoch: int, steps_per_epoch: int) -> tuple[bool, int, int] | None:
         """For the epoch loop: None (as usual), or (skip it, epochs trained, batches trained)."""
         if not self.resumed_from:
             return None
-        state = self.trainer.state
-        if state.max_steps > 0 and state.global_step >= state.max_steps:
+        if 0 < self.trainer.state.max_steps <= self.resumed_from:
             # The snapshot is of the last step: nothing is left to train.
             self.trainer.control.should_training_stop = True
             return True, 0, 0
