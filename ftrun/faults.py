@@ -5,12 +5,15 @@ verified snapshot, exactly as a bad DIMM or a stray write would. ftrun must then
 back to an older committed step; tests assert both. ``corrupt_persisted`` does the same to a
 step persisted on disk (bit rot, a torn copy). ``corrupt_replica`` flips a byte of the newest
 verified replica this host holds of another node's rank: once that node is lost, the replica
-is the only copy of its step, and a restore must refuse it.
+is the only copy of its step, and a restore must refuse it. ``kill_once`` SIGKILLs the calling
+rank, once per job, as a crashed host or an OOM kill would.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -125,3 +128,26 @@ def corrupt_persisted(persist_dir: str, step: int, rank: int) -> FileCorruption:
         log.warning("fault injection: flipped byte %d of %s (tensor %s)", offset, file, key)
         return FileCorruption(str(file), key, offset)
     raise FtrunError(f"{path} stores no tensor whose bytes could be located to corrupt")
+
+
+def kill_once(name: str, rank: int, step: int, directory: str | None = None) -> None:
+    """SIGKILL this process, the first time any process of the job calls this for ``rank``
+    and ``step``; later calls (the restarted rank passing the same step again) return.
+
+    Once per job through a marker file ``<name>-fault-rank<rank>-step<step>`` that the first
+    caller creates (O_EXCL) in ``directory`` (default: the job's directory, FTRUN_JOB_DIR);
+    tests assert that it exists, i.e. that the fault fired. Logs a warning first.
+    """
+    directory = directory or knobs.JOB_DIR.get()
+    if not directory:
+        raise FtrunError(f"kill_once needs a directory for its marker file ({knobs.JOB_DIR.name} "
+                         "is unset outside an ftrun job): pass directory=")
+    marker = os.path.join(directory, f"{name}-fault-rank{rank}-step{step}")
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return  # fired already in this job
+    log.warning("fault injection: SIGKILL rank %d in step %d (%s)", rank, step, name)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,110 @@
+"""An Accelerate training script written the way its users write them, with ftrun snapshots.
+
+Stock accelerate: ``Accelerator()``, ``prepare(model, optimizer, dataloader, scheduler)``,
+``accelerator.backward``, ``accelerator.clip_grad_norm_``, a model with dropout, AdamW with a
+warm-up + cosine ``LambdaLR``, and a shuffled ``DataLoader`` (accelerate draws each epoch's
+order from a generator of its own). A resume skips the trained batches of its first epoch
+with ``accelerator.skip_first_batches``, as with ``load_state``. The ftrun part is the
+``AcceleratorSnapshotter``: ``restore()`` before the loop, ``save(step)`` after the optimizer
+step, ``close()`` at the end.
+
+Run it::
+
+    ftrun --nproc-per-node 3 examples/accelerate_ddp.py
+    ftrun --nproc-per-node 3 examples/accelerate_ddp.py --kill-at-step 7 --kill-rank 1
+    python examples/accelerate_ddp.py           # one process; snapshots are off
+
+(accelerate reads torchrun's environment, which ftrun's workers get. On a machine without a
+GPU it trains on CPU with gloo; ``Accelerator(cpu=True)`` is how accelerate is told so.)
+
+At the end rank 0 prints ``accelerate-ddp: step=N world=W params_xxh3=HEX``, and a rank that
+resumed prints ``accelerate-ddp: rank R resumed from step S``. ``--kill-at-step S
+--kill-rank R`` SIGKILLs rank R once per job right after its optimizer step S (before the
+snapshot of S); the marker file lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+from torch.utils.data import DataLoader
+
+# The model, data, schedule and digest of examples/user_ddp.py (this script's directory is
+# on sys.path when it runs).
+from user_ddp import make_dataset, make_model, params_xxh3, warmup_cosine
+
+import ftrun
+from ftrun.faults import kill_once
+from ftrun.integrations.accelerate import AcceleratorSnapshotter
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=96)
+    p.add_argument("--batch-size", type=int, default=8, help="per process")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--every", default=None, help="snapshot every K steps, or auto "
+                   "(default: the launcher's --snapshot-every)")
+    p.add_argument("--kill-at-step", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--fault-dir")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_seed(0)
+    features, classes = 32, 10
+    model = make_model(features, hidden=128, classes=classes, dropout=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    loader = DataLoader(make_dataset(args.samples, features, classes),
+                        batch_size=args.batch_size, shuffle=True)
+    # Counted before prepare(): a prepared scheduler steps once per process per step.
+    total = args.epochs * len(loader)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(warmup=max(1, total // 10), total=total))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    every = int(args.every) if args.every and args.every.isdigit() else args.every
+    snap = AcceleratorSnapshotter(accelerator, model, every=every)
+    step = snap.restore()  # 0 on a fresh start
+    rank = accelerator.process_index
+    if step:
+        print(f"accelerate-ddp: rank {rank} resumed from step {step}", file=sys.stderr,
+              flush=True)
+
+    loss_fn = nn.CrossEntropyLoss()
+    first_epoch, done = divmod(step, len(loader))
+    for _ in range(first_epoch, args.epochs):
+        model.train()
+        batches = accelerator.skip_first_batches(loader, done) if done else loader
+        done = 0
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            if step == args.kill_at_step and rank == args.kill_rank:
+                kill_once("accelerate-ddp", rank, step, args.fault_dir)
+            snap.save(step)
+            ftrun.progress(step)
+    ftrun.progress(step, done=True)
+    snap.close()
+
+    if accelerator.is_main_process:
+        print(f"accelerate-ddp: step={step} world={accelerator.num_processes} "
+              f"params_xxh3={params_xxh3(accelerator.unwrap_model(model))}", flush=True)
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""A Hugging Face ``Trainer`` script written the way its users write them, with ftrun snapshots.
+
+Stock transformers: a small GPT-2 built from a ``GPT2Config`` (dropout on), a map-style
+``Dataset`` of token sequences, ``TrainingArguments`` with ``max_steps``, a cosine schedule
+with warm-up, gradient clipping, ``dataloader_drop_last`` and a seed, and ``Trainer.train()``.
+Nothing is downloaded. The ftrun part is one line: ``add_snapshots(trainer)``.
+
+Run it::
+
+    ftrun --nproc-per-node 3 examples/hf_trainer.py
+    ftrun --nproc-per-node 3 examples/hf_trainer.py --kill-at-step 7 --kill-rank 1
+    python examples/hf_trainer.py               # one process; snapshots are off
+
+At the end rank 0 prints ``hf-trainer: step=N world=W params_xxh3=HEX train_loss=X``, and a
+rank that resumed prints ``hf-trainer: rank R resumed from step S``. ``--kill-at-step S
+--kill-rank R`` SIGKILLs rank R once per job right after its optimizer step S (before the
+snapshot of S), so the job resumes from the snapshot of S-1; the marker file that makes it
+once lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+import torch
+from torch.utils.data import Dataset
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
+from user_ddp import params_xxh3  # examples/user_ddp.py (this directory is on sys.path)
+
+from ftrun.faults import kill_once
+from ftrun.integrations.transformers import add_snapshots
+
+
+class CountingDataset(Dataset):
+    """Sequences that count up modulo the vocabulary from a random start: easy to learn."""
+
+    def __init__(self, samples: int, length: int, vocab: int) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        starts = torch.randint(0, vocab, (samples, 1), generator=gen)
+        self.ids = (starts + torch.arange(length)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class KillOnce(TrainerCallback):
+    """Fault injection for the tests: SIGKILL rank ``rank`` after its optimizer step
+    ``step``, once per job (ftrun.faults.kill_once)."""
+
+    def __init__(self, step: int, rank: int, directory: str | None) -> None:
+        self.step, self.rank, self.directory = step, rank, directory
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step and args.process_index == self.rank:
+            kill_once("hf-trainer", self.rank, self.step, self.directory)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-steps", type=int, default=10)
+    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--batch-size", type=int, default=4, help="per device")
+    p.add_argument("--every", default=None, help="snapshot every K steps, or auto "
+                   "(default: the launcher's --snapshot-every)")
+    p.add_argument("--output-dir", default=None)
+    p.add_argument("--kill-at-step", type=int, default=0)
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--fault-dir")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    set_seed(0)
+    vocab, length = 64, 16
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=vocab, n_positions=length, n_embd=32, n_layer=2, n_head=2,
+        bos_token_id=0, eos_token_id=0))  # dropout: GPT-2's default 0.1 everywhere
+    output_dir = args.output_dir or tempfile.mkdtemp(prefix="hf-trainer-")
+    training_args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        dataloader_drop_last=True,
+        logging_steps=2,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+    )
+    trainer = Trainer(model=model, args=training_args,
+                      train_dataset=CountingDataset(args.samples, length, vocab))
+    snapshots = add_snapshots(trainer, every=int(args.every) if (args.every or "auto").isdigit()
+                              else args.every)
+    if args.kill_at_step:
+        trainer.add_callback(KillOnce(args.kill_at_step, args.kill_rank, args.fault_dir))
+
+    result = trainer.train()
+
+    rank = training_args.process_index
+    if snapshots.resumed_from:
+        print(f"hf-trainer: rank {rank} resumed from step {snapshots.resumed_from}",
+              file=sys.stderr, flush=True)
+    if rank == 0:
+        print(f"hf-trainer: step={result.global_step} world={training_args.world_size} "
+              f"params_xxh3={params_xxh3(trainer.model)} "
+              f"train_loss={result.training_loss!r}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
