@@ -12,11 +12,11 @@ a step after the fault (``--pid-log``: one ``step pid time`` line per step and r
 
 Variants:
 
-- ``ftrun in place, kill`` / ``ftrun in place, raise``: in-process restart turned on
-  (``FTRUN_INPLACE_TIMEOUT=5``; it is off by default): the dead rank gets a new process, the
-  others restart in place (the event log's ``recovery`` says how);
-- ``ftrun process restart, kill``: ``FTRUN_INPLACE_TIMEOUT=0``, the default (every rank a new
-  process, resumed from the snapshot);
+- ``ftrun in place, kill`` / ``ftrun in place, raise``: in-process restart (the default,
+  ``FTRUN_INPLACE_TIMEOUT=5``): the dead rank gets a new process, the others restart in
+  place (the event log's ``recovery`` says how);
+- ``ftrun process restart, kill``: ``FTRUN_INPLACE_TIMEOUT=0`` (every rank a new process,
+  resumed from the snapshot);
 - ``torchrun, kill``: ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (new
   processes; the Snapshotter does nothing under torchrun, so the job starts over at step 1).
 
@@ -86,6 +86,10 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
            "--pid-log", str(job)]
     if cfg.device != "cpu":
         cmd += ["--device", cfg.device]
+    if v.fail_mode == "stop" and v.launcher == "torchrun":
+        # torchrun has no hang detection: the survivors wait out the process group's
+        # timeout (torch's default: 30 min), then fail and torchrun restarts everything.
+        cmd += ["--pg-timeout", str(cfg.stop_pg_timeout)]
     if v.fail_mode:
         cmd += ["--fail-mode", v.fail_mode, "--kill-at-step", str(cfg.fail_at_step),
                 "--kill-rank", str(cfg.fail_rank)]
@@ -152,14 +156,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: NCCL, one rank per GPU (--nproc at most the GPUs)")
-    p.add_argument("--fail-mode", choices=("kill", "raise"),
+    p.add_argument("--fail-mode", choices=("kill", "raise", "stop"),
                    help="every variant fails this way (default: each variant's own)")
+    p.add_argument("--stop", action="store_true",
+                   help="add the SIGSTOP case: ftrun in place, ftrun process restart, and "
+                        "torchrun with the script's --pg-timeout")
+    p.add_argument("--stop-pg-timeout", type=float, default=15.0,
+                   help="torchrun's SIGSTOP case: the process group timeout (default 15 s)")
     p.add_argument("--output", metavar="FILE", help="append the report to FILE")
     p.add_argument("--keep", action="store_true")
     cfg = p.parse_args(argv)
     started = datetime.now(timezone.utc)
     load0 = os.getloadavg()[0]
-    variants = VARIANTS
+    variants = list(VARIANTS)
+    if cfg.stop:
+        variants += [
+            Variant("ftrun in place, stop", "ftrun", "stop", {"FTRUN_INPLACE_TIMEOUT": "5"}),
+            Variant("ftrun process restart (FTRUN_INPLACE_TIMEOUT=0), stop", "ftrun", "stop",
+                    {"FTRUN_INPLACE_TIMEOUT": "0"}),
+            Variant(f"torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, stop (--pg-timeout "
+                    f"{cfg.stop_pg_timeout:g})", "torchrun", "stop",
+                    {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})]
     if cfg.fail_mode:
         named: dict[str, Variant] = {}
         for v in VARIANTS:
@@ -210,6 +227,21 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {v.name} | {cell} | {', '.join(map(str, nexts)) or '—'} | "
                      f"{'; '.join(sorted({r.how for r in rs}))} | {ok}/{len(rs)} | "
                      f"{statistics.median(r.wall_s for r in rs):.1f} s |")
+    lines.append("")
+    for mode in ("kill", "raise", "stop"):
+        def med(launcher: str, inplace: bool | None, mode: str = mode) -> float | None:
+            ts = [r.to_step_s for v in variants if v.fail_mode == mode
+                  and v.launcher == launcher and (inplace is None or
+                                                  ("in place" in v.name) == inplace)
+                  for r in runs[v.name] if r.to_step_s is not None]
+            return statistics.median(ts) if ts else None
+        inplace, torchrun = med("ftrun", True), med("torchrun", None)
+        restart = med("ftrun", False)
+        if inplace is not None and torchrun:
+            extra = (f", {inplace / restart:.3f}x ftrun's process restart" if restart else "")
+            lines.append(f"- {mode}: fault -> next step in place / torchrun = "
+                         f"{inplace:.2f} / {torchrun:.2f} s = **{inplace / torchrun:.3f}x**"
+                         f"{extra}.")
     report = "\n".join(lines) + "\n"
     print(report)
     if cfg.output:

@@ -32,6 +32,7 @@ time) lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import math
 import os
@@ -155,6 +156,10 @@ def main() -> int:
                    help="in step --kill-at-step, this rank blocks in a C call for 600 s")
     p.add_argument("--kill-after-restore-rank", type=int, default=-1,
                    help="once, SIGKILL this rank right after a restore that found a step")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds to sleep after each step (tests that act mid-run)")
+    p.add_argument("--pg-timeout", type=float,
+                   help="init_process_group timeout in seconds (default: torch's)")
     p.add_argument("--fault-dir")
     p.add_argument("--pid-log")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -172,7 +177,8 @@ def train(args: argparse.Namespace) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         torch.use_deterministic_algorithms(True)  # and CUBLAS_WORKSPACE_CONFIG, see main
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    timeout = None if args.pg_timeout is None else datetime.timedelta(seconds=args.pg_timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
 
@@ -231,6 +237,8 @@ def train(args: argparse.Namespace) -> None:
             if pid_log is not None:
                 pid_log.write(f"{step} {os.getpid()} {time.time():.6f}\n")
                 pid_log.flush()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
     ftrun.progress(step, done=True)
     if pid_log is not None:
         pid_log.close()

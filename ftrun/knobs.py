@@ -188,13 +188,13 @@ RANK_GENERATION = Knob(
     "worker",
 )
 INPLACE_TIMEOUT = Knob(
-    "FTRUN_INPLACE_TIMEOUT", "seconds", "0",
-    "Experimental in-process restart for @ftrun.resilient scripts, off by default (0): "
-    "set it (5 is a good start) to turn it on. How long a launcher waits for a failed "
-    "rank's process to exit, for the surviving ranks to leave the training function after "
-    "rank_abort and to start it again after rank_world. A rank that does not exit or leave "
-    "in time (blocked inside a C call) is killed and gets a new process; one that does not "
-    "start again falls back to a process restart of every local rank.",
+    "FTRUN_INPLACE_TIMEOUT", "seconds", "5",
+    "In-process restart for @ftrun.resilient scripts (0 turns it off: every restart starts "
+    "new processes). How long a launcher waits for a failed rank's process to exit, for the "
+    "surviving ranks to leave the training function after rank_abort and to start it again "
+    "after rank_world. A rank that does not exit or leave in time (blocked inside a C call) "
+    "is killed and gets a new process; one that does not start again falls back to a "
+    "process restart of every local rank.",
 )
 INPLACE_WAIT = Knob(
     "FTRUN_INPLACE_WAIT", "seconds", "1800",

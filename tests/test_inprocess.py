@@ -33,7 +33,7 @@ def launcher_args(run_id: str, port: int, nproc: int, nnodes: int = 1) -> list[s
 def run_job(procs: Procs, tmp: Path, *script_args: str) -> tuple[str, str, str]:
     """One launcher x three ranks; returns (params_xxh3, run id, output)."""
     run_id = f"inproc-{uuid.uuid4().hex[:8]}"
-    env = {"FTRUN_STATE_DIR": str(tmp / "state"), "FTRUN_INPLACE_TIMEOUT": "5"}
+    env = {"FTRUN_STATE_DIR": str(tmp / "state")}
     p = procs.ftrun(*launcher_args(run_id, free_port(), 3), SCRIPT, *ARGS, "--fault-dir", str(tmp), "--pid-log", str(tmp),
                     *script_args, env=env, name="node0")
     code = procs.wait(p, 240)
@@ -146,7 +146,7 @@ def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
     rendezvous opens)."""
     run_id = f"inproc2-{uuid.uuid4().hex[:8]}"
     port = free_port()
-    env = {"FTRUN_STATE_DIR": str(tmp_path / "state"), "FTRUN_INPLACE_TIMEOUT": "5"}
+    env = {"FTRUN_STATE_DIR": str(tmp_path / "state")}
     nodes = [procs.ftrun(*launcher_args(run_id, port, nproc, nnodes=2), SCRIPT, *ARGS,
                          "--fault-dir", str(tmp_path), "--pid-log", str(tmp_path),
                          "--fail-mode", "raise", "--kill-at-step", "5", "--kill-rank", "1",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import result_line, wait_for
+from conftest import read_events, result_line, wait_for
 from netns import (  # noqa: F401  (the fixture)
     KILL_AT,
     PORT,
@@ -427,3 +427,77 @@ def test_standalone_coordinator_outlives_the_host_that_would_host_it(
              job.resumed_after(t_kill))
     coord.send_signal(signal.SIGTERM)
     assert c.wait(coord, 30) == 0
+
+
+# ---- in-process restart across a node loss (examples/user_ddp.py, @ftrun.resilient) ----------
+
+USER_DDP = str(Path(__file__).resolve().parent.parent / "examples" / "user_ddp.py")
+
+
+def _user_ddp_job(c: Cluster, run_id: str, hosts: Sequence[int], out: Path) -> list[Any]:
+    """examples/user_ddp.py, one rank per host, 3 nodes (a 4th launcher is a spare)."""
+    out.mkdir(exist_ok=True)
+    cmd = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"{c.hostname(0)}:{PORT}", "--rdzv-id", run_id,
+           "--max-restarts", "3", USER_DDP, "--epochs", "2", "--samples", "384",
+           "--batch-size", "8", "--hidden", "64", "--step-sleep", "0.1", "--pid-log", str(out),
+           "--fault-dir", str(out)]
+    return [c.ftrun(i, *cmd, name=f"{run_id}.host{i}") for i in hosts]
+
+
+def _digest(c: Cluster, nodes: list[Any]) -> str:
+    outs = []
+    for p in nodes:
+        code = c.wait(p, 240)
+        outs.append(c.output(p))
+        assert code == 0, f"host {p.host} exited {code}:\n{outs[-1][-4000:]}"
+    digests = [line.rpartition("params_xxh3=")[2] for line in "".join(outs).splitlines()
+               if line.startswith("user-ddp: step=")]
+    assert len(digests) == 1, "".join(outs)[-4000:]
+    return digests[0]
+
+
+def test_host_killed_with_spare_survivors_restart_in_place(cluster_factory, state_dir: Path,
+                                                           exact_steps: None) -> None:
+    """3 hosts train examples/user_ddp.py (@ftrun.resilient), a 4th waits as the spare; one
+    training host is killed (processes and memory). The survivors' collectives fail on the
+    lost peer, their launchers restart them in place at once (no waiting for the rendezvous
+    to notice), the spare joins with a new process, the lost rank's shard comes from its
+    replica; the survivors keep their processes and the weights equal the fault-free run's."""
+    c = cluster_factory(4)
+    reference = _digest(c, _user_ddp_job(c, f"ref-{c.tmp_path.name[-6:]}", range(3),
+                                         c.tmp_path / "ref"))
+    out = c.tmp_path / "faulted"
+    run_id = f"inplace-loss-{c.tmp_path.name[-6:]}"
+    nodes = _user_ddp_job(c, run_id, range(4), out)
+
+    def step_of(rank: int) -> int:  # the newest step rank ``rank`` logged
+        path = out / f"pids-rank{rank}.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return int(lines[-1].split()[0]) if lines else 0
+
+    wait_for(lambda: min(step_of(r) for r in range(3)) >= 12, 150, "step 12 on every rank",
+             interval_s=0.1)
+    started = {c.namespaces.index(e["node"].split("/")[0]): e
+               for e in read_events(state_dir, run_id) if e["type"] == "workers_started"}
+    training = sorted(started)  # the spare (any host) has started no workers yet
+    victim = next(h for h in training if h != 0)  # host 0 hosts the rendezvous store
+    survivor_pids = {pid for h in training if h != victim
+                     for pid in started[h]["pids"].values()}
+    t_kill = time.time()
+    c.kill_host(victim)
+    assert _digest(c, [p for p in nodes if p.host != victim]) == reference
+    recoveries = [e for e in read_events(state_dir, run_id) if e["type"] == "recovery"]
+    for h in training:
+        if h != victim:
+            mine = [r for r in recoveries if r["node"].startswith(c.hostname(h) + "/")]
+            assert [(r["how"], r["new_processes"]) for r in mine] == [("in_process", [])], \
+                (h, recoveries)
+    # The survivors' processes trained on after the kill, to the end (under whatever rank
+    # the new world gave them); the spare's process took the lost rank's place.
+    after = {int(pid) for r in range(3)
+             for step, pid, t in (ln.split() for ln in
+                                  (out / f"pids-rank{r}.log").read_text().splitlines())
+             if float(t) > t_kill}
+    assert survivor_pids <= after, (survivor_pids, after)
+    assert len(after) == 3, after

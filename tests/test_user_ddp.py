@@ -2,8 +2,9 @@
 
 examples/user_ddp.py is stock PyTorch with default arguments (DDP, DataLoader over a shuffled
 DistributedSampler with set_epoch, dropout, AdamW, LambdaLR warm-up/cosine, gradient
-clipping) plus ftrun's Snapshotter. Killing one rank mid-epoch (and at an epoch boundary)
-must not change the final weights. Each of these was a real source of divergence:
+clipping) plus ftrun's Snapshotter and ``@ftrun.resilient``. Killing one rank mid-epoch (and
+at an epoch boundary) must not change the final weights, and only that rank gets a new
+process (the others restart in place). Each of these was a real source of divergence:
 
 - DDP rebuilds its gradient buckets after its first iteration, so a restarted process would
   reduce its first step with another layout (4 ranks sum in another order);
@@ -37,7 +38,8 @@ def run_job(procs: Procs, tmp: Path, *script_args: str) -> tuple[str, str, str]:
     port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-              "--max-restarts", "2", SCRIPT, *ARGS, "--fault-dir", str(tmp), *script_args]
+              "--max-restarts", "2", SCRIPT, *ARGS, "--fault-dir", str(tmp), "--pid-log",
+              str(tmp), *script_args]
     env = {"FTRUN_STATE_DIR": str(tmp / "state")}
     nodes: list[subprocess.Popen[str]] = [
         procs.ftrun(*common, env=env, name=f"node{i}") for i in range(2)]
@@ -75,4 +77,9 @@ def test_killed_rank_ends_bit_identical(procs: Procs, tmp_path: Path, fault_free
     # the killed rank may die before its copy of S-1 began) the one before it.
     steps = set(re.findall(r"rank \d resumed from step (\d+)", out))
     assert len(steps) == 1 and int(steps.pop()) in (resumed, resumed - 1), out[-6000:]
+    # The script runs under @ftrun.resilient: only the killed rank got a new process, the
+    # three others, on both launchers, restarted in place.
+    pids = {r: {line.split()[1] for line in (tmp_path / f"pids-rank{r}.log").read_text()
+                .splitlines()} for r in range(4)}
+    assert [len(pids[r]) for r in range(4)] == [1, 1, 2, 1], pids
     assert digest == fault_free

@@ -356,7 +356,10 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                 how, because = "fallback", str(e)
         else:
             how, because = "new_process", cannot
-        log.warning("restarting the workers as new processes (%s)", because)
+        # Expected when the script does not use @ftrun.resilient or the feature is off; a
+        # failed attempt at restarting in place is worth a warning.
+        (log.warning if how == "fallback" else log.info)(
+            "restarting the workers as new processes (%s)", because)
         t1 = time.monotonic()
         if self._rendezvous_done_for_fallback:
             self._rendezvous_done_for_fallback = False

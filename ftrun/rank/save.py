@@ -95,6 +95,7 @@ class Saver:
         self._rng_taken = threading.Event()
         self._copied = threading.Event()
         self._pending: SaveJob | None = None
+        self._latest: SaveJob | None = None  # the newest job submitted (wait() keeps it)
         self._skip_logged = -SKIP_LOG_INTERVAL_S
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-snap")
         self._copy_stream: Any = None
@@ -141,7 +142,7 @@ class Saver:
         need = -1 if self._ctx.newest is None else self._ctx.newest[1]
         job = SaveJob(step)
         job.future = self._pool.submit(self.write, job, target, need, flat, blob, cuda)
-        self._pending = job
+        self._pending = self._latest = job
         if not self._async:
             self._copied.wait(timeout=600.0)
         log.debug("save(%d) returned after %.1f ms", step, (time.perf_counter() - t0) * 1e3)
@@ -322,6 +323,14 @@ class Saver:
             log.warning("cudaHostRegister failed (%s); copies will be synchronous", rc)
             return
         self._registered.add(view.data_ptr())
+
+    def abandon(self) -> None:
+        """The training function was aborted: give up a snapshot still waiting for its
+        buffer (its claim loop ends at its next attempt), then :meth:`close`."""
+        job = self._latest
+        if job is not None:
+            job.give_up()
+        self.close()
 
     def close(self) -> None:
         """Stop the copy thread and unpin the buffers' pages (before their mappings go)."""

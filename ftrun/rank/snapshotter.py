@@ -60,7 +60,7 @@ def abandon_all() -> None:
     same addresses would fail), buffers and the store channel close; no snapshot is taken."""
     for snap in list(_OPEN):
         try:
-            snap._release()
+            snap._release(abandon=True)
         except Exception as e:  # noqa: BLE001 - never in the way of a restart
             log.warning("could not release a snapshotter: %s: %s", type(e).__name__, e)
 
@@ -220,7 +220,10 @@ class Snapshotter:
         self.wait(claim_wait_s=max(self._wait_s, CLOSE_CLAIM_WAIT_S))
         self._release()
 
-    def _release(self) -> None:
+    def _release(self, abandon: bool = False) -> None:
         _OPEN.discard(self)
-        self._saver.close()
+        if abandon:
+            self._saver.abandon()
+        else:
+            self._saver.close()
         self._ctx.close()
