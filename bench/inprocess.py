@@ -15,6 +15,8 @@ Variants:
 - ``ftrun in place, kill`` / ``ftrun in place, raise``: in-process restart (the default,
   ``FTRUN_INPLACE_TIMEOUT=5``): the dead rank gets a new process, the others restart in
   place (the event log's ``recovery`` says how);
+- ``ftrun in place + warm workers, kill``: the same with ``FTRUN_WARM_WORKERS=1``: the dead
+  rank's new process is an interpreter started ahead with torch imported;
 - ``ftrun process restart, kill``: ``FTRUN_INPLACE_TIMEOUT=0`` (every rank a new process,
   resumed from the snapshot);
 - ``torchrun, kill``: ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (new
@@ -57,6 +59,8 @@ class Variant:
 VARIANTS = [
     Variant("ftrun in place, kill", "ftrun", "kill", {"FTRUN_INPLACE_TIMEOUT": "5"}),
     Variant("ftrun in place, raise", "ftrun", "raise", {"FTRUN_INPLACE_TIMEOUT": "5"}),
+    Variant("ftrun in place + warm workers, kill", "ftrun", "kill",
+            {"FTRUN_INPLACE_TIMEOUT": "5", "FTRUN_WARM_WORKERS": "1"}),
     Variant("ftrun process restart (FTRUN_INPLACE_TIMEOUT=0), kill", "ftrun", "kill",
             {"FTRUN_INPLACE_TIMEOUT": "0"}),
     Variant("torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, kill", "torchrun", "kill",
@@ -228,20 +232,22 @@ def main(argv: list[str] | None = None) -> int:
                      f"{'; '.join(sorted({r.how for r in rs}))} | {ok}/{len(rs)} | "
                      f"{statistics.median(r.wall_s for r in rs):.1f} s |")
     lines.append("")
-    for mode in ("kill", "raise", "stop"):
-        def med(launcher: str, inplace: bool | None, mode: str = mode) -> float | None:
-            ts = [r.to_step_s for v in variants if v.fail_mode == mode
-                  and v.launcher == launcher and (inplace is None or
-                                                  ("in place" in v.name) == inplace)
-                  for r in runs[v.name] if r.to_step_s is not None]
-            return statistics.median(ts) if ts else None
-        inplace, torchrun = med("ftrun", True), med("torchrun", None)
-        restart = med("ftrun", False)
-        if inplace is not None and torchrun:
-            extra = (f", {inplace / restart:.3f}x ftrun's process restart" if restart else "")
-            lines.append(f"- {mode}: fault -> next step in place / torchrun = "
-                         f"{inplace:.2f} / {torchrun:.2f} s = **{inplace / torchrun:.3f}x**"
-                         f"{extra}.")
+
+    def med(v: Variant) -> float | None:
+        ts = [r.to_step_s for r in runs[v.name] if r.to_step_s is not None]
+        return statistics.median(ts) if ts else None
+
+    for v in variants:
+        if v.launcher != "ftrun" or "in place" not in v.name or med(v) is None:
+            continue
+        torchrun = next((med(t) for t in variants if t.launcher == "torchrun"
+                         and t.fail_mode == v.fail_mode), None)
+        restart = next((med(t) for t in variants if t.launcher == "ftrun"
+                        and t.fail_mode == v.fail_mode and "in place" not in t.name), None)
+        if torchrun:
+            extra = f", {med(v) / restart:.3f}x ftrun's process restart" if restart else ""
+            lines.append(f"- {v.name}: fault -> next step / torchrun's = {med(v):.2f} / "
+                         f"{torchrun:.2f} s = **{med(v) / torchrun:.3f}x**{extra}.")
     report = "\n".join(lines) + "\n"
     print(report)
     if cfg.output:
