@@ -1,7 +1,8 @@
 """A tiny FSDP2 (fully_shard) job for the snapshot tests: DTensor shards in and out.
 
 Usage: fsdp_worker.py STEPS [FAIL_AT_STEP] [--ddp] [--trace] [--sleep S]. Rank 1 exits in
-FAIL_AT_STEP once per job (a marker in $FTRUN_JOB_DIR). Rank 0 prints
+FAIL_AT_STEP once per job (a marker in $FTRUN_JOB_DIR). ``--resilient``: the training runs
+under ``@ftrun.resilient`` (the survivors restart in place). Rank 0 prints
 ``fsdp: start=S hash=H optim=O world=W``: H over the full (unsharded) weights, O over the full
 optimizer state, whatever the world size. ``--ddp``: the same model under DDP instead of
 FSDP2. ``--trace``: rank 0 also prints ``state: step=S hash=H optim=O world=W`` after every
@@ -51,7 +52,13 @@ def main() -> None:
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--trace", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--resilient", action="store_true",
+                   help="run the training under @ftrun.resilient (in-process restart)")
     args = p.parse_args()
+    (ftrun.resilient(train) if args.resilient else train)(args)
+
+
+def train(args: argparse.Namespace) -> None:
     steps, fail_at = args.steps, args.fail_at
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

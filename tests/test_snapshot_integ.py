@@ -197,7 +197,8 @@ def test_persist_then_a_new_job_resumes_from_disk(
 
 
 def test_fsdp2_shards_restore_bit_identical(procs: Procs, state_dir: Path) -> None:
-    """DTensor shards (FSDP2 on CPU/gloo) go into snapshots and come back as DTensors."""
+    """DTensor shards (FSDP2 on CPU/gloo) go into snapshots and come back as DTensors: in a
+    new process, and in place (``@ftrun.resilient``: the surviving rank builds FSDP2 again)."""
     worker = str(Path(__file__).with_name("fsdp_worker.py"))
 
     def run(*args: str) -> tuple[str, str]:
@@ -214,3 +215,9 @@ def test_fsdp2_shards_restore_bit_identical(procs: Procs, state_dir: Path) -> No
     faulted, out = run("6", "4")
     assert faulted.startswith("fsdp: start=3 "), out[-4000:]
     assert clean.split("hash=")[1] == faulted.split("hash=")[1]
+    # In place: rank 0 keeps its process, builds FSDP2 again and restores its shards.
+    in_place, out = run("6", "4", "--resilient")
+    assert in_place.startswith("fsdp: start=3 "), out[-4000:]
+    assert clean.split("hash=")[1] == in_place.split("hash=")[1]
+    assert "workers restarted in place" in out and "new processes for rank(s) [1]" in out, \
+        out[-4000:]

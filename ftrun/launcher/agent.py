@@ -200,6 +200,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._inplace_request: str | None = None
         self._replace: set[int] = set()  # dead local ranks the next restart gives new processes
         # Every worker start (first, restart, replacement) tries a warm interpreter first.
+        self._told_to_exit: set[int] = set()  # local ranks sent rank_exit (reset per start)
         self._warm = WarmPool.start_for(spec, ctx.worker_env, ctx.warm_imports, ctx.sink) \
             if ctx.warm_workers else None
         ctx.agent = self
@@ -376,7 +377,6 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
 
     # ---- in-process restart -----------------------------------------------------------
     _rendezvous_done_for_fallback = False
-    _told_to_exit: set[int] = set()  # faulted local ranks sent rank_exit (replaced per world)
 
     def _control_base(self, local_rank: int) -> str:
         return str(self._ctx.node_dir / f"rank-{local_rank}")
