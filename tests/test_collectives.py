@@ -87,7 +87,9 @@ def test_reports_show_who_waits_for_whom(tmp_path: Path, collector: Collector) -
     assert out.count("counters") == 3, out
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for r in collector.reports:
-        by_rank.setdefault(r["rank"], []).append(r)
+        # The report sent as the monitor starts lists no group when no collective ran yet.
+        if any(g["pg"] == "0" for g in r["groups"]):
+            by_rank.setdefault(r["rank"], []).append(r)
     assert sorted(by_rank) == [0, 1, 2]
     for rank, reports in by_rank.items():
         seqs = [r["seq"] for r in reports]
@@ -278,3 +280,56 @@ def test_reads_coarsely_while_no_collective_lasts_long(monkeypatch) -> None:
         assert waits[0] == fine and waits[-1] == coarse
     finally:
         m.stop()
+
+
+def test_first_report_goes_out_as_the_monitor_starts(monkeypatch, collector: Collector) -> None:
+    """A rank that froze in its first steps (SIGSTOP within REPORT_S of its monitor's start,
+    as examples/user_ddp.py --fail-mode stop --kill-at-step 10 does on 3 fast ranks) used to
+    be unknown to the coordinator: its first report was due REPORT_S after the start, so the
+    detector knew only the two ranks waiting for it and named nobody. The monitor now reports
+    as it starts, and the detector names the rank once it has been silent for silent_s."""
+    from ftrun import _torch
+    from ftrun.coordinator.detect import DetectConfig, Detector
+    from ftrun.rank import collectives as mod
+    from ftrun.testing import wait_for
+
+    # Only the report made at the start can arrive while this test runs.
+    monkeypatch.setattr(mod, "REPORT_S", 3600.0)
+    # Rank 1 completed op 4 and never enqueued op 5, in which ranks 0 and 2 wait.
+    monkeypatch.setattr(_torch, "fr_dump", lambda _full: {"pg_status": {"0": {
+        "last_enqueued_collective": "4", "last_started_collective": "-1",
+        "last_completed_collective": "4"}}})
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    m = mod.CollectiveMonitor(collector.endpoint, SECRET, JOB, rank=1, world_size=3,
+                              backend="gloo", node_id="n1", host="h1", restart=0,
+                              interval_s=0.02)
+    try:
+        m.start()
+        [first] = wait_for(lambda: list(collector.reports), 30,
+                           "the report the monitor sends as it starts")
+    finally:
+        m.stop()  # the rank falls silent
+    assert first["rank"] == 1 and first["seq"] == 1, first
+    assert [g["completed"] for g in first["groups"]] == [4], first
+
+    det = Detector(DetectConfig())
+    t0 = 100.0
+
+    def peer(rank: int, seq: int, waiting_s: float | None, enqueued: int) -> dict[str, Any]:
+        return {"node_id": "n0", "host": "h0", "rank": rank, "world_size": 3, "restart": 0,
+                "pid": 10 + rank, "backend": "gloo", "interval_s": 0.02,
+                "world": first["world"], "seq": seq,
+                "groups": [{"pg": "0", "size": 3, "ranks": [0, 1, 2], "enqueued": enqueued,
+                            "completed": 4, "waiting_s": waiting_s}]}
+
+    for rank in (0, 2):
+        det.add_report(peer(rank, 1, None, 4), t0)
+    det.add_report(first, t0)
+    assert det.analyse(t0) == []
+    silent_s = det.config.silent_s
+    for rank in (0, 2):
+        det.add_report(peer(rank, 2, silent_s + 0.1, 5), t0 + silent_s + 0.2)
+    [hang] = det.analyse(t0 + silent_s + 0.2)
+    assert hang.kind == "hang" and hang.ranks == (1,) and hang.nodes == ("n1",), hang
+    assert hang.evidence["reason"] == "silent", hang.evidence

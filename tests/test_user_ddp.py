@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Procs, free_port
+from conftest import ROOT, Procs, free_port, read_events
 
 # Each case checks the step it resumes from (mid-epoch, at an epoch boundary): no snapshot
 # may be skipped. The default (never wait, skip) runs bit-identical in
@@ -82,4 +82,26 @@ def test_killed_rank_ends_bit_identical(procs: Procs, tmp_path: Path, fault_free
     pids = {r: {line.split()[1] for line in (tmp_path / f"pids-rank{r}.log").read_text()
                 .splitlines()} for r in range(4)}
     assert [len(pids[r]) for r in range(4)] == [1, 1, 2, 1], pids
+    assert digest == fault_free
+
+
+def test_rank_stopped_in_its_first_step_is_named_by_the_coordinator(
+        procs: Procs, tmp_path: Path, fault_free: str) -> None:
+    """Rank 1 freezes (SIGSTOP) in step 1, a fraction of a second after the Snapshotter
+    started its collective monitor, while the others wait for it in DDP's all-reduce. The
+    coordinator names it (a hang: silent) and has its launcher kill it; the job restarts and
+    ends bit-identical. Its first report used to be due 0.5 s after the monitor's start: the
+    coordinator never heard of rank 1, named nobody, and the launcher's own stopped-rank
+    watch killed it 10 s later."""
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "stop",
+                                  "--kill-at-step", "1", "--kill-rank", "1")
+    assert (tmp_path / "user-ddp-fault-rank1-step1").exists(), "the fault never fired"
+    assert "stopping rank 1 in step 1" in out
+    events = read_events(tmp_path / "state", run_id)
+    hangs = [e for e in events if e["type"] == "detection" and e["kind"] == "hang"]
+    assert [(e["ranks"], e["evidence"]["reason"], e["action"]) for e in hangs] == \
+        [([1], "silent", "restart")], hangs
+    acked = [e for e in events if e["type"] == "directive_acked"
+             and e.get("action") == "restart"]
+    assert acked, f"the restart order was never carried out: {events[-20:]}"
     assert digest == fault_free

@@ -25,10 +25,12 @@ only while it matters: the coordinator looks at collectives that kept a rank wai
 read that finds a collective pending, so the first one to last ``LONG_S`` brings the fine
 reads back (its own duration is counted from the coarse read that first saw it).
 
-Every 0.5 s, and at once when a wait passes 1 s, the thread sends a ``coll_report`` to the
-coordinator's detection endpoint (``FTRUN_DETECT``): per group, the counts, how long the
-pending collective has waited, and the collectives that took at least one interval with their
-durations. Only local durations travel; no clock reading is ever compared across hosts. A collective that waits past 1 s is looked up once in
+Once as it starts (so that the coordinator knows the rank from then on, and names it if it
+falls silent in its first steps), every 0.5 s, and at once when a wait passes 1 s, the
+monitor sends a ``coll_report`` to the coordinator's detection endpoint (``FTRUN_DETECT``):
+per group, the counts, how long the pending collective has waited, and the collectives that
+took at least one interval with their durations. Only local durations travel; no clock
+reading is ever compared across hosts. A collective that waits past 1 s is looked up once in
 the full Flight Recorder dump (tens of ms) for its op and size; the steady state never dumps.
 
 The thread never blocks training: sends that cannot be queued are dropped (and said once),
@@ -120,6 +122,12 @@ class CollectiveMonitor:
     def start(self) -> None:
         if self._thread is not None:
             return
+        # The first report goes out now, not REPORT_S from now: the coordinator names a rank
+        # as silent only once it has heard from it, so a rank that froze or died within
+        # REPORT_S of its monitor's start (in its first steps) was unknown to it, and the
+        # others' waits were blamed on nobody. Sent before the thread exists (one socket
+        # user at a time); it waits SEND_TIMEOUT_S at most.
+        self._step(time.monotonic(), due=True)
         self._thread = threading.Thread(target=self._run, name="ftrun-collectives",
                                         daemon=True)
         self._thread.start()
@@ -145,16 +153,22 @@ class CollectiveMonitor:
     def _run(self) -> None:
         next_report = time.monotonic() + REPORT_S
         while not self._stop.wait(self.next_wait(time.monotonic())):
-            try:
-                now = time.monotonic()
-                urgent = self.sample(now)
-                if urgent or now >= next_report:
-                    next_report = now + REPORT_S
-                    self.report(now)
-            except Exception as e:  # noqa: BLE001 - the monitor must never stop a rank
-                self.counters["errors"] += 1
-                self._warn("error", "collective monitor error (%s: %s); going on",
-                           type(e).__name__, e)
+            now = time.monotonic()
+            if self._step(now, due=now >= next_report):
+                next_report = now + REPORT_S
+
+    def _step(self, now: float, due: bool) -> bool:
+        """One read, and a report when ``due`` or a wait just passed URGENT_WAIT_S; True
+        when it reported."""
+        try:
+            if self.sample(now) or due:
+                self.report(now)
+                return True
+        except Exception as e:  # noqa: BLE001 - the monitor must never stop a rank
+            self.counters["errors"] += 1
+            self._warn("error", "collective monitor error (%s: %s); going on",
+                       type(e).__name__, e)
+        return False
 
     def _warn(self, key: str, msg: str, *args: Any) -> None:
         now = time.monotonic()
