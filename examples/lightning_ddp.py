@@ -18,7 +18,9 @@ Run it::
     ftrun --nproc-per-node 3 examples/lightning_ddp.py --kill-at-step 7 --kill-rank 1
     python examples/lightning_ddp.py --devices 3        # no snapshots
 
-At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``.
+At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``; each rank prints
+``lightning-ddp: rank R trains from global_step=S epoch=E batch_idx=B`` at the first batch it
+trains (Lightning's counters: after a resume, those of the snapshot).
 ``--kill-at-step S --kill-rank R`` SIGKILLs rank R once per job, at the end of step S (after
 its optimizer step; the snapshot of S is under way). The marker file lives in
 ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
@@ -77,6 +79,7 @@ class Classifier(L.LightningModule):
             nn.Linear(hidden, classes))
         self.loss = nn.CrossEntropyLoss()
         self.kill: tuple[int, int, str] | None = None  # (step, rank, marker directory)
+        self.started = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -104,6 +107,15 @@ class Classifier(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        # Lightning's own counters where this process starts training (after a resume: the
+        # snapshot's step, epoch and batch of the epoch, not 0).
+        if not self.started:
+            self.started = True
+            print(f"lightning-ddp: rank {self.global_rank} trains from "
+                  f"global_step={self.global_step} epoch={self.current_epoch} "
+                  f"batch_idx={batch_idx}", file=sys.stderr, flush=True)
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if self.kill is None:
