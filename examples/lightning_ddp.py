@@ -9,14 +9,18 @@ Stock Lightning: a ``LightningModule`` (an MLP with dropout, AdamW, a warm-up + 
 Launched by ftrun (or torchrun), Lightning finds the processes already started (its
 ``TorchElasticEnvironment``) and checks that ``devices * num_nodes`` is the launcher's world
 size, so the script takes both from the launcher's ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``.
-Under plain ``python`` it uses ``--devices`` and Lightning starts the other processes itself;
-the callback then says once that snapshots are off.
+Under plain ``python`` it uses ``--devices`` (and ``--num-nodes``: one ``python`` per node,
+with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, Lightning's multi-node launch)
+and Lightning starts the other processes itself; the callback then says once that snapshots
+are off.
 
 Run it::
 
     ftrun --nproc-per-node 3 examples/lightning_ddp.py
     ftrun --nproc-per-node 3 examples/lightning_ddp.py --kill-at-step 7 --kill-rank 1
     python examples/lightning_ddp.py --devices 3        # no snapshots
+    NODE_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
+        python examples/lightning_ddp.py --devices 2 --num-nodes 2   # 2nd node, no snapshots
 
 At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``; each rank prints
 ``lightning-ddp: rank R trains from global_step=S epoch=E batch_idx=B`` at the first batch it
@@ -142,6 +146,7 @@ def params_xxh3(model: nn.Module) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2, help="without a launcher")
+    p.add_argument("--num-nodes", type=int, default=1, help="without a launcher")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--samples", type=int, default=384)
@@ -156,9 +161,10 @@ def main() -> int:
 
     torch.set_num_threads(1)
     L.seed_everything(0)
-    # Under a launcher (ftrun, torchrun) the processes exist already: match its world.
+    # Under a launcher (ftrun, torchrun) the processes exist already: match its world. (So
+    # do the processes Lightning starts itself, which get WORLD_SIZE from it.)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", args.devices))
-    num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices
+    num_nodes = int(os.environ.get("WORLD_SIZE", devices * args.num_nodes)) // devices
 
     model = Classifier()
     if args.kill_at_step:

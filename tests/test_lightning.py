@@ -3,18 +3,18 @@
 examples/lightning_ddp.py is written the way Lightning users write scripts (LightningModule
 with dropout and a per-step LR schedule, LightningDataModule, Trainer(strategy="ddp"),
 validation twice an epoch, the default ModelCheckpoint) plus the ``FtrunSnapshots`` callback.
-Three runs, started together (Lightning's import is slow; theirs overlap):
+Two runs of 2 nodes x 2 ranks, started together (Lightning's import is slow; theirs overlap):
 
-- a fault-free job on two ``ftrun`` launchers x two ranks (``--nnodes 2``, c10d rendezvous):
-  its final weights are the reference;
-- the same job with rank 2 SIGKILLed in step 14 (epoch 1 of 9-step epochs): ftrun restarts
-  the workers, ``fit()`` resumes from the snapshot of step 13 (not from step 0), Lightning's
-  own counters (global step, epoch, batch of the epoch) carry on from there, the plain
-  DataLoader resumes mid-epoch, and the final weights are bit-identical to the reference.
-  The uninterrupted run validated between steps 13 and 14, the restored one does not: the
-  RNG states must still meet (they meet at the training step, not the forward);
-- plain ``python --devices 2``: Lightning starts the other process itself, and the callback
-  says once that snapshots are off.
+- plain ``python --devices 2 --num-nodes 2``, one per node (Lightning's multi-node launch:
+  each starts its node's other rank itself): the callback says once that snapshots are off,
+  and the final weights are the reference;
+- ``ftrun --nnodes 2 --nproc-per-node 2`` (two launchers, c10d rendezvous), rank 2 SIGKILLed
+  in step 14 (epoch 1 of 9-step epochs): ftrun restarts the workers, ``fit()`` resumes from
+  the snapshot of step 13 (not from step 0), Lightning's own counters (global step, epoch,
+  batch of the epoch) carry on from there on every rank, the plain DataLoader resumes
+  mid-epoch, and the final weights are bit-identical to the reference. The uninterrupted
+  run validated between steps 13 and 14, the restored one does not: the RNG states must
+  still meet (they meet at the training step, not the forward).
 
 The first tests check the Lightning internals the callback uses (ftrun/integrations/
 _lightning.py), so a Lightning upgrade that moves one fails here with its name.
@@ -99,25 +99,31 @@ def test_skip_sampler_leaves_out_whole_batches_once() -> None:
     assert list(batches) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
-def start_plain(procs: Procs, tmp: Path, *args: str) -> subprocess.Popen[str]:
-    """The script under plain python; Lightning starts the other ranks itself, in the same
-    process group (see :func:`end_group`)."""
-    out = open(tmp / "plain.log", "w+")  # noqa: SIM115
+def start_plain(procs: Procs, tmp: Path, *args: str) -> list[subprocess.Popen[str]]:
+    """The script under plain python, Lightning's multi-node launch: one ``python`` per node
+    (NODE_RANK, MASTER_ADDR, MASTER_PORT), each starting its node's other rank itself, in its
+    process group (see :func:`end_groups`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
-    proc = subprocess.Popen([sys.executable, SCRIPT, *args], stdout=out,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**env, "PYTHONUNBUFFERED": "1"}, cwd=tmp,
-                            start_new_session=True)
-    proc.log_path = out.name  # type: ignore[attr-defined]
-    procs.procs.append(proc)
-    return proc
+    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    nodes = []
+    for node in range(NODES):
+        out = open(tmp / f"plain-node{node}.log", "w+")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, SCRIPT, "--devices", str(PER_NODE), "--num-nodes", str(NODES),
+             "--root-dir", str(tmp / "plain"), *args], stdout=out, stderr=subprocess.STDOUT,
+            text=True, env={**env, "NODE_RANK": str(node)}, cwd=tmp, start_new_session=True)
+        proc.log_path = out.name  # type: ignore[attr-defined]
+        procs.procs.append(proc)
+        nodes.append(proc)
+    return nodes
 
 
-def end_group(proc: subprocess.Popen[str]) -> None:
-    """Lightning's children exit with rank 0: make sure none outlives the test, also once
-    rank 0 is gone (``Procs.cleanup`` kills the groups of live leaders only)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+def end_groups(nodes: list[subprocess.Popen[str]]) -> None:
+    """Lightning's children exit with their node's first process: make sure none outlives
+    the test, also once that one is gone (``Procs.cleanup`` kills live leaders' groups only)."""
+    for proc in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def start_job(procs: Procs, tmp: Path, name: str,
@@ -132,44 +138,38 @@ def start_job(procs: Procs, tmp: Path, name: str,
     return [procs.ftrun(*common, env=env, name=f"{name}-node{i}") for i in range(NODES)], run_id
 
 
-def finish(procs: Procs, launchers: list[subprocess.Popen[str]]) -> str:
-    """Both launchers' output once they exited 0."""
-    codes = [procs.wait(p, 240) for p in launchers]
-    out = "\n".join(procs.output(p) for p in launchers)
-    assert codes == [0] * len(launchers), f"exit codes {codes}\n{out[-6000:]}"
+def finish(procs: Procs, nodes: list[subprocess.Popen[str]]) -> str:
+    """The output of a job's launchers, together, once all exited 0."""
+    codes = [procs.wait(p, 240) for p in nodes]
+    out = "\n".join(procs.output(p) for p in nodes)
+    assert codes == [0] * len(nodes), f"exit codes {codes}\n{out[-6000:]}"
     return out
 
 
 @dataclass(frozen=True)
 class Runs:
     tmp: Path
-    clean: str  # the fault-free job's output (both launchers)
-    faulted: str  # the output of the job whose rank KILL_RANK was killed in step KILL_STEP
-    run_id: str  # the faulted job's
-    plain: str  # the script's output under plain python
+    plain: str  # the fault-free run's output: plain python, both nodes
+    faulted: str  # the ftrun job's, whose rank KILL_RANK was killed in step KILL_STEP
+    run_id: str  # the ftrun job's
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     tmp = tmp_path_factory.mktemp("lightning")
     procs = Procs(tmp)
-    plain: subprocess.Popen[str] | None = None
+    plain: list[subprocess.Popen[str]] = []
     try:
-        clean, _ = start_job(procs, tmp, "clean")
         faulted, run_id = start_job(procs, tmp, "faulted", "--fault-dir", str(tmp),
                                     "--kill-at-step", str(KILL_STEP),
                                     "--kill-rank", str(KILL_RANK))
-        plain = start_plain(procs, tmp, "--devices", "2", "--max-steps", "2",
-                            "--root-dir", str(tmp / "plain"))
-        code = procs.wait(plain, 240)
-        end_group(plain)
-        plain_out = procs.output(plain)
-        assert code == 0, plain_out[-6000:]
-        yield Runs(tmp, finish(procs, clean), finish(procs, faulted), run_id, plain_out)
+        plain = start_plain(procs, tmp)
+        plain_out = finish(procs, plain)
+        end_groups(plain)
+        yield Runs(tmp, plain_out, finish(procs, faulted), run_id)
     finally:
         procs.cleanup()
-        if plain is not None:
-            end_group(plain)
+        end_groups(plain)
 
 
 def digest(out: str) -> str:
@@ -187,8 +187,9 @@ def starts(out: str) -> list[tuple[int, int, int, int]]:
 
 def test_plain_python_runs_and_says_once_that_snapshots_are_off(runs: Runs) -> None:
     assert runs.plain.count("ftrun snapshots are off") == 1, runs.plain[-6000:]
-    assert "Starting with 2 processes" in runs.plain
-    assert "lightning-ddp: step=2 world=2 params_xxh3=" in runs.plain
+    assert f"Starting with {WORLD} processes" in runs.plain
+    assert starts(runs.plain) == [(r, 0, 0, 0) for r in range(WORLD)], runs.plain[-6000:]
+    digest(runs.plain)
 
 
 @pytest.mark.integration
@@ -210,7 +211,6 @@ def test_killed_rank_resumes_from_the_snapshot_bit_identical(runs: Runs) -> None
     fresh = [(r, 0, 0, 0) for r in range(WORLD)]
     assert starts(out) == sorted(fresh + [(r, step, epoch, batch) for r in range(WORLD)]), \
         out[-6000:]
-    assert starts(runs.clean) == fresh, runs.clean[-6000:]
     # Mid-epoch: the plain DataLoader skipped what epoch 1 had trained already.
     assert f"resumes after the {batch} batches of epoch 1 already trained" in out
-    assert digest(out) == digest(runs.clean)
+    assert digest(out) == digest(runs.plain)
