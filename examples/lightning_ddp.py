@@ -19,8 +19,9 @@ Run it::
     ftrun --nproc-per-node 3 examples/lightning_ddp.py
     ftrun --nproc-per-node 3 examples/lightning_ddp.py --kill-at-step 7 --kill-rank 1
     python examples/lightning_ddp.py --devices 3        # no snapshots
-    NODE_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
-        python examples/lightning_ddp.py --devices 2 --num-nodes 2   # 2nd node, no snapshots
+    # no snapshots, 2 nodes x 2 ranks: on node 0 and 1 (NODE_RANK=1 there), Lightning's way
+    NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
+        python examples/lightning_ddp.py --devices 2 --num-nodes 2
 
 At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``; each rank prints
 ``lightning-ddp: rank R trains from global_step=S epoch=E batch_idx=B`` at the first batch it
