@@ -17,8 +17,10 @@ Run it::
 (accelerate reads torchrun's environment, which ftrun's workers get. On a machine without a
 GPU it trains on CPU with gloo; ``Accelerator(cpu=True)`` is how accelerate is told so.)
 
-At the end rank 0 prints ``accelerate-ddp: step=N world=W params_xxh3=HEX``, and a rank that
-resumed prints ``accelerate-ddp: rank R resumed from step S``. ``--kill-at-step S
+At the end rank 0 prints ``accelerate-ddp: step=N world=W params_xxh3=HEX scheduler_steps=K``;
+each rank prints ``accelerate-ddp: rank R trains from step=S epoch=E scheduler_steps=K``
+(the script's step and accelerate's counters) before its first step, and a rank that resumed
+prints ``accelerate-ddp: rank R resumed from step S``. ``--kill-at-step S
 --kill-rank R`` SIGKILLs rank R once per job right after its optimizer step S (before the
 snapshot of S); the marker file lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
 """
@@ -77,6 +79,10 @@ def main() -> int:
     if step:
         print(f"accelerate-ddp: rank {rank} resumed from step {step}", file=sys.stderr,
               flush=True)
+    # accelerate's own counters where training starts (after a resume: the snapshot's): the
+    # loader's epoch and the prepared scheduler's steps (one per process per optimizer step).
+    print(f"accelerate-ddp: rank {rank} trains from step={step} epoch={loader.iteration} "
+          f"scheduler_steps={scheduler.scheduler.last_epoch}", file=sys.stderr, flush=True)
 
     loss_fn = nn.CrossEntropyLoss()
     first_epoch, done = divmod(step, len(loader))
@@ -101,7 +107,8 @@ def main() -> int:
 
     if accelerator.is_main_process:
         print(f"accelerate-ddp: step={step} world={accelerator.num_processes} "
-              f"params_xxh3={params_xxh3(accelerator.unwrap_model(model))}", flush=True)
+              f"params_xxh3={params_xxh3(accelerator.unwrap_model(model))} "
+              f"scheduler_steps={scheduler.scheduler.last_epoch}", flush=True)
     accelerator.end_training()
     return 0
 

@@ -11,8 +11,10 @@ Run it::
     ftrun --nproc-per-node 3 examples/hf_trainer.py --kill-at-step 7 --kill-rank 1
     python examples/hf_trainer.py               # one process; snapshots are off
 
-At the end rank 0 prints ``hf-trainer: step=N world=W params_xxh3=HEX train_loss=X``, and a
-rank that resumed prints ``hf-trainer: rank R resumed from step S``. ``--kill-at-step S
+At the end rank 0 prints ``hf-trainer: step=N world=W params_xxh3=HEX train_loss=X`` and the
+``(step, loss)`` pairs of ``TrainerState.log_history``; each rank prints ``hf-trainer: rank R
+trains from global_step=S epoch=E`` (the Trainer's counters) at its first step, and a rank
+that resumed prints ``hf-trainer: rank R resumed from step S``. ``--kill-at-step S
 --kill-rank R`` SIGKILLs rank R once per job right after its optimizer step S (before the
 snapshot of S), so the job resumes from the snapshot of S-1; the marker file that makes it
 once lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
@@ -53,6 +55,21 @@ class CountingDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class ReportStart(TrainerCallback):
+    """Prints the Trainer's own counters where this process starts training (after a resume:
+    those of the snapshot, not 0)."""
+
+    def __init__(self) -> None:
+        self.reported = False
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if not self.reported:
+            self.reported = True
+            print(f"hf-trainer: rank {args.process_index} trains from "
+                  f"global_step={state.global_step} epoch={state.epoch or 0:g}",
+                  file=sys.stderr, flush=True)
 
 
 class KillOnce(TrainerCallback):
@@ -107,6 +124,7 @@ def main() -> int:
                       train_dataset=CountingDataset(args.samples, length, vocab))
     snapshots = add_snapshots(trainer, every=int(args.every) if (args.every or "auto").isdigit()
                               else args.every)
+    trainer.add_callback(ReportStart())
     if args.kill_at_step:
         trainer.add_callback(KillOnce(args.kill_at_step, args.kill_rank, args.fault_dir))
 
@@ -120,6 +138,8 @@ def main() -> int:
         print(f"hf-trainer: step={result.global_step} world={training_args.world_size} "
               f"params_xxh3={params_xxh3(trainer.model)} "
               f"train_loss={result.training_loss!r}", flush=True)
+        logged = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+        print(f"hf-trainer: logged (step, loss) {logged}", flush=True)
     return 0
 
 

@@ -9,16 +9,23 @@ Stock Lightning: a ``LightningModule`` (an MLP with dropout, AdamW, a warm-up + 
 Launched by ftrun (or torchrun), Lightning finds the processes already started (its
 ``TorchElasticEnvironment``) and checks that ``devices * num_nodes`` is the launcher's world
 size, so the script takes both from the launcher's ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE``.
-Under plain ``python`` it uses ``--devices`` and Lightning starts the other processes itself;
-the callback then says once that snapshots are off.
+Under plain ``python`` it uses ``--devices`` (and ``--num-nodes``: one ``python`` per node,
+with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, Lightning's multi-node launch)
+and Lightning starts the other processes itself; the callback then says once that snapshots
+are off.
 
 Run it::
 
     ftrun --nproc-per-node 3 examples/lightning_ddp.py
     ftrun --nproc-per-node 3 examples/lightning_ddp.py --kill-at-step 7 --kill-rank 1
     python examples/lightning_ddp.py --devices 3        # no snapshots
+    # no snapshots, 2 nodes x 2 ranks: on node 0 and 1 (NODE_RANK=1 there), Lightning's way
+    NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \
+        python examples/lightning_ddp.py --devices 2 --num-nodes 2
 
-At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``.
+At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``; each rank prints
+``lightning-ddp: rank R trains from global_step=S epoch=E batch_idx=B`` at the first batch it
+trains (Lightning's counters: after a resume, those of the snapshot).
 ``--kill-at-step S --kill-rank R`` SIGKILLs rank R once per job, at the end of step S (after
 its optimizer step; the snapshot of S is under way). The marker file lives in
 ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
@@ -77,6 +84,7 @@ class Classifier(L.LightningModule):
             nn.Linear(hidden, classes))
         self.loss = nn.CrossEntropyLoss()
         self.kill: tuple[int, int, str] | None = None  # (step, rank, marker directory)
+        self.started = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -105,6 +113,15 @@ class Classifier(L.LightningModule):
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        # Lightning's own counters where this process starts training (after a resume: the
+        # snapshot's step, epoch and batch of the epoch, not 0).
+        if not self.started:
+            self.started = True
+            print(f"lightning-ddp: rank {self.global_rank} trains from "
+                  f"global_step={self.global_step} epoch={self.current_epoch} "
+                  f"batch_idx={batch_idx}", file=sys.stderr, flush=True)
+
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if self.kill is None:
             return
@@ -130,6 +147,7 @@ def params_xxh3(model: nn.Module) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=2, help="without a launcher")
+    p.add_argument("--num-nodes", type=int, default=1, help="without a launcher")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--samples", type=int, default=384)
@@ -144,9 +162,10 @@ def main() -> int:
 
     torch.set_num_threads(1)
     L.seed_everything(0)
-    # Under a launcher (ftrun, torchrun) the processes exist already: match its world.
+    # Under a launcher (ftrun, torchrun) the processes exist already: match its world. (So
+    # do the processes Lightning starts itself, which get WORLD_SIZE from it.)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", args.devices))
-    num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices
+    num_nodes = int(os.environ.get("WORLD_SIZE", devices * args.num_nodes)) // devices
 
     model = Classifier()
     if args.kill_at_step:

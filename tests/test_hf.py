@@ -2,14 +2,16 @@
 
 examples/hf_trainer.py (``Trainer`` + ``add_snapshots``) and examples/accelerate_ddp.py
 (``Accelerator`` + ``AcceleratorSnapshotter``) are written the way those users write them.
-Each runs under the real ``ftrun`` command with 3 ranks (gloo on CPU) twice, at the same
-time: once without faults, and once with rank 1 SIGKILLed right after its optimizer step 7
-(mid-epoch, in the second epoch). The faulted job must finish with the fault-free job's
-final weights, bit for bit, having resumed from a snapshot (every rank says from which
-step; the coordinator's event log holds the restore). The second epoch matters: the Trainer
-must skip a whole epoch and part of the next, and accelerate draws each epoch's order from a
-generator that the snapshot has to carry. Each script also runs under plain ``python``,
-which says once that snapshots are off and trains as usual.
+Each runs as one job of 2 ``ftrun`` launchers x 2 ranks (``--nnodes 2``, c10d rendezvous,
+gloo on CPU) twice, at the same time: once without faults, and once with rank 2 SIGKILLed
+right after its optimizer step 7 (mid-epoch, in the second epoch). The faulted job must
+finish with the fault-free job's final weights, bit for bit, having resumed from a snapshot
+(every rank says from which step; the coordinator's event log holds the restore), with the
+framework's own counters carrying on from that step, not from 0 (the Trainer's global step,
+epoch and ``log_history``; accelerate's loader epoch and scheduler steps). The second epoch
+matters: the Trainer must skip a whole epoch and part of the next, and accelerate draws each
+epoch's order from a generator that the snapshot has to carry. Each script also runs under
+plain ``python``, which says once that snapshots are off and trains as usual.
 
 transformers' import is slow (seconds per process), so each framework's three runs go
 together, and the seam test checks the private parts the integration relies on without
@@ -28,9 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Procs, read_events
+from conftest import ROOT, Procs, free_port, read_events
 
-KILL_STEP, KILL_RANK, RANKS = 7, 1, 3
+KILL_STEP, KILL_RANK = 7, 2
+NODES, PER_NODE = 2, 2
+RANKS = NODES * PER_NODE
 
 
 def start_python(procs: Procs, tmp: Path, script: str, *args: str) -> subprocess.Popen[str]:
@@ -46,19 +50,21 @@ def start_python(procs: Procs, tmp: Path, script: str, *args: str) -> subprocess
 
 
 def start_job(procs: Procs, tmp: Path, name: str, script: str, *args: str,
-              launcher: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], str]:
-    """One ftrun launcher with RANKS ranks, standalone; returns (process, run id)."""
+              launcher: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen[str]], str]:
+    """One job on NODES ftrun launchers x PER_NODE ranks; returns (launchers, run id)."""
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
-    proc = procs.ftrun("--standalone", "--nproc-per-node", str(RANKS), "--rdzv-id", run_id,
-                       "--max-restarts", "2", *launcher, script, *args,
-                       env={"FTRUN_STATE_DIR": str(tmp / "state")}, name=name)
-    return proc, run_id
+    common = ("--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+              "--max-restarts", "2", *launcher, script, *args)
+    env = {"FTRUN_STATE_DIR": str(tmp / "state")}
+    return [procs.ftrun(*common, env=env, name=f"{name}-node{i}") for i in range(NODES)], run_id
 
 
-def finish(procs: Procs, proc: subprocess.Popen[str], timeout_s: float = 200) -> str:
-    code = procs.wait(proc, timeout_s)
-    out = procs.output(proc)
-    assert code == 0, f"exit code {code}\n{out[-6000:]}"
+def finish(procs: Procs, launchers: list[subprocess.Popen[str]], timeout_s: float = 200) -> str:
+    """The launchers' output, together, once all exited 0."""
+    codes = [procs.wait(p, timeout_s) for p in launchers]
+    out = "\n".join(procs.output(p) for p in launchers)
+    assert codes == [0] * len(launchers), f"exit codes {codes}\n{out[-6000:]}"
     return out
 
 
@@ -114,25 +120,42 @@ def run_three(procs: Procs, tmp: Path, name: str, script: str, job_args: tuple[s
                                 "--kill-rank", str(KILL_RANK), "--fault-dir", str(tmp),
                                 launcher=faulted_launcher)
     plain = start_python(procs, tmp, script, *plain_args, *own_dir("plain"))
-    return Runs(finish(procs, clean), finish(procs, faulted), run_id, finish(procs, plain))
+    return Runs(finish(procs, clean), finish(procs, faulted), run_id, finish(procs, [plain]))
+
+
+def starts(prefix: str, out: str, counters: str) -> list[tuple[str, ...]]:
+    """(rank, counters...) of each process's first step, as the script printed them."""
+    return sorted(re.findall(rf"{prefix}: rank (\d) trains from {counters}", out))
 
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
 def test_trainer_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
                                                                  tmp_path: Path) -> None:
-    # 48 samples, 3 ranks x batch 4: 4 steps per epoch, so step 7 is mid-epoch 2 of 3. The
+    # 64 samples, 4 ranks x batch 4: 4 steps per epoch, so step 7 is mid-epoch 2 of 3. The
     # faulted job snapshots every 2nd step: its resume also crosses the snapshot interval.
     runs = run_three(procs, tmp_path, "hf", str(ROOT / "examples" / "hf_trainer.py"),
-                     ("--max-steps", "10"), ("--max-steps", "4"),
+                     ("--max-steps", "10", "--samples", "64"), ("--max-steps", "4"),
                      faulted_launcher=("--snapshot-every", "2"), dir_flag="--output-dir")
-    result = r"hf-trainer: step=10 world=3 params_xxh3=([0-9a-f]+) train_loss=(\S+)"
+    result = r"hf-trainer: step=10 world=4 params_xxh3=([0-9a-f]+) train_loss=(\S+)"
     expected = one(result, runs.clean)
-    check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "hf-trainer", snapshot_every=2)
+    step = check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "hf-trainer",
+                                  snapshot_every=2)
     got = one(result, runs.faulted)
     assert got.group(1) == expected.group(1), "final weights differ from the fault-free run"
     # The loop's loss accounts came back too: the reported train_loss is the same float.
     assert got.group(2) == expected.group(2)
+    # The TrainerState carried on from the restored step on every rank, not from 0 ...
+    counters = r"global_step=(\d+) epoch=(\S+)"
+    fresh = [(str(r), "0", "0") for r in range(RANKS)]
+    assert starts("hf-trainer", runs.clean, counters) == fresh, runs.clean[-6000:]
+    assert starts("hf-trainer", runs.faulted, counters) == sorted(
+        fresh + [(str(r), str(step), f"{step / 4:g}") for r in range(RANKS)]), runs.faulted[-6000:]
+    # ... and its log_history: the logs of before the fault came back, the later ones follow
+    # at their own steps, with the uninterrupted run's losses.
+    logged = r"hf-trainer: logged \(step, loss\) (.*)"
+    assert one(logged, runs.faulted).group(1) == one(logged, runs.clean).group(1)
+    assert re.findall(r"\((\d+), ", one(logged, runs.clean).group(1)) == ["2", "4", "6", "8", "10"]
     check_plain_python(runs.plain)
     one(r"hf-trainer: step=4 world=1 params_xxh3=", runs.plain)
 
@@ -141,15 +164,25 @@ def test_trainer_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
 @pytest.mark.usefixtures("exact_steps")
 def test_accelerate_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
                                                                     tmp_path: Path) -> None:
-    # 96 samples, 3 ranks x batch 8: 4 steps per epoch, 3 epochs; step 7 is in epoch 2.
+    # 128 samples, 4 ranks x batch 8: 4 steps per epoch, 3 epochs; step 7 is in epoch 2.
     runs = run_three(procs, tmp_path, "acc", str(ROOT / "examples" / "accelerate_ddp.py"),
-                     ("--epochs", "3"), ("--epochs", "1"))
-    result = r"accelerate-ddp: step=12 world=3 params_xxh3=([0-9a-f]+)"
+                     ("--epochs", "3", "--samples", "128"), ("--epochs", "1"))
+    # The prepared scheduler steps once per process per optimizer step.
+    result = (r"accelerate-ddp: step=12 world=4 params_xxh3=([0-9a-f]+) "
+              rf"scheduler_steps={12 * RANKS}\n")
     expected = one(result, runs.clean).group(1)
-    check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "accelerate-ddp",
-                           snapshot_every=1)
+    step = check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "accelerate-ddp",
+                                  snapshot_every=1)
     assert one(result, runs.faulted).group(1) == expected, \
         "final weights differ from the fault-free run"
+    # The script's step and accelerate's counters carried on from the restored step on every
+    # rank: the loader's epoch and the scheduler's steps are the snapshot's, not 0.
+    counters = r"step=(\d+) epoch=(\d+) scheduler_steps=(\d+)"
+    fresh = [(str(r), "0", "0", "0") for r in range(RANKS)]
+    assert starts("accelerate-ddp", runs.clean, counters) == fresh, runs.clean[-6000:]
+    assert starts("accelerate-ddp", runs.faulted, counters) == sorted(
+        fresh + [(str(r), str(step), str(step // 4), str(step * RANKS)) for r in range(RANKS)]), \
+        runs.faulted[-6000:]
     check_plain_python(runs.plain)
     one(r"accelerate-ddp: step=12 world=1 params_xxh3=", runs.plain)
 

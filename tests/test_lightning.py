@@ -3,15 +3,18 @@
 examples/lightning_ddp.py is written the way Lightning users write scripts (LightningModule
 with dropout and a per-step LR schedule, LightningDataModule, Trainer(strategy="ddp"),
 validation twice an epoch, the default ModelCheckpoint) plus the ``FtrunSnapshots`` callback.
-Two runs:
+Two runs of 2 nodes x 2 ranks, started together (Lightning's import is slow; theirs overlap):
 
-- plain ``python --devices 3``: Lightning starts the other two processes itself; the callback
-  says once that snapshots are off, and the final weights are the reference;
-- ``ftrun --nproc-per-node 3``, rank 1 SIGKILLed in step 19 (epoch 1 of 12-step epochs):
-  ftrun restarts the workers, ``fit()`` resumes from the snapshot of step 18 (not from step
-  0), the plain DataLoader resumes mid-epoch, and the final weights are bit-identical to the
-  reference. The uninterrupted run validated between steps 18 and 19, the restored one does
-  not: the RNG states must still meet (they meet at the training step, not the forward).
+- plain ``python --devices 2 --num-nodes 2``, one per node (Lightning's multi-node launch:
+  each starts its node's other rank itself): the callback says once that snapshots are off,
+  and the final weights are the reference;
+- ``ftrun --nnodes 2 --nproc-per-node 2`` (two launchers, c10d rendezvous), rank 2 SIGKILLed
+  in step 14 (epoch 1 of 9-step epochs): ftrun restarts the workers, ``fit()`` resumes from
+  the snapshot of step 13 (not from step 0), Lightning's own counters (global step, epoch,
+  batch of the epoch) carry on from there on every rank, the plain DataLoader resumes
+  mid-epoch, and the final weights are bit-identical to the reference. The uninterrupted
+  run validated between steps 13 and 14, the restored one does not: the RNG states must
+  still meet (they meet at the training step, not the forward).
 
 The first tests check the Lightning internals the callback uses (ftrun/integrations/
 _lightning.py), so a Lightning upgrade that moves one fails here with its name.
@@ -19,6 +22,7 @@ _lightning.py), so a Lightning upgrade that moves one fails here with its name.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -26,16 +30,21 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Procs, read_events
+from conftest import ROOT, Procs, free_port, read_events
 
 pytest.importorskip("lightning")
 
 SCRIPT = str(ROOT / "examples" / "lightning_ddp.py")
-STEPS_PER_EPOCH = 12  # 288 training samples / 3 ranks / batch 8
-KILL_STEP = 19  # resumes from 18 (or before): mid-epoch, right after a validation
+NODES, PER_NODE = 2, 2
+WORLD = NODES * PER_NODE
+STEPS_PER_EPOCH = 9  # 288 training samples / 4 ranks / batch 8; validation after batches 4, 8
+STEPS = 2 * STEPS_PER_EPOCH
+KILL_STEP, KILL_RANK = 14, 2  # resumes from 13 (or before): mid-epoch, right after a validation
 
 
 def test_ftrun_imports_no_lightning() -> None:
@@ -90,74 +99,118 @@ def test_skip_sampler_leaves_out_whole_batches_once() -> None:
     assert list(batches) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
-def run_plain(tmp: Path, *args: str) -> tuple[int, str]:
-    """The script under plain python; Lightning starts the other ranks itself."""
-    log = tmp / "plain.log"
+def start_plain(procs: Procs, tmp: Path, *args: str) -> list[subprocess.Popen[str]]:
+    """The script under plain python, Lightning's multi-node launch: one ``python`` per node
+    (NODE_RANK, MASTER_ADDR, MASTER_PORT), each starting its node's other rank itself, in its
+    process group (see :func:`end_groups`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, SCRIPT, *args], stdout=out,
-                                stderr=subprocess.STDOUT, env={**env, "PYTHONUNBUFFERED": "1"},
-                                cwd=tmp, start_new_session=True)
-        try:
-            code = proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # Lightning's children are in its group
-                proc.wait(timeout=30)
-            else:
-                # Lightning's children exit with rank 0; make sure none outlives the test.
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    return code, log.read_text()
+    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    nodes = []
+    for node in range(NODES):
+        out = open(tmp / f"plain-node{node}.log", "w+")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, SCRIPT, "--devices", str(PER_NODE), "--num-nodes", str(NODES),
+             "--root-dir", str(tmp / "plain"), *args], stdout=out, stderr=subprocess.STDOUT,
+            text=True, env={**env, "NODE_RANK": str(node)}, cwd=tmp, start_new_session=True)
+        proc.log_path = out.name  # type: ignore[attr-defined]
+        procs.procs.append(proc)
+        nodes.append(proc)
+    return nodes
+
+
+def end_groups(nodes: list[subprocess.Popen[str]]) -> None:
+    """Lightning's children exit with their node's first process: make sure none outlives
+    the test, also once that one is gone (``Procs.cleanup`` kills live leaders' groups only)."""
+    for proc in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def start_job(procs: Procs, tmp: Path, name: str,
+              *args: str) -> tuple[list[subprocess.Popen[str]], str]:
+    """Two ftrun launchers x two ranks of one job; returns (launchers, run id)."""
+    run_id = f"{name}-{uuid.uuid4().hex[:8]}"
+    common = ("--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+              "--max-restarts", "3", SCRIPT, "--root-dir", str(tmp / name), *args)
+    # The resume step is checked: each step waits for its snapshot buffer (see exact_steps).
+    env = {"FTRUN_STATE_DIR": str(tmp / "state"), "FTRUN_SNAPSHOT_WAIT": "60"}
+    return [procs.ftrun(*common, env=env, name=f"{name}-node{i}") for i in range(NODES)], run_id
+
+
+def finish(procs: Procs, nodes: list[subprocess.Popen[str]]) -> str:
+    """The output of a job's launchers, together, once all exited 0."""
+    codes = [procs.wait(p, 240) for p in nodes]
+    out = "\n".join(procs.output(p) for p in nodes)
+    assert codes == [0] * len(nodes), f"exit codes {codes}\n{out[-6000:]}"
+    return out
+
+
+@dataclass(frozen=True)
+class Runs:
+    tmp: Path
+    plain: str  # the fault-free run's output: plain python, both nodes
+    faulted: str  # the ftrun job's, whose rank KILL_RANK was killed in step KILL_STEP
+    run_id: str  # the ftrun job's
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    tmp = tmp_path_factory.mktemp("lightning")
+    procs = Procs(tmp)
+    plain: list[subprocess.Popen[str]] = []
+    try:
+        faulted, run_id = start_job(procs, tmp, "faulted", "--fault-dir", str(tmp),
+                                    "--kill-at-step", str(KILL_STEP),
+                                    "--kill-rank", str(KILL_RANK))
+        plain = start_plain(procs, tmp)
+        plain_out = finish(procs, plain)
+        end_groups(plain)
+        yield Runs(tmp, plain_out, finish(procs, faulted), run_id)
+    finally:
+        procs.cleanup()
+        end_groups(plain)
 
 
 def digest(out: str) -> str:
-    found = re.findall(r"lightning-ddp: step=24 world=3 params_xxh3=([0-9a-f]+)", out)
+    found = re.findall(rf"lightning-ddp: step={STEPS} world={WORLD} params_xxh3=([0-9a-f]+)", out)
     assert len(found) == 1, out[-6000:]
     return found[0]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    tmp = tmp_path_factory.mktemp("lightning-plain")
-    code, out = run_plain(tmp, "--devices", "3", "--root-dir", str(tmp))
-    assert code == 0, out[-6000:]
-    return digest(out), out
+def starts(out: str) -> list[tuple[int, int, int, int]]:
+    """(rank, global step, epoch, batch index) of each process's first training batch."""
+    return sorted(tuple(map(int, m)) for m in re.findall(
+        r"lightning-ddp: rank (\d) trains from global_step=(\d+) epoch=(\d+) batch_idx=(\d+)",
+        out))
 
 
-def test_plain_python_runs_and_says_once_that_snapshots_are_off(
-        reference: tuple[str, str]) -> None:
-    _, out = reference
-    assert out.count("ftrun snapshots are off") == 1, out[-6000:]
-    assert "Starting with 3 processes" in out
+def test_plain_python_runs_and_says_once_that_snapshots_are_off(runs: Runs) -> None:
+    assert runs.plain.count("ftrun snapshots are off") == 1, runs.plain[-6000:]
+    assert f"Starting with {WORLD} processes" in runs.plain
+    assert starts(runs.plain) == [(r, 0, 0, 0) for r in range(WORLD)], runs.plain[-6000:]
+    digest(runs.plain)
 
 
 @pytest.mark.integration
-@pytest.mark.usefixtures("exact_steps")
-def test_killed_rank_resumes_from_the_snapshot_bit_identical(
-        procs: Procs, tmp_path: Path, reference: tuple[str, str]) -> None:
-    run_id = f"lightning-{uuid.uuid4().hex[:8]}"
-    state_dir = tmp_path / "state"
-    proc = procs.ftrun(
-        "--standalone", "--rdzv-id", run_id, "--nproc-per-node", "3", "--max-restarts", "3", SCRIPT,
-        "--root-dir", str(tmp_path), "--fault-dir", str(tmp_path),
-        "--kill-at-step", str(KILL_STEP), "--kill-rank", "1",
-        env={"FTRUN_STATE_DIR": str(state_dir)})
-    code = procs.wait(proc, 240)
-    out = procs.output(proc)
-    assert code == 0, out[-6000:]
-    assert (tmp_path / f"lightning-fault-rank1-step{KILL_STEP}").exists(), "the fault never fired"
-    assert f"killing rank 1 in step {KILL_STEP}" in out
+def test_killed_rank_resumes_from_the_snapshot_bit_identical(runs: Runs) -> None:
+    out = runs.faulted
+    assert (runs.tmp / f"lightning-fault-rank{KILL_RANK}-step{KILL_STEP}").exists(), \
+        "the fault never fired"
+    assert f"killing rank {KILL_RANK} in step {KILL_STEP}" in out
     # The snapshot of the kill step may not be complete on every rank: it resumes from the
     # newest one that is (replication, on by default, can hold back the one before).
     resumed = [int(s) for s in re.findall(r"ftrun: resumed from the snapshot of step (\d+)", out)]
     assert resumed and STEPS_PER_EPOCH < resumed[0] <= KILL_STEP, out[-6000:]
     assert all(s > STEPS_PER_EPOCH for s in resumed), resumed
-    events = read_events(state_dir, run_id)
+    events = read_events(runs.tmp / "state", runs.run_id)
     assert any(e["type"] == "restore" and e["step"] == resumed[0] for e in events), events
+    # Lightning's own counters carry on from the restored step on every rank, not from 0:
+    # global step, epoch 1, and the batch of the epoch after those already trained.
+    fresh = [(r, 0, 0, 0) for r in range(WORLD)]
+    assert starts(out) == sorted(fresh + [(r, s, *divmod(s, STEPS_PER_EPOCH))
+                                          for s in resumed for r in range(WORLD)]), out[-6000:]
     # Mid-epoch: the plain DataLoader skipped what epoch 1 had trained already.
     skipped = resumed[0] - STEPS_PER_EPOCH
     assert f"resumes after the {skipped} batches of epoch 1 already trained" in out
-    assert digest(out) == reference[0]
+    assert digest(out) == digest(runs.plain)
