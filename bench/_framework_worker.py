@@ -14,7 +14,11 @@ Each rank writes ``rank<R>.json`` into ``$FTRUN_BENCH_TIMINGS`` when the example
   ``Snapshotter.save`` ("save"; ``took``: it started a snapshot) and ``Snapshotter.wait``
   ("wait": the optimizer pre-hook that holds the next step until the background copy is
   done), the time each held the training thread, and after the call the snapshot interval
-  and the snapshots given up so far (the store had not released a buffer in time);
+  and the snapshots given up so far (the store had not released a buffer in time); and,
+  nested in those, for a breakdown: "copy-wait" (``Saver.wait``: the wait for the copy in
+  flight, also at the start of every ``save``), "capture" (``TrainingState.capture``:
+  the state dicts, RNG states and the framework's own state gathered for the snapshot) and
+  "buffers" (``Saver.ensure_segments``: creating or growing the shared-memory buffers);
 - ``ckpt``: ``[t0, t1]`` for every call of the framework's own save: Lightning's
   ``Trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls), the HF Trainer's
   ``_save_checkpoint`` (its ``save_steps`` checkpoint), ``Accelerator.save_state``;
@@ -86,7 +90,9 @@ def on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 def install(framework: str) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from ftrun.rank.save import Saver
     from ftrun.rank.snapshotter import Snapshotter
+    from ftrun.rank.state import TrainingState
 
     register_optimizer_step_post_hook(on_step)
 
@@ -95,6 +101,14 @@ def install(framework: str) -> None:
             snap_calls.append([kind, t0, t1, bool(out), snap.every, snap.skipped_saves])
         return record
 
+    def nested(kind: str) -> Callable[[float, float, Any, Any], None]:
+        def record(t0: float, t1: float, _self: Any, _out: Any) -> None:
+            snap_calls.append([kind, t0, t1, False, 0, 0])
+        return record
+
+    Saver.wait = timed(Saver.wait, nested("copy-wait"))
+    TrainingState.capture = timed(TrainingState.capture, nested("capture"))
+    Saver.ensure_segments = timed(Saver.ensure_segments, nested("buffers"))
     Snapshotter.save = timed(Snapshotter.save, snap_record("save"))
     Snapshotter.wait = timed(Snapshotter.wait, snap_record("wait"))
     init = Snapshotter.__init__

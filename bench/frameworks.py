@@ -183,6 +183,7 @@ class Figures:
     snap_block_per_step_s: float
     snap_block_per_snapshot_s: float | None
     snapshots: int  # started in the window, per rank (the most of any rank)
+    parts_per_snapshot_s: dict[str, float]  # of the blocking, by PARTS
     every: str  # the interval(s) in force in the window
     skipped: int  # of those, given up (the store had not released a buffer in time)
     ckpt_call_s: float | None  # median duration of the framework's save call, max over ranks
@@ -190,6 +191,11 @@ class Figures:
     ckpt_step_excess_s: float | None  # median(steps with a save) - median(steps without)
     ckpt_saves: int
     params: int
+
+
+# Parts of ftrun's blocking time the worker times inside save()/wait(): waiting for the copy
+# in flight, capturing the state dicts, creating or growing the shared-memory buffers.
+PARTS = ("copy-wait", "capture", "buffers")
 
 
 def window(rank: dict[str, Any], warmup: int) -> tuple[float, float, list[float]]:
@@ -203,6 +209,7 @@ def window(rank: dict[str, Any], warmup: int) -> tuple[float, float, list[float]
 def figures(run: Run, warmup: int) -> Figures:
     rates, medians, per_step, per_snap, counts, skipped = [], [], [], [], [], []
     ckpt_calls, ckpt_rank0, excess, everies = [], [], [], set()
+    parts: dict[str, list[float]] = {}
     saves = 0
     for rank in run.ranks:
         start, end, steps = window(rank, warmup)
@@ -211,8 +218,11 @@ def figures(run: Run, warmup: int) -> Figures:
         rates.append(n / (end - start))
         intervals = [b - a for a, b in zip(steps[first - 1:], steps[first:], strict=False)]
         medians.append(statistics.median(intervals))
-        calls = [c for c in rank["snap"] if start < c[1] <= end]
+        inside = [c for c in rank["snap"] if start < c[1] <= end]
+        calls = [c for c in inside if c[0] in ("save", "wait")]
         blocked = sum(c[2] - c[1] for c in calls)
+        for kind in PARTS:
+            parts.setdefault(kind, []).append(sum(c[2] - c[1] for c in inside if c[0] == kind))
         taken = sum(1 for c in calls if c[0] == "save" and c[3])
         everies.update(str(c[4]) for c in calls if c[0] == "save")
         before = [c[5] for c in rank["snap"] if c[1] <= start]
@@ -242,6 +252,8 @@ def figures(run: Run, warmup: int) -> Figures:
         snap_block_per_step_s=statistics.mean(per_step),
         snap_block_per_snapshot_s=statistics.mean(per_snap) if per_snap else None,
         snapshots=max(counts, default=0),
+        parts_per_snapshot_s=({k: statistics.mean(v) / max(counts) for k, v in parts.items()}
+                              if max(counts, default=0) else {}),
         every=", ".join(sorted(everies, key=int)) if everies else "—",
         skipped=max(skipped, default=0),
         ckpt_call_s=max(ckpt_calls) if ckpt_calls else None,
@@ -252,6 +264,12 @@ def figures(run: Run, warmup: int) -> Figures:
 
 def ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def parts_cell(f: Figures) -> str:
+    if not f.parts_per_snapshot_s:
+        return ""
+    return " (" + ", ".join(ms(f.parts_per_snapshot_s.get(k)) for k in PARTS) + ")"
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -277,7 +295,8 @@ def framework_report(cfg: argparse.Namespace, fw: Framework, runs: list[Run],
         lines += [f"Model: {params / 1e6:.2f} M parameters ({params * 4 / 1e6:.0f} MB fp32; "
                   f"with AdamW's two moments {state_mb:.0f} MB of state per rank).", ""]
     lines += ["| run | steps/s | median step | snapshot interval (steps) | snapshots taken "
-              "(skipped) | ftrun blocking per step | ftrun blocking per snapshot | framework "
+              "(skipped) | ftrun blocking per step | ftrun blocking per snapshot (of which: waiting for the copy, capturing the state, "
+              "allocating buffers) | framework "
               "save call, median (rank 0) | step with a save − step without | job wall time |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -293,11 +312,13 @@ def framework_report(cfg: argparse.Namespace, fw: Framework, runs: list[Run],
             f"| {r.variant.name} | {f.steps_per_s:.2f} | {ms(f.step_s)} | "
             f"{f.every if snap else 'off'} | {f'{f.snapshots} ({f.skipped})' if snap else '—'} | "
             f"{ms(f.snap_block_per_step_s) if snap else '—'} | "
-            f"{ms(f.snap_block_per_snapshot_s) if snap else '—'} | {ckpt} | "
+            f"{ms(f.snap_block_per_snapshot_s) if snap else '—'}"
+            f"{parts_cell(f) if snap else ''}"
+            f" | {ckpt} | "
             f"{ms(f.ckpt_step_excess_s) if r.variant.ckpt else '—'} | {r.wall_s:.1f} s |")
     lines.append("")
     by_key = {r.variant.key: figs[r.variant.name] for r in runs if r.ok}
-    auto, off, torchrun, ckpt = (by_key.get(k) for k in RUNS)
+    off, auto, torchrun, ckpt = (by_key.get(k) for k in RUNS)
     ckpt_run = next((r for r in runs if r.variant.ckpt and r.ok), None)
     if auto and off:
         lines.append(f"- Throughput with ftrun snapshots (auto) / without: "
@@ -341,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps left out of the measurement (auto's first agreement: step 32)")
     p.add_argument("--ckpt-every", type=int, default=8,
                    help="the framework checkpoint's interval, in steps")
-    p.add_argument("--lightning-hidden", type=int, default=2048)
+    p.add_argument("--lightning-hidden", type=int, default=3072)
     p.add_argument("--hf-embd", type=int, default=384)
     p.add_argument("--hf-layers", type=int, default=6)
-    p.add_argument("--accelerate-hidden", type=int, default=2048)
+    p.add_argument("--accelerate-hidden", type=int, default=3072)
     p.add_argument("--no-torchrun", action="store_true", help="leave the torchrun run out")
     p.add_argument("--runs", default=",".join(RUNS),
                    help="which runs, comma-separated, from: " + ", ".join(RUNS))
