@@ -63,8 +63,8 @@ class Framework:
     package: str  # whose version the report gives
     save_api: str  # the framework's own checkpoint, as the report names it
     job: Callable[[argparse.Namespace, Path], list[str]]  # the example's flags
-    ckpt: Callable[[int, Path], list[str]]  # flags that add its checkpoint every N steps
-    ckpt_glob: str  # what one checkpoint is, under the run's directory
+    ckpt_flag: str  # the example's flag that adds that checkpoint every N steps
+    ckpt_glob: str  # one checkpoint, under the directory the example writes them to
 
 
 def lightning_job(cfg: argparse.Namespace, job: Path) -> list[str]:
@@ -91,13 +91,13 @@ def accelerate_job(cfg: argparse.Namespace, job: Path) -> list[str]:
 FRAMEWORKS = {f.name: f for f in (
     Framework("lightning", "PyTorch Lightning", "lightning",
               "`ModelCheckpoint(every_n_train_steps=N)` → `trainer.save_checkpoint`",
-              lightning_job, lambda n, _: ["--ckpt-every", str(n)], "**/*.ckpt"),
+              lightning_job, "--ckpt-every", "**/*.ckpt"),
     Framework("hf", "Hugging Face Trainer", "transformers",
               "`save_steps=N` → `Trainer._save_checkpoint`",
-              hf_job, lambda n, _: ["--save-steps", str(n)], "checkpoint-*"),
+              hf_job, "--save-steps", "checkpoint-*"),
     Framework("accelerate", "Accelerate", "accelerate",
               "`accelerator.save_state(dir)` every N steps",
-              accelerate_job, lambda n, _: ["--save-state-every", str(n)], "ckpt"),
+              accelerate_job, "--save-state-every", "."),
 )}
 
 
@@ -135,7 +135,7 @@ def run_job(cfg: argparse.Namespace, fw: Framework, v: Variant, root: Path,
     cmd += ["--standalone", "--nproc-per-node", str(cfg.nproc), "--rdzv-id",
             f"bench-fw-{job.name}", WORKER, fw.name, *fw.job(cfg, job)]
     if v.ckpt:
-        cmd += fw.ckpt(cfg.ckpt_every, job)
+        cmd += [fw.ckpt_flag, str(cfg.ckpt_every)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTRUN_STATE_DIR": str(job / "state"),
            "FTRUN_SHM_DIR": str(shm_dir), "FTRUN_BENCH_TIMINGS": str(timings)}
     env.pop("FTRUN_STORE", None)
@@ -159,9 +159,8 @@ def run_job(cfg: argparse.Namespace, fw: Framework, v: Variant, root: Path,
         print(f"  {fw.name} / {v.name}: exit {code}, {len(ranks)} timing file(s)\n{tail}",
               file=sys.stderr)
     if v.ckpt:
-        sizes = [dir_bytes(p) for p in job.joinpath("ckpt").glob(fw.ckpt_glob)] if \
-            fw.ckpt_glob != "ckpt" else [dir_bytes(job / "ckpt")]
-        run.ckpt_bytes = max(sizes, default=0)
+        ckpts = [job / "ckpt"] if fw.ckpt_glob == "." else (job / "ckpt").glob(fw.ckpt_glob)
+        run.ckpt_bytes = max((dir_bytes(p) for p in ckpts), default=0)
     if not cfg.keep:
         shutil.rmtree(job / "ckpt", ignore_errors=True)
     return run
