@@ -121,6 +121,7 @@ class Run:
     log: str
     ranks: list[dict[str, Any]] = field(default_factory=list)
     ckpt_bytes: int = 0
+    load: float = 0.0  # the 1-minute load average when the run ended (others' jobs show here)
 
 
 def run_job(cfg: argparse.Namespace, fw: Framework, v: Variant, root: Path,
@@ -153,7 +154,8 @@ def run_job(cfg: argparse.Namespace, fw: Framework, v: Variant, root: Path,
             kill_sessions([proc])
     wall = time.monotonic() - t0
     ranks = [json.loads(p.read_text()) for p in sorted(timings.glob("rank*.json"))]
-    run = Run(v, code == 0 and len(ranks) == cfg.nproc, wall, str(job / "out.log"), ranks)
+    run = Run(v, code == 0 and len(ranks) == cfg.nproc, wall, str(job / "out.log"), ranks,
+              load=os.getloadavg()[0])
     if not run.ok:
         tail = (job / "out.log").read_text()[-3000:]
         print(f"  {fw.name} / {v.name}: exit {code}, {len(ranks)} timing file(s)\n{tail}",
@@ -296,7 +298,8 @@ def framework_report(cfg: argparse.Namespace, fw: Framework, runs: list[Run],
     lines += ["| run | steps/s | median step | snapshot interval (steps) | snapshots taken "
               "(skipped) | ftrun blocking per step | ftrun blocking per snapshot (of which: waiting for the copy, capturing the state, "
               "allocating buffers) | framework "
-              "save call, median (rank 0) | step with a save − step without | job wall time |",
+              "save call, median (rank 0) | step with a save − step without | job wall time (load "
+              "average at its end) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if not r.ok:
@@ -314,7 +317,8 @@ def framework_report(cfg: argparse.Namespace, fw: Framework, runs: list[Run],
             f"{ms(f.snap_block_per_snapshot_s) if snap else '—'}"
             f"{parts_cell(f) if snap else ''}"
             f" | {ckpt} | "
-            f"{ms(f.ckpt_step_excess_s) if r.variant.ckpt else '—'} | {r.wall_s:.1f} s |")
+            f"{ms(f.ckpt_step_excess_s) if r.variant.ckpt else '—'} | {r.wall_s:.1f} s "
+            f"({r.load:.1f}) |")
     lines.append("")
     by_key = {r.variant.key: figs[r.variant.name] for r in runs if r.ok}
     off, auto, torchrun, ckpt = (by_key.get(k) for k in RUNS)
