@@ -51,6 +51,10 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=8, help="per process")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--hidden", type=int, default=128, help="width of the hidden layers")
+    p.add_argument("--save-state-every", type=int, default=0,
+                   help="accelerator.save_state(--save-dir) every N steps (default: never)")
+    p.add_argument("--save-dir", default="accelerate-state")
     p.add_argument("--every", default=None, help="snapshot every K steps, or auto "
                    "(default: the launcher's --snapshot-every)")
     p.add_argument("--kill-at-step", type=int, default=0)
@@ -62,7 +66,7 @@ def main() -> int:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     set_seed(0)
     features, classes = 32, 10
-    model = make_model(features, hidden=128, classes=classes, dropout=0.1)
+    model = make_model(features, hidden=args.hidden, classes=classes, dropout=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     loader = DataLoader(make_dataset(args.samples, features, classes),
                         batch_size=args.batch_size, shuffle=True)
@@ -101,6 +105,8 @@ def main() -> int:
             if step == args.kill_at_step and rank == args.kill_rank:
                 kill_once("accelerate-ddp", rank, step, args.fault_dir)
             snap.save(step)
+            if args.save_state_every and step % args.save_state_every == 0:
+                accelerator.save_state(args.save_dir)
             ftrun.progress(step)
     ftrun.progress(step, done=True)
     snap.close()

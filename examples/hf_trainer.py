@@ -89,6 +89,10 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--samples", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=4, help="per device")
+    p.add_argument("--n-embd", type=int, default=32, help="GPT-2 width")
+    p.add_argument("--n-layer", type=int, default=2, help="GPT-2 blocks")
+    p.add_argument("--save-steps", type=int, default=0,
+                   help="save a checkpoint every N steps (default: none)")
     p.add_argument("--every", default=None, help="snapshot every K steps, or auto "
                    "(default: the launcher's --snapshot-every)")
     p.add_argument("--output-dir", default=None)
@@ -101,7 +105,7 @@ def main() -> int:
     set_seed(0)
     vocab, length = 64, 16
     model = GPT2LMHeadModel(GPT2Config(
-        vocab_size=vocab, n_positions=length, n_embd=32, n_layer=2, n_head=2,
+        vocab_size=vocab, n_positions=length, n_embd=args.n_embd, n_layer=args.n_layer, n_head=2,
         bos_token_id=0, eos_token_id=0))  # dropout: GPT-2's default 0.1 everywhere
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="hf-trainer-")
     training_args = TrainingArguments(
@@ -114,7 +118,8 @@ def main() -> int:
         warmup_steps=2,
         dataloader_drop_last=True,
         logging_steps=2,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to="none",
         disable_tqdm=True,
         use_cpu=True,

@@ -152,6 +152,9 @@ def main() -> int:
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--samples", type=int, default=384)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
+    p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N training "
+                   "steps (default: Lightning's default ModelCheckpoint)")
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--every", default=None, help="snapshot interval: steps or 'auto'")
     p.add_argument("--root-dir", default=None, help="logs and checkpoints (default: cwd)")
@@ -167,15 +170,18 @@ def main() -> int:
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", args.devices))
     num_nodes = int(os.environ.get("WORLD_SIZE", devices * args.num_nodes)) // devices
 
-    model = Classifier()
+    model = Classifier(hidden=args.hidden)
     if args.kill_at_step:
         directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
         model.kill = (args.kill_at_step, args.kill_rank, directory)
     every = int(args.every) if args.every and args.every.isdigit() else args.every
+    callbacks = [FtrunSnapshots(every=every)]
+    if args.ckpt_every:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=args.ckpt_every))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=args.strategy,
         max_epochs=args.epochs, max_steps=args.max_steps, default_root_dir=args.root_dir,
-        callbacks=[FtrunSnapshots(every=every)],
+        callbacks=callbacks,
         val_check_interval=0.5, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, datamodule=Blobs(samples=args.samples, batch_size=args.batch_size))
 
