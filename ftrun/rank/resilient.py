@@ -430,9 +430,10 @@ _CONTEXT_LOST = ("cuda error", "cudaerror", "device-side assert", "illegal memor
 
 def _keeps_process(backend: str | None, e: BaseException) -> bool:
     """Whether a rank whose function raised ``e`` on its own can run again in its process:
-    only where aborting its process groups releases the peers blocked with it (NCCL; on
-    gloo only the process's exit closes its connections), and never after an error that
-    may have left the device unusable."""
+    on NCCL, whose abort releases the peers blocked with it, unless the error may have
+    left the device unusable. On gloo the rank exits: its exit is sure to close every
+    connection its peers wait on (the survivors' shut-down of accepted connections,
+    :mod:`ftrun.rank.sockets`, is not used to keep a raising rank)."""
     if backend != "nccl":
         return False
     accel = getattr(sys.modules.get("torch"), "AcceleratorError", None)
