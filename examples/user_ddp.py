@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ftrun
+from ftrun.faults import fire_once
 
 
 def make_dataset(n: int, features: int, classes: int) -> TensorDataset:
@@ -85,13 +86,7 @@ def params_xxh3(model: nn.Module) -> str:
 def once(args: argparse.Namespace, name: str) -> bool:
     """True the first time in the job that fault ``name`` fires (a marker file)."""
     directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
-    try:
-        fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return False
-    os.write(fd, f"{time.time():.6f}\n".encode())
-    os.close(fd)
-    return True
+    return fire_once(os.path.join(directory, name))
 
 
 def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:

@@ -130,6 +130,21 @@ def corrupt_persisted(persist_dir: str, step: int, rank: int) -> FileCorruption:
     raise FtrunError(f"{path} stores no tensor whose bytes could be located to corrupt")
 
 
+def fire_once(marker: str) -> bool:
+    """True for the first caller in the job, which creates the file ``marker`` (O_EXCL) and
+    writes the time into it (benchmarks time a fault from it; tests assert that it exists,
+    i.e. that the fault fired); False for every later one."""
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, f"{time.time():.6f}\n".encode())
+    finally:
+        os.close(fd)
+    return True
+
+
 def kill_once(name: str, rank: int, step: int, directory: str | None = None) -> None:
     """SIGKILL this process, the first time any process of the job calls this for ``rank``
     and ``step``; later calls (the restarted rank passing the same step again) return.
@@ -142,10 +157,7 @@ def kill_once(name: str, rank: int, step: int, directory: str | None = None) -> 
     if not directory:
         raise FtrunError(f"kill_once needs a directory for its marker file ({knobs.JOB_DIR.name} "
                          "is unset outside an ftrun job): pass directory=")
-    marker = os.path.join(directory, f"{name}-fault-rank{rank}-step{step}")
-    try:
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    except FileExistsError:
+    if not fire_once(os.path.join(directory, f"{name}-fault-rank{rank}-step{step}")):
         return  # fired already in this job
     log.warning("fault injection: SIGKILL rank %d in step %d (%s)", rank, step, name)
     for handler in logging.getLogger().handlers:

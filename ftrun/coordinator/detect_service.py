@@ -36,8 +36,8 @@ logged and counted as a follow-up, not recorded as a new detection. The same hol
 launcher restarts its workers on its own (its ``worker_failure`` or ``restart`` event: a rank
 died or raised, the world changes), so that a rank's crash is one restart, not a crash and
 then a hang named in the survivors that wait for it. A restart order names the world it
-was decided in; a launcher whose workers have moved on to another world drops it. A repeat about hosts
-alone (probes) is recorded as a ``warn`` that says the fault was already acted on.
+was decided in; a launcher whose workers have moved on to another world drops it. A repeat
+about hosts alone (probes) is recorded as a ``warn`` that says the fault was already acted on.
 """
 
 from __future__ import annotations
