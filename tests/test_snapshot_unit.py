@@ -156,3 +156,34 @@ def test_entries_cover_the_data_region() -> None:
     ends = [e.offset + e.nbytes for e in entries(doc)]
     assert max(ends) <= flat.data_len
     assert all(e.offset % 64 == 0 for e in entries(doc))
+
+
+def test_a_growing_manifest_keeps_its_buffers_until_it_outgrows_them(
+        run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A framework's log history in ``extra`` grows the manifest a little each step: the
+    buffers (and the newest snapshot in them) stay until the manifest no longer fits."""
+    from ftrun.rank.context import RankContext
+    from ftrun.rank.save import Saver
+
+    monkeypatch.setenv("FTRUN_RUN_ID", run_id)
+    ctx = RankContext()
+    assert ctx.run_id == run_id
+    saver = Saver(ctx, None, None, async_copy=False, wait_s=0.0)  # type: ignore[arg-type]
+    try:
+        saver.ensure_segments(40_000, 3, 4096)
+        first = list(ctx.segments)
+        assert all(seg is not None for seg in first)
+        ctx.newest = (0, 7)
+        for manifest_len in (40_001, 50_000, 79_999, 80_000):  # grows, still fits 2 x 40,000
+            saver.ensure_segments(manifest_len, 3, 4096)
+            assert ctx.segments == first and ctx.newest == (0, 7)
+        saver.ensure_segments(80_001, 3, 4096)  # outgrown: new buffers, twice the room
+        assert all(seg is not old for seg, old in zip(ctx.segments, first, strict=True))
+        assert ctx.segments[0].header().manifest_cap == 160_002  # type: ignore[union-attr]
+        assert ctx.newest is None  # the buffer that held it was re-created
+    finally:
+        saver.close()
+        for seg in ctx.segments:
+            if seg is not None:
+                seg.close()
+        ctx.close()

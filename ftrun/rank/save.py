@@ -137,7 +137,7 @@ class Saver:
             self._copy_stream.wait_stream(torch.cuda.current_stream())
         # Buffers are sized (and /dev/shm checked) here, in the caller: a job that cannot
         # hold its snapshots fails at its first save with the fix in the message.
-        self.ensure_segments(max(len(blob) * 2, 1 << 16), len(flat.tensors), flat.data_len)
+        self.ensure_segments(len(blob), len(flat.tensors), flat.data_len)
         target = 0 if self._ctx.newest is None else 1 - self._ctx.newest[0]
         need = -1 if self._ctx.newest is None else self._ctx.newest[1]
         job = SaveJob(step)
@@ -208,20 +208,24 @@ class Saver:
             delay = min(delay * 2, 0.05)
         return None
 
-    def ensure_segments(self, manifest_cap: int, n_tensors: int, data_len: int) -> None:
-        """Create (or grow) both buffers so they can hold a snapshot of this size."""
+    def ensure_segments(self, manifest_len: int, n_tensors: int, data_len: int) -> None:
+        """Create (or grow) both buffers so they can hold a snapshot of this size. The
+        manifest slot gets twice the room it needs: a manifest that grows a little with each
+        step (a framework's log history in ``extra``) keeps its buffers, and the rank its
+        newest snapshot, until it has doubled."""
         stale = []
         for buffer, seg in enumerate(self._ctx.segments):
             if seg is None:
                 stale.append(buffer)
                 continue
             h = seg.header()
-            if h.manifest_cap < manifest_cap or h.n_tensors != n_tensors \
+            if h.manifest_cap < manifest_len or h.n_tensors != n_tensors \
                     or h.capacity - h.data_off < data_len \
                     or h.hash_slots < shm.chunk_count(data_len, h.chunk_size):
                 stale.append(buffer)
         if not stale:
             return
+        manifest_cap = max(2 * manifest_len, 1 << 16)
         _, _, capacity = shm.layout_for(manifest_cap, data_len)
         shm.check_capacity(capacity * len(stale), f"rank {self._ctx.rank}'s snapshot buffers")
         self.wait()
