@@ -37,8 +37,10 @@ where ``L`` is the mean loss of the last step over the global batch and ``HEX`` 
 digest of the raw float32 bytes of every parameter in ``named_parameters()`` order.
 ``--result FILE`` also writes that (plus world size and restart count) as JSON.
 
-Under ftrun the script snapshots its state with ``ftrun.Snapshotter``, by default with
-``--snapshot-every auto``: as often as keeps the measured slowdown at or below 3%. Tests
+Under ftrun the job restarts in place (``@ftrun.resilient`` on ``run``): after a fault the
+surviving ranks run ``run`` again in their own processes, in the new world; only a dead rank
+gets a new process. The script snapshots its state with ``ftrun.Snapshotter``, by default
+with ``--snapshot-every auto``: as often as keeps the measured slowdown at or below 3%. Tests
 that count on a snapshot of every step pass ``--snapshot-every 1``.
 
 Fault injection fires once per job: the failing rank first creates a marker file
@@ -78,6 +80,7 @@ try:
     _Snapshotter: Any = ftrun.Snapshotter
     _Sampler: Any = ftrun.ResumableDistributedSampler
     _monitor_collectives: Callable[[], Any] = ftrun.monitor_collectives
+    _resilient: Callable[[Any], Any] = ftrun.resilient
 except Exception:  # ftrun not installed (or broken): no progress reports, no snapshots.
 
     def _progress(step: int, done: bool = False) -> None:
@@ -88,6 +91,9 @@ except Exception:  # ftrun not installed (or broken): no progress reports, no sn
 
     def _monitor_collectives() -> Any:
         return None
+
+    def _resilient(fn: Any) -> Any:
+        return fn
 
 
 PREFIX = "ftrun-example"
@@ -729,7 +735,6 @@ def _on_sigusr1(signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     distributed = "RANK" in os.environ
-    rank = int(os.environ["RANK"]) if distributed else 0
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if distributed else 0
     args = parse_args(argv, world_size)
@@ -746,11 +751,21 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
+    return run(args, device)
+
+
+@_resilient
+def run(args: argparse.Namespace, device: torch.device) -> int:
+    """One run of the job in this process: under ftrun, a fault elsewhere in the job runs it
+    again here in the new world (``@ftrun.resilient``), so the rank and world size are read
+    from the environment each time, and the process group is made and destroyed inside."""
+    distributed = "RANK" in os.environ
+    rank = int(os.environ["RANK"]) if distributed else 0
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1
     if distributed:
+        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=args.pg_timeout))
         # The collective monitor (ftrun launches only; Snapshotter starts it too).
         _monitor_collectives()
