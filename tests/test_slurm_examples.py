@@ -236,3 +236,46 @@ def test_spares_lose_a_node_and_complete(cluster: SlurmCluster, tmp_path: Path) 
     # Training went on from a step persisted before the loss, not from step 0.
     assert len(result["resumed_from"]) == 1 and result["resumed_from"][0] >= 3, \
         _why(work, out, job_id)
+
+
+@pytest.mark.parametrize("script", ["basic.sbatch", "requeue.sbatch", "spares.sbatch"])
+def test_example_runs_as_written_on_the_geometry_it_declares(script: str, tmp_path: Path) -> None:
+    """Each sbatch example, run as written (no variable set, a stand-in ``srun`` on PATH that
+    records its command), hands examples/train.py arguments it accepts on the example's own
+    geometry: ``#SBATCH --nodes`` launchers of ``--nproc-per-node`` ranks each (for spares,
+    the largest world it may train on). No Slurm needed."""
+    import importlib.util
+
+    text = (EXAMPLES / script).read_text()
+    nodes = int(next(line.split("=", 1)[1] for line in text.splitlines()
+                     if line.startswith("#SBATCH --nodes=")))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "srun.args"
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > {record}\n')
+    srun.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "GPUS", "STEPS", "TRAIN", "BATCH", "PERSIST_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NUM_NODES=str(nodes),
+               SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(tmp_path))
+    subprocess.run(["bash", str(EXAMPLES / script)], cwd=ROOT, env=env, timeout=60,
+                   capture_output=True, check=False)
+    argv = record.read_bytes().decode().split("\0")[:-1]
+    assert "examples/train.py" in argv, f"{script} did not run srun with the training script"
+    i = argv.index("examples/train.py")
+    launcher, train_args = argv[:i], argv[i + 1:]
+    gpus = int(next(a.split("=", 1)[1] for a in launcher if a.startswith("--nproc-per-node=")))
+    world = nodes * gpus
+    assert world == 32 if script != "spares.sbatch" else world == 48
+
+    spec = importlib.util.spec_from_file_location("ftrun_example_train", TRAIN)
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    try:
+        args = train.parse_args(train_args, world)
+    except SystemExit as e:  # argparse's error: the script would stop every rank at start
+        pytest.fail(f"{script} as written: examples/train.py refuses {train_args} on "
+                    f"WORLD_SIZE={world} (exit {e.code})")
+    assert args.batch == world
