@@ -33,13 +33,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftrun.errors import ConfigError, FtrunTimeoutError, UnreachableError
+from ftrun.errors import ConfigError, FtrunTimeoutError, JobNotFoundError, UnreachableError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 2379
 REQUEST_TIMEOUT_S = 5.0
 KEY_ROOT = "/ftrun"
+# How a job file's rdzv_endpoint says that the job's rendezvous is on etcd.
+URL_SCHEME = "etcd://"
 # gRPC status codes etcd answers with when a member cannot serve right now: another member may.
 _RETRY_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
 _LEASE_NOT_FOUND = 5  # NOT_FOUND, for an expired or revoked lease
@@ -305,6 +307,20 @@ def read_coordinator(client: EtcdClient, run_id: str) -> CoordinatorRecord | Non
     """The current holder of job ``run_id``'s coordinator role, None when none holds it."""
     kv = client.get(coordinator_key(run_id))
     return None if kv is None else CoordinatorRecord.from_kv(kv)
+
+
+def coordinator_endpoint(endpoints: str, run_id: str, timeout_s: float) -> str:
+    """The endpoint of job ``run_id``'s coordinator, as published in the etcd cluster at
+    ``endpoints`` (what ``ftrun status`` asks from a login shell)."""
+    client = EtcdClient(endpoints, timeout_s=timeout_s)
+    record = read_coordinator(client, run_id)
+    if record is None or not record.endpoint:
+        raise JobNotFoundError(
+            f"no coordinator of job {run_id!r} in etcd at {format_endpoints(client.endpoints)} "
+            f"(key {coordinator_key(run_id)!r}"
+            + (f" held by {record.node_id}, still starting" if record else "")
+            + "): is the job running, under that --rdzv-id?")
+    return record.endpoint
 
 
 def wait_coordinator(client: EtcdClient, run_id: str, timeout_s: float,
