@@ -7,32 +7,16 @@
 # Does nothing when everything is there. Without root or apt-get it says so and exits 0:
 # the tests then skip, unless FTRUN_REQUIRE_ETCD=1 (as in CI) makes that a failure.
 set -euo pipefail
+cd "$(dirname "$0")"
 
-missing=()
-for pkg in etcd-server etcd-client; do
-    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
-        missing+=("$pkg")
-    fi
-done
-if [ ${#missing[@]} -eq 0 ]; then
-    exit 0
-fi
-if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
-    echo "setup-etcd.sh: ${missing[*]} not installed and no root apt-get here; the" \
-        "etcd rendezvous tests will skip" >&2
-    exit 0
-fi
-echo "setup-etcd.sh: installing ${missing[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-# policy-rc.d: Debian's package would start (and enable) a system etcd on port 2379; the
-# tests start their own, and a CI host must not keep a daemon running after the install.
+# policy-rc.d: Debian's package would start (and enable) a system etcd on port 2379 as it
+# installs; the tests start their own, and a CI host must keep no daemon running.
 policy=/usr/sbin/policy-rc.d
 created_policy=0
-if [ ! -e "$policy" ]; then
+if [ "$(id -u)" -eq 0 ] && [ ! -e "$policy" ]; then
     printf '#!/bin/sh\nexit 101\n' > "$policy"
     chmod 755 "$policy"
     created_policy=1
 fi
 trap 'if [ "$created_policy" = 1 ]; then rm -f "$policy"; fi' EXIT
-apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+bash apt-install-missing.sh setup-etcd.sh "the etcd rendezvous tests" etcd-server etcd-client
