@@ -66,6 +66,7 @@ _ftrun_kind() {
         'inspect --state-dir') _ftrun_k='dirs' ;;
         'inspect --step') _ftrun_k='files' ;;
         'status --endpoint') _ftrun_k='files' ;;
+        'status --etcd') _ftrun_k='files' ;;
         'status --interval') _ftrun_k='files' ;;
         'status --limit') _ftrun_k='files' ;;
         'status --match') _ftrun_k='files' ;;
@@ -123,7 +124,7 @@ _ftrun_command() {
                 *) _ftrun_k=none ;;
             esac ;;
         status)
-            _ftrun_opts='--endpoint --help --interval --json --limit --match --no-headers
+            _ftrun_opts='--endpoint --etcd --help --interval --json --limit --match --no-headers
                 --nodes --offset --state-dir --timeout --watch'
             case $2 in
                 0) _ftrun_k='runs' ;;

@@ -43,8 +43,8 @@ function __ftrun_takes_value --argument-names context flag
             'coordinator --isolate-hook' 'coordinator --node-timeout' 'coordinator --on-hang' \
             'coordinator --on-slow' 'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' \
             'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' 'status --endpoint' \
-            'status --interval' 'status --limit' 'status --match' 'status --nodes' \
-            'status --offset' 'status --state-dir' 'status --timeout'
+            'status --etcd' 'status --interval' 'status --limit' 'status --match' \
+            'status --nodes' 'status --offset' 'status --state-dir' 'status --timeout'
             return 0
     end
     return 1
@@ -159,7 +159,7 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'persist-dir' -l 'persist_dir'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-every' -l 'persist_every' -r -d 'Persist every N committed steps...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-interval' -l 'persist_interval' -r -d 'Also persist when this many seconds passed since the last write (0: off). [env...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-keep' -l 'persist_keep' -r -d 'Complete persisted steps to keep; partial ones older than the newest complete step are removed....'
-complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-backend' -l 'rdzv_backend' -r -d 'Rendezvous backend.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-backend' -l 'rdzv_backend' -r -d 'Rendezvous backend: c10d, static (torch\'s default) or etcd: ftrun\'s backend on etcd\'s v3 API...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-conf' -l 'rdzv_conf' -r -d 'Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...).'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-endpoint' -l 'rdzv_endpoint' -r -d 'Rendezvous backend endpoint; usually in form <host>:<port>.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-id' -l 'rdzv_id' -r -d 'User-defined group id.'
@@ -209,6 +209,7 @@ complete -c ftrun -n '__ftrun_arg inspect 0' -F -d 'A live job\'s run id (this h
 
 # ftrun status
 complete -c ftrun -n '__ftrun_in status' -l 'endpoint' -r -d 'Coordinator HOST:PORT (skips the job file).'
+complete -c ftrun -n '__ftrun_in status' -l 'etcd' -r -d 'A job on --rdzv-backend etcd: its etcd members HOST:PORT[,HOST:PORT...], where the coordinator...'
 complete -c ftrun -n '__ftrun_in status' -l 'help' -d 'Show this message and exit.'
 complete -c ftrun -n '__ftrun_in status' -l 'interval' -r -d 'Seconds between refreshes under --watch.'
 complete -c ftrun -n '__ftrun_in status' -l 'json' -d 'Write a versioned JSON document.'

@@ -654,3 +654,51 @@ def intercept_worker_starts(start: WorkerStart) -> Callable[[], None]:
             cls._popen = original
 
     return undo
+
+
+# -- rendezvous backends of ftrun's own (etcd v3) ---------------------------------------------
+#
+# torch's elastic rendezvous is one state machine, ``DynamicRendezvousHandler``
+# (torch.distributed.elastic.rendezvous.dynamic_rendezvous), over two parts a backend supplies:
+# a ``RendezvousBackend`` holding the rendezvous state (``get_state()`` and a compare-and-set
+# ``set_state(state, token)``; its ``name`` is what the handler reports as its backend) and a
+# ``torch.distributed.Store`` that the handler hands to the agent (``RendezvousInfo.store``,
+# under a ``PrefixStore`` per round): the agent publishes MASTER_ADDR/MASTER_PORT, its role
+# info and assigned ranks, and runs its exit barrier there. ``create_handler(store, backend,
+# params)`` reads the timeouts and keep-alive settings from ``params`` as c10d does. Backends
+# are found by name in ``rendezvous_handler_registry``; its ``register`` refuses a name already
+# taken by another creator (torch registers ``etcd`` and ``etcd-v2``, both on etcd's v2 API).
+
+_registered_backends: dict[str, Callable[[Any], Any]] = {}
+
+
+def rendezvous_backend_base() -> type:
+    """torch's ``RendezvousBackend`` ABC, for a backend to subclass."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+    return RendezvousBackend
+
+
+def rendezvous_connection_error() -> type:
+    """``RendezvousConnectionError``: what a backend raises when its service is unreachable."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    return RendezvousConnectionError
+
+
+def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]]) -> None:
+    """Have torch's launcher build, for ``--rdzv-backend name``, its own
+    ``DynamicRendezvousHandler`` over ``make(params) -> (backend, store)`` (``params``: the
+    launcher's ``RendezvousParameters``). Idempotent for one ``name``."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    if name in _registered_backends:
+        return
+
+    def create(params: Any) -> Any:
+        backend, store = make(params)
+        return create_handler(store, backend, params)
+
+    rendezvous_handler_registry.register(name, create)
+    _registered_backends[name] = create

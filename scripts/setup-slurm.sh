@@ -8,21 +8,5 @@
 # the test then skips, unless FTRUN_REQUIRE_SLURM=1 (as in CI) makes that a failure.
 set -euo pipefail
 
-missing=()
-for pkg in slurm-wlm munge openssl; do
-    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
-        missing+=("$pkg")
-    fi
-done
-if [ ${#missing[@]} -eq 0 ]; then
-    exit 0
-fi
-if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
-    echo "setup-slurm.sh: ${missing[*]} not installed and no root apt-get here; the" \
-        "single-host Slurm test will skip" >&2
-    exit 0
-fi
-echo "setup-slurm.sh: installing ${missing[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+cd "$(dirname "$0")"
+bash apt-install-missing.sh setup-slurm.sh "the single-host Slurm test" slurm-wlm munge openssl

@@ -74,6 +74,7 @@ def launch_command(ctx: typer.Context) -> None:
 def status_command(
     run_id: Annotated[str | None, typer.Argument(help="The job's run id; omit to list jobs.")] = None,
     endpoint: Annotated[str | None, typer.Option(help="Coordinator HOST:PORT (skips the job file).", envvar="FTRUN_COORDINATOR")] = None,
+    etcd: Annotated[str | None, typer.Option(help="A job on --rdzv-backend etcd: its etcd members HOST:PORT[,HOST:PORT...], where the coordinator is found (skips the job file).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Write a versioned JSON document.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C (JSON: one document per line).")] = False,
     no_headers: Annotated[bool, typer.Option("--no-headers", help="Omit the table header and summary.")] = False,
@@ -93,7 +94,7 @@ def status_command(
         code = run_status(run_id, endpoint=endpoint, json_out=json_out, watch=watch,
                           no_headers=no_headers, state_dir=state_dir, interval_s=interval,
                           timeout_s=timeout, select=nodes, match=match, offset=offset,
-                          limit=limit)
+                          limit=limit, etcd=etcd)
     except errors.FtrunError as e:
         code = _fail(e)
     raise typer.Exit(code)

@@ -589,8 +589,13 @@ def run_status(
     match: str | None = None,
     offset: int = 0,
     limit: int | None = None,
+    etcd: str | None = None,
 ) -> int:
     """``ftrun status [RUN_ID]``: list jobs, or show (and with ``watch`` follow) one job.
+
+    The coordinator is found at ``endpoint``, else in the etcd cluster at ``etcd`` (HOST:PORT
+    list), else through the job file; a job file of a job on etcd sends the look-up to etcd
+    (the role may have changed hands since the file was written).
 
     ``select`` (all | problems | none), ``match``, ``offset`` and ``limit`` choose the nodes
     listed (see :func:`_fetch`); the summary always covers every node."""
@@ -608,7 +613,7 @@ def run_status(
                     "--endpoint needs the job's run id too: ftrun status RUN_ID --endpoint H:P"
                 )
         if not endpoint:
-            endpoint = jobs.read_job_file(run_id, state_dir).endpoint
+            endpoint = _find_coordinator(run_id, etcd, state_dir, timeout_s)
         secret = jobs.load_secret(run_id, state_dir, create=False)
     except FtrunError as e:
         return _fail(e)
@@ -621,6 +626,18 @@ def run_status(
         return exit_code_for(doc)
     return _watch(endpoint, secret, run_id, json_out=json_out, no_headers=no_headers,
                   interval_s=interval_s, timeout_s=timeout_s, pick=pick)
+
+
+def _find_coordinator(run_id: str, etcd: str | None, state_dir: str | None,
+                      timeout_s: float) -> str:
+    from ftrun.launcher import etcd as etcd_client
+
+    if not etcd:
+        job = jobs.read_job_file(run_id, state_dir)
+        if not job.rdzv_endpoint.startswith(etcd_client.URL_SCHEME):
+            return job.endpoint
+        etcd = job.rdzv_endpoint[len(etcd_client.URL_SCHEME):]
+    return etcd_client.coordinator_endpoint(etcd, run_id, timeout_s)
 
 
 def _emit(doc: dict[str, Any], *, json_out: bool, no_headers: bool, compact: bool) -> None:

@@ -219,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.epilog = FTRUN_EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     taken = {s for a in parser._actions for s in a.option_strings}
+    for action in parser._actions:
+        if action.dest == "rdzv_backend":
+            action.help = (
+                "Rendezvous backend: c10d, static (torch's default) or etcd: ftrun's "
+                "backend on etcd's v3 API (also named etcd-v3), with --rdzv-endpoint "
+                "HOST:PORT[,HOST:PORT...] listing the etcd members; there the launchers elect "
+                "the one that runs the coordinator. torch's etcd-v2 (v2 API) is not supported."
+            )
     group = parser.add_argument_group("ftrun options (each also read from FTRUN_<NAME>)")
     for flag, knob, typ, help_text in _FTRUN_FLAGS:
         spellings = _spellings(flag)

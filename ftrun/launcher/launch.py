@@ -15,6 +15,10 @@ Order of business on every node:
    standalone ``ftrun coordinator`` on its host) uses the store there; under Slurm or with
    ``is_host=1`` a taken port is an error.
    The coordinator's endpoint is published in that store, where every launcher finds it.
+   With ``--rdzv-backend etcd`` there is no such launcher: the rendezvous state lives in
+   etcd (v3 API, :mod:`ftrun.launcher.etcd_rdzv`), and the launchers elect the one that runs
+   the coordinator there (:class:`~ftrun.launcher.etcd.CoordinatorElection`), which publishes
+   its endpoint in etcd.
 3. Tune the c10d rendezvous' dead-node detection (unless ``--rdzv-conf`` sets it), turn off
    torch's shared rendezvous store (restarted ranks read stale gloo addresses through it),
    and run torch's elastic launch with :class:`FtrunAgent`, inside the node's services
@@ -57,10 +61,14 @@ from ftrun.store.api import StoreConfig
 if TYPE_CHECKING:
     from ftrun.coordinator.client import NodeReporter
     from ftrun.coordinator.server import Coordinator
+    from ftrun.launcher.etcd import EtcdClient
 
 log = logging.getLogger(__name__)
 
 C10D_DEFAULT_PORT = 29400
+# --rdzv-backend names that mean ftrun's etcd v3 backend (torch's registry maps "etcd" to its
+# legacy v2 backend; ftrun hands torch the name its v3 backend is registered under).
+ETCD_BACKENDS = ("etcd", "etcd-v3")
 SLURM_RDZV_PORT = 29500
 # c10d's defaults take 15 s (keep-alive 5 s x 3) to drop a dead node and then wait a 30 s
 # last call. 2 s x 3 tolerates a launcher stalled for ~4 s on a loaded host; 1 s x 2 was
@@ -83,6 +91,7 @@ class RendezvousPlan:
     port: int
     is_host: bool
     store: Any = None  # our own TCPStore handle: the server on the host, a client elsewhere
+    etcd: EtcdClient | None = None  # --rdzv-backend etcd: the cluster holding the rendezvous
 
 
 def _parse_conf(conf: str) -> dict[str, str]:
@@ -218,12 +227,17 @@ def plan_rendezvous(
         port = args.master_port if args.master_port is not None else 29500
         return RendezvousPlan(host, port, args.node_rank == 0)
 
+    if args.rdzv_backend in ETCD_BACKENDS:
+        return _plan_etcd(args)
+    if args.rdzv_backend == "etcd-v2":
+        raise ConfigError(
+            "--rdzv-backend etcd-v2 uses etcd's deprecated v2 API, which ftrun does not "
+            "support; use --rdzv-backend etcd (ftrun's backend on etcd's v3 API)"
+        )
     if args.rdzv_backend != "c10d":
-        return None  # etcd and friends: no store of ours to publish in
+        return None  # another backend of torch's: no store of ours to publish in
 
-    conf = _parse_conf(args.rdzv_conf)
-    for key, value in RDZV_TUNING.items():
-        conf.setdefault(key, value)
+    conf = _tuned_conf(args.rdzv_conf)
     host, port = _split_endpoint(args.rdzv_endpoint or "localhost", C10D_DEFAULT_PORT)
     join_timeout = float(conf.get("join_timeout", 600))
     explicit_host = "is_host" in conf
@@ -257,6 +271,41 @@ def plan_rendezvous(
     conf["is_host"] = "1" if is_host else "0"
     args.rdzv_conf = _format_conf(conf)
     return RendezvousPlan(host, port, is_host, store)
+
+
+def _tuned_conf(rdzv_conf: str) -> dict[str, str]:
+    """``--rdzv-conf`` with :data:`RDZV_TUNING` where it is silent."""
+    conf = _parse_conf(rdzv_conf)
+    for key, value in RDZV_TUNING.items():
+        conf.setdefault(key, value)
+    return conf
+
+
+def _plan_etcd(args: argparse.Namespace) -> RendezvousPlan:
+    """``--rdzv-backend etcd``: check that the endpoints name a reachable etcd cluster,
+    register ftrun's v3 backend with torch and point ``args`` at it. Mutates ``args``."""
+    from ftrun.launcher import etcd, etcd_rdzv
+
+    if not args.rdzv_endpoint:
+        raise ConfigError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]: "
+                          "the client URLs of the etcd cluster's members (1, 3 or 5)")
+    conf = _tuned_conf(args.rdzv_conf)
+    if "is_host" in conf:
+        raise ConfigError("--rdzv-conf is_host is c10d's (which launcher hosts its store); "
+                          "with --rdzv-backend etcd no launcher hosts the rendezvous: drop it")
+    try:
+        timeout_s = float(conf.get("read_timeout", etcd.REQUEST_TIMEOUT_S))
+    except ValueError:
+        raise ConfigError(f"--rdzv-conf read_timeout={conf['read_timeout']!r}: give seconds, "
+                          "e.g. read_timeout=5") from None
+    client = etcd.EtcdClient(args.rdzv_endpoint, timeout_s=timeout_s)
+    etcd.check_endpoints(client)
+    etcd_rdzv.register()
+    args.rdzv_backend = etcd_rdzv.BACKEND_NAME
+    args.rdzv_endpoint = etcd.format_endpoints(client.endpoints)
+    args.rdzv_conf = _format_conf(conf)
+    host, port = client.endpoints[0]
+    return RendezvousPlan(host, port, False, etcd=client)
 
 
 def _node_dir(run_id: str) -> Path:
@@ -431,25 +480,65 @@ class NodeServices:
 
     def _start_coordinator(self) -> None:
         from ftrun.coordinator.server import (
-            Coordinator,
             lookup_detect_endpoint,
             lookup_endpoint,
             publish_endpoint,
         )
 
-        plan, opts, run_id = self.plan, self.opts, self.run_id
+        plan = self.plan
         if plan is None or self.endpoint is not None:
             return
+        if plan.etcd is not None:
+            self._elect_coordinator(plan.etcd)
+            return
         if not plan.is_host:
-            conf = _parse_conf(self.args.rdzv_conf)
-            timeout_s = float(conf.get("join_timeout", 600))
+            timeout_s = self._join_timeout_s()
             store = _tcp_store(plan.host, plan.port, False, timeout_s)
             self.endpoint = lookup_endpoint(store, timeout_s)
             self.detect_endpoint = lookup_detect_endpoint(store)
             return
+        self._run_coordinator(plan.host if plan.host != "localhost" else "127.0.0.1",
+                              f"{plan.host}:{plan.port}")
+        if plan.store is None:
+            plan.store = _tcp_store(plan.host, plan.port, True, 60)
+        publish_endpoint(plan.store, self.endpoint, self.detect_endpoint)
+
+    def _join_timeout_s(self) -> float:
+        return float(_parse_conf(self.args.rdzv_conf).get("join_timeout", 600))
+
+    def _elect_coordinator(self, client: EtcdClient) -> None:
+        """--rdzv-backend etcd: run the coordinator if this launcher wins the role in etcd,
+        else read the winner's endpoints there."""
+        from ftrun.launcher.etcd import (
+            URL_SCHEME,
+            CoordinatorElection,
+            format_endpoints,
+            wait_coordinator,
+        )
+
+        election = CoordinatorElection(client, self.run_id, self.node_id, self.host)
+        holder = election.campaign()
+        if holder is not None:
+            record = wait_coordinator(client, self.run_id, self._join_timeout_s())
+            log.info("coordinator of job %s at %s (run by %s, term %d, found in etcd)",
+                     self.run_id, record.endpoint, record.node_id, record.term)
+            self.endpoint, self.detect_endpoint = record.endpoint, record.detect_endpoint
+            return
+        # Registered first, so closed last: the role is given up once the coordinator stopped.
+        self._on_close("coordinator role in etcd", election.resign)
+        assert self.plan is not None
+        self._run_coordinator(self.opts.replica_addr or _replica_host(self.plan),
+                              URL_SCHEME + format_endpoints(client.endpoints))
+        election.publish(self.endpoint or "", self.detect_endpoint)
+
+    def _run_coordinator(self, advertise_host: str, rdzv_endpoint: str) -> None:
+        """Start the job's coordinator in this launcher and record it in the job file."""
+        from ftrun.coordinator.server import Coordinator
+
+        opts, run_id = self.opts, self.run_id
         coordinator = Coordinator(
             run_id, self.secret,
-            advertise_host=plan.host if plan.host != "localhost" else "127.0.0.1",
+            advertise_host=advertise_host,
             node_timeout_s=opts.node_timeout_s,
             events_file=jobs.events_path(run_id, opts.state_dir),
             detection=_detection_config(opts),
@@ -459,16 +548,13 @@ class NodeServices:
         self._on_close("coordinator", self._stop_coordinator)
         self.endpoint = coordinator.endpoint
         self.detect_endpoint = coordinator.detect_endpoint or ""
-        if plan.store is None:
-            plan.store = _tcp_store(plan.host, plan.port, True, 60)
-        publish_endpoint(plan.store, self.endpoint, self.detect_endpoint)
         if knobs.SECRET.get():
             # For `ftrun status` from any shell that sees the state directory (a requeued
             # job's new secret replaces the old one).
             jobs.write_secret(run_id, self.secret, opts.state_dir)
         jobs.write_job_file(
             jobs.JobFile(run_id=run_id, endpoint=self.endpoint, host=self.host, pid=os.getpid(),
-                         started_at=time.time(), rdzv_endpoint=f"{plan.host}:{plan.port}"),
+                         started_at=time.time(), rdzv_endpoint=rdzv_endpoint),
             opts.state_dir,
         )
         log.info("coordinator of job %s at %s", run_id, self.endpoint)

@@ -1,0 +1,487 @@
+"""A small etcd v3 client, and the election of the launcher that runs a job's coordinator.
+
+etcd 3.4 and later serve the v3 API over gRPC and over a JSON gateway (``POST /v3/kv/range``,
+``/v3/kv/txn``, ``/v3/lease/grant`` ...; keys and values base64, 64-bit integers as strings).
+ftrun speaks the JSON gateway with the standard library: the few calls a rendezvous and an
+election need (range, put, txn, delete, lease grant / keep-alive / revoke) do not justify a
+gRPC client, and the Python etcd v3 clients pin old grpc/protobuf releases or are unmaintained.
+
+:class:`EtcdClient` holds the cluster's client endpoints (1, 3 or 5 members) and fails over
+between them: a request goes to the member that answered last; a member that refuses, times
+out or answers "unavailable" (no leader, stopping) is left for the next one. Every request has
+a timeout; when no member answers, :class:`EtcdUnavailable` says which were tried and what to
+do. Nothing here imports torch: ``ftrun status`` uses it from a login shell.
+
+:class:`CoordinatorElection`: the launchers of a job on etcd elect the one that runs the
+coordinator. The key ``/ftrun/<run id>/coordinator`` is created if absent, under a lease that
+its holder keeps alive; the others read the coordinator's endpoints from it. The key's
+``create_revision`` is the holder's *term*: it grows with every new holder (etcd revisions
+never go back), so what a coordinator signs can later be bound to its term, and a launcher
+that takes the role after the holder's lease expired (failover) gets a larger one.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.errors import ConfigError, FtrunTimeoutError, JobNotFoundError, UnreachableError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+REQUEST_TIMEOUT_S = 5.0
+KEY_ROOT = "/ftrun"
+# How a job file's rdzv_endpoint says that the job's rendezvous is on etcd.
+URL_SCHEME = "etcd://"
+# gRPC status codes etcd answers with when a member cannot serve right now: another member may.
+_RETRY_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
+_LEASE_NOT_FOUND = 5  # NOT_FOUND, for an expired or revoked lease
+# The coordinator's lease: how long the role outlives a holder that stopped renewing it.
+COORDINATOR_TTL_S = 5
+
+
+class EtcdError(UnreachableError):
+    """etcd refused a request, or no member of the cluster answered."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code  # etcd's gRPC status code, 0 when it did not answer
+
+
+class EtcdUnavailable(EtcdError):
+    """No member of the etcd cluster answered within the timeout."""
+
+
+def key_prefix(run_id: str) -> str:
+    """Where everything of job ``run_id`` lives in etcd (no two jobs share a key)."""
+    return f"{KEY_ROOT}/{run_id}/"
+
+
+def parse_endpoints(text: str) -> list[tuple[str, int]]:
+    """``host1:2379,host2:2379,...`` (``http://`` allowed, port 2379 by default) -> list."""
+    out: list[tuple[str, int]] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        scheme, sep, rest = item.partition("://")
+        if sep and scheme != "http":
+            raise ConfigError(
+                f"etcd endpoint {item!r}: only http:// is supported (no TLS yet); give "
+                "HOST:PORT of the members' plain-text client URLs"
+            )
+        hostport = rest if sep else item
+        host, colon, port = hostport.rpartition(":")
+        if not colon or "]" in port:
+            host, port = hostport, str(DEFAULT_PORT)
+        host = host.strip("[]")
+        try:
+            number = int(port)
+        except ValueError:
+            number = -1
+        if not host or not 0 < number < 65536:
+            raise ConfigError(f"etcd endpoint {item!r} is not HOST:PORT (e.g. node1:2379)")
+        out.append((host, number))
+    if not out:
+        raise ConfigError(
+            "no etcd endpoint given: pass --rdzv-endpoint HOST:PORT[,HOST:PORT...] with the "
+            "client URLs of the etcd members (1, 3 or 5)"
+        )
+    if len(set(out)) != len(out):
+        raise ConfigError(f"etcd endpoints {text!r} name a member twice")
+    return out
+
+
+def format_endpoints(endpoints: Sequence[tuple[str, int]]) -> str:
+    return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in endpoints)
+
+
+def b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text or "")
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range holding every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return b"\0"
+    end[-1] += 1
+    return bytes(end)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+    @classmethod
+    def from_json(cls, kv: dict[str, Any]) -> KeyValue:
+        return cls(unb64(kv.get("key")), unb64(kv.get("value")),
+                   int(kv.get("create_revision", 0)), int(kv.get("mod_revision", 0)),
+                   int(kv.get("lease", 0)))
+
+
+class EtcdClient:
+    """The v3 JSON gateway of an etcd cluster; thread-safe (one connection per request).
+
+    ``timeout_s`` bounds each attempt on one member (connect and answer); a request tries every
+    member once, starting with the one that answered last, so it ends within
+    ``timeout_s x members``.
+    """
+
+    def __init__(self, endpoints: str | Sequence[tuple[str, int]],
+                 timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) \
+            else list(endpoints)
+        if timeout_s <= 0:
+            raise ConfigError(f"etcd request timeout {timeout_s!r} s: must be positive")
+        self.timeout_s = timeout_s
+        self._current = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"EtcdClient({format_endpoints(self.endpoints)!r})"
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>`` on the first member that can serve it."""
+        with self._lock:
+            start = self._current
+        failures: list[str] = []
+        n = len(self.endpoints)
+        for i in range(n):
+            index = (start + i) % n
+            host, port = self.endpoints[index]
+            try:
+                status, doc = self._post(host, port, path, body)
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                failures.append(f"{host}:{port}: {type(e).__name__}: {e}")
+                continue
+            code = int(doc.get("code", 0)) if status != 200 else 0
+            if status != 200 and (code in _RETRY_CODES or status >= 500 and not code):
+                failures.append(f"{host}:{port}: {doc.get('message') or doc.get('error')}")
+                continue
+            with self._lock:
+                self._current = index
+            if status != 200:
+                raise EtcdError(f"etcd {host}:{port} refused /v3/{path}: "
+                                f"{doc.get('message') or doc.get('error') or status} "
+                                f"(code {code})", code)
+            return doc
+        raise EtcdUnavailable(
+            f"no etcd member answered /v3/{path} within {self.timeout_s:g} s ("
+            + "; ".join(failures) + "). Check that --rdzv-endpoint lists the etcd members' "
+            "client URLs (HOST:2379,...) and that a majority of them is up."
+        )
+
+    def _post(self, host: str, port: int, path: str,
+              body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+        try:
+            conn.request("POST", f"/v3/{path}", json.dumps(body).encode(),
+                         {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            raw = response.read()
+        finally:
+            conn.close()
+        doc = json.loads(raw) if raw else {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"answer is not a JSON object: {raw[:80]!r}")
+        return response.status, doc
+
+    # -- key-value ---------------------------------------------------------------------------
+
+    def get(self, key: bytes | str) -> KeyValue | None:
+        kvs = self.call("kv/range", {"key": b64(key)}).get("kvs") or []
+        return KeyValue.from_json(kvs[0]) if kvs else None
+
+    def get_prefix(self, prefix: bytes | str) -> list[KeyValue]:
+        raw = prefix.encode() if isinstance(prefix, str) else prefix
+        doc = self.call("kv/range", {"key": b64(raw), "range_end": b64(prefix_end(raw))})
+        return [KeyValue.from_json(kv) for kv in doc.get("kvs") or []]
+
+    def put(self, key: bytes | str, value: bytes | str, lease: int = 0) -> int:
+        """Set ``key``; returns the revision of the write."""
+        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        return int(self.call("kv/put", body)["header"]["revision"])
+
+    def delete(self, key: bytes | str) -> int:
+        """Delete ``key``; returns how many keys went (0 or 1)."""
+        return int(self.call("kv/deleterange", {"key": b64(key)}).get("deleted", 0))
+
+    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+            failure: list[dict[str, Any]]) -> tuple[bool, int, list[dict[str, Any]]]:
+        """One transaction: (whether ``compare`` held, the revision after it, the responses
+        of the branch that ran)."""
+        doc = self.call("kv/txn", {"compare": compare, "success": success, "failure": failure})
+        return bool(doc.get("succeeded")), int(doc["header"]["revision"]), \
+            list(doc.get("responses") or [])
+
+    def create(self, key: bytes | str, value: bytes | str,
+               lease: int = 0) -> tuple[bool, KeyValue | None]:
+        """Create ``key`` if absent: (True, None) when created, else (False, what is there)."""
+        put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        ok, _, responses = self.txn(
+            [{"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+            [{"request_put": put}], [{"request_range": {"key": b64(key)}}])
+        if ok:
+            return True, None
+        kvs = responses[0].get("response_range", {}).get("kvs") or [] if responses else []
+        return False, KeyValue.from_json(kvs[0]) if kvs else None
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; returns its id."""
+        return int(self.call("lease/grant", {"TTL": str(int(ttl_s))})["ID"])
+
+    def keep_alive(self, lease: int) -> int:
+        """Renew ``lease``; returns its remaining TTL in seconds (0: it expired)."""
+        doc = self.call("lease/keepalive", {"ID": str(lease)})
+        return int((doc.get("result") or doc).get("TTL", 0))
+
+    def revoke(self, lease: int) -> None:
+        """End ``lease`` and delete its keys (an expired lease is fine)."""
+        try:
+            self.call("lease/revoke", {"ID": str(lease)})
+        except EtcdError as e:
+            if e.code != _LEASE_NOT_FOUND:
+                raise
+
+
+# -- the coordinator's election -------------------------------------------------------------
+
+
+def coordinator_key(run_id: str) -> str:
+    return key_prefix(run_id) + "coordinator"
+
+
+@dataclass(frozen=True)
+class CoordinatorRecord:
+    """What the holder of the coordinator role publishes (endpoints empty while it starts)."""
+
+    node_id: str
+    host: str
+    endpoint: str = ""
+    detect_endpoint: str = ""
+    term: int = 0  # the key's create_revision, filled in on reading
+
+    def to_json(self) -> str:
+        return json.dumps({"node_id": self.node_id, "host": self.host,
+                           "endpoint": self.endpoint, "detect": self.detect_endpoint})
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> CoordinatorRecord:
+        try:
+            doc = json.loads(kv.value)
+            return cls(str(doc["node_id"]), str(doc["host"]), str(doc.get("endpoint", "")),
+                       str(doc.get("detect", "")), kv.create_revision)
+        except (ValueError, KeyError, TypeError) as e:
+            raise EtcdError(f"etcd key {kv.key.decode(errors='replace')!r} does not hold an "
+                            f"ftrun coordinator record ({e}); another program uses it") from e
+
+
+def read_coordinator(client: EtcdClient, run_id: str) -> CoordinatorRecord | None:
+    """The current holder of job ``run_id``'s coordinator role, None when none holds it."""
+    kv = client.get(coordinator_key(run_id))
+    return None if kv is None else CoordinatorRecord.from_kv(kv)
+
+
+def coordinator_endpoint(endpoints: str, run_id: str, timeout_s: float) -> str:
+    """The endpoint of job ``run_id``'s coordinator, as published in the etcd cluster at
+    ``endpoints`` (what ``ftrun status`` asks from a login shell)."""
+    client = EtcdClient(endpoints, timeout_s=timeout_s)
+    record = read_coordinator(client, run_id)
+    if record is None or not record.endpoint:
+        raise JobNotFoundError(
+            f"no coordinator of job {run_id!r} in etcd at {format_endpoints(client.endpoints)} "
+            f"(key {coordinator_key(run_id)!r}"
+            + (f" held by {record.node_id}, still starting" if record else "")
+            + "): is the job running, under that --rdzv-id?")
+    return record.endpoint
+
+
+def wait_coordinator(client: EtcdClient, run_id: str, timeout_s: float,
+                     poll_s: float = 0.1) -> CoordinatorRecord:
+    """The coordinator's record once its holder has published its endpoints."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            record = read_coordinator(client, run_id)
+        except EtcdUnavailable:
+            if time.monotonic() >= deadline:
+                raise
+            record = None
+        if record is not None and record.endpoint:
+            return record
+        if time.monotonic() >= deadline:
+            raise FtrunTimeoutError(
+                f"no coordinator of job {run_id!r} published its endpoint in etcd under "
+                f"{coordinator_key(run_id)!r} within {timeout_s:g} s"
+                + (f" (held by {record.node_id}, still starting)" if record else "")
+                + "; are this job's other launchers running with the same --rdzv-id?")
+        time.sleep(poll_s)
+
+
+class CoordinatorElection:
+    """This launcher's candidacy for the coordinator role of job ``run_id``.
+
+    :meth:`campaign` creates the role's key if absent, under a lease of ``ttl_s`` seconds that
+    a thread then renews every ``ttl_s / 3`` s. The winner starts its coordinator and
+    :meth:`publish`es its endpoints; :meth:`resign` revokes the lease (the key goes with it).
+    When the lease cannot be renewed (etcd unreachable for longer than the TTL, or this
+    process was frozen), :attr:`lost` is set and ``on_lost(reason)`` is called once from the
+    renewing thread: the role may already be another launcher's.
+    """
+
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str, host: str,
+                 ttl_s: int = COORDINATOR_TTL_S,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        if ttl_s < 2:
+            raise ConfigError(f"coordinator lease TTL {ttl_s} s: must be at least 2 s")
+        self.client = client
+        self.run_id = run_id
+        self.key = coordinator_key(run_id)
+        self.record = CoordinatorRecord(node_id, host)
+        self.ttl_s = ttl_s
+        self.on_lost = on_lost
+        self.lease = 0
+        self.term = 0
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self.term > 0 and not self.lost.is_set()
+
+    def campaign(self) -> CoordinatorRecord | None:
+        """Try to take the role: None when this launcher holds it now (its lease then renewed
+        in the background), else the current holder's record."""
+        lease = self.client.grant(self.ttl_s)
+        try:
+            won, holder = self.client.create(self.key, self.record.to_json(), lease)
+        except BaseException:
+            self._revoke_quietly(lease)
+            raise
+        if not won:
+            self._revoke_quietly(lease)
+            if holder is None:  # the holder's lease expired between the two reads: try again
+                return self.campaign()
+            return CoordinatorRecord.from_kv(holder)
+        kv = self.client.get(self.key)
+        if kv is None or kv.lease != lease:
+            # Our lease expired already (this process stalled for the whole TTL).
+            self._revoke_quietly(lease)
+            return self.campaign()
+        self.lease, self.term = lease, kv.create_revision
+        self._thread = threading.Thread(target=self._renew, name="ftrun-coordinator-lease",
+                                        daemon=True)
+        self._thread.start()
+        log.info("this launcher holds the coordinator role of job %s (term %d)",
+                 self.run_id, self.term)
+        return None
+
+    def publish(self, endpoint: str, detect_endpoint: str) -> None:
+        """Write the coordinator's endpoints into the role's key, if the role is still ours."""
+        self.record = CoordinatorRecord(self.record.node_id, self.record.host, endpoint,
+                                        detect_endpoint)
+        put = {"key": b64(self.key), "value": b64(self.record.to_json()), "lease": str(self.lease)}
+        ok, _, _ = self.client.txn(
+            [{"key": b64(self.key), "target": "CREATE", "result": "EQUAL",
+              "create_revision": str(self.term)}],
+            [{"request_put": put}], [])
+        if not ok:
+            self._lose("the coordinator key changed hands before the endpoints were published")
+            raise EtcdError(f"lost the coordinator role of job {self.run_id!r} (term "
+                            f"{self.term}) before publishing its endpoint: this launcher's "
+                            f"etcd lease expired (stalled for over {self.ttl_s} s?)")
+
+    def resign(self) -> None:
+        """Stop renewing and give the role up (the key goes with the lease). Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.timeout_s * len(self.client.endpoints) + 1)
+        if self.lease and not self.lost.is_set():
+            try:
+                self.client.revoke(self.lease)
+            except EtcdError as e:
+                log.warning("could not give the coordinator role up in etcd (%s); it expires "
+                            "with its lease within %d s", e, self.ttl_s)
+        self.lease = 0
+
+    def _renew(self) -> None:
+        interval = self.ttl_s / 3
+        # The lease is only known to be alive up to the last renewal's send time plus the TTL.
+        alive_until = time.monotonic() + self.ttl_s
+        while not self._stop.wait(interval):
+            sent = time.monotonic()
+            if sent >= alive_until:
+                self._lose(f"its lease was not renewed for {self.ttl_s} s")
+                return
+            try:
+                ttl = self.client.keep_alive(self.lease)
+            except EtcdError as e:
+                log.warning("cannot renew the coordinator lease in etcd (%s); retrying", e)
+                continue
+            except Exception:  # noqa: BLE001 - logged; the loop goes on
+                log.exception("renewing the coordinator lease failed; retrying")
+                continue
+            if ttl <= 0:
+                self._lose("etcd says its lease expired")
+                return
+            alive_until = sent + ttl
+
+    def _lose(self, reason: str) -> None:
+        if self.lost.is_set():
+            return
+        self.lost.set()
+        log.error("this launcher lost the coordinator role of job %s (term %d): %s",
+                  self.run_id, self.term, reason)
+        if self.on_lost is not None:
+            self.on_lost(reason)
+
+    def _revoke_quietly(self, lease: int) -> None:
+        try:
+            self.client.revoke(lease)
+        except EtcdError as e:
+            log.debug("revoking an unused lease failed (%s); it expires by itself", e)
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return True
+
+
+def check_endpoints(client: EtcdClient) -> None:
+    """Fail early, with what to do, when the endpoints do not name a reachable etcd."""
+    bad = [h for h, _ in client.endpoints if not _resolves(h)]
+    if bad:
+        raise ConfigError(f"etcd endpoint host(s) {', '.join(bad)} do not resolve; check "
+                          "--rdzv-endpoint")
+    client.call("kv/range", {"key": b64(KEY_ROOT)})  # raises EtcdUnavailable with the details

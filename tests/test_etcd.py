@@ -1,0 +1,253 @@
+"""ftrun's etcd v3 rendezvous backend, store and coordinator election, against a real etcd.
+
+One 3-member cluster on loopback ports (ftrun.testing.etcd) serves the whole module. The
+tests skip where etcd is not installed (``bash scripts/setup-etcd.sh`` installs it), and fail
+instead under ``FTRUN_REQUIRE_ETCD=1``, as in CI. The member-failover test stops a member and
+runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ftrun import _torch
+from ftrun.errors import ConfigError, JobNotFoundError
+from ftrun.launcher import etcd
+from ftrun.testing.etcd import REQUIRE_ENV, EtcdCluster, etcd_binary
+
+
+def require_etcd() -> None:
+    """Skip without etcd; fail under FTRUN_REQUIRE_ETCD=1."""
+    if etcd_binary() is not None:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        raise RuntimeError(f"{REQUIRE_ENV}=1 but etcd is not installed; run: "
+                           "bash scripts/setup-etcd.sh")
+    pytest.skip(f"etcd not installed (bash scripts/setup-etcd.sh; {REQUIRE_ENV}=1 makes this "
+                "a failure)")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    require_etcd()
+    with EtcdCluster(tmp_path_factory.mktemp("etcd")) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: EtcdCluster) -> etcd.EtcdClient:
+    return etcd.EtcdClient(cluster.endpoints, timeout_s=2)
+
+
+def run_id() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+# -- no etcd needed ----------------------------------------------------------------------------
+
+
+def test_endpoints_parse_and_bad_ones_say_what_to_do() -> None:
+    assert etcd.parse_endpoints("a:1, http://b:2,c") == [("a", 1), ("b", 2), ("c", 2379)]
+    assert etcd.parse_endpoints("[::1]:5") == [("::1", 5)]
+    for bad, words in [("", "no etcd endpoint"), ("a:x", "HOST:PORT"), ("a:0", "HOST:PORT"),
+                       ("https://a:1", "no TLS"), ("a:1,a:1", "twice")]:
+        with pytest.raises(ConfigError, match=words):
+            etcd.parse_endpoints(bad)
+
+
+def test_unreachable_cluster_is_a_clear_error() -> None:
+    from ftrun.testing.procs import free_port
+
+    client = etcd.EtcdClient(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}", timeout_s=1)
+    with pytest.raises(etcd.EtcdUnavailable, match="no etcd member answered.*majority"):
+        etcd.check_endpoints(client)
+
+
+def test_torch_seams_for_the_etcd_backend() -> None:
+    """The torch parts ftrun/_torch.py's rendezvous-backend block uses exist as used."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    base = _torch.rendezvous_backend_base()
+    assert {"name", "get_state", "set_state"} <= set(base.__abstractmethods__)
+    assert list(inspect.signature(base.set_state).parameters) == ["self", "state", "token"]
+    assert list(inspect.signature(create_handler).parameters) == ["store", "backend", "params"]
+    assert issubclass(_torch.rendezvous_connection_error(), Exception)
+    assert list(inspect.signature(rendezvous_handler_registry.register).parameters) == \
+        ["backend", "creator"]
+
+
+# -- against the cluster ------------------------------------------------------------------------
+
+
+def test_torch_handler_rendezvous_on_etcd(cluster: EtcdCluster,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's own handler, built by name from its registry, completes a one-node round on
+    the etcd backend and hands out the etcd store (as torch's launcher would)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftrun.launcher import etcd_rdzv
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as ftrun's launcher
+    etcd_rdzv.register()
+    etcd_rdzv.register()  # idempotent
+    handler = get_rendezvous_handler(RendezvousParameters(
+        backend=etcd_rdzv.BACKEND_NAME, endpoint=cluster.endpoints, run_id=run_id(),
+        min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout="30"))
+    assert handler.get_backend() == etcd_rdzv.BACKEND_NAME
+    info = handler.next_rendezvous()
+    try:
+        assert (info.rank, info.world_size) == (0, 1)
+        assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+        info.store.set("k", "v")
+        assert info.store.get("k") == b"v"
+    finally:
+        handler.shutdown()
+    assert handler.is_closed()
+
+
+def test_backend_compare_and_set(client: etcd.EtcdClient) -> None:
+    from ftrun.launcher.etcd_rdzv import EtcdRendezvousBackend
+
+    backend = EtcdRendezvousBackend(client, run_id())
+    assert backend.get_state() is None
+    # No token: create if absent.
+    state, token, ok = backend.set_state(b"s1")
+    assert (state, ok) == (b"s1", True)
+    assert backend.get_state() == (b"s1", token)
+    assert backend.set_state(b"other") == (b"s1", token, False)
+    # The right token writes and returns a new one.
+    state2, token2, ok2 = backend.set_state(b"s2", token)
+    assert (state2, ok2) == (b"s2", True) and token2 > token
+    # A stale token (another node wrote in between) changes nothing: the current state back.
+    assert backend.set_state(b"stale", token) == (b"s2", token2, False)
+    assert backend.set_state(b"junk", "not-a-token") == (b"s2", token2, False)
+    assert backend.get_state() == (b"s2", token2)
+
+
+def test_backend_concurrent_writers_never_lose_an_update(client: etcd.EtcdClient) -> None:
+    """Eight threads each add their name to one state through compare-and-set, retrying
+    on a token mismatch as torch's state holder does: every name ends up in the state."""
+    from ftrun.launcher.etcd_rdzv import EtcdRendezvousBackend
+
+    backend = EtcdRendezvousBackend(client, run_id())
+    errors: list[BaseException] = []
+
+    def join(name: bytes) -> None:
+        try:
+            current = backend.get_state()
+            while True:
+                state, token = current if current is not None else (b"", None)
+                result = backend.set_state(state + name, token)
+                assert result is not None
+                if result[2]:
+                    return
+                current = result[:2]
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=join, args=(b"%d," % i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    got = backend.get_state()
+    assert got is not None
+    assert sorted(got[0].decode().rstrip(",").split(",")) == [str(i) for i in range(8)]
+
+
+def test_store_as_torch_uses_it(client: etcd.EtcdClient) -> None:
+    from ftrun.launcher.etcd_rdzv import EtcdStore
+
+    rid = run_id()
+    # Keep the Python object referenced: a PrefixStore only holds its C++ half.
+    etcd_store = EtcdStore(client, rid, timedelta(seconds=1))
+    store = dist.PrefixStore("torch.rendezvous.x.0", etcd_store)
+    store.set("MASTER_ADDR", "h0")
+    assert store.get("MASTER_ADDR") == b"h0"
+    store.multi_set(["r0", "r1"], [b"a", b"b"])
+    assert store.multi_get(["r0", "r1"]) == [b"a", b"b"]
+    assert store.check(["r0"]) and not store.check(["r9"])
+    assert [store.add("n", 1) for _ in range(3)] == [1, 2, 3]
+    assert store.compare_set("c", "", "v1") == b"v1"
+    assert store.compare_set("c", "wrong", "v2") == b"v1"
+    assert store.compare_set("c", "v1", "v2") == b"v2"
+    with pytest.raises(dist.DistStoreError, match="not set within"):
+        store.get("never")
+    with pytest.raises(dist.DistStoreError, match="not set within"):
+        store.wait(["never"], timedelta(milliseconds=200))
+    # A get blocks until another agent sets the key.
+    timer = threading.Timer(0.3, lambda: store.set("late", "here"))
+    timer.start()
+    try:
+        waiting = EtcdStore(client, rid, timedelta(seconds=30))
+        assert waiting.get("torch.rendezvous.x.0/late") == b"here"
+    finally:
+        timer.cancel()
+
+
+def test_election_one_holder_then_the_next(client: etcd.EtcdClient) -> None:
+    rid = run_id()
+    first = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2)
+    second = etcd.CoordinatorElection(client, rid, "n2/2", "n2", ttl_s=2)
+    assert first.campaign() is None and first.leading
+    holder = second.campaign()
+    assert holder is not None and holder.node_id == "n1/1" and not second.leading
+    with pytest.raises(JobNotFoundError, match="still starting"):
+        etcd.coordinator_endpoint(etcd.format_endpoints(client.endpoints), rid, 2)
+    first.publish("10.0.0.1:7000", "10.0.0.1:7001")
+    found = etcd.wait_coordinator(client, rid, timeout_s=5)
+    assert (found.endpoint, found.detect_endpoint, found.term) == \
+        ("10.0.0.1:7000", "10.0.0.1:7001", first.term)
+    assert etcd.coordinator_endpoint(etcd.format_endpoints(client.endpoints), rid, 2) == \
+        "10.0.0.1:7000"
+    first.resign()
+    assert etcd.read_coordinator(client, rid) is None
+    # The next holder gets a larger term: what a coordinator signs can be bound to it.
+    assert second.campaign() is None and second.term > first.term
+    second.resign()
+
+
+def test_member_failover(cluster: EtcdCluster, client: etcd.EtcdClient) -> None:
+    """Runs last in the module: stops a member. The client, its backend and an election's
+    lease keep working on the two others."""
+    from ftrun.launcher.etcd_rdzv import EtcdRendezvousBackend
+
+    backend = EtcdRendezvousBackend(client, run_id())
+    _, token, _ = backend.set_state(b"before")
+    election = etcd.CoordinatorElection(client, run_id(), "n1/1", "n1", ttl_s=2)
+    assert election.campaign() is None
+    lost: list[str] = []
+    election.on_lost = lost.append
+    # Stop the member the client talks to now (it moves on to the next one).
+    cluster.stop_member(0)
+    state, token2, ok = backend.set_state(b"after", token)
+    assert ok and state == b"after"
+    assert backend.get_state() == (b"after", token2)
+    # The lease outlives a few renewals (ttl 2 s, renewed every 0.67 s) across the loss.
+    first_term = election.term
+    from ftrun.testing.procs import wait_for
+
+    renewed = threading.Event()
+    original = client.keep_alive
+
+    def counting(lease: int) -> int:
+        ttl = original(lease)
+        renewed.set()
+        return ttl
+
+    client.keep_alive = counting  # type: ignore[method-assign]
+    wait_for(renewed.is_set, 10, "a lease renewal after the member stopped")
+    assert not lost and election.leading and election.term == first_term
+    election.resign()
