@@ -4,6 +4,8 @@
 ftrun and under torchrun. It appends JSON lines to the file named by ``$FTRUN_BENCH_STEPLOG``:
 
 - ``{"ev": "start", ...}`` once, as soon as the interpreter runs this file;
+- ``{"ev": "run", ...}`` each time the job's function (``run``, under ``@ftrun.resilient``)
+  is called: once per process, and again in the same process after an in-place restart;
 - ``{"ev": "step", "step": S, ...}`` whenever the script reports step ``S`` as completed;
 - ``{"ev": "done", "step": S, ...}`` when it reports that training is over
   (``progress(S, done=True)``).
@@ -85,6 +87,15 @@ def main() -> int:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     module._progress = _timed(module._progress)
+    # Record each run of the job's function, the in-place reruns included: wrap the function
+    # the decorator wraps and decorate the wrapper again (train.py's own ``_resilient``).
+    inner = getattr(module.run, "__wrapped__", module.run)
+
+    def timed_run(*args: Any, **kwargs: Any) -> Any:
+        _record("run", time.time())
+        return inner(*args, **kwargs)
+
+    module.run = module._resilient(timed_run)
     sys.argv[0] = str(TRAIN)
     return int(module.main())
 

@@ -82,7 +82,13 @@ class Variant:
     env: dict[str, str] = field(default_factory=dict)
 
 
-FTRUN = Variant("ftrun", "ftrun", "ftrun")
+FTRUN = Variant("ftrun", "ftrun (in place: `@ftrun.resilient`)", "ftrun")
+FTRUN_PROCESS = Variant(
+    "ftrun-process",
+    "ftrun, process restart (`FTRUN_INPLACE_TIMEOUT=0`)",
+    "ftrun",
+    {"FTRUN_INPLACE_TIMEOUT": "0"},
+)
 TORCHRUN_NOSHARE = Variant(
     "torchrun-noshare",
     "torchrun + `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`",
@@ -90,8 +96,8 @@ TORCHRUN_NOSHARE = Variant(
     {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
 )
 TORCHRUN = Variant("torchrun", "torchrun (as is)", "torchrun")
-KILL_VARIANTS = (FTRUN, TORCHRUN_NOSHARE, TORCHRUN)
-STOP_VARIANTS = (FTRUN, TORCHRUN_NOSHARE)
+KILL_VARIANTS = (FTRUN, FTRUN_PROCESS, TORCHRUN_NOSHARE, TORCHRUN)
+STOP_VARIANTS = (FTRUN, FTRUN_PROCESS, TORCHRUN_NOSHARE)
 
 
 @dataclass(frozen=True)
@@ -219,16 +225,19 @@ class Recovery:
 def recovery(
     records: list[dict[str, Any]], fault_ts: float, world: int, fail_step: int
 ) -> Recovery:
-    """Read the restart off the step log: processes started after ``fault_ts`` are new."""
+    """Read the restart off the step log: a record belongs to the restarted world when its
+    restart count is above 0 (a new process, or a process kept by an in-place restart, whose
+    TORCHELASTIC_RESTART_COUNT is updated in place) or its process started after
+    ``fault_ts``."""
     new_pids = {r["pid"] for r in records if r["ev"] == "start" and r["t"] > fault_ts}
     first_start: dict[int, float] = {}
     first_step: dict[int, tuple[float, int]] = {}
     caught_up: dict[int, float] = {}
     for r in records:
-        if r["pid"] not in new_pids:
+        if r["pid"] not in new_pids and not (r.get("restart", 0) > 0 and r["t"] > fault_ts):
             continue
         rank, t = r["rank"], r["t"]
-        if r["ev"] == "start":
+        if r["ev"] in ("start", "run"):
             first_start[rank] = min(first_start.get(rank, t), t)
         elif r["ev"] == "step":
             if rank not in first_step or t < first_step[rank][0]:
@@ -465,16 +474,25 @@ def per_run_lines(variants: Sequence[Variant], runs: dict[str, list[JobResult]])
 
 
 def ratio_line(runs: dict[str, list[JobResult]], what: str, cfg: argparse.Namespace) -> str:
+    """ftrun's medians over torchrun's (with the variable), in place and with new processes."""
+    def med(key: str, attr: str) -> float | None:
+        return median([x for r in runs.get(key, []) if (x := getattr(r, attr)) is not None])
+
     parts = []
     for attr, end in (("to_step_s", "next step"),
                       ("to_caught_up_s", f"step {cfg.fail_at_step} done again")):
-        a = median([x for r in runs.get(FTRUN.key, []) if (x := getattr(r, attr)) is not None])
-        b = median([x for r in runs.get(TORCHRUN_NOSHARE.key, [])
-                    if (x := getattr(r, attr)) is not None])
-        value = "n/a" if a is None or b is None or a <= 0 else (
-            f"**{b / a:.1f}×** ({b:.2f} s / {a:.2f} s)")
-        parts.append(f"median {what} → {end}: {value}")
-    return "Ratio torchrun (with the variable) / ftrun: " + "; ".join(parts) + "."
+        b = med(TORCHRUN_NOSHARE.key, attr)
+        cells = []
+        for v, name in ((FTRUN, "in place"), (FTRUN_PROCESS, "process restart")):
+            a = med(v.key, attr)
+            cells.append(f"{name} n/a" if a is None or b is None or b <= 0
+                         else f"{name} **{a / b:.2f}×** ({a:.2f} s / {b:.2f} s)")
+        parts.append(f"median {what} → {end}: " + ", ".join(cells))
+    return "Ratio ftrun / torchrun (with the variable): " + "; ".join(parts) + "."
+
+
+def kill_variants(cfg: argparse.Namespace) -> tuple[Variant, ...]:
+    return tuple(v for v in KILL_VARIANTS if not (cfg.no_plain and v is TORCHRUN))
 
 
 def plain_outcome(runs: dict[str, list[JobResult]], timeout_s: float) -> str:
@@ -538,8 +556,7 @@ def render(
         "",
         f"### Worker killed (SIGKILL in step {cfg.fail_at_step})",
         "",
-        *summary_table(KILL_VARIANTS if not cfg.no_plain else KILL_VARIANTS[:2], kill_runs,
-                       clean, "kill", cfg, cfg.resume_timeout),
+        *summary_table(kill_variants(cfg), kill_runs, clean, "kill", cfg, cfg.resume_timeout),
         "",
         ratio_line(kill_runs, "kill", cfg),
         "",
@@ -673,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         "load average (1 min) {load} at start / {load_end} at end, Python "
         f"{platform.python_version()}, torch {torch.__version__}",
     }
-    kill_variants = KILL_VARIANTS[:2] if cfg.no_plain else KILL_VARIANTS
+    kills = kill_variants(cfg)
     clean: dict[str, JobResult] = {}
     kill_runs: dict[str, list[JobResult]] = {}
     stop_runs: dict[str, list[JobResult]] = {}
@@ -682,12 +699,12 @@ def main(argv: list[str] | None = None) -> int:
     with work_dir("ftb-", cfg.keep) as root:
         code = root / "code"
         meta["tree"] += f"; measured from a copy taken at start (sha256 {freeze_code(code, FROZEN)})"
-        for v in kill_variants:
+        for v in kills:
             r = run_job(cfg, JobSpec(v, None, job_timeout_s=cfg.job_timeout), root, code)
             clean[v.key] = r
             _progress("fault-free", r)
         for i in range(cfg.repeats):
-            for v in kill_variants:
+            for v in kills:
                 spec = JobSpec(v, "kill", resume_timeout_s=cfg.resume_timeout,
                                job_timeout_s=cfg.job_timeout)
                 r = run_job(cfg, spec, root, code)
@@ -696,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.no_stop:
             for i in range(cfg.repeats):
                 for v in STOP_VARIANTS:
-                    extra = ("--hang-timeout", f"{cfg.hang_timeout:g}") if v is FTRUN else ()
+                    extra = (("--hang-timeout", f"{cfg.hang_timeout:g}") if v.launcher == "ftrun"
+                             else ())
                     spec = JobSpec(v, "stop", train_extra=stop_args, launcher_extra=extra,
                                    resume_timeout_s=cfg.stop_resume_timeout,
                                    job_timeout_s=cfg.job_timeout)
