@@ -800,7 +800,7 @@ def decides(r: SizeResult) -> list[str]:
         f"({_pct(b.losses[top])} of the wall time against {_pct(f.losses[top])}), then "
         + ", ".join(f"{k} ({_pct(diff[k])})" for k in sorted(
             (k for k in LOSSES if k != top), key=lambda k: -abs(diff[k]))[:2]) + ".",
-        f"ftrun's own losses, largest first: " + ", ".join(
+        "ftrun's own losses, largest first: " + ", ".join(
             f"{k} {_pct(f.losses[k])}" for k in ranked) + ".",
         f"Goal ETTR >= 0.98 at {r.gpus:,} GPUs: ftrun with its snapshot interval searched "
         f"({_dur(f.interval_s)}): {'met' if f.mean >= 0.98 else 'NOT met'} ({f.mean:.4f}); "
