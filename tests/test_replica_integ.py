@@ -86,7 +86,10 @@ def test_replicas_land_verified_on_peers_and_steps_become_durable(
     secret = jobs.load_secret(run_id, create=False)
     catalogs = _catalogs(run_id, secret)
     assert len(catalogs) == 3
-    committed = later["snapshots"]["committed_step"]
+    # The committed step as of after the catalogs were read: training goes on meanwhile (on a
+    # loaded machine the catalogs took long enough to hold steps committed after `later`).
+    after = wait_for(lambda: _status(run_id), 30, "the job's status")
+    committed = after["snapshots"]["committed_step"]
     ranks_of = {n["node_id"]: n["ranks"] for n in later["nodes"]}
     for holder, recs in catalogs.items():
         good = [r for r in recs if r["state"] == "verified"]
