@@ -43,6 +43,7 @@ class CommitMirror:
         self.base = -1  # the step the current epoch resumed from
         self.committed = -1
         self.dead: set[int] = set()  # uncommitted steps of the epoch that can never commit
+        self._discarded: set[int] = set()  # steps whose replicas disagreed, discarded here
         self._durable: int | None = None  # newest durable step, while replication runs
         self._durable_since = 0.0
         self.source = ""  # where the epoch's ranks restored from
@@ -123,16 +124,42 @@ class CommitMirror:
             self.replication.sender.wake()
         self.committed = max(self.committed, info["committed"])
         self._note_durable(info.get("durable"))
+        # Before any claim can see them dead (and overwrite them): no restore may load them.
+        self._discard_disagreed(epoch, info.get("disagreed") or ())
         self.dead = set(info.get("dead") or ())
         if info.get("final") is not None:
             self._persist.final = info["final"]
         self._persist.take_targets(sorted(info.get("targets") or ()), self.base)
 
-    def report_verified(self, epoch: str, rank: int, step: int, nbytes: int) -> None:
+    def report_verified(self, epoch: str, rank: int, step: int, nbytes: int,
+                        replicas: list[dict[str, Any]] | None = None) -> None:
         if not epoch:
             return
-        self.ask_epoch("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
-                                         "rank": rank, "step": step, "nbytes": nbytes}, epoch)
+        body: dict[str, Any] = {"node_id": self.cfg.node_id, "epoch": epoch, "rank": rank,
+                                "step": step, "nbytes": nbytes}
+        if replicas:
+            body["replicas"] = replicas
+        self.ask_epoch("snap_verified", body, epoch)
+
+    def refresh(self) -> None:
+        """Ask for the epoch's commit state now (before a restore reads this store)."""
+        if self.epoch:
+            self.ask_epoch("commit_query", {"epoch": self.epoch}, self.epoch)
+
+    def _discard_disagreed(self, epoch: str, steps: Any) -> None:
+        """Mark this node's verified shards of ``steps`` (whose replicated tensors differ
+        between replicas: ftrun.coordinator.corruption) empty, so that no restore loads them."""
+        for step in set(steps) - self._discarded:
+            self._discarded.add(step)
+            for name in self.catalog.names():
+                seg = self.catalog.open(name)
+                if seg is None:
+                    continue
+                h = seg.header()
+                if h.state == shm.VERIFIED and h.epoch == epoch and h.step == step:
+                    seg.set_state(shm.EMPTY)
+                    log.warning("%s: step %d discarded: its replicated tensors differ between "
+                                "replicas (silent data corruption)", name, step)
 
     def _note_durable(self, durable: int | None) -> None:
         """Follow the newest durable step (None: no replication running, nothing to keep)."""
@@ -196,6 +223,7 @@ class CommitMirror:
         self.epoch, self.committed, self.base = epoch, base, base
         self._durable, self._durable_warned = None, False
         self.dead = set()
+        self._discarded: set[int] = set()  # steps whose replicas disagreed, discarded here
         self._persist.new_epoch(restarted)
 
     def follow_epoch(self, epoch: str, base: int) -> None:
