@@ -1,7 +1,8 @@
 """Silent-corruption detection, the pure parts: the replicated block's layout and digest
 (ftrun.snapshot.replicas), the comparison across replicas and the commit rule
 (ftrun.coordinator.corruption, CommitTracker), and the policy's decisions. The whole path, in
-a real job with a flipped bit, is tests/test_corruption_integ.py."""
+a real job with a flipped bit, is
+tests/test_user_ddp.py::test_a_flipped_bit_is_named_never_restored_and_the_job_ends_bit_identical."""
 
 from __future__ import annotations
 

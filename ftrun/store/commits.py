@@ -19,7 +19,7 @@ from ftrun.errors import FtrunError, UnreachableError
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.store.api import ClaimAnswer, StoreConfig
-from ftrun.store.catalog import Catalog, rank_of
+from ftrun.store.catalog import Catalog, buffer_of, rank_of
 from ftrun.store.persist_writer import PersistWriter
 
 log = logging.getLogger("ftrun.store")
@@ -149,17 +149,22 @@ class CommitMirror:
     def _discard_disagreed(self, epoch: str, steps: Any) -> None:
         """Mark this node's verified shards of ``steps`` (whose replicated tensors differ
         between replicas: ftrun.coordinator.corruption) empty, so that no restore loads them."""
-        for step in set(steps) - self._discarded:
+        for step in sorted(set(steps) - self._discarded):
             self._discarded.add(step)
+            ranks = []
             for name in self.catalog.names():
-                seg = self.catalog.open(name)
-                if seg is None:
+                which = buffer_of(name)  # a rank's own buffer (replicas are of committed steps)
+                seg = self.catalog.open(name) if which is not None else None
+                if seg is None or which is None:
                     continue
                 h = seg.header()
                 if h.state == shm.VERIFIED and h.epoch == epoch and h.step == step:
                     seg.set_state(shm.EMPTY)
-                    log.warning("%s: step %d discarded: its replicated tensors differ between "
-                                "replicas (silent data corruption)", name, step)
+                    ranks.append(which[0])
+            if ranks:
+                log.warning("step %d discarded (rank(s) %s here): its replicated tensors "
+                            "differ between replicas (silent data corruption)", step,
+                            sorted(ranks))
 
     def _note_durable(self, durable: int | None) -> None:
         """Follow the newest durable step (None: no replication running, nothing to keep)."""
