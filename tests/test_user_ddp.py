@@ -118,14 +118,18 @@ def test_rank_stopped_in_its_first_step_is_named_by_the_coordinator(
 def test_a_flipped_bit_is_named_never_restored_and_the_job_ends_bit_identical(
         procs: Procs, tmp_path: Path, fault_free: str) -> None:
     """Silent data corruption: rank 1 flips one bit of its first parameter after the
-    optimizer step of step 11 and trains on, its replica now different from the three
+    optimizer step of step 3 and trains on, its replica now different from the three
     others. The coordinator compares the replicas' digests (from the snapshot's chunk hashes)
     at that step's snapshot, names rank 1, refuses the step and, under the default
     ``--on-corruption restart``, restarts it; the job resumes from the newest step the
     replicas agreed on and ends bit-identical (docs/snapshots.md, Silent data corruption)."""
-    flip = 11
+    flip = 3
+    # The flipped rank trains on (nothing fails): the steps after the flip are slowed so that
+    # the restart order reaches it before the job ends (training here takes milliseconds a
+    # step; a restart that came after the end would re-run the job's last steps).
     digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "bitflip",
-                                  "--kill-at-step", str(flip), "--kill-rank", "1")
+                                  "--kill-at-step", str(flip), "--kill-rank", "1",
+                                  "--step-sleep", "0.4")
     assert (tmp_path / f"user-ddp-fault-rank1-step{flip}").exists(), "the fault never fired"
     assert f"flipped a bit of 0.weight in rank 1 in step {flip}" in out
     events = read_events(tmp_path / "state", run_id)
