@@ -167,3 +167,58 @@ def test_on_corruption_flag_is_checked() -> None:
                                           "isolate, got 'reboot'"):
         FtrunOptions(state_dir=None, coordinator=None, hang_timeout_s=0,
                      heartbeat_interval_s=1, node_timeout_s=10, on_corruption="reboot")
+
+
+def _mark_replicas(rank: int, store_path: str, out_dir: str) -> None:
+    """One of two gloo ranks: what ftrun.rank.replicas marks as replicated in a DDP model's
+    captured state, and in DTensors replicated or sharded over the two ranks."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ftrun.rank.replicas import groups
+    from ftrun.rank.state import TrainingState
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
+                            world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                            torch.nn.BatchNorm1d(4)))
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        state = TrainingState(model, optimizer, None).capture(1, None)
+        mesh = init_device_mesh("cpu", (2,))
+        state["model"]["tp.replicated"] = distribute_tensor(torch.ones(3), mesh, [Replicate()])
+        state["model"]["tp.sharded"] = distribute_tensor(torch.ones(4), mesh, [Shard(0)])
+        flat = flatten(state)
+        found = {g.name: [g.lead, sorted(flat.tensors[i].key for i in g.indices)]
+                 for g in groups(state, model, optimizer, flat)}
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(found, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_mark_what_ddp_and_replicated_dtensors_share(tmp_path: Any) -> None:
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_mark_replicas, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert found[0].keys() == found[1].keys()
+    ddp = next(n for n in found[0] if n.startswith("ddp:"))
+    params = ["/model/0.bias", "/model/0.weight", "/model/1.bias", "/model/1.weight"]
+    optim = [f"/optim/state/{p}/{k}" for p in (p.removeprefix("/model/") for p in params)
+             for k in ("exp_avg", "exp_avg_sq", "step")]
+    # Parameters and their optimizer state; not the batch-norm buffers (running statistics
+    # follow each rank's own batch), the RNG states or the step.
+    assert found[0][ddp] == [True, sorted(params + optim)]
+    assert found[1][ddp] == [False, sorted(params + optim)]
+    (dtensor,) = set(found[0]) - {ddp}  # the sharded DTensor has no replica
+    assert found[0][dtensor] == [True, ["/model/tp.replicated"]]
+    assert found[1][dtensor] == [False, ["/model/tp.replicated"]]

@@ -56,7 +56,7 @@ def _ddp_group(model: torch.nn.Module) -> tuple[str, bool, set[str]] | None:
 def _dtensor_group(t: Any) -> tuple[str, bool] | None:
     """(group name, lead) of a DTensor with a Replicate placement; None without one."""
     placements = [str(p) for p in t.placements]
-    replicate = [i for i, p in enumerate(placements) if p.startswith("Replicate")]
+    replicate = [i for i, p in enumerate(t.placements) if p.is_replicate()]
     coord = t.device_mesh.get_coordinate()
     if not replicate or coord is None:
         return None
