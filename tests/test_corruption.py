@@ -222,3 +222,17 @@ def test_the_ranks_mark_what_ddp_and_replicated_dtensors_share(tmp_path: Any) ->
     (dtensor,) = set(found[0]) - {ddp}  # the sharded DTensor has no replica
     assert found[0][dtensor] == [True, ["/model/tp.replicated"]]
     assert found[1][dtensor] == [False, ["/model/tp.replicated"]]
+
+
+def test_status_shows_the_comparison_and_a_finding() -> None:
+    from test_status_detection import _doc, _node, _text
+
+    doc = _doc([_node(0, "hosta"), _node(1, "hostb")], None)
+    doc["snapshots"] = {"committed_step": 10, "stores": {}, "corruption": {
+        "on_corruption": "restart", "checked_steps": 10, "disagreed_steps": 0, "findings": []}}
+    assert "replicas agreed at 10 step(s)" in _text(doc)
+    calls = Calls()
+    calls.policy("restart").handle(divergence("e"))
+    doc["snapshots"]["corruption"].update(disagreed_steps=1, findings=calls.events[0][1:])
+    assert "SILENT CORRUPTION: replicas disagreed at 1 step(s), latest step 7: rank(s) [1], " \
+           "restart" in _text(doc)
