@@ -106,13 +106,9 @@ def compare(epoch: str, step: int, group: str, reports: dict[int, Report]) -> Di
                       majority, len(reports), tensors)
 
 
-def _reports(body: dict[str, Any]) -> dict[str, Report]:
-    out = {}
-    for b in body.get("replicas") or ():
-        names = tuple((str(n[0]), str(n[1]), int(n[2])) for n in b.get("names") or ())
-        out[str(b["group"])] = Report(int(body["rank"]), str(body.get("node_id", "")),
-                                      str(b["digest"]), tuple(b["parts"]), names)
-    return out
+def _report(rank: int, node: str, b: dict[str, Any]) -> Report:
+    names = tuple((str(n[0]), str(n[1]), int(n[2])) for n in b.get("names") or ())
+    return Report(rank, node, str(b["digest"]), tuple(b["parts"]), names)
 
 
 @dataclass
@@ -124,21 +120,27 @@ class ReplicaCheck:
     ``found`` for whoever records and acts on them.
     """
 
-    _steps: dict[tuple[str, int], dict[str, dict[int, Report]]] = field(default_factory=dict)
+    # (epoch, step) -> group -> rank -> (node, the report's digest entry), as received: the
+    # common case (all equal) is decided on the digests alone.
+    _steps: dict[tuple[str, int], dict[str, dict[int, tuple[str, dict[str, Any]]]]] = field(
+        default_factory=dict)
     found: list[Divergence] = field(default_factory=list)  # drained by the caller
     checked: int = 0  # steps compared
     disagreed: int = 0  # steps refused
 
     def note(self, body: dict[str, Any]) -> None:
-        reports = _reports(body)
-        if not reports:
+        entries = body.get("replicas")
+        if not entries:
             return
-        key = (str(body["epoch"]), int(body["step"]))
-        held = self._steps.setdefault(key, {})
-        for group, rep in reports.items():
-            held.setdefault(group, {})[rep.rank] = rep
-        while len(self._steps) > MAX_STEPS:
-            del self._steps[min(self._steps, key=lambda k: k[1])]
+        key = (body["epoch"], body["step"])
+        held = self._steps.get(key)
+        if held is None:
+            held = self._steps[key] = {}
+            while len(self._steps) > MAX_STEPS:
+                del self._steps[min(self._steps, key=lambda k: k[1])]
+        node = body.get("node_id", "")
+        for b in entries:
+            held.setdefault(b["group"], {})[body["rank"]] = (node, b)
 
     def agree(self, epoch: str, step: int) -> bool:
         """Whether every replica group of ``step`` holds equal digests (True when nothing was
@@ -149,8 +151,14 @@ class ReplicaCheck:
         if not held:
             return True
         self.checked += 1
-        found = [d for g, reports in sorted(held.items())
-                 if (d := compare(epoch, step, g, reports)) is not None]
+        found = []
+        for group, got in sorted(held.items()):
+            if len({b["digest"] for _, b in got.values()}) == 1:
+                continue
+            d = compare(epoch, step, group,
+                        {rank: _report(rank, node, b) for rank, (node, b) in got.items()})
+            if d is not None:
+                found.append(d)
         if found:
             self.disagreed += 1
             self.found.extend(found)
