@@ -17,7 +17,7 @@ from ftrun.errors import ConfigError
 from ftrun.launcher.args import FtrunOptions
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import flatten, manifest_blob, parse_manifest, tensor_view
-from ftrun.snapshot.replicas import Group, block_digests, place
+from ftrun.snapshot.replicas import Group, block_digests, place, seal
 
 CHUNK = 256  # bytes: small enough that the test's tensors span several chunks and parts
 
@@ -39,6 +39,7 @@ def shard(rank: int, flip: bool = False) -> dict[str, Any]:
         view[lo:hi] = bytes(hi - lo)
     for entry, src in zip(flat.tensors, flat.sources, strict=True):
         tensor_view(view, entry).copy_(src.reshape(entry.shape))
+    seal(blocks, view)
     doc = parse_manifest(manifest_blob(flat, step=7, rank=rank, world_size=3,
                                        meta={"replicas": blocks}))
     hashes = verify.hash_chunks(view, CHUNK)
@@ -55,11 +56,14 @@ def report(body: dict[str, Any]) -> Report:
 def test_replicated_tensors_lie_first_in_a_chunk_aligned_block() -> None:
     doc = shard(0)["_doc"]
     (block,) = doc["meta"]["replicas"]
-    assert (block["group"], block["lead"], block["lo"]) == ("ddp:x", True, 0)
+    assert (block["group"], block["lead"], block["lo"], block["chunk"]) == ("ddp:x", True, 0,
+                                                                            CHUNK)
     offsets = {e["key"]: e["offset"] for e in doc["tensors"]}
     assert max(offsets[k] for k in ("/model/a.weight", "/model/b.weight", "/model/c.bias")) \
         < block["hi"] <= offsets["/rng"]
-    assert offsets["/rng"] % CHUNK == 0  # the per-rank bytes start on a chunk of their own
+    # No padding: the per-rank bytes share the block's last chunk, whose block part the rank
+    # hashed alone (its tail).
+    assert offsets["/rng"] // CHUNK == block["hi"] // CHUNK and len(block["tail"]) == 16
 
 
 def test_replicas_agree_although_their_other_state_differs() -> None:
