@@ -61,6 +61,10 @@ class CommitMirror:
                 log.info("persist target: step %d (%s%s)", t.step, t.reason,
                          ", final" if t.final else "")
             self._local.new_targets.clear()
+            for d in self._local.sdc.found:  # no coordinator to act on it: said, never restored
+                log.error("silent data corruption: step %d: the replicas of rank(s) %s differ; "
+                          "the step is never restored", d.step, list(d.ranks))
+            self._local.sdc.found.clear()
             return reply
         assert self._coord is not None
         try:
