@@ -7,7 +7,8 @@ Two layouts are known:
   optimizer step (the gradients are all-reduced, so every replica takes the same step). Not
   the buffers: DDP broadcasts them at the *start* of a forward, and batch-norm statistics
   then move with each rank's own batch. Not a ``ZeroRedundancyOptimizer``'s state: each rank
-  holds its own part.
+  holds its own part. Nothing at all under local SGD (``PostLocalSGDOptimizer``): its replicas
+  differ by design between two averagings.
 - **DTensor** (FSDP2/HSDP, tensor parallel): a tensor whose placements include
   ``Replicate()`` holds the same shard on every rank that shares its coordinates on the
   mesh's other dimensions. A DTensor sharded on every dimension has no replica: nothing to
@@ -32,6 +33,8 @@ from ftrun.snapshot.replicas import Group
 log = logging.getLogger("ftrun.rank.snapshotter")
 
 _REPLICATED_ROOTS = ("model", "optim")
+# Optimizers whose DDP replicas step apart and are averaged now and then.
+_LOCAL_SGD = frozenset({"PostLocalSGDOptimizer"})
 
 
 def _key(path: tuple[Any, ...]) -> str:
@@ -72,7 +75,7 @@ def groups(state: dict[str, Any], model: torch.nn.Module, optimizer: Any,
            flat: Flattened) -> list[Group]:
     """The replica groups of the tensors in ``flat`` (captured from ``state``), in order."""
     index = {e.key: i for i, e in enumerate(flat.tensors)}
-    ddp = _ddp_group(model)
+    ddp = _ddp_group(model) if type(optimizer).__name__ not in _LOCAL_SGD else None
     sharded_optim = type(optimizer).__name__ == "ZeroRedundancyOptimizer"
     found: dict[str, tuple[bool, list[int]]] = {}
     for root in _REPLICATED_ROOTS:
