@@ -87,18 +87,19 @@ def compare(epoch: str, step: int, group: str, reports: dict[int, Report]) -> Di
     top, votes = counts.most_common(1)[0]
     majority = votes * 2 > len(reports)
     named = sorted(r for r, rep in reports.items() if not majority or rep.digest != top)
-    reference = next(rep for rep in reports.values() if rep.digest == top) if majority else None
+    # Each named rank against the most common digest (or, holding it, against another one):
+    # the parts where they differ name the tensors. Linear in the replicas.
+    reference = next(rep for rep in reports.values() if rep.digest == top)
+    other = next(rep for rep in reports.values() if rep.digest != top)
     differing: set[int] = set()
     for rank in named:
         rep = reports[rank]
-        others = [reference] if reference is not None else \
-            [o for r, o in reports.items() if r != rank]
-        for o in others:
-            differing |= {i for i, (a, b) in enumerate(zip(rep.parts, o.parts, strict=False))
-                          if a != b}
-            if len(rep.parts) != len(o.parts):
-                differing |= set(range(min(len(rep.parts), len(o.parts)),
-                                       max(len(rep.parts), len(o.parts))))
+        o = reference if rep.digest != top else other
+        differing |= {i for i, (a, b) in enumerate(zip(rep.parts, o.parts, strict=False))
+                      if a != b}
+        if len(rep.parts) != len(o.parts):
+            differing |= set(range(min(len(rep.parts), len(o.parts)),
+                                   max(len(rep.parts), len(o.parts))))
     names = next((rep.names for rep in reports.values() if rep.names), ())
     tensors = tuple(_describe(names[i]) if i < len(names) else f"part {i}"
                     for i in sorted(differing))
