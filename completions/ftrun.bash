@@ -31,6 +31,7 @@ _ftrun_kind() {
         'launch --node-timeout' | 'launch --node_timeout') _ftrun_k='files' ;;
         'launch --nproc-per-node' | 'launch --nproc_per_node') _ftrun_k='files' ;;
         'launch --numa-binding' | 'launch --numa_binding') _ftrun_k='choices node socket exclusive core-complex' ;;
+        'launch --on-corruption' | 'launch --on_corruption') _ftrun_k='choices warn restart isolate' ;;
         'launch --on-hang' | 'launch --on_hang') _ftrun_k='choices warn restart isolate' ;;
         'launch --on-slow' | 'launch --on_slow') _ftrun_k='choices warn isolate' ;;
         'launch --persist-dir' | 'launch --persist_dir') _ftrun_k='dirs' ;;
@@ -58,6 +59,7 @@ _ftrun_kind() {
         'coordinator --bind-host') _ftrun_k='files' ;;
         'coordinator --isolate-hook') _ftrun_k='files' ;;
         'coordinator --node-timeout') _ftrun_k='files' ;;
+        'coordinator --on-corruption') _ftrun_k='files' ;;
         'coordinator --on-hang') _ftrun_k='files' ;;
         'coordinator --on-slow') _ftrun_k='files' ;;
         'coordinator --rdzv-endpoint') _ftrun_k='files' ;;
@@ -92,18 +94,18 @@ _ftrun_command() {
                 --master_port --max-restarts --max_restarts -m --module --monitor-interval
                 --monitor_interval --nnodes --no-python --no_python --node-rank --node_rank
                 --node-timeout --node_timeout --nproc-per-node --nproc_per_node --numa-binding
-                --numa_binding --on-hang --on_hang --on-slow --on_slow --persist-dir
-                --persist_dir --persist-every --persist_every --persist-interval
-                --persist_interval --persist-keep --persist_keep --rdzv-backend --rdzv_backend
-                --rdzv-conf --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r
-                --redirects --replica-addr --replica_addr --replica-rate --replica_rate
-                --replicas --role --run-path --run_path --shutdown-timeout --shutdown_timeout
-                --signals-to-handle --signals_to_handle --snapshot-every --snapshot_every
-                --snapshot-wait --snapshot_wait --standalone --start-fresh --start_fresh
-                --start-method --start_method --state-dir --state_dir --store-threads
-                --store_threads -t --tee --virtual-local-rank --virtual_local_rank
-                --warm-imports --warm_imports --warm-workers --no-warm-workers --warm_workers
-                --no-warm_workers'
+                --numa_binding --on-corruption --on_corruption --on-hang --on_hang --on-slow
+                --on_slow --persist-dir --persist_dir --persist-every --persist_every
+                --persist-interval --persist_interval --persist-keep --persist_keep
+                --rdzv-backend --rdzv_backend --rdzv-conf --rdzv_conf --rdzv-endpoint
+                --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects --replica-addr --replica_addr
+                --replica-rate --replica_rate --replicas --role --run-path --run_path
+                --shutdown-timeout --shutdown_timeout --signals-to-handle --signals_to_handle
+                --snapshot-every --snapshot_every --snapshot-wait --snapshot_wait --standalone
+                --start-fresh --start_fresh --start-method --start_method --state-dir
+                --state_dir --store-threads --store_threads -t --tee --virtual-local-rank
+                --virtual_local_rank --warm-imports --warm_imports --warm-workers
+                --no-warm-workers --warm_workers --no-warm_workers'
             _ftrun_k=none ;;
         completions)
             _ftrun_opts='--help'
@@ -112,8 +114,8 @@ _ftrun_command() {
                 *) _ftrun_k=none ;;
             esac ;;
         coordinator)
-            _ftrun_opts='--bind-host --help --isolate-hook --node-timeout --on-hang --on-slow
-                --rdzv-endpoint --rdzv-id --state-dir'
+            _ftrun_opts='--bind-host --help --isolate-hook --node-timeout --on-corruption
+                --on-hang --on-slow --rdzv-endpoint --rdzv-id --state-dir'
             case $2 in
                 *) _ftrun_k=none ;;
             esac ;;

@@ -25,26 +25,28 @@ function __ftrun_takes_value --argument-names context flag
             'launch --monitor-interval' 'launch --monitor_interval' 'launch --nnodes' \
             'launch --node-rank' 'launch --node_rank' 'launch --node-timeout' \
             'launch --node_timeout' 'launch --nproc-per-node' 'launch --nproc_per_node' \
-            'launch --numa-binding' 'launch --numa_binding' 'launch --on-hang' \
-            'launch --on_hang' 'launch --on-slow' 'launch --on_slow' 'launch --persist-dir' \
-            'launch --persist_dir' 'launch --persist-every' 'launch --persist_every' \
-            'launch --persist-interval' 'launch --persist_interval' 'launch --persist-keep' \
-            'launch --persist_keep' 'launch --rdzv-backend' 'launch --rdzv_backend' \
-            'launch --rdzv-conf' 'launch --rdzv_conf' 'launch --rdzv-endpoint' \
-            'launch --rdzv_endpoint' 'launch --rdzv-id' 'launch --rdzv_id' 'launch -r' \
-            'launch --redirects' 'launch --replica-addr' 'launch --replica_addr' \
-            'launch --replica-rate' 'launch --replica_rate' 'launch --replicas' 'launch --role' \
+            'launch --numa-binding' 'launch --numa_binding' 'launch --on-corruption' \
+            'launch --on_corruption' 'launch --on-hang' 'launch --on_hang' 'launch --on-slow' \
+            'launch --on_slow' 'launch --persist-dir' 'launch --persist_dir' \
+            'launch --persist-every' 'launch --persist_every' 'launch --persist-interval' \
+            'launch --persist_interval' 'launch --persist-keep' 'launch --persist_keep' \
+            'launch --rdzv-backend' 'launch --rdzv_backend' 'launch --rdzv-conf' \
+            'launch --rdzv_conf' 'launch --rdzv-endpoint' 'launch --rdzv_endpoint' \
+            'launch --rdzv-id' 'launch --rdzv_id' 'launch -r' 'launch --redirects' \
+            'launch --replica-addr' 'launch --replica_addr' 'launch --replica-rate' \
+            'launch --replica_rate' 'launch --replicas' 'launch --role' \
             'launch --shutdown-timeout' 'launch --shutdown_timeout' 'launch --signals-to-handle' \
             'launch --signals_to_handle' 'launch --snapshot-every' 'launch --snapshot_every' \
             'launch --snapshot-wait' 'launch --snapshot_wait' 'launch --start-method' \
             'launch --start_method' 'launch --state-dir' 'launch --state_dir' \
             'launch --store-threads' 'launch --store_threads' 'launch -t' 'launch --tee' \
             'launch --warm-imports' 'launch --warm_imports' 'coordinator --bind-host' \
-            'coordinator --isolate-hook' 'coordinator --node-timeout' 'coordinator --on-hang' \
-            'coordinator --on-slow' 'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' \
-            'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' 'status --endpoint' \
-            'status --etcd' 'status --interval' 'status --limit' 'status --match' \
-            'status --nodes' 'status --offset' 'status --state-dir' 'status --timeout'
+            'coordinator --isolate-hook' 'coordinator --node-timeout' \
+            'coordinator --on-corruption' 'coordinator --on-hang' 'coordinator --on-slow' \
+            'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' 'coordinator --state-dir' \
+            'inspect --state-dir' 'inspect --step' 'status --endpoint' 'status --etcd' \
+            'status --interval' 'status --limit' 'status --match' 'status --nodes' \
+            'status --offset' 'status --state-dir' 'status --timeout'
             return 0
     end
     return 1
@@ -153,6 +155,7 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'node-rank' -l 'node_rank' -r 
 complete -c ftrun -n '__ftrun_is first launch' -l 'node-timeout' -l 'node_timeout' -r -d 'Seconds of silence after which the coordinator reports a node lost. [env FTRUN_NODE_TIMEOUT]'
 complete -c ftrun -n '__ftrun_is first launch' -l 'nproc-per-node' -l 'nproc_per_node' -r -d 'Number of workers per node; supported values: [auto, cpu, gpu, xpu, int].'
 complete -c ftrun -n '__ftrun_is first launch' -l 'numa-binding' -l 'numa_binding' -x -a 'node socket exclusive core-complex' -d 'Bind worker processes to CPUs near their assigned GPUs for better performance.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'on-corruption' -l 'on_corruption' -x -a 'warn restart isolate' -d 'What to do when data-parallel replicas hold different parameters at a snapshot...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'on-hang' -l 'on_hang' -x -a 'warn restart isolate' -d 'What to do when the coordinator\'s collective analysis names a hung rank: warn, restart...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'on-slow' -l 'on_slow' -x -a 'warn isolate' -d 'What to do when the analysis names a slow rank, host or link: warn, or isolate the host. [env...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-dir' -l 'persist_dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory where the snapshot stores write committed steps...'
@@ -193,6 +196,7 @@ complete -c ftrun -n '__ftrun_in coordinator' -l 'bind-host' -r -d 'Address the 
 complete -c ftrun -n '__ftrun_in coordinator' -l 'help' -d 'Show this message and exit.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'isolate-hook' -r -d 'Shell command run with an isolated host\'s name as its argument (e.g. a Slurm drain).'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'node-timeout' -r -d 'Seconds of silence before a node is reported lost.'
+complete -c ftrun -n '__ftrun_in coordinator' -l 'on-corruption' -r -d 'What to do when data-parallel replicas disagree at a snapshot (silent data corruption): warn...'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'on-hang' -r -d 'What to do about a hung rank the collectives name: warn, restart...'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'on-slow' -r -d 'What to do about a slow rank or host the collectives and probes name: warn or isolate.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'rdzv-endpoint' -r -d 'HOST:PORT to host the job\'s rendezvous store on; launchers pass the same --rdzv-endpoint.'

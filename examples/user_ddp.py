@@ -23,7 +23,9 @@ Run it::
 At the end rank 0 prints ``user-ddp: step=N params_xxh3=HEX``. ``--kill-at-step S --kill-rank
 R`` SIGKILLs rank R in step S once per job, after its optimizer step and before its snapshot
 (the snapshot of step S-1 is then staged on every rank, so the job resumes from S-1);
-``--fail-mode raise|stop`` raises or freezes it instead. ``--stuck-rank`` and
+``--fail-mode raise|stop`` raises or freezes it instead, and ``--fail-mode bitflip`` flips one
+bit of one of its parameters in place (silent data corruption: the rank goes on, its replica
+now differs from the others'; ftrun's coordinator finds it at the snapshot of that step). ``--stuck-rank`` and
 ``--kill-after-restore-rank`` add a rank that never leaves the function and a second fault
 while the job re-forms. Each fault fires once per job: its marker file (holding the fault's
 time) lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
@@ -89,7 +91,7 @@ def once(args: argparse.Namespace, name: str) -> bool:
     return fire_once(os.path.join(directory, name))
 
 
-def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:
+def maybe_kill(args: argparse.Namespace, rank: int, step: int, model: nn.Module) -> None:
     if step != args.kill_at_step or rank != args.kill_rank:
         return
     if not once(args, f"user-ddp-fault-rank{rank}-step{step}"):
@@ -97,12 +99,26 @@ def maybe_kill(args: argparse.Namespace, rank: int, step: int) -> None:
     if args.fail_mode == "raise":
         print(f"user-ddp: raising in rank {rank} in step {step}", file=sys.stderr, flush=True)
         raise RuntimeError(f"user-ddp: injected fault in rank {rank} at step {step}")
+    if args.fail_mode == "bitflip":
+        flip_bit(model, rank, step)
+        return
     if args.fail_mode == "stop":
         print(f"user-ddp: stopping rank {rank} in step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     print(f"user-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def flip_bit(model: nn.Module, rank: int, step: int) -> None:
+    """Flip bit 20 (a float32 mantissa bit) of the first element of the first parameter,
+    in place: what a faulty GPU or a bad memory cell does to one replica."""
+    name, p = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        bits = p.detach().view(-1)[:1].view(torch.int32)
+        bits ^= 1 << 20
+    print(f"user-ddp: flipped a bit of {name} in rank {rank} in step {step}", file=sys.stderr,
+          flush=True)
 
 
 def maybe_get_stuck(args: argparse.Namespace, rank: int, step: int) -> None:
@@ -145,8 +161,9 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
-    p.add_argument("--fail-mode", choices=("kill", "raise", "stop"), default="kill",
-                   help="SIGKILL, raise an exception, or SIGSTOP (frozen) the rank")
+    p.add_argument("--fail-mode", choices=("kill", "raise", "stop", "bitflip"), default="kill",
+                   help="SIGKILL, raise an exception, SIGSTOP (frozen) the rank, or flip a "
+                        "bit of one of its parameters")
     p.add_argument("--stuck-rank", type=int, default=-1,
                    help="in step --kill-at-step, this rank blocks in a C call for 600 s")
     p.add_argument("--kill-after-restore-rank", type=int, default=-1,
@@ -225,7 +242,7 @@ def train(args: argparse.Namespace) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
-            maybe_kill(args, rank, step)
+            maybe_kill(args, rank, step, model.module)
             maybe_get_stuck(args, rank, step)
             snap.save(step)
             ftrun.progress(step)

@@ -68,6 +68,13 @@ ON_SLOW = Knob(
     "What the coordinator does when its analysis names a slow rank, host or link: warn, or "
     "isolate the host (its launcher exits with code 8; the others restart without it).",
 )
+ON_CORRUPTION = Knob(
+    "FTRUN_ON_CORRUPTION", "warn|restart|isolate", "restart",
+    "What the coordinator does when the replicas of a snapshot step disagree (silent data "
+    "corruption: ftrun.coordinator.corruption): warn (record it; the step is never restored), "
+    "restart (kill the diverging ranks; the job resumes from the newest step the replicas "
+    "agreed on; a host named again is isolated) or isolate (exclude the diverging host now).",
+)
 ISOLATE_HOOK = Knob(
     "FTRUN_ISOLATE_HOOK", "command", "",
     "Shell command the coordinator runs with an isolated host's name as its argument (for "

@@ -10,6 +10,10 @@ process (the others restart in place). Each of these was a real source of diverg
   reduce its first step with another layout (4 ranks sum in another order);
 - a new DataLoader iterator draws a seed from the global RNG, shifting every dropout mask
   after a mid-epoch resume.
+
+A bit flipped in one replica's parameters (silent data corruption) is found at that step's
+snapshot, the step is never restored, and the job also ends bit-identical; the fault-free run
+has no such finding.
 """
 
 from __future__ import annotations
@@ -56,9 +60,13 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("user-ddp-baseline")
     procs = Procs(tmp)
     try:
-        return run_job(procs, tmp)[0]
+        digest, run_id, _ = run_job(procs, tmp)
     finally:
         procs.cleanup()
+    # Zero false findings: the DDP replicas (dropout, default arguments) agreed at every step.
+    found = [e for e in read_events(tmp / "state", run_id) if e["type"] == "corruption_detected"]
+    assert not found, f"silent-corruption findings in a healthy run: {found}"
+    return digest
 
 
 @pytest.mark.parametrize("loader, kill_step, resumed", [
@@ -104,4 +112,36 @@ def test_rank_stopped_in_its_first_step_is_named_by_the_coordinator(
     acked = [e for e in events if e["type"] == "directive_acked"
              and e.get("action") == "restart"]
     assert acked, f"the restart order was never carried out: {events[-20:]}"
+    assert digest == fault_free
+
+
+def test_a_flipped_bit_is_named_never_restored_and_the_job_ends_bit_identical(
+        procs: Procs, tmp_path: Path, fault_free: str) -> None:
+    """Silent data corruption: rank 1 flips one bit of its first parameter after the
+    optimizer step of step 3 and trains on, its replica now different from the three
+    others. The coordinator compares the replicas' digests (from the snapshot's chunk hashes)
+    at that step's snapshot, names rank 1, refuses the step and, under the default
+    ``--on-corruption restart``, restarts it; the job resumes from the newest step the
+    replicas agreed on and ends bit-identical (docs/snapshots.md, Silent data corruption)."""
+    flip = 3
+    # The flipped rank trains on (nothing fails): the steps after the flip are slowed so that
+    # the restart order reaches it before the job ends (training here takes milliseconds a
+    # step; a restart that came after the end would re-run the job's last steps).
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "bitflip",
+                                  "--kill-at-step", str(flip), "--kill-rank", "1",
+                                  "--step-sleep", "0.4")
+    assert (tmp_path / f"user-ddp-fault-rank1-step{flip}").exists(), "the fault never fired"
+    assert f"flipped a bit of 0.weight in rank 1 in step {flip}" in out
+    events = read_events(tmp_path / "state", run_id)
+    found = [e for e in events if e["type"] == "corruption_detected"]
+    # Found at the snapshot of the very step; rank 1 named by the majority of 4 replicas.
+    assert [(e["step"], e["ranks"], e["majority"], e["replicas"], e["action"])
+            for e in found] == [(flip, [1], True, 4, "restart")], found
+    assert found[0]["tensors"][0].startswith("/model/0.weight"), found
+    restarts = [e for e in events if e["type"] == "directive" and e["action"] == "restart"
+                and "corruption" in e["data"]["reason"]]
+    assert [e["data"]["ranks"] for e in restarts] == [[1]], restarts
+    # Every rank resumed from a step the replicas agreed on, before the flip.
+    steps = set(re.findall(r"rank \d resumed from step (\d+)", out))
+    assert len(steps) == 1 and int(steps.pop()) in (flip - 1, flip - 2), out[-6000:]
     assert digest == fault_free

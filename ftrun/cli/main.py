@@ -129,6 +129,7 @@ def coordinator_command(
     state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
     on_hang: Annotated[str, typer.Option(help="What to do about a hung rank the collectives name: warn, restart (kill it; every rank restarts from the snapshot) or isolate (also exclude its host).", envvar="FTRUN_ON_HANG")] = "restart",
     on_slow: Annotated[str, typer.Option(help="What to do about a slow rank or host the collectives and probes name: warn or isolate.", envvar="FTRUN_ON_SLOW")] = "warn",
+    on_corruption: Annotated[str, typer.Option(help="What to do when data-parallel replicas disagree at a snapshot (silent data corruption): warn, restart (the job resumes from the newest step the replicas agreed on; a host named twice is isolated) or isolate.", envvar="FTRUN_ON_CORRUPTION")] = "restart",
     isolate_hook: Annotated[str | None, typer.Option(help="Shell command run with an isolated host's name as its argument (e.g. a Slurm drain).", envvar="FTRUN_ISOLATE_HOOK")] = None,
 ) -> None:
     """Run a job's coordinator and rendezvous store on this host, until SIGTERM/Ctrl-C."""
@@ -137,7 +138,7 @@ def coordinator_command(
 
     log.configure()
     try:
-        detection = DetectConfig(on_hang=on_hang, on_slow=on_slow,
+        detection = DetectConfig(on_hang=on_hang, on_slow=on_slow, on_corruption=on_corruption,
                                  isolate_hook=isolate_hook or None)
         code = run_standalone(rdzv_id, rdzv_endpoint, state_dir=state_dir,
                               node_timeout_s=node_timeout, bind_host=bind_host,

@@ -450,6 +450,7 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         (_replica_text(snaps), ""),
         (_cadence_text(snaps), ""),
         (f" | {snaps['skipped']} skipped" if snaps.get("skipped") else "", "bold yellow"),
+        _corruption_text(snaps),
     )
     source = snaps.get("restored_from")
     if source and source != "none":
@@ -461,6 +462,19 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
              if fallback else "", "bold yellow"))
         return Group(table, line, *details, snap_line, restored)
     return Group(table, line, *details, snap_line)
+
+
+def _corruption_text(snaps: dict[str, Any]) -> tuple[str, str]:
+    """The replicas' comparison (silent data corruption, ftrun.coordinator.corruption)."""
+    sdc = snaps.get("corruption") or {}
+    if not sdc.get("disagreed_steps"):
+        checked = sdc.get("checked_steps")
+        return (f" | replicas agreed at {checked} step(s)" if checked else "", "")
+    last = (sdc.get("findings") or [{}])[-1]
+    return (f" | SILENT CORRUPTION: replicas disagreed at {sdc['disagreed_steps']} step(s), "
+            f"latest step {last.get('step')}: rank(s) {last.get('ranks')}"
+            f"{'' if last.get('majority') else ' (no majority)'}, {last.get('action')}",
+            "bold red")
 
 
 def _listed_line(doc: dict[str, Any]) -> Text | None:

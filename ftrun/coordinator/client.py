@@ -149,14 +149,17 @@ class HeartbeatComposer:
         return kind, body
 
 
-def policy_mismatch(answer: dict[str, Any], on_hang: str, on_slow: str) -> str | None:
-    """What a launcher says when its own ``--on-hang``/``--on-slow`` differ from the policy
-    in the coordinator's answer to its hello: the coordinator decides for the whole job, so
+def policy_mismatch(answer: dict[str, Any], on_hang: str, on_slow: str,
+                    on_corruption: str = "restart") -> str | None:
+    """What a launcher says when its own ``--on-hang``/``--on-slow``/``--on-corruption``
+    differ from the policy in the coordinator's answer to its hello: the coordinator decides for the whole job, so
     a launcher's differing flag would otherwise be ignored without a word. None when they
     agree, or when the coordinator runs no detection (no policy in its answer)."""
     diffs = [f"--{flag} {own} here, {theirs} at the coordinator"
              for flag, own, theirs in (("on-hang", on_hang, answer.get("on_hang")),
-                                       ("on-slow", on_slow, answer.get("on_slow")))
+                                       ("on-slow", on_slow, answer.get("on_slow")),
+                                       ("on-corruption", on_corruption,
+                                        answer.get("on_corruption")))
              if theirs and str(theirs) != str(own)]
     if not diffs:
         return None

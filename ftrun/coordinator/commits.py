@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftrun.coordinator.corruption import ReplicaCheck
 from ftrun.snapshot.api import PersistConfig
 
 MAX_PENDING_STEPS = 64  # steps tracked per epoch; older incomplete ones are dropped
@@ -87,6 +88,7 @@ class Epoch:
     durable_at: float = 0.0
     source: str = ""  # where its ranks restored base_step from (memory, disk, none)
     commit_times: dict[int, float] = field(default_factory=dict)  # step -> when it committed
+    disagreed: set[int] = field(default_factory=set)  # dead: the replicas differ (corruption)
 
     def pending(self) -> dict[int, int]:
         """step -> verified ranks, for steps newer than the committed one that can still
@@ -161,6 +163,7 @@ class CommitTracker:
         self.skipped: list[tuple[int, list[str]]] = []  # (step, nodes still writing): drained
         self.replicas = 1  # m, as the stores report it (1: no replication, nothing durable)
         self.replica_nodes: int | None = None  # live nodes taking replicas (None: not known)
+        self.sdc = ReplicaCheck()  # replicas' digests compared before a step commits
 
     def begin(self, epoch: str, base_step: int, world_size: int) -> Epoch:
         ep = self._epochs.get(epoch)
@@ -188,7 +191,10 @@ class CommitTracker:
             return ep
         ranks = ep.verified.setdefault(step, set())
         ranks.add(rank)
-        if len(ranks) >= ep.world_size:
+        if len(ranks) >= ep.world_size and not self.sdc.agree(epoch, step):
+            ep.disagreed = {s for s in ep.disagreed if s > ep.committed} | {step}
+            ep.mark_dead(step)  # never committed, never restored
+        elif len(ranks) >= ep.world_size:
             ep.committed, ep.committed_at = step, time.time()
             ep.commits += 1
             ep.commit_times[step] = ep.committed_at
@@ -422,6 +428,7 @@ class CommitTracker:
         elif kind == "snap_verified" and not body.get("ok", True):
             ep = self.failed(body["epoch"], body["rank"], body["step"])
         elif kind == "snap_verified":
+            self.sdc.note(body)
             ep = self.verified(body["epoch"], body["rank"], body["step"], body["nbytes"])
         elif kind == "persist_request":
             ep, settling = self.request(body["epoch"], body["reason"], final=body["final"])
@@ -434,6 +441,9 @@ class CommitTracker:
         dead = ep.live_dead()
         if dead:
             reply["dead"] = dead
+        disagreed = sorted(s for s in ep.disagreed if s > ep.committed)
+        if disagreed:
+            reply["disagreed"] = disagreed
         if settling:
             reply["settling"] = True
         return reply, began

@@ -31,6 +31,7 @@ class DetectConfig:
 
     on_hang: str = "restart"       # warn | restart | isolate
     on_slow: str = "warn"          # warn | restart | isolate
+    on_corruption: str = "restart"  # warn | restart | isolate (ftrun.coordinator.corruption)
     isolate_hook: str | None = None
     hang_s: float = 3.0            # floor of the hang threshold
     busy_hang_s: float = 60.0      # floor when the culprit is alive and in no collective
@@ -48,7 +49,7 @@ class DetectConfig:
     max_probe_pairs: int = 64      # host pairs proposed per slow or hung group
 
     def __post_init__(self) -> None:
-        for name in ("on_hang", "on_slow"):
+        for name in ("on_hang", "on_slow", "on_corruption"):
             value = getattr(self, name)
             if value not in ACTIONS:
                 raise ConfigError(f"{name}={value!r} is not an action: use one of "

@@ -146,7 +146,8 @@ class Coordinator:
         self._membership = Membership(node_timeout_s)
         self._events = EventLog()
         self._directives = DirectiveBook()
-        self._snapshots = SnapshotControl(self._membership, self._events)
+        self._snapshots = SnapshotControl(self._membership, self._events,
+                                          self._corruption_policy(detection))
         self._status = StatusBuilder(expected_nodes)
         self._service: Service | None = None
         self._bound_host: str | None = None
@@ -229,6 +230,23 @@ class Coordinator:
             record=self._record, nodes=self._live_nodes, coordinator_host=socket.gethostname(),
             excluded_file=excluded, bind_host=bind_host, advertise_host=self._advertise_host)
         self._detection.start()
+
+    def _corruption_policy(self, detection: Any) -> Any:
+        """What to do when replicas disagree (ftrun.coordinator.corruption)."""
+        from ftrun.coordinator.corruption import CorruptionPolicy
+
+        def isolate(host: str, reason: str, evidence: dict[str, Any]) -> bool:
+            if self._detection is not None:
+                self._detection.isolate(host, reason, evidence)
+            return self._detection is not None
+
+        def host_of(node_id: str) -> str | None:
+            node = self._membership.get(node_id)
+            return node.host if node is not None else None
+
+        return CorruptionPolicy(getattr(detection, "on_corruption", "restart"),
+                                direct=self._direct_quietly, isolate=isolate, host_of=host_of,
+                                record=self._record, coordinator_host=socket.gethostname())
 
     @property
     def detect_endpoint(self) -> str | None:
@@ -349,7 +367,7 @@ class Coordinator:
             return m.Ack(re=msg.id, detect="")
         policy = self._detection.config
         return m.Ack(re=msg.id, detect=self.detect_endpoint or "", on_hang=str(policy.on_hang),
-                     on_slow=str(policy.on_slow))
+                     on_slow=str(policy.on_slow), on_corruption=str(policy.on_corruption))
 
     def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
         body = msg.body

@@ -17,6 +17,7 @@ from typing import Any
 
 from ftrun import protocol
 from ftrun.coordinator.commits import CommitTracker, StoreState
+from ftrun.coordinator.corruption import CorruptionPolicy
 from ftrun.coordinator.events import EventLog
 from ftrun.coordinator.membership import Membership
 from ftrun.coordinator.placement import group_placement
@@ -28,9 +29,11 @@ log = logging.getLogger(__name__)
 class SnapshotControl:
     """Commits and replicas of the job's snapshots, as the stores report them."""
 
-    def __init__(self, membership: Membership, events: EventLog) -> None:
+    def __init__(self, membership: Membership, events: EventLog,
+                 corruption: CorruptionPolicy | None = None) -> None:
         self._membership = membership
         self._events = events
+        self._corruption = corruption  # acts on replicas that disagree (--on-corruption)
         self._lock = threading.Lock()
         self._commits = CommitTracker(
             node_gone=lambda node: self._gone(node, time.monotonic()))
@@ -135,6 +138,10 @@ class SnapshotControl:
                 reply["durable"] = ep.durable if ep is not None else -1
             targets, self._commits.new_targets = self._commits.new_targets, []
             skipped, self._commits.skipped = self._commits.skipped, []
+            diverged, self._commits.sdc.found = self._commits.sdc.found, []
+        for d in diverged:
+            if self._corruption is not None:
+                self._corruption.handle(d)
         if began is not None:
             self._events.record("restore", body["node_id"], began)
         for step, writing in skipped:
@@ -194,6 +201,8 @@ class SnapshotControl:
         with self._lock:
             if self._commits.replicas > 1:
                 out["replica_coverage"] = self._replica_coverage()
+            if self._corruption is not None:
+                out["corruption"] = self._corruption.status(self._commits.sdc)
         return out
 
     def _replica_coverage(self) -> dict[str, dict[str, Any]]:

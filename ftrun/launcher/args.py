@@ -28,6 +28,7 @@ Each takes --help.
 # What the coordinator may do about a hung rank, and about a slow rank, host or link.
 ON_HANG_CHOICES = ("warn", "restart", "isolate")
 ON_SLOW_CHOICES = ("warn", "isolate")
+ON_CORRUPTION_CHOICES = ("warn", "restart", "isolate")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class FtrunOptions:
     replica_rate_mb_s: float = 0.0
     on_hang: str = "restart"
     on_slow: str = "warn"
+    on_corruption: str = "restart"
     isolate_hook: str | None = None
     warm_workers: bool = False
     warm_imports: tuple[str, ...] = ()
@@ -100,6 +102,11 @@ class FtrunOptions:
             raise ConfigError(
                 f"--on-slow must be one of {', '.join(ON_SLOW_CHOICES)}, got {self.on_slow!r}"
             )
+        if self.on_corruption not in ON_CORRUPTION_CHOICES:
+            raise ConfigError(
+                f"--on-corruption must be one of {', '.join(ON_CORRUPTION_CHOICES)}, got "
+                f"{self.on_corruption!r}"
+            )
         if self.isolate_hook is not None and not self.isolate_hook.strip():
             raise ConfigError("--isolate-hook is empty; give a shell command, or leave it out")
         bad = [m for m in self.warm_imports
@@ -133,6 +140,10 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--on-slow", knobs.ON_SLOW, str,
      "What to do when the analysis names a slow rank, host or link: warn, or isolate the "
      "host."),
+    ("--on-corruption", knobs.ON_CORRUPTION, str,
+     "What to do when data-parallel replicas hold different parameters at a snapshot (silent "
+     "data corruption): warn, restart (kill the diverging ranks; the job resumes from the "
+     "newest step the replicas agreed on; a host named twice is isolated) or isolate."),
     ("--isolate-hook", knobs.ISOLATE_HOOK, str,
      "Shell command the coordinator runs with an isolated host's name as its argument, e.g. "
      "to drain it in Slurm."),
@@ -190,7 +201,8 @@ _NEGATABLE = frozenset({"--warm-workers"})
 
 # Flags whose values come from a fixed set: argparse checks them on the command line and
 # shell completion offers them (FtrunOptions checks the FTRUN_* value as well).
-_CHOICES: dict[str, tuple[str, ...]] = {"--on-hang": ON_HANG_CHOICES, "--on-slow": ON_SLOW_CHOICES}
+_CHOICES: dict[str, tuple[str, ...]] = {"--on-hang": ON_HANG_CHOICES, "--on-slow": ON_SLOW_CHOICES,
+                                         "--on-corruption": ON_CORRUPTION_CHOICES}
 
 
 def _dest(flag: str) -> str:
@@ -283,6 +295,7 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         replica_rate_mb_s=num("replica_rate", knobs.REPLICA_RATE),
         on_hang=str(ns.on_hang or knobs.ON_HANG.default).strip().lower(),
         on_slow=str(ns.on_slow or knobs.ON_SLOW.default).strip().lower(),
+        on_corruption=str(ns.on_corruption or knobs.ON_CORRUPTION.default).strip().lower(),
         isolate_hook=ns.isolate_hook or None,
         warm_workers=bool(ns.warm_workers),
         warm_imports=tuple(m.strip() for m in (ns.warm_imports or "").split(",") if m.strip()),

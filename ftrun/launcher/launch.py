@@ -362,7 +362,7 @@ def _detection_config(opts: FtrunOptions) -> Any:
     from ftrun.coordinator.detect import DetectConfig
 
     return DetectConfig(on_hang=opts.on_hang, on_slow=opts.on_slow,
-                        isolate_hook=opts.isolate_hook)
+                        on_corruption=opts.on_corruption, isolate_hook=opts.isolate_hook)
 
 
 def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str, endpoint: str) -> Any:
@@ -632,14 +632,16 @@ class NodeServices:
         from ftrun.coordinator.client import policy_mismatch
 
         opts = self.opts
-        mismatch = policy_mismatch(body, opts.on_hang, opts.on_slow)
+        mismatch = policy_mismatch(body, opts.on_hang, opts.on_slow, opts.on_corruption)
         if mismatch is not None:
             log.warning("%s", mismatch)
             if self.reporter is not None:
                 self.reporter.event("policy_mismatch", on_hang=opts.on_hang,
                                     on_slow=opts.on_slow,
                                     coordinator_on_hang=body.get("on_hang"),
-                                    coordinator_on_slow=body.get("on_slow"))
+                                    coordinator_on_slow=body.get("on_slow"),
+                                    on_corruption=opts.on_corruption,
+                                    coordinator_on_corruption=body.get("on_corruption"))
         worker_env = self.ctx.worker_env
         if not worker_env.get(knobs.DETECT.name) and body.get("detect"):
             protocol.split_endpoint(body["detect"])  # validate

@@ -243,6 +243,7 @@ class Ack(Body):
     detect: Str | UnsetType = UNSET
     on_hang: Str | UnsetType = UNSET
     on_slow: Str | UnsetType = UNSET
+    on_corruption: Str | UnsetType = UNSET
 
 
 # Snapshots. Store -> coordinator: a rank's shard of ``step`` is verified (``ok`` false: it
@@ -262,6 +263,16 @@ class SnapEpoch(Body):
     source: Str | UnsetType = UNSET
 
 
+class ReplicaDigest(Item):
+    """The digest of a shard's replicated tensors (ftrun.snapshot.replicas): compared across
+    the replica ``group`` by the coordinator (ftrun.coordinator.corruption)."""
+
+    group: Str
+    digest: Str
+    parts: L[list[Str], Items]
+    names: L[list[list[Str | int]], Items] | UnsetType = UNSET  # the group's lead sends them
+
+
 class SnapVerified(Body):
     KIND = "snap_verified"
     REPLIES = ("commit_info",)
@@ -271,6 +282,7 @@ class SnapVerified(Body):
     step: int
     nbytes: int
     ok: bool | UnsetType = UNSET
+    replicas: L[list[ReplicaDigest], Items] | UnsetType = UNSET
 
 
 class CommitQuery(Body):
@@ -306,6 +318,7 @@ class CommitInfo(Body):
     settling: bool | UnsetType = UNSET
     dead: L[list[int], Items] | UnsetType = UNSET
     durable: int | UnsetType = UNSET
+    disagreed: L[list[int], Items] | UnsetType = UNSET  # dead: the replicas differ
 
 
 class StoreReport(Body):

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from ftrun.errors import FtrunError, UnreachableError
+from ftrun.rank import replicas
 from ftrun.rank.cadence import Cadence
 from ftrun.rank.context import STORE_TIMEOUT_S, RankContext
 from ftrun.rank.rng import refresh_rng_state
 from ftrun.rank.state import TrainingState
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot.manifest import flatten, manifest_blob, tensor_view
+from ftrun.snapshot.replicas import place, seal
 from ftrun.snapshot.verify import ChunkHasher
 
 log = logging.getLogger("ftrun.rank.snapshotter")
@@ -126,9 +128,25 @@ class Saver:
         self._rng_taken.clear()
         self._copied.clear()
         flat = flatten(state)
+        # Tensors equal on other ranks (DDP replicas) go first, in chunk-aligned blocks: their
+        # chunk hashes are compared across replicas (silent corruption; ftrun.snapshot.replicas).
+        flat, blocks, gaps = place(flat, replicas.groups(state, self._state.model,
+                                                         self._state.optimizer, flat),
+                                   shm.CHUNK_BYTES)
         ctx = self._ctx
+        meta: dict[str, Any] = {"epoch": ctx.epoch, "time": time.time()}
+        if blocks:
+            meta["replicas"] = blocks
         blob = manifest_blob(flat, step=step, rank=ctx.rank, world_size=ctx.world_size,
-                             meta={"epoch": ctx.epoch, "time": time.time()})
+                             meta=meta)
+
+        def manifest(data: memoryview) -> bytes:
+            """The manifest, with the blocks' tail hashes once the data is copied."""
+            if not blocks:
+                return blob
+            seal(blocks, data)
+            return manifest_blob(flat, step=step, rank=ctx.rank, world_size=ctx.world_size,
+                                 meta=meta)
         cuda = any(s.is_cuda for s in flat.sources)
         if cuda and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()
@@ -141,7 +159,8 @@ class Saver:
         target = 0 if self._ctx.newest is None else 1 - self._ctx.newest[0]
         need = -1 if self._ctx.newest is None else self._ctx.newest[1]
         job = SaveJob(step)
-        job.future = self._pool.submit(self.write, job, target, need, flat, blob, cuda)
+        job.future = self._pool.submit(self.write, job, target, need, flat, manifest, cuda,
+                                       gaps)
         self._pending = self._latest = job
         if not self._async:
             self._copied.wait(timeout=600.0)
@@ -245,8 +264,9 @@ class Saver:
             self._ctx.segments[buffer] = shm.Segment.create(name, manifest_cap, n_tensors,
                                                             data_len, self._ctx.owner)
 
-    def write(self, job: SaveJob, target: int, need: int, flat: Any, blob: bytes,
-               cuda: bool) -> None:
+    def write(self, job: SaveJob, target: int, need: int, flat: Any,
+              manifest: Callable[[memoryview], bytes], cuda: bool,
+              gaps: list[tuple[int, int]]) -> None:
         step = job.step
         try:
             claimed = self.claim(job, target, need)
@@ -264,6 +284,8 @@ class Saver:
         h = seg.set_state(shm.WRITING, step=step, epoch=self._ctx.epoch, data_len=flat.data_len,
                           hashes_xxh3=0)
         data = seg.data(h)
+        for lo, hi in gaps:  # between replicated tensors, hashed with them: zero everywhere
+            data[lo:hi] = bytes(hi - lo)
         # Each fixed-size chunk is hashed (on the hashing threads, which run without the GIL)
         # as soon as every tensor in it is copied, while the copy goes on: the hashes cover
         # exactly the bytes this rank wrote.
@@ -307,6 +329,7 @@ class Saver:
             copy(i)
             hasher.copied(i)
         hx = seg.write_hashes(hasher.finish())
+        blob = manifest(data)
         xh = seg.write_manifest(blob)
         seg.set_state(shm.STAGED, step=step, manifest_len=len(blob), manifest_xxh3=xh,
                       hashes_xxh3=hx, staged_at=time.time())

@@ -19,7 +19,7 @@ from ftrun.errors import FtrunError, UnreachableError
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.store.api import ClaimAnswer, StoreConfig
-from ftrun.store.catalog import Catalog, rank_of
+from ftrun.store.catalog import Catalog, buffer_of, rank_of
 from ftrun.store.persist_writer import PersistWriter
 
 log = logging.getLogger("ftrun.store")
@@ -43,6 +43,7 @@ class CommitMirror:
         self.base = -1  # the step the current epoch resumed from
         self.committed = -1
         self.dead: set[int] = set()  # uncommitted steps of the epoch that can never commit
+        self._discarded: set[int] = set()  # steps whose replicas disagreed, discarded here
         self._durable: int | None = None  # newest durable step, while replication runs
         self._durable_since = 0.0
         self.source = ""  # where the epoch's ranks restored from
@@ -60,6 +61,10 @@ class CommitMirror:
                 log.info("persist target: step %d (%s%s)", t.step, t.reason,
                          ", final" if t.final else "")
             self._local.new_targets.clear()
+            for d in self._local.sdc.found:  # no coordinator to act on it: said, never restored
+                log.error("silent data corruption: step %d: the replicas of rank(s) %s differ; "
+                          "the step is never restored", d.step, list(d.ranks))
+            self._local.sdc.found.clear()
             return reply
         assert self._coord is not None
         try:
@@ -123,16 +128,47 @@ class CommitMirror:
             self.replication.sender.wake()
         self.committed = max(self.committed, info["committed"])
         self._note_durable(info.get("durable"))
+        # Before any claim can see them dead (and overwrite them): no restore may load them.
+        self._discard_disagreed(epoch, info.get("disagreed") or ())
         self.dead = set(info.get("dead") or ())
         if info.get("final") is not None:
             self._persist.final = info["final"]
         self._persist.take_targets(sorted(info.get("targets") or ()), self.base)
 
-    def report_verified(self, epoch: str, rank: int, step: int, nbytes: int) -> None:
+    def report_verified(self, epoch: str, rank: int, step: int, nbytes: int,
+                        replicas: list[dict[str, Any]] | None = None) -> None:
         if not epoch:
             return
-        self.ask_epoch("snap_verified", {"node_id": self.cfg.node_id, "epoch": epoch,
-                                         "rank": rank, "step": step, "nbytes": nbytes}, epoch)
+        body: dict[str, Any] = {"node_id": self.cfg.node_id, "epoch": epoch, "rank": rank,
+                                "step": step, "nbytes": nbytes}
+        if replicas:
+            body["replicas"] = replicas
+        self.ask_epoch("snap_verified", body, epoch)
+
+    def refresh(self) -> None:
+        """Ask for the epoch's commit state now (before a restore reads this store)."""
+        if self.epoch:
+            self.ask_epoch("commit_query", {"epoch": self.epoch}, self.epoch)
+
+    def _discard_disagreed(self, epoch: str, steps: Any) -> None:
+        """Mark this node's verified shards of ``steps`` (whose replicated tensors differ
+        between replicas: ftrun.coordinator.corruption) empty, so that no restore loads them."""
+        for step in sorted(set(steps) - self._discarded):
+            self._discarded.add(step)
+            ranks = []
+            for name in self.catalog.names():
+                which = buffer_of(name)  # a rank's own buffer (replicas are of committed steps)
+                seg = self.catalog.open(name) if which is not None else None
+                if seg is None or which is None:
+                    continue
+                h = seg.header()
+                if h.state == shm.VERIFIED and h.epoch == epoch and h.step == step:
+                    seg.set_state(shm.EMPTY)
+                    ranks.append(which[0])
+            if ranks:
+                log.warning("step %d discarded (rank(s) %s here): its replicated tensors "
+                            "differ between replicas (silent data corruption)", step,
+                            sorted(ranks))
 
     def _note_durable(self, durable: int | None) -> None:
         """Follow the newest durable step (None: no replication running, nothing to keep)."""
@@ -196,6 +232,7 @@ class CommitMirror:
         self.epoch, self.committed, self.base = epoch, base, base
         self._durable, self._durable_warned = None, False
         self.dead = set()
+        self._discarded: set[int] = set()  # steps whose replicas disagreed, discarded here
         self._persist.new_epoch(restarted)
 
     def follow_epoch(self, epoch: str, base: int) -> None:

@@ -106,6 +106,7 @@ class StoreHandlers:
     def _on_flush(self, msg: protocol.Message) -> m.Ack:
         b: m.SnapFlush = msg.body
         self._verifier.verify_rank(b.rank)
+        self._commits.refresh()  # a restore follows: learn the steps replicas disagreed on
         return m.Ack(re=msg.id)
 
     def _on_restored(self, msg: protocol.Message) -> m.Ack:

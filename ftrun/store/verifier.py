@@ -16,6 +16,7 @@ from ftrun.errors import IntegrityError
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
 from ftrun.snapshot.manifest import parse_manifest
+from ftrun.snapshot.replicas import block_digests
 from ftrun.store.catalog import Catalog, rank_of
 from ftrun.store.commits import CommitMirror
 
@@ -50,11 +51,14 @@ class Verifier:
                 # The rank hashed what it wrote, while it wrote it; the table is checked
                 # against its own hash here, and the data against the table on every later
                 # hop (restore, persist, inspect --verify).
-                seg.hashes(h)
+                chunks = seg.hashes(h)
                 hx = h.hashes_xxh3
             else:  # staged without its hashes: take them here
-                hx = seg.write_hashes(verify.hash_chunks(seg.data(h), h.chunk_size,
-                                                         self._hashers))
+                chunks = verify.hash_chunks(seg.data(h), h.chunk_size, self._hashers)
+                hx = seg.write_hashes(chunks)
+            # The replicated tensors' digest, from the chunk hashes alone: the coordinator
+            # compares it across replicas (ftrun.coordinator.corruption).
+            digests = block_digests(doc, chunks, h.chunk_size)
         except IntegrityError as e:
             # That shard can never be part of a commit: say so, so that the step counts as
             # dead and no rank's buffer waits for it.
@@ -74,7 +78,7 @@ class Verifier:
         if not self._commits.world_size:
             self._commits.world_size = int(doc["world_size"])
         rank, _ = rank_of(name)
-        self._commits.report_verified(h.epoch, rank, h.step, h.data_len)
+        self._commits.report_verified(h.epoch, rank, h.step, h.data_len, digests)
         return True, "", h.step
 
     def verify_rank(self, rank: int) -> None:
