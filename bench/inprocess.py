@@ -23,6 +23,17 @@ Variants:
   processes; the Snapshotter does nothing under torchrun, so the job starts over at step 1).
 
 Every faulted run's final ``params_xxh3`` must equal the fault-free ftrun run's.
+
+``--node-loss`` adds the node-loss case: ``--nproc`` launchers of one rank each on loopback
+(``--nnodes N``) plus a spare launcher started once the others train; when every rank has
+logged step ``--fail-at-step``, the benchmark SIGKILLs the process group of launcher 1 (its
+ranks die with it: they are tied to their launcher's life), as a host that dies would go.
+Launcher 0 hosts the rendezvous store (and ftrun's coordinator) and is never the victim.
+"fault -> next step" ends when every rank of the new world has logged a step more than
+``OLD_WORLD_GRACE_S`` after the kill (a line within it can be the old world's last step).
+Variants: ftrun in place (the survivors drop the lost node from the rendezvous as soon as
+the coordinator declares it lost) against torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+and ftrun's c10d tuning passed as ``--rdzv-conf`` (keep-alive 2 s x 3, last call 5 s).
 """
 
 from __future__ import annotations
@@ -32,11 +43,13 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -68,6 +81,17 @@ VARIANTS = [
 ]
 
 
+# A step logged this soon after the node-loss kill may be the old world's last one.
+OLD_WORLD_GRACE_S = 0.1
+# ftrun's c10d tuning (ftrun.launcher.launch.RDZV_TUNING), given to torchrun as --rdzv-conf.
+RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
+NODE_LOSS_VARIANTS = [
+    Variant("ftrun in place, node loss (spare)", "ftrun", "node", {"FTRUN_INPLACE_TIMEOUT": "5"}),
+    Variant("torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, node loss (spare)", "torchrun",
+            "node", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+]
+
+
 @dataclass
 class Result:
     digest: str | None
@@ -77,7 +101,92 @@ class Result:
     wall_s: float
 
 
+def _last_step(job: Path, rank: int) -> int:
+    path = job / f"pids-rank{rank}.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return int(lines[-1].split()[0]) if lines else 0
+
+
+def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
+    """The node-loss case (see the module docstring): --nproc launchers of one rank and a
+    spare on loopback; launcher 1 killed with its ranks once every rank reached
+    --fail-at-step."""
+    job = root / uuid.uuid4().hex[:8]
+    job.mkdir()
+    run_id = f"bench-nodeloss-{job.name}"
+    launcher = ([sys.executable, "-m", "ftrun"] if v.launcher == "ftrun"
+                else [str(Path(sys.executable).with_name("torchrun")), "--rdzv-conf", RDZV_CONF])
+    cmd = [*launcher, "--nnodes", str(cfg.nproc), "--nproc-per-node", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+           "--max-restarts", "2", SCRIPT, "--epochs", str(cfg.epochs), "--samples",
+           str(cfg.samples), "--batch-size", "8", "--hidden", "64", "--pid-log", str(job)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
+           "FTRUN_STATE_DIR": str(job / "state"), **v.env}
+    procs: list[subprocess.Popen[bytes]] = []
+    t0 = time.monotonic()
+    fault = None
+
+    def start(i: int) -> None:
+        with open(job / f"out{i}.log", "w") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                          cwd=ROOT, start_new_session=True))
+
+    def wait(what: str, ok: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + cfg.job_timeout
+        while not ok():
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                print(f"  {v.name}: no {what} within {cfg.job_timeout} s", file=sys.stderr)
+                return False
+            time.sleep(0.05)
+        return True
+
+    try:
+        start(0)
+        time.sleep(2.0)  # launcher 0 binds the rendezvous store first
+        for i in range(1, cfg.nproc):
+            start(i)
+        if wait("first step", lambda: min(_last_step(job, r) for r in range(cfg.nproc)) >= 1):
+            start(cfg.nproc)  # the spare: joins a complete round
+            if wait(f"step {cfg.fail_at_step}", lambda: min(
+                    _last_step(job, r) for r in range(cfg.nproc)) >= cfg.fail_at_step):
+                fault = time.time()
+                os.killpg(procs[1].pid, signal.SIGKILL)
+                for p in procs[:1] + procs[2:]:
+                    try:
+                        p.wait(cfg.job_timeout)
+                    except subprocess.TimeoutExpired:
+                        print(f"  {v.name}: a launcher timed out", file=sys.stderr)
+                        break
+    finally:
+        kill_sessions(procs)
+    wall = time.monotonic() - t0
+    text = "".join((job / f"out{i}.log").read_text() for i in range(len(procs)))
+    digests = DIGEST.findall(text)
+    to_step, next_step = None, None
+    if fault is not None:
+        firsts = []
+        for rank in range(cfg.nproc):
+            lines = [ln.split() for ln in (job / f"pids-rank{rank}.log").read_text().splitlines()]
+            firsts.append(next(((float(t), int(s)) for s, _, t in lines
+                                if float(t) > fault + OLD_WORLD_GRACE_S), None))
+        if all(firsts):
+            to_step = max(f[0] for f in firsts if f) - fault
+            next_step = max(f[1] for f in firsts if f)
+    how = "new processes (torch)" if v.launcher == "torchrun" else "—"
+    events = job / "state" / "jobs" / run_id / "events.jsonl"
+    if events.exists():
+        recs = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
+        hows = sorted({f"{r['how']} (new: {r.get('new_processes', 'all')})" for r in recs
+                       if r.get("type") == "recovery"})
+        early = sum(1 for r in recs if r.get("type") == "rendezvous_node_dropped")
+        how = ", ".join(hows) + (f"; lost node dropped from the rendezvous early ({early}x)"
+                                 if early else "; dropped when its keep-alives expired")
+    return Result(digests[-1] if digests else None, to_step, next_step, how, wall)
+
+
 def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
+    if v.fail_mode == "node":
+        return run_node_loss(cfg, v, root)
     job = root / uuid.uuid4().hex[:8]
     job.mkdir()
     run_id = f"bench-inproc-{job.name}"
@@ -167,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                         "torchrun with the script's --pg-timeout")
     p.add_argument("--stop-pg-timeout", type=float, default=15.0,
                    help="torchrun's SIGSTOP case: the process group timeout (default 15 s)")
+    p.add_argument("--node-loss", action="store_true",
+                   help="add the node-loss case: ftrun in place and torchrun, --nproc "
+                        "launchers of one rank and a spare, launcher 1 killed")
+    p.add_argument("--only-node-loss", action="store_true",
+                   help="run the node-loss case alone")
     p.add_argument("--output", metavar="FILE", help="append the report to FILE")
     p.add_argument("--keep", action="store_true")
     cfg = p.parse_args(argv)
@@ -181,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             Variant(f"torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, stop (--pg-timeout "
                     f"{cfg.stop_pg_timeout:g})", "torchrun", "stop",
                     {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})]
+    if cfg.node_loss:
+        variants += NODE_LOSS_VARIANTS
+    if cfg.only_node_loss:
+        variants = list(NODE_LOSS_VARIANTS)
     if cfg.fail_mode:
         named: dict[str, Variant] = {}
         for v in VARIANTS:
@@ -216,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.fail_at_step}; {cfg.repeats} repeat(s), variants interleaved. \"fault -> next "
         "step\": from the fault marker (written just before the kill or raise) until every "
         "rank logged a step after it. Fault-free run: "
-        f"{base.wall_s:.1f} s, params_xxh3 {base.digest}.", "",
+        f"{base.wall_s:.1f} s, params_xxh3 {base.digest}." + (
+            f" Node loss: {cfg.nproc} launchers x 1 rank (`--nnodes {cfg.nproc}`) and a spare "
+            "on loopback; launcher 1 SIGKILLed with its rank (its process group) once every "
+            f"rank logged step {cfg.fail_at_step}; next step: every rank logged a step more "
+            f"than {OLD_WORLD_GRACE_S} s after the kill; torchrun gets `--rdzv-conf "
+            f"{RDZV_CONF}` (ftrun's tuning)." if any(v.fail_mode == "node" for v in variants)
+            else ""), "",
         "| variant | fault -> next step, median (min-max) | next step | recovery | "
         "final params = fault-free | job wall time, median |",
         "|---|---|---|---|---|---|",
