@@ -415,7 +415,7 @@ class Coordinator:
         if b.type in RESTART_EVENTS:
             self._early_until = time.monotonic() + self.node_timeout_s
         if b.type == "rendezvous_node_dropped" and isinstance(b.data, dict):
-            lost = str(b.data.get("node") or "")
+            lost = str(b.data.get("lost_node") or "")
             if self._membership.get(lost) is not None:
                 self._membership.note_error(lost, f"lost: {b.data.get('reason')}; dropped from "
                                             f"rendezvous round {b.data.get('round')} by "

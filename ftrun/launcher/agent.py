@@ -817,21 +817,21 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             log.warning("could not drop lost node %s from the rendezvous (%s: %s); it is "
                         "dropped when its keep-alives expire", node, type(e).__name__, e)
             return
-        age = "none" if age_s is None else f"{age_s:.1f} s old"
+        age = "none" if age_s is None else f"{age_s:.1f} s ago"
         if outcome in ("dropped", "absent"):
             self._lost_nodes.add(rdzv_node)  # no grace in _dropped_members: it is lost
         if outcome == "dropped":
             log.warning("lost node %s (%s) dropped from rendezvous round %s before its "
-                        "keep-alives expired (its last keep-alive: %s): %s", node, rdzv_node, round_,
-                        age, reason)
-            self._ctx.sink.event("rendezvous_node_dropped", node=node, rdzv_node=rdzv_node,
+                        "keep-alives expired (its last keep-alive: %s): %s", node, rdzv_node,
+                        round_, age, reason)
+            self._ctx.sink.event("rendezvous_node_dropped", lost_node=node, rdzv_node=rdzv_node,
                                  round=round_, reason=reason, early=True,
                                  keepalive_age_s=None if age_s is None else round(age_s, 3))
         elif outcome == "alive":
             log.warning("node %s was declared lost (%s), but its keep-alive reached the "
-                        "rendezvous %s ago, after its launcher went silent: not dropped; "
+                        "rendezvous %s, after its launcher went silent: not dropped; "
                         "c10d's keep-alive check decides", node, reason, age)
-            self._ctx.sink.event("rendezvous_drop_refused", node=node, rdzv_node=rdzv_node,
+            self._ctx.sink.event("rendezvous_drop_refused", lost_node=node, rdzv_node=rdzv_node,
                                  keepalive_age_s=None if age_s is None else round(age_s, 3),
                                  reason=reason)
         else:
