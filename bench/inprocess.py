@@ -25,10 +25,11 @@ Variants:
 Every faulted run's final ``params_xxh3`` must equal the fault-free ftrun run's.
 
 ``--node-loss`` adds the node-loss case: ``--nproc`` launchers of one rank each on loopback
-(``--nnodes N``) plus a spare launcher started once the others train; when every rank has
-logged step ``--fail-at-step``, the benchmark SIGKILLs the process group of launcher 1 (its
-ranks die with it: they are tied to their launcher's life), as a host that dies would go.
-Launcher 0 hosts the rendezvous store (and ftrun's coordinator) and is never the victim.
+(``--nnodes N``) plus one more, the spare (whichever joins last); when every rank has logged
+step ``--fail-at-step``, the benchmark SIGKILLs a launcher that runs a rank, with its rank
+(the process groups of both: torchrun's workers would outlive their agent), as a host that
+dies would go. Launcher 0 hosts the rendezvous store (and ftrun's coordinator) and is never
+the victim.
 "fault -> next step" ends when every rank of the new world has logged a step more than
 ``OLD_WORLD_GRACE_S`` after the kill (a line within it can be the old world's last step).
 Variants: ftrun in place (the survivors drop the lost node from the rendezvous as soon as
@@ -39,6 +40,7 @@ and ftrun's c10d tuning passed as ``--rdzv-conf`` (keep-alive 2 s x 3, last call
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -101,10 +103,28 @@ class Result:
     wall_s: float
 
 
-def _last_step(job: Path, rank: int) -> int:
+def _last_line(job: Path, rank: int) -> list[str]:
+    """The newest ``step pid time`` line of ``rank`` (["0", "0", "0"] before its first)."""
     path = job / f"pids-rank{rank}.log"
     lines = path.read_text().splitlines() if path.exists() else []
-    return int(lines[-1].split()[0]) if lines else 0
+    return lines[-1].split() if lines else ["0", "0", "0"]
+
+
+def _last_step(job: Path, rank: int) -> int:
+    return int(_last_line(job, rank)[0])
+
+
+def _children(pid: int) -> set[int]:
+    """The pids of ``pid``'s child processes (from /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
 
 
 def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
@@ -143,20 +163,26 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     try:
         start(0)
         time.sleep(2.0)  # launcher 0 binds the rendezvous store first
-        for i in range(1, cfg.nproc):
+        for i in range(1, cfg.nproc + 1):  # the last one to join the round is the spare
             start(i)
-        if wait("first step", lambda: min(_last_step(job, r) for r in range(cfg.nproc)) >= 1):
-            start(cfg.nproc)  # the spare: joins a complete round
-            if wait(f"step {cfg.fail_at_step}", lambda: min(
-                    _last_step(job, r) for r in range(cfg.nproc)) >= cfg.fail_at_step):
-                fault = time.time()
-                os.killpg(procs[1].pid, signal.SIGKILL)
-                for p in procs[:1] + procs[2:]:
-                    try:
-                        p.wait(cfg.job_timeout)
-                    except subprocess.TimeoutExpired:
-                        print(f"  {v.name}: a launcher timed out", file=sys.stderr)
-                        break
+        if wait(f"step {cfg.fail_at_step}", lambda: min(
+                _last_step(job, r) for r in range(cfg.nproc)) >= cfg.fail_at_step):
+            ranks = {int(_last_line(job, r)[1]) for r in range(cfg.nproc)}
+            victim = next((p for p in procs[1:] if _children(p.pid) & ranks), None)
+            if victim is None:
+                raise RuntimeError(f"no launcher but launcher 0 is the parent of ranks {ranks}")
+            fault = time.time()
+            # The host dies: its launcher and its rank at once (torchrun's workers outlive
+            # a killed agent: they lead sessions of their own).
+            for pgid in (victim.pid, *sorted(_children(victim.pid))):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+            for p in procs:
+                try:
+                    p.wait(cfg.job_timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"  {v.name}: a launcher timed out", file=sys.stderr)
+                    break
     finally:
         kill_sessions(procs)
     wall = time.monotonic() - t0
@@ -336,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "rank logged a step after it. Fault-free run: "
         f"{base.wall_s:.1f} s, params_xxh3 {base.digest}." + (
             f" Node loss: {cfg.nproc} launchers x 1 rank (`--nnodes {cfg.nproc}`) and a spare "
-            "on loopback; launcher 1 SIGKILLed with its rank (its process group) once every "
+            "on loopback; a launcher with a rank (never launcher 0, the store's) SIGKILLed with "
+            "its rank (both process groups) once every "
             f"rank logged step {cfg.fail_at_step}; next step: every rank logged a step more "
             f"than {OLD_WORLD_GRACE_S} s after the kill; torchrun gets `--rdzv-conf "
             f"{RDZV_CONF}` (ftrun's tuning)." if any(v.fail_mode == "node" for v in variants)
