@@ -33,7 +33,8 @@ the victim.
 "fault -> next step" ends when every rank of the new world has logged a step more than
 ``OLD_WORLD_GRACE_S`` after the kill (a line within it can be the old world's last step).
 Variants: ftrun in place (the survivors drop the lost node from the rendezvous as soon as
-the coordinator declares it lost) against torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+the coordinator declares it lost), the same with warm workers (the spare's rank starts from
+an interpreter with torch imported ahead) against torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 and ftrun's c10d tuning passed as ``--rdzv-conf`` (keep-alive 2 s x 3, last call 5 s).
 """
 
@@ -89,6 +90,8 @@ OLD_WORLD_GRACE_S = 0.1
 RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
 NODE_LOSS_VARIANTS = [
     Variant("ftrun in place, node loss (spare)", "ftrun", "node", {"FTRUN_INPLACE_TIMEOUT": "5"}),
+    Variant("ftrun in place + warm workers, node loss (spare)", "ftrun", "node",
+            {"FTRUN_INPLACE_TIMEOUT": "5", "FTRUN_WARM_WORKERS": "1"}),
     Variant("torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, node loss (spare)", "torchrun",
             "node", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
 ]
@@ -114,16 +117,20 @@ def _last_step(job: Path, rank: int) -> int:
     return int(_last_line(job, rank)[0])
 
 
-def _children(pid: int) -> set[int]:
-    """The pids of ``pid``'s child processes (from /proc)."""
-    out = set()
+def _descendants(pid: int) -> set[int]:
+    """The pids of ``pid``'s descendants (from /proc): a rank may be a warm interpreter's."""
+    parent = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
+            parent[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if int(fields[1]) == pid:
-            out.add(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parent.items() if pp == p}
+        todo += kids - out
+        out |= kids
     return out
 
 
@@ -168,15 +175,20 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
         if wait(f"step {cfg.fail_at_step}", lambda: min(
                 _last_step(job, r) for r in range(cfg.nproc)) >= cfg.fail_at_step):
             ranks = {int(_last_line(job, r)[1]) for r in range(cfg.nproc)}
-            victim = next((p for p in procs[1:] if _children(p.pid) & ranks), None)
+            victim = next((p for p in procs[1:] if _descendants(p.pid) & ranks), None)
             if victim is None:
                 raise RuntimeError(f"no launcher but launcher 0 is the parent of ranks {ranks}")
             fault = time.time()
             # The host dies: its launcher and its rank at once (torchrun's workers outlive
             # a killed agent: they lead sessions of their own).
-            for pgid in (victim.pid, *sorted(_children(victim.pid))):
+            doomed = sorted(_descendants(victim.pid))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(victim.pid, signal.SIGKILL)
+            for pid in doomed:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)  # a worker torch started leads its group
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
             for p in procs:
                 try:
                     p.wait(cfg.job_timeout)
