@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     lines = [
+        "## Node loss: survivors restart in place, the lost node dropped from the rendezvous "
+        "early (issue 17, item 3)" if cfg.only_node_loss else
         "## In-process restart: only the dead rank gets a new process (issue 17)", "",
         f"- Command: `python bench/inprocess.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"- Date (UTC): {started:%Y-%m-%d %H:%M} UTC",
