@@ -30,8 +30,10 @@ step ``--fail-at-step``, the benchmark SIGKILLs a launcher that runs a rank, wit
 (the process groups of both: torchrun's workers would outlive their agent), as a host that
 dies would go. Launcher 0 hosts the rendezvous store (and ftrun's coordinator) and is never
 the victim.
-"fault -> next step" ends when every rank of the new world has logged a step more than
-``OLD_WORLD_GRACE_S`` after the kill (a line within it can be the old world's last step).
+"fault -> next step" ends when every rank of the new world has logged a step after the kill
+that the old world cannot have logged (another process, a step repeated, or more than one
+steps past the rank's last one at the kill: under load the old world's last step may be
+logged after the kill).
 Variants: ftrun in place (the survivors drop the lost node from the rendezvous as soon as
 the coordinator declares it lost), the same with warm workers (the spare's rank starts from
 an interpreter with torch imported ahead) against torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
@@ -84,8 +86,6 @@ VARIANTS = [
 ]
 
 
-# A step logged this soon after the node-loss kill may be the old world's last one.
-OLD_WORLD_GRACE_S = 0.1
 # ftrun's c10d tuning (ftrun.launcher.launch.RDZV_TUNING), given to torchrun as --rdzv-conf.
 RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
 NODE_LOSS_VARIANTS = [
@@ -152,6 +152,7 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     procs: list[subprocess.Popen[bytes]] = []
     t0 = time.monotonic()
     fault = None
+    at_kill: dict[int, tuple[int, str]] = {}  # rank -> (last step, pid) when killed
 
     def start(i: int) -> None:
         with open(job / f"out{i}.log", "w") as out:
@@ -174,7 +175,9 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
             start(i)
         if wait(f"step {cfg.fail_at_step}", lambda: min(
                 _last_step(job, r) for r in range(cfg.nproc)) >= cfg.fail_at_step):
-            ranks = {int(_last_line(job, r)[1]) for r in range(cfg.nproc)}
+            at_kill = {r: (int(_last_line(job, r)[0]), _last_line(job, r)[1])
+                       for r in range(cfg.nproc)}
+            ranks = {int(pid) for _, pid in at_kill.values()}
             victim = next((p for p in procs[1:] if _descendants(p.pid) & ranks), None)
             if victim is None:
                 raise RuntimeError(f"no launcher but launcher 0 is the parent of ranks {ranks}")
@@ -205,8 +208,19 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
         firsts = []
         for rank in range(cfg.nproc):
             lines = [ln.split() for ln in (job / f"pids-rank{rank}.log").read_text().splitlines()]
-            firsts.append(next(((float(t), int(s)) for s, _, t in lines
-                                if float(t) > fault + OLD_WORLD_GRACE_S), None))
+            last_step, last_pid = at_kill[rank]
+            first, prev = None, last_step
+            for s, pid, t in lines:
+                if float(t) <= fault:
+                    continue
+                # The old world can log only the steps whose all-reduce ended before the
+                # kill (one, or two when one was logged while the bench read the logs), in
+                # the same process, each after the one before.
+                if pid != last_pid or int(s) <= prev or int(s) > last_step + 2:
+                    first = (float(t), int(s))
+                    break
+                prev = int(s)
+            firsts.append(first)
         if all(firsts):
             to_step = max(f[0] for f in firsts if f) - fault
             next_step = max(f[1] for f in firsts if f)
@@ -378,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             f" Node loss: {cfg.nproc} launchers x 1 rank (`--nnodes {cfg.nproc}`) and a spare "
             "on loopback; a launcher with a rank (never launcher 0, the store's) SIGKILLed with "
             "its rank (both process groups) once every "
-            f"rank logged step {cfg.fail_at_step}; next step: every rank logged a step more "
-            f"than {OLD_WORLD_GRACE_S} s after the kill; torchrun gets `--rdzv-conf "
+            f"rank logged step {cfg.fail_at_step}; next step: every rank logged a step of the new "
+            "world after the kill; torchrun gets `--rdzv-conf "
             f"{RDZV_CONF}` (ftrun's tuning)." if any(v.fail_mode == "node" for v in variants)
             else ""), "",
         "| variant | fault -> next step, median (min-max) | next step | recovery | "
