@@ -32,8 +32,8 @@ dies would go. Launcher 0 hosts the rendezvous store (and ftrun's coordinator) a
 the victim.
 "fault -> next step" ends when every rank of the new world has logged a step after the kill
 that the old world cannot have logged (another process, a step repeated, or more than one
-steps past the rank's last one at the kill: under load the old world's last step may be
-logged after the kill).
+step past the rank's last one read right after the kill: under load the old world's last
+step may be logged after the kill).
 Variants: ftrun in place (the survivors drop the lost node from the rendezvous as soon as
 the coordinator declares it lost), the same with warm workers (the spare's rank starts from
 an interpreter with torch imported ahead) against torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
@@ -175,9 +175,7 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
             start(i)
         if wait(f"step {cfg.fail_at_step}", lambda: min(
                 _last_step(job, r) for r in range(cfg.nproc)) >= cfg.fail_at_step):
-            at_kill = {r: (int(_last_line(job, r)[0]), _last_line(job, r)[1])
-                       for r in range(cfg.nproc)}
-            ranks = {int(pid) for _, pid in at_kill.values()}
+            ranks = {int(_last_line(job, r)[1]) for r in range(cfg.nproc)}
             victim = next((p for p in procs[1:] if _descendants(p.pid) & ranks), None)
             if victim is None:
                 raise RuntimeError(f"no launcher but launcher 0 is the parent of ranks {ranks}")
@@ -192,6 +190,10 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
                     os.killpg(pid, signal.SIGKILL)  # a worker torch started leads its group
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            # Read once the victim is dead: after this the old world can log only the step
+            # whose all-reduce ended before the kill.
+            at_kill = {r: (int(_last_line(job, r)[0]), _last_line(job, r)[1])
+                       for r in range(cfg.nproc)}
             for p in procs:
                 try:
                     p.wait(cfg.job_timeout)
@@ -213,10 +215,9 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
             for s, pid, t in lines:
                 if float(t) <= fault:
                     continue
-                # The old world can log only the steps whose all-reduce ended before the
-                # kill (one, or two when one was logged while the bench read the logs), in
-                # the same process, each after the one before.
-                if pid != last_pid or int(s) <= prev or int(s) > last_step + 2:
+                # The old world can log only the step whose all-reduce ended before the
+                # kill, in the same process, after the one before.
+                if pid != last_pid or int(s) <= prev or int(s) > last_step + 1:
                     first = (float(t), int(s))
                     break
                 prev = int(s)

@@ -32,10 +32,14 @@ WORKER_BAD = frozenset({"failed", "unhealthy"})
 HEARTBEAT_FIELDS = ("group_rank", "group_world_size", "restarts", "max_restarts",
                     "last_error", "probe_addr", "extra")
 # A node is lost early (:meth:`Membership.check_lost_early`) when silent for this many of its
-# heartbeat intervals, and at least EARLY_LOST_MIN_S. On 2 CPUs at load 16-19 a live
-# launcher's heartbeats (every 1 s) were measured up to 1.9 s apart.
+# heartbeat intervals, at least EARLY_LOST_MIN_S, and EARLY_LOST_JITTER times the longest
+# recent gap between its beats. On 2 CPUs at load 16-22 a live launcher's heartbeats (every
+# 1 s) were measured up to 2.9 s apart.
 EARLY_LOST_BEATS = 3.0
 EARLY_LOST_MIN_S = 3.0
+EARLY_LOST_JITTER = 1.5
+# How fast the longest recent gap is forgotten (per beat).
+GAP_MAX_DECAY = 0.98
 
 
 def worker_running(worker: dict[str, Any]) -> bool:
@@ -74,6 +78,7 @@ class NodeRecord:
     keepalives: int = 0
     beat_mono: float = 0.0  # when the last heartbeat or keep-alive arrived
     beat_gap_s: float = 0.0  # the usual time between them (moving average; 0: unknown yet)
+    beat_gap_max_s: float = 0.0  # the longest recent one (decays by GAP_MAX_DECAY per beat)
     # Derived from ``workers`` on each full heartbeat (the status summary reads only these).
     ranks: list[int] = field(default_factory=list)
     running: int = 0
@@ -85,6 +90,7 @@ class NodeRecord:
         if self.beat_mono:
             gap = mono - self.beat_mono
             self.beat_gap_s = gap if not self.beat_gap_s else 0.8 * self.beat_gap_s + 0.2 * gap
+            self.beat_gap_max_s = max(gap, GAP_MAX_DECAY * self.beat_gap_max_s)
         self.beat_mono = mono
 
     def set_workers(self, workers: list[dict[str, Any]]) -> bool:
@@ -209,7 +215,8 @@ class Membership:
 
     def check_lost_early(self, caught_up_mono: float) -> list[tuple[str, float, float]]:
         """Mark lost the nodes silent for :data:`EARLY_LOST_BEATS` of their heartbeat
-        intervals (at least :data:`EARLY_LOST_MIN_S`, less than the timeout) up to
+        intervals (at least :data:`EARLY_LOST_MIN_S` and :data:`EARLY_LOST_JITTER` times
+        their longest recent gap: a node on a loaded host gets more, less than the timeout) up to
         ``caught_up_mono``; returns (node, silence, the limit it passed). The caller asks only
         while it has evidence that a node went away (another node's workers just failed): a
         node merely slow to report is not called lost for missing a beat or two otherwise.
@@ -219,7 +226,8 @@ class Membership:
             for node in self._nodes.values():
                 if node.lost or node.left or not node.beat_gap_s:
                     continue
-                limit = max(EARLY_LOST_MIN_S, EARLY_LOST_BEATS * node.beat_gap_s)
+                limit = max(EARLY_LOST_MIN_S, EARLY_LOST_BEATS * node.beat_gap_s,
+                            EARLY_LOST_JITTER * node.beat_gap_max_s)
                 silent = caught_up_mono - node.last_seen_mono
                 if limit < self.node_timeout_s and silent > limit:
                     node.lost = True
