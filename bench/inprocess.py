@@ -106,6 +106,13 @@ class Result:
     wall_s: float
 
 
+def _log_lines(job: Path, rank: int) -> list[list[str]]:
+    """``rank``'s ``step pid time`` lines so far."""
+    path = job / f"pids-rank{rank}.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [f for f in (ln.split() for ln in lines) if len(f) == 3]  # a line being written: not yet
+
+
 def _last_line(job: Path, rank: int) -> list[str]:
     """The newest ``step pid time`` line of ``rank`` (["0", "0", "0"] before its first)."""
     path = job / f"pids-rank{rank}.log"
@@ -152,7 +159,7 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     procs: list[subprocess.Popen[bytes]] = []
     t0 = time.monotonic()
     fault = None
-    at_kill: dict[int, tuple[int, str]] = {}  # rank -> (last step, pid) when killed
+    at_kill: dict[int, list[list[str]]] = {}  # rank -> its log lines right after the kill
 
     def start(i: int) -> None:
         with open(job / f"out{i}.log", "w") as out:
@@ -192,8 +199,7 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
                     os.kill(pid, signal.SIGKILL)
             # Read once the victim is dead: after this the old world can log only the step
             # whose all-reduce ended before the kill.
-            at_kill = {r: (int(_last_line(job, r)[0]), _last_line(job, r)[1])
-                       for r in range(cfg.nproc)}
+            at_kill = {r: _log_lines(job, r) for r in range(cfg.nproc)}
             for p in procs:
                 try:
                     p.wait(cfg.job_timeout)
@@ -209,12 +215,11 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     if fault is not None:
         firsts = []
         for rank in range(cfg.nproc):
-            lines = [ln.split() for ln in (job / f"pids-rank{rank}.log").read_text().splitlines()]
-            last_step, last_pid = at_kill[rank]
+            lines = _log_lines(job, rank)
+            seen = at_kill[rank]
+            last_step, last_pid = (int(seen[-1][0]), seen[-1][1]) if seen else (0, "")
             first, prev = None, last_step
-            for s, pid, t in lines:
-                if float(t) <= fault:
-                    continue
+            for s, pid, t in lines[len(seen):]:
                 # The old world can log only the step whose all-reduce ended before the
                 # kill, in the same process, after the one before.
                 if pid != last_pid or int(s) <= prev or int(s) > last_step + 1:
