@@ -153,7 +153,9 @@ def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     cmd = [*launcher, "--nnodes", str(cfg.nproc), "--nproc-per-node", "1", "--rdzv-backend",
            "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
            "--max-restarts", "2", SCRIPT, "--epochs", str(cfg.epochs), "--samples",
-           str(cfg.samples), "--batch-size", "8", "--hidden", "64", "--pid-log", str(job)]
+           str(cfg.samples), "--batch-size", "8", "--hidden", "64", "--pid-log", str(job),
+           # Steps of a few ms would let the job end before the benchmark's kill lands.
+           "--step-sleep", "0.1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
            "FTRUN_STATE_DIR": str(job / "state"), **v.env}
     procs: list[subprocess.Popen[bytes]] = []
@@ -395,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         "step\": from the fault marker (written just before the kill or raise) until every "
         "rank logged a step after it. Fault-free run: "
         f"{base.wall_s:.1f} s, params_xxh3 {base.digest}." + (
-            f" Node loss: {cfg.nproc} launchers x 1 rank (`--nnodes {cfg.nproc}`) and a spare "
+            f" Node loss: {cfg.nproc} launchers x 1 rank (`--nnodes {cfg.nproc}`, the script "
+            "with `--step-sleep 0.1`) and a spare "
             "on loopback; a launcher with a rank (never launcher 0, the store's) SIGKILLed with "
             "its rank (both process groups) once every "
             f"rank logged step {cfg.fail_at_step}; next step: every rank logged a step of the new "
