@@ -23,20 +23,38 @@ Variants:
   processes; the Snapshotter does nothing under torchrun, so the job starts over at step 1).
 
 Every faulted run's final ``params_xxh3`` must equal the fault-free ftrun run's.
+
+``--node-loss`` adds the node-loss case: ``--nproc`` launchers of one rank each on loopback
+(``--nnodes N``) plus one more, the spare (whichever joins last); when every rank has logged
+step ``--fail-at-step``, the benchmark SIGKILLs a launcher that runs a rank, with its rank
+(the process groups of both: torchrun's workers would outlive their agent), as a host that
+dies would go. Launcher 0 hosts the rendezvous store (and ftrun's coordinator) and is never
+the victim.
+"fault -> next step" ends when every rank of the new world has logged a step after the kill
+that the old world cannot have logged (another process, a step repeated, or more than one
+step past the rank's last one read right after the kill: under load the old world's last
+step may be logged after the kill).
+Variants: ftrun in place (the survivors drop the lost node from the rendezvous as soon as
+the coordinator declares it lost), the same with warm workers (the spare's rank starts from
+an interpreter with torch imported ahead) against torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+and ftrun's c10d tuning passed as ``--rdzv-conf`` (keep-alive 2 s x 3, last call 5 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -68,6 +86,17 @@ VARIANTS = [
 ]
 
 
+# ftrun's c10d tuning (ftrun.launcher.launch.RDZV_TUNING), given to torchrun as --rdzv-conf.
+RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
+NODE_LOSS_VARIANTS = [
+    Variant("ftrun in place, node loss (spare)", "ftrun", "node", {"FTRUN_INPLACE_TIMEOUT": "5"}),
+    Variant("ftrun in place + warm workers, node loss (spare)", "ftrun", "node",
+            {"FTRUN_INPLACE_TIMEOUT": "5", "FTRUN_WARM_WORKERS": "1"}),
+    Variant("torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, node loss (spare)", "torchrun",
+            "node", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+]
+
+
 @dataclass
 class Result:
     digest: str | None
@@ -77,7 +106,147 @@ class Result:
     wall_s: float
 
 
+def _log_lines(job: Path, rank: int) -> list[list[str]]:
+    """``rank``'s ``step pid time`` lines so far."""
+    path = job / f"pids-rank{rank}.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [f for f in (ln.split() for ln in lines) if len(f) == 3]  # a line being written: not yet
+
+
+def _last_line(job: Path, rank: int) -> list[str]:
+    """The newest ``step pid time`` line of ``rank`` (["0", "0", "0"] before its first)."""
+    path = job / f"pids-rank{rank}.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return lines[-1].split() if lines else ["0", "0", "0"]
+
+
+def _last_step(job: Path, rank: int) -> int:
+    return int(_last_line(job, rank)[0])
+
+
+def _descendants(pid: int) -> set[int]:
+    """The pids of ``pid``'s descendants (from /proc): a rank may be a warm interpreter's."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parent.items() if pp == p}
+        todo += kids - out
+        out |= kids
+    return out
+
+
+def run_node_loss(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
+    """The node-loss case (see the module docstring): --nproc launchers of one rank and a
+    spare on loopback; launcher 1 killed with its ranks once every rank reached
+    --fail-at-step."""
+    job = root / uuid.uuid4().hex[:8]
+    job.mkdir()
+    run_id = f"bench-nodeloss-{job.name}"
+    launcher = ([sys.executable, "-m", "ftrun"] if v.launcher == "ftrun"
+                else [str(Path(sys.executable).with_name("torchrun")), "--rdzv-conf", RDZV_CONF])
+    cmd = [*launcher, "--nnodes", str(cfg.nproc), "--nproc-per-node", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+           "--max-restarts", "2", SCRIPT, "--epochs", str(cfg.epochs), "--samples",
+           str(cfg.samples), "--batch-size", "8", "--hidden", "64", "--pid-log", str(job),
+           # Steps of a few ms would let the job end before the benchmark's kill lands.
+           "--step-sleep", "0.1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
+           "FTRUN_STATE_DIR": str(job / "state"), **v.env}
+    procs: list[subprocess.Popen[bytes]] = []
+    t0 = time.monotonic()
+    fault = None
+    at_kill: dict[int, list[list[str]]] = {}  # rank -> its log lines right after the kill
+
+    def start(i: int) -> None:
+        with open(job / f"out{i}.log", "w") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                          cwd=ROOT, start_new_session=True))
+
+    def wait(what: str, ok: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + cfg.job_timeout
+        while not ok():
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                print(f"  {v.name}: no {what} within {cfg.job_timeout} s", file=sys.stderr)
+                return False
+            time.sleep(0.05)
+        return True
+
+    try:
+        start(0)
+        time.sleep(2.0)  # launcher 0 binds the rendezvous store first
+        for i in range(1, cfg.nproc + 1):  # the last one to join the round is the spare
+            start(i)
+        if wait(f"step {cfg.fail_at_step}", lambda: min(
+                _last_step(job, r) for r in range(cfg.nproc)) >= cfg.fail_at_step):
+            ranks = {int(_last_line(job, r)[1]) for r in range(cfg.nproc)}
+            victim = next((p for p in procs[1:] if _descendants(p.pid) & ranks), None)
+            if victim is None:
+                raise RuntimeError(f"no launcher but launcher 0 is the parent of ranks {ranks}")
+            fault = time.time()
+            # The host dies: its launcher and its rank at once (torchrun's workers outlive
+            # a killed agent: they lead sessions of their own).
+            doomed = sorted(_descendants(victim.pid))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(victim.pid, signal.SIGKILL)
+            for pid in doomed:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)  # a worker torch started leads its group
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            # Read once the victim is dead: after this the old world can log only the step
+            # whose all-reduce ended before the kill.
+            at_kill = {r: _log_lines(job, r) for r in range(cfg.nproc)}
+            for p in procs:
+                try:
+                    p.wait(cfg.job_timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"  {v.name}: a launcher timed out", file=sys.stderr)
+                    break
+    finally:
+        kill_sessions(procs)
+    wall = time.monotonic() - t0
+    text = "".join((job / f"out{i}.log").read_text() for i in range(len(procs)))
+    digests = DIGEST.findall(text)
+    to_step, next_step = None, None
+    if fault is not None:
+        firsts = []
+        for rank in range(cfg.nproc):
+            lines = _log_lines(job, rank)
+            seen = at_kill[rank]
+            last_step, last_pid = (int(seen[-1][0]), seen[-1][1]) if seen else (0, "")
+            first, prev = None, last_step
+            for s, pid, t in lines[len(seen):]:
+                # The old world can log only the step whose all-reduce ended before the
+                # kill, in the same process, after the one before.
+                if pid != last_pid or int(s) <= prev or int(s) > last_step + 1:
+                    first = (float(t), int(s))
+                    break
+                prev = int(s)
+            firsts.append(first)
+        if all(firsts):
+            to_step = max(f[0] for f in firsts if f) - fault
+            next_step = max(f[1] for f in firsts if f)
+    how = "new processes (torch)" if v.launcher == "torchrun" else "—"
+    events = job / "state" / "jobs" / run_id / "events.jsonl"
+    if events.exists():
+        recs = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
+        hows = sorted({f"{r['how']} (new: {r.get('new_processes', 'all')})" for r in recs
+                       if r.get("type") == "recovery"})
+        early = sum(1 for r in recs if r.get("type") == "rendezvous_node_dropped")
+        how = ", ".join(hows) + (f"; lost node dropped from the rendezvous early ({early}x)"
+                                 if early else "; dropped when its keep-alives expired")
+    return Result(digests[-1] if digests else None, to_step, next_step, how, wall)
+
+
 def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
+    if v.fail_mode == "node":
+        return run_node_loss(cfg, v, root)
     job = root / uuid.uuid4().hex[:8]
     job.mkdir()
     run_id = f"bench-inproc-{job.name}"
@@ -167,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
                         "torchrun with the script's --pg-timeout")
     p.add_argument("--stop-pg-timeout", type=float, default=15.0,
                    help="torchrun's SIGSTOP case: the process group timeout (default 15 s)")
+    p.add_argument("--node-loss", action="store_true",
+                   help="add the node-loss case: ftrun in place and torchrun, --nproc "
+                        "launchers of one rank and a spare, launcher 1 killed")
+    p.add_argument("--only-node-loss", action="store_true",
+                   help="run the node-loss case alone")
     p.add_argument("--output", metavar="FILE", help="append the report to FILE")
     p.add_argument("--keep", action="store_true")
     cfg = p.parse_args(argv)
@@ -181,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
             Variant(f"torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, stop (--pg-timeout "
                     f"{cfg.stop_pg_timeout:g})", "torchrun", "stop",
                     {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})]
+    if cfg.node_loss:
+        variants += NODE_LOSS_VARIANTS
+    if cfg.only_node_loss:
+        variants = list(NODE_LOSS_VARIANTS)
     if cfg.fail_mode:
         named: dict[str, Variant] = {}
         for v in VARIANTS:
@@ -202,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     lines = [
+        "## Node loss: survivors restart in place, the lost node dropped from the rendezvous "
+        "early (issue 17, item 3)" if cfg.only_node_loss else
         "## In-process restart: only the dead rank gets a new process (issue 17)", "",
         f"- Command: `python bench/inprocess.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
         f"- Date (UTC): {started:%Y-%m-%d %H:%M} UTC",
@@ -216,7 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.fail_at_step}; {cfg.repeats} repeat(s), variants interleaved. \"fault -> next "
         "step\": from the fault marker (written just before the kill or raise) until every "
         "rank logged a step after it. Fault-free run: "
-        f"{base.wall_s:.1f} s, params_xxh3 {base.digest}.", "",
+        f"{base.wall_s:.1f} s, params_xxh3 {base.digest}." + (
+            f" Node loss: {cfg.nproc} launchers x 1 rank (`--nnodes {cfg.nproc}`, the script "
+            "with `--step-sleep 0.1`) and a spare "
+            "on loopback; a launcher with a rank (never launcher 0, the store's) SIGKILLed with "
+            "its rank (both process groups) once every "
+            f"rank logged step {cfg.fail_at_step}; next step: every rank logged a step of the new "
+            "world after the kill; torchrun gets `--rdzv-conf "
+            f"{RDZV_CONF}` (ftrun's tuning)." if any(v.fail_mode == "node" for v in variants)
+            else ""), "",
         "| variant | fault -> next step, median (min-max) | next step | recovery | "
         "final params = fault-free | job wall time, median |",
         "|---|---|---|---|---|---|",

@@ -406,6 +406,75 @@ def leave_rendezvous(handler: Any, timeout_s: float) -> bool:
     return True
 
 
+# -- dropping a lost node from a c10d rendezvous round (node loss, ftrun.launcher.agent) ------
+#
+# ``DynamicRendezvousHandler`` keeps the shared state (``_RendezvousState``: ``participants``,
+# ``wait_list``, ``redundancy_list``, ``last_heartbeats`` by ``_NodeDesc``) in its backend and
+# syncs it through a ``_BackendRendezvousStateHolder(backend, settings, cache_duration)``: the
+# holder's ``sync()`` reads the state (or, marked dirty, writes it by compare-and-set and reads
+# back the winner) and then ``_sanitize()``s it, which removes every node whose keep-alive is
+# older than ``keep_alive_interval * keep_alive_max_attempt`` from all of them and, where a
+# participant went, runs the epilogue that moves an emptied complete round to the next one.
+# Nodes waiting for a lost member of their round sit in that state until some node's sanitize
+# removes it. ftrun removes a node its coordinator declared lost the same way, sooner: a holder
+# of its own over the handler's backend (``handler._state_holder._backend``, ``_settings``),
+# the lost node's keep-alive stamped expired, torch's ``_sanitize()`` does the removal, and the
+# state is written back by compare-and-set (retried on a lost race). Every node that syncs
+# next reads the round without it. The backend's store is a TCPStore client, whose operations
+# are serialised by its own lock: this runs on a thread of its own while the agent's thread
+# waits in ``next_rendezvous`` (which holds no lock of the handler's).
+
+_LONG_EXPIRED = "1970-01-01T00:00:00+00:00"
+
+
+def drop_rendezvous_node(handler: Any, node: str, min_silence_s: float,
+                         timeout_s: float) -> tuple[str, int | None, float | None]:
+    """Remove ``node`` (its name in the rendezvous, :func:`rendezvous_node`) from the c10d
+    rendezvous state of ``handler`` as torch removes a node whose keep-alives expired.
+
+    Refused while the node's last keep-alive is younger than ``min_silence_s`` (it reached
+    the store after whoever declared it lost stopped hearing from it: not lost). Returns
+    (outcome, round, keep-alive age in seconds) with outcome ``dropped``, ``absent`` (not in
+    the state: gone already), ``alive`` (refused), ``unsupported`` (another kind of handler)
+    or ``timeout`` (no write won the compare-and-set within ``timeout_s``)."""
+    import time
+    from datetime import datetime, timezone
+
+    holder = getattr(handler, "_state_holder", None)
+    backend = getattr(holder, "_backend", None)
+    settings = getattr(handler, "_settings", None)
+    if backend is None or settings is None:
+        return "unsupported", None, None
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _BackendRendezvousStateHolder,
+    )
+
+    mine = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mine.sync()
+        state = mine.state
+        desc = next((d for d in state.last_heartbeats if str(d) == node), None)
+        if desc is None:
+            members = (*state.participants, *state.wait_list, *state.redundancy_list)
+            desc = next((d for d in members if str(d) == node), None)
+            if desc is None:
+                return "absent", int(state.round), None
+            age_s = None  # listed without a keep-alive: nothing keeps it there
+        else:
+            age_s = (datetime.now(timezone.utc) - state.last_heartbeats[desc]).total_seconds()
+            if age_s < min_silence_s:
+                return "alive", int(state.round), age_s
+        round_ = int(state.round)
+        state.last_heartbeats[desc] = datetime.fromisoformat(_LONG_EXPIRED)
+        mine._sanitize()
+        mine.mark_dirty()
+        if mine.sync():
+            return "dropped", round_, age_s
+        if time.monotonic() >= deadline:
+            return "timeout", round_, age_s
+
+
 # -- the Flight Recorder (ftrun.rank.collectives) ----------------------------------------------
 #
 # torch records every collective of every process group in its Flight Recorder, on gloo too:

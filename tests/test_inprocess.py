@@ -92,16 +92,22 @@ def test_stopped_rank_is_killed_and_replaced_alone(procs: Procs, tmp_path: Path,
                                                   fault_free: str) -> None:
     """A rank frozen by SIGSTOP cannot leave the function: named by the coordinator (the
     others wait for it) or by its launcher (stopped too long), it is killed and gets a new
-    process; the others restart in place."""
+    process; the others restart in place. Named by the coordinator, the in-place restart
+    itself kills it (a stopped survivor, at the start of every in-place restart)."""
     digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "stop",
                                   "--kill-at-step", "5", "--kill-rank", "1")
     assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
     events = read_events(tmp_path / "state", run_id)
-    named = [e for e in events if e["type"] == "directive_restart" and 1 in e["killed"]
-             or e["type"] == "hang_detected" and e["rank"] == 1]
-    assert named, [e["type"] for e in events]
+    hang = [e for e in events if e["type"] == "hang_detected" and e["rank"] == 1]
+    stopped = [e for e in events if e["type"] == "stopped_rank_killed"]
     rec = assert_only_rank_replaced(tmp_path, events, 1)
-    assert "rank 1 died (SIGKILL)" in rec["why"], rec
+    if hang:  # its launcher found it stopped too long and killed it: it died
+        assert "rank 1 died (SIGKILL)" in rec["why"], rec
+    else:  # the coordinator named it; the restart in place killed it
+        named = [e for e in events if e["type"] == "directive_restart" and 1 in e["ranks"]]
+        assert named and all(e["in_place"] and e["killed"] == [] for e in named), named
+        assert [(e["rank"], e["local_rank"]) for e in stopped] == [(1, 1)], stopped
+        assert rec["stopped_killed"] == [1] and rec["why"].startswith("coordinator:"), rec
     assert digest == fault_free
 
 

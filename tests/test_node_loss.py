@@ -434,10 +434,11 @@ def test_standalone_coordinator_outlives_the_host_that_would_host_it(
 USER_DDP = str(Path(__file__).resolve().parent.parent / "examples" / "user_ddp.py")
 
 
-def _user_ddp_job(c: Cluster, run_id: str, hosts: Sequence[int], out: Path) -> list[Any]:
+def _user_ddp_job(c: Cluster, run_id: str, hosts: Sequence[int], out: Path,
+                  *extra: str) -> list[Any]:
     """examples/user_ddp.py, one rank per host, 3 nodes (a 4th launcher is a spare)."""
     out.mkdir(exist_ok=True)
-    cmd = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    cmd = [*extra, "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"{c.hostname(0)}:{PORT}", "--rdzv-id", run_id,
            "--max-restarts", "3", USER_DDP, "--epochs", "2", "--samples", "384",
            "--batch-size", "8", "--hidden", "64", "--step-sleep", "0.1", "--pid-log", str(out),
@@ -463,13 +464,20 @@ def test_host_killed_with_spare_survivors_restart_in_place(cluster_factory, stat
     training host is killed (processes and memory). The survivors' collectives fail on the
     lost peer, their launchers restart them in place at once (no waiting for the rendezvous
     to notice), the spare joins with a new process, the lost rank's shard comes from its
-    replica; the survivors keep their processes and the weights equal the fault-free run's."""
+    replica; the survivors keep their processes and the weights equal the fault-free run's.
+
+    The survivors' rendezvous does not wait for the lost node's c10d keep-alives to expire
+    (made 30 s here, far beyond the job's whole recovery): the coordinator declares the host
+    lost once its launcher missed a few heartbeats while the survivors' workers failed, and
+    a survivor drops it from the rendezvous round at once (events ``node_lost`` early and
+    ``rendezvous_node_dropped``)."""
     c = cluster_factory(4)
     reference = _digest(c, _user_ddp_job(c, f"ref-{c.tmp_path.name[-6:]}", range(3),
                                          c.tmp_path / "ref"))
     out = c.tmp_path / "faulted"
     run_id = f"inplace-loss-{c.tmp_path.name[-6:]}"
-    nodes = _user_ddp_job(c, run_id, range(4), out)
+    nodes = _user_ddp_job(c, run_id, range(4), out, "--rdzv-conf",
+                          "keep_alive_interval=2,keep_alive_max_attempt=15")
 
     def step_of(rank: int) -> int:  # the newest step rank ``rank`` logged
         path = out / f"pids-rank{rank}.log"
@@ -485,9 +493,19 @@ def test_host_killed_with_spare_survivors_restart_in_place(cluster_factory, stat
     survivor_pids = {pid for h in training if h != victim
                      for pid in started[h]["pids"].values()}
     t_kill = time.time()
-    c.kill_host(victim)
+    assert c.kill_host(victim), "the victim host had no process to kill"
     assert _digest(c, [p for p in nodes if p.host != victim]) == reference
-    recoveries = [e for e in read_events(state_dir, run_id) if e["type"] == "recovery"]
+    events = read_events(state_dir, run_id)
+    lost_node = started[victim]["node"]
+    lost = [e for e in events if e["type"] == "node_lost" and e["node"] == lost_node]
+    assert len(lost) == 1 and lost[0]["early"] and "while other nodes' workers failed" in \
+        lost[0]["reason"], lost
+    dropped = [e for e in events if e["type"] == "rendezvous_node_dropped"]
+    assert [(e["lost_node"], e["early"]) for e in dropped] == [(lost_node, True)], dropped
+    assert dropped[0]["node"] != lost_node, dropped  # a survivor dropped it
+    assert dropped[0]["rdzv_node"].startswith(c.hostname(victim) + "_"), dropped
+    assert not [e for e in events if e["type"] == "rendezvous_drop_refused"], events
+    recoveries = [e for e in events if e["type"] == "recovery"]
     for h in training:
         if h != victim:
             mine = [r for r in recoveries if r["node"].startswith(c.hostname(h) + "/")]

@@ -312,6 +312,58 @@ def test_rendezvous_state_seen_through_the_c10d_handler() -> None:
         handler.shutdown()
 
 
+def test_a_lost_node_is_dropped_from_the_rendezvous_as_torch_drops_an_expired_one() -> None:
+    """drop_rendezvous_node goes through DynamicRendezvousHandler's state holder, backend and
+    settings and torch's own _sanitize: two real c10d handlers form a round of 2; one stops
+    its keep-alives; the other drops it (refused while its keep-alive is younger than asked),
+    and a fresh handler on the same store reads the round without it."""
+    import threading
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        _BackendRendezvousStateHolder,
+    )
+
+    assert params(_BackendRendezvousStateHolder) == ["backend", "settings", "cache_duration"]
+    for name in ("_sanitize", "sync", "mark_dirty", "state"):
+        assert hasattr(_BackendRendezvousStateHolder, name), name
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def handler() -> DynamicRendezvousHandler:
+        backend, _ = create_backend(RendezvousParameters(
+            "c10d", f"127.0.0.1:{port}", "drop", 2, 2, is_host="0", timeout="30"))
+        return DynamicRendezvousHandler.from_backend("drop", store, backend, 2, 2)
+
+    a, b = handler(), handler()
+    assert _torch.drop_rendezvous_node(object(), "x", 0.0, 1.0)[0] == "unsupported"
+    joined = [threading.Thread(target=h.next_rendezvous) for h in (a, b)]
+    for t in joined:
+        t.start()
+    for t in joined:
+        t.join(60)
+    try:
+        lost = _torch.rendezvous_node(b)
+        me = _torch.rendezvous_node(a)
+        assert lost is not None and me is not None
+        b._stop_heartbeats()  # b's host died
+        outcome, round_, age_s = _torch.drop_rendezvous_node(a, lost, 3600.0, 10.0)
+        assert outcome == "alive" and age_s is not None and age_s < 3600, (outcome, age_s)
+        outcome, round_, age_s = _torch.drop_rendezvous_node(a, lost, 0.0, 10.0)
+        assert outcome == "dropped", outcome
+        fresh = handler()
+        fresh.num_nodes_waiting()  # a sync: reads the state as every node will
+        view = _torch.rendezvous_view(fresh)
+        assert view is not None and view[0] == round_ and view[1] == frozenset({me}), view
+        assert lost not in view[2]
+        assert _torch.drop_rendezvous_node(a, lost, 0.0, 10.0)[0] == "absent"
+    finally:
+        a.shutdown()
+
+
 # ---- leaving a job without closing its rendezvous (ftrun._torch.rendezvous_keeping_error) ----
 
 

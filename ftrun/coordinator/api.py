@@ -71,6 +71,9 @@ class Action(StrEnum):
     RESTART = "restart"  # SIGKILL these local workers {"ranks": [global ranks], "reason"}
     ISOLATE = "isolate"  # stop every worker, leave the job, exit ISOLATED {"reason", "evidence"}
     PROBE = "probe"  # probe these peers, send probe_result {"peers": [...], "size": bytes}
+    # A node is lost: take it out of the rendezvous round now rather than when its c10d
+    # keep-alives expire {"node", "rdzv_node", "reason", "silent_s"}
+    DROP_NODE = "drop_node"
     # Not an order but a request, in a reply to a keep-alive whose workers the coordinator
     # does not hold: send a full heartbeat. The reporter handles it; never handed on or acked.
     REPORT = "report"

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import jobs, protocol
+from ftrun.coordinator.api import Action
 from ftrun.coordinator.directives import REPORT_ACTION, DirectiveBook
 from ftrun.coordinator.events import EventLog
 from ftrun.coordinator.membership import Membership
@@ -157,6 +158,9 @@ class Coordinator:
         # The last time the serving thread had read every queued message (see membership).
         self._caught_up = time.monotonic()
         self._next_lost_check = 0.0
+        # Until then a node silent for a few of its heartbeat intervals is lost (set by a
+        # node's worker_failure or restart event: a peer may have gone with its host).
+        self._early_until = 0.0
         self._behind_max_s = 0.0  # of the current episode of being behind (0: not behind)
         # Messages read, and those refused (``auth_failures``, ``bad_messages``).
         self.counters: dict[str, int] = {}
@@ -335,6 +339,37 @@ class Coordinator:
             self._record("node_lost", node_id, {"silent_s": round(silent_s, 3),
                                                 "node_timeout_s": self.node_timeout_s})
             self._drop_directives(node_id, "node lost")
+            self._drop_from_rendezvous(node_id, silent_s,
+                                       f"silent for {silent_s:.1f} s (--node-timeout)")
+        if time.monotonic() >= self._early_until:
+            return
+        for node_id, silent_s, limit_s in self._membership.check_lost_early(self._caught_up):
+            reason = (f"silent for {silent_s:.1f} s (over {limit_s:.1f} s: a few of its "
+                      "heartbeat intervals) while other nodes' workers failed")
+            log.warning("node %s lost: %s", node_id, reason)
+            self._record("node_lost", node_id, {"silent_s": round(silent_s, 3),
+                                                "limit_s": round(limit_s, 3), "early": True,
+                                                "reason": reason})
+            self._membership.note_error(node_id, f"lost: {reason}")
+            self._drop_directives(node_id, "node lost")
+            self._drop_from_rendezvous(node_id, silent_s, reason)
+
+    def _drop_from_rendezvous(self, node_id: str, silent_s: float, reason: str) -> None:
+        """Order every other live node to take the lost ``node_id`` out of the rendezvous
+        round now (:data:`Action.DROP_NODE`): the survivors re-rendezvous without waiting
+        for its c10d keep-alives to expire. The first to act removes it; for the others it
+        is gone already. Nothing to do for a node that never said its rendezvous name."""
+        lost = self._membership.get(node_id)
+        extra = lost.fields.get("extra") if lost is not None else None
+        rdzv_node = extra.get("rdzv_node") if isinstance(extra, dict) else None
+        if not rdzv_node:
+            return
+        data = {"node": node_id, "rdzv_node": str(rdzv_node), "reason": reason,
+                "silent_s": round(silent_s, 3)}
+        mono = time.monotonic()
+        for other in self._membership.records():
+            if other.node_id != node_id and not self._membership.gone(other.node_id, mono):
+                self._direct_quietly(other.node_id, Action.DROP_NODE, data)
 
     def _rejected(self, kind: str, address: str, reason: str, suppressed: int) -> None:
         """A refused message (already logged by the server) goes into the event log."""
@@ -394,6 +429,14 @@ class Coordinator:
         b: m.Event = msg.body
         self._touch(b.node_id, None, None)
         self._record(b.type, b.node_id, b.data)
+        if b.type in RESTART_EVENTS:
+            self._early_until = time.monotonic() + self.node_timeout_s
+        if b.type == "rendezvous_node_dropped" and isinstance(b.data, dict):
+            lost = str(b.data.get("lost_node") or "")
+            if self._membership.get(lost) is not None:
+                self._membership.note_error(lost, f"lost: {b.data.get('reason')}; dropped from "
+                                            f"rendezvous round {b.data.get('round')} by "
+                                            f"{b.node_id}, before its keep-alives expired")
         if self._detection is not None and b.type in RESTART_EVENTS:
             self._detection.note_restart(b.node_id, b.type)
 

@@ -71,6 +71,13 @@ DROPPED_GRACE_S = 2.0
 LEAVE_TIMEOUT_S = 5.0
 # How long a rank's control socket may take to acknowledge an order (restart in place).
 RANK_REQUEST_TIMEOUT_S = 2.0
+# How long a survivor tries to take a lost node out of the rendezvous state.
+DROP_TIMEOUT_S = 5.0
+# A lost node's c10d keep-alive may be this much younger than the silence the coordinator
+# measured (its last heartbeat may precede its last keep-alive by an interval; clocks differ
+# a little) and the node still count as lost; a younger one reached the rendezvous after its
+# launcher went silent to the coordinator: not lost, left to c10d's own keep-alive check.
+KEEPALIVE_SLACK_S = 1.5
 # The states of a rank's resilient wrapper in which it can restart in place.
 RESTARTABLE = ("running", "failed", "faulted", "aborted")
 
@@ -127,7 +134,17 @@ class AgentContext:
 
     def on_directive(self, directive: dict[str, Any]) -> None:
         """Queue a directive for the agent (thread-safe, never blocks). An ``isolate``
-        arriving while the agent waits in a rendezvous interrupts that wait."""
+        arriving while the agent waits in a rendezvous interrupts that wait. A ``drop_node``
+        is carried out at once on a thread of its own: the agent's thread may be waiting in
+        the very rendezvous that waits for the lost node."""
+        if directive.get("action") == "drop_node":
+            if self.agent is not None:
+                threading.Thread(target=self.agent.drop_lost_node, args=(directive,),
+                                 name="ftrun-drop-node", daemon=True).start()
+            else:
+                log.info("directive %s: drop_node before this node's first rendezvous; "
+                         "nothing to do", directive.get("id"))
+            return
         if directive.get("action") == "isolate" and self.isolate is None:
             self.isolate = directive
         self.directives.put(directive)
@@ -185,6 +202,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._round: tuple[int, frozenset[str]] | None = None  # rendezvous round, members
         self._missing_since: dict[str, float] = {}
+        # Rendezvous names of nodes the coordinator declared lost (drop_lost_node's thread
+        # adds them): missing from this node's round, they are dropped without a grace.
+        self._lost_nodes: set[str] = set()
         self._in_rendezvous = False
         self._isolated: HostIsolated | None = None
         # In-process restart: the generation of the ranks' world (one more per restart in
@@ -230,6 +250,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             "max_restarts": spec.max_restarts,
             "workers": workers,
             "last_error": self._last_error,
+            # The coordinator names this node to the others by it when it is lost.
+            "extra": {"rdzv_node": _torch.rendezvous_node(spec.rdzv_handler)},
         }
 
     def run(self, role: str = "default") -> RunResult:
@@ -577,6 +599,26 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                     os.killpg(proc.pid, signal.SIGKILL)  # torch starts it in its own session
                 proc.wait(RANK_REQUEST_TIMEOUT_S)
 
+    def _kill_stopped(self, worker_group: WorkerGroup, local_ranks: set[int],
+                      why: str) -> set[int]:
+        """SIGKILL those of ``local_ranks`` whose process is stopped (state T or t); returns
+        them."""
+        pids = self.worker_pids()
+        killed = set()
+        for w in worker_group.workers:
+            pid = pids.get(w.local_rank)
+            if w.local_rank not in local_ranks or pid is None or proc_state(pid) not in ("T", "t"):
+                continue
+            log.error("rank %d (local %d, pid %d) is stopped and cannot leave the training "
+                      "function: killing it for a new process (%s)", w.global_rank,
+                      w.local_rank, pid, why)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            killed.add(w.local_rank)
+            self._ctx.sink.event("stopped_rank_killed", rank=w.global_rank,
+                                 local_rank=w.local_rank, pid=pid, why=why)
+        return killed
+
     def _restart_in_place(self, worker_group: WorkerGroup, why: str, detected: float,
                           t0: float) -> None:
         """Restart in place: the dead local ranks (``self._replace``) get new processes,
@@ -589,6 +631,11 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         dead = set(self._replace)
         self._replace = set()
         survivors = {w.local_rank for w in worker_group.workers} - dead
+        # A stopped rank (SIGSTOP) cannot leave the function: it is dead, whatever found the
+        # fault. Killed now, it gets a new process rather than costing the abort's timeout.
+        stopped = self._kill_stopped(worker_group, survivors, why)
+        dead |= stopped
+        survivors -= stopped
         for lr in sorted(survivors):
             if not self._order(lr, "rank_abort", {"generation": gen, "reason": why}):
                 log.warning("local rank %d did not acknowledge rank_abort: replacing it", lr)
@@ -656,6 +703,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             "recovery", how="in_process", why=why, generation=gen, restart_count=restart_count,
             new_processes=sorted(by_local[lr] for lr in dead),
             kept=sorted(by_local[lr] for lr in survivors),
+            stopped_killed=sorted(by_local[lr] for lr in stopped),
             detect_s=round(t0 - detected, 3), abort_s=round(t_abort - t0, 3),
             rendezvous_s=round(t_rdzv - t_abort, 3), world_s=round(t_world - t_rdzv, 3),
             total_s=round(t_world - detected, 3))
@@ -746,32 +794,60 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                 log.warning("directive %s: unknown action %r ignored (a newer coordinator?)",
                             did, action)
 
+    def drop_lost_node(self, directive: dict[str, Any]) -> None:
+        """Carry out a ``drop_node`` directive (on a thread of its own): take the node the
+        coordinator declared lost out of the rendezvous state, so that this node's
+        rendezvous (or, while its workers train, its check for dropped members) goes on
+        without it now rather than when its c10d keep-alives expire. Never this node
+        itself, and not a node whose keep-alive reached the rendezvous after its launcher
+        went silent (:data:`KEEPALIVE_SLACK_S`)."""
+        data = directive.get("data") or {}
+        node, rdzv_node = str(data.get("node") or "?"), str(data.get("rdzv_node") or "")
+        reason = str(data.get("reason") or "declared lost by the coordinator")
+        handler = self.get_worker_group().spec.rdzv_handler
+        if not rdzv_node or rdzv_node == _torch.rendezvous_node(handler):
+            log.warning("directive %s: drop_node names %s; not another node's rendezvous "
+                        "name: ignored", directive.get("id"), rdzv_node or "nothing")
+            return
+        try:
+            silent_s = float(data.get("silent_s") or 0.0)
+            outcome, round_, age_s = _torch.drop_rendezvous_node(
+                handler, rdzv_node, max(0.0, silent_s - KEEPALIVE_SLACK_S), DROP_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the keep-alive expiry still drops it
+            log.warning("could not drop lost node %s from the rendezvous (%s: %s); it is "
+                        "dropped when its keep-alives expire", node, type(e).__name__, e)
+            return
+        age = "none" if age_s is None else f"{age_s:.1f} s ago"
+        if outcome in ("dropped", "absent"):
+            self._lost_nodes.add(rdzv_node)  # no grace in _dropped_members: it is lost
+        if outcome == "dropped":
+            log.warning("lost node %s (%s) dropped from rendezvous round %s before its "
+                        "keep-alives expired (its last keep-alive: %s): %s", node, rdzv_node,
+                        round_, age, reason)
+            self._ctx.sink.event("rendezvous_node_dropped", lost_node=node, rdzv_node=rdzv_node,
+                                 round=round_, reason=reason, early=True,
+                                 keepalive_age_s=None if age_s is None else round(age_s, 3))
+        elif outcome == "alive":
+            log.warning("node %s was declared lost (%s), but its keep-alive reached the "
+                        "rendezvous %s, after its launcher went silent: not dropped; "
+                        "c10d's keep-alive check decides", node, reason, age)
+            self._ctx.sink.event("rendezvous_drop_refused", lost_node=node, rdzv_node=rdzv_node,
+                                 keepalive_age_s=None if age_s is None else round(age_s, 3),
+                                 reason=reason)
+        else:
+            log.info("lost node %s: %s in the rendezvous state (round %s)", node, outcome,
+                     round_)
+
     def _kill_ranks(self, worker_group: WorkerGroup, ranks: list[Any], reason: str,
                     did: Any) -> None:
         pids = self.worker_pids()
         wanted = {r for r in ranks if isinstance(r, int)}
         mine = [w.global_rank for w in worker_group.workers if w.global_rank in wanted]
-        frozen = [w for w in worker_group.workers if w.global_rank in wanted
-                  and proc_state(pids.get(w.local_rank, -1)) in ("T", "t")]
-        if frozen and self.remaining_restarts() > 0 and self._inplace_timeout_s > 0:
-            # A stopped rank cannot leave the function: it is dead. Killed now, its exit is
-            # seen on the next tick like any crash (a new process for it alone; the others
-            # restart in place where they can).
-            for w in frozen:
-                log.error("rank %d (local %d) named by the coordinator is stopped; killing it: "
-                          "%s", w.global_rank, w.local_rank, reason)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pids[w.local_rank], signal.SIGKILL)
-            self._last_error = (f"rank(s) {', '.join(str(w.global_rank) for w in frozen)} "
-                                f"killed: {reason}")[:1024]
-            self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted),
-                                 killed=[w.global_rank for w in frozen], in_place=True,
-                                 reason=reason)
-            return
         if mine and self.remaining_restarts() > 0 and \
                 self._cannot_restart_in_place(worker_group) is None:
             # Every local rank can restart in place: abort them all rather than kill the
-            # culprits (one stuck inside a C call is killed after FTRUN_INPLACE_TIMEOUT).
+            # culprits (a stopped one is killed at once, one stuck inside a C call after
+            # FTRUN_INPLACE_TIMEOUT: _restart_in_place).
             log.error("rank(s) %s named by the coordinator: %s; restarting the workers in "
                       "place", mine, reason)
             self._last_error = f"rank(s) {', '.join(map(str, mine))} restarted: {reason}"[:1024]
@@ -845,7 +921,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         now = time.monotonic()
         gone = self._round[1] - view[2]
         self._missing_since = {n: self._missing_since.get(n, now) for n in gone}
-        return sorted(n for n, t in self._missing_since.items() if now - t >= DROPPED_GRACE_S)
+        return sorted(n for n, t in self._missing_since.items()
+                      if now - t >= DROPPED_GRACE_S or n in self._lost_nodes)
 
     def _on_dropped(self, worker_group: WorkerGroup, dropped: list[str]) -> RunResult:
         """Restart this node's workers (torch's failure path: a restart is counted)."""
