@@ -23,7 +23,8 @@ Run it::
 At the end rank 0 prints ``user-ddp: step=N params_xxh3=HEX``. ``--kill-at-step S --kill-rank
 R`` SIGKILLs rank R in step S once per job, after its optimizer step and before its snapshot
 (the snapshot of step S-1 is then staged on every rank, so the job resumes from S-1);
-``--fail-mode raise|stop`` raises or freezes it instead, and ``--fail-mode bitflip`` flips one
+``--fail-mode raise|stop|hang`` raises, freezes it (SIGSTOP) or hangs it in Python code outside any
+collective (alive, never progressing) instead, and ``--fail-mode bitflip`` flips one
 bit of one of its parameters in place (silent data corruption: the rank goes on, its replica
 now differs from the others'; ftrun's coordinator finds it at the snapshot of that step). ``--stuck-rank`` and
 ``--kill-after-restore-rank`` add a rank that never leaves the function and a second fault
@@ -106,6 +107,12 @@ def maybe_kill(args: argparse.Namespace, rank: int, step: int, model: nn.Module)
         print(f"user-ddp: stopping rank {rank} in step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         return
+    if args.fail_mode == "hang":
+        print(f"user-ddp: rank {rank} hangs in step {step}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:  # alive, in Python, outside any collective
+            time.sleep(0.05)
+        return
     print(f"user-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -161,9 +168,10 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
-    p.add_argument("--fail-mode", choices=("kill", "raise", "stop", "bitflip"), default="kill",
-                   help="SIGKILL, raise an exception, SIGSTOP (frozen) the rank, or flip a "
-                        "bit of one of its parameters")
+    p.add_argument("--fail-mode", choices=("kill", "raise", "stop", "hang", "bitflip"),
+                   default="kill",
+                   help="SIGKILL, raise an exception, SIGSTOP (frozen) the rank, hang it in "
+                        "Python outside collectives, or flip a bit of one of its parameters")
     p.add_argument("--stuck-rank", type=int, default=-1,
                    help="in step --kill-at-step, this rank blocks in a C call for 600 s")
     p.add_argument("--kill-after-restore-rank", type=int, default=-1,

@@ -111,6 +111,26 @@ def test_stopped_rank_is_killed_and_replaced_alone(procs: Procs, tmp_path: Path,
     assert digest == fault_free
 
 
+def test_rank_hung_outside_collectives_keeps_its_process_like_everyone(
+        procs: Procs, tmp_path: Path, fault_free: str) -> None:
+    """Rank 1 hangs in Python code outside any collective (alive, never progressing) while
+    the others wait for it in DDP's all-reduce. The coordinator names it; the in-place
+    restart aborts every rank, the hung one included (the abort's exception reaches it in
+    its sleep), so no rank gets a new process; the weights are the fault-free run's."""
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "hang",
+                                  "--kill-at-step", "5", "--kill-rank", "1")
+    assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
+    events = read_events(tmp_path / "state", run_id)
+    recoveries = [e for e in events if e["type"] == "recovery"]
+    assert recoveries and all(r["how"] == "in_process" for r in recoveries), recoveries
+    assert all(r["new_processes"] == [] for r in recoveries), recoveries
+    named = [e for e in events if e["type"] == "directive_restart" and 1 in e["ranks"]]
+    assert named, [e["type"] for e in events]
+    pids = pids_by_rank(tmp_path)
+    assert all(len(p) == 1 for p in pids.values()), pids  # every rank kept its process
+    assert digest == fault_free
+
+
 def test_rank_that_never_leaves_and_a_second_fault_while_re_forming(
         procs: Procs, tmp_path: Path, fault_free: str) -> None:
     """Rank 1 is SIGKILLed in step 5 while rank 2 is stuck in a C call that no signal
