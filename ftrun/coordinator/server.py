@@ -254,18 +254,21 @@ class Coordinator:
             self._events.start_after(int(seq) + EVENT_SEQ_GAP)
 
     def _save_state(self) -> None:
-        """The state thread: save the event log's position while the role holds."""
+        """The state thread: save the event log's position while the role holds, at once,
+        every STATE_SAVE_S when it moved, and a last time as the coordinator stops."""
         assert self._role is not None
         saved = -1
-        while not self._state_stop.wait(STATE_SAVE_S):
+        while True:
+            stopping = self._state_stop.wait(STATE_SAVE_S if saved >= 0 else 0.0)
             count = self._events.count
-            if count == saved or not self.acting():
-                continue
-            try:
-                if self._role.save("events_seq", count):
-                    saved = count
-            except Exception as e:  # noqa: BLE001 - logged; the next round tries again
-                log.warning("saving the event log's position failed (%s); retrying", e)
+            if count != saved and self.acting():
+                try:
+                    if self._role.save("events_seq", count):
+                        saved = count
+                except Exception as e:  # noqa: BLE001 - logged; the next round tries again
+                    log.warning("saving the event log's position failed (%s); retrying", e)
+            if stopping:
+                return
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -16,8 +16,9 @@ malformed or oversized message is :class:`ProtocolError`, and an ``error`` reply
 the error class it names. Every wait is bounded; sockets never linger at close.
 
 Coordinator terms (``--rdzv-backend etcd``, where the coordinator fails over): a client's
-:attr:`Client.term` is signed into every message it sends, and it drops replies of another
-term (but errors, which order nothing); :meth:`Client.retarget` points it at a new coordinator and term. A server with a
+:attr:`Client.term` is signed into every message it sends, and a client with a term drops
+replies of another one (but errors, which order nothing; a client without a term, such as
+``ftrun status``, takes any); :meth:`Client.retarget` points it at a new coordinator and term. A server with a
 :attr:`Server.term` refuses messages of another term (``stale_term``, answered with an
 error) but for the read-only kinds in ``term_free`` (``ftrun status``), and signs its replies
 with its term.
@@ -350,7 +351,7 @@ class Client:
             msg = self._decode(frames, want)
             if msg is None:
                 continue
-            if msg.term != self.term and msg.kind != "error":
+            if self.term and msg.term != self.term and msg.kind != "error":
                 # A coordinator of an earlier (or later) term: whatever it says, a directive
                 # above all, is not this term's.
                 log.info("dropped a %s of coordinator term %d from %s (this client is on term "

@@ -35,14 +35,16 @@ def etcd_binary() -> str | None:
 
 
 class EtcdCluster:
-    """``members`` etcd processes forming one cluster on 127.0.0.1, under ``base``.
+    """``members`` etcd processes forming one cluster on ``host`` (127.0.0.1 by default:
+    an address of the root namespace's bridge reaches them from network namespaces), under
+    ``base``.
 
     Use as a context manager (or call :meth:`start` and :meth:`stop`): a failure while
     starting stops the members already started. :attr:`endpoints` is what ``--rdzv-endpoint``
     takes (``127.0.0.1:P1,127.0.0.1:P2,...``).
     """
 
-    def __init__(self, base: Path, members: int = 3) -> None:
+    def __init__(self, base: Path, members: int = 3, host: str = "127.0.0.1") -> None:
         if members < 1:
             raise ValueError(f"an etcd cluster needs at least one member, not {members}")
         binary = etcd_binary()
@@ -50,6 +52,7 @@ class EtcdCluster:
             raise FileNotFoundError("etcd is not installed; run: bash scripts/setup-etcd.sh")
         self.binary = binary
         self.base = base
+        self.host = host  # the address every member listens on (loopback by default)
         self.names = [f"m{i}" for i in range(members)]
         self.client_ports = [free_port() for _ in self.names]
         self.peer_ports = [free_port() for _ in self.names]
@@ -57,7 +60,7 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> str:
-        return ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        return ",".join(f"{self.host}:{p}" for p in self.client_ports)
 
     def __enter__(self) -> EtcdCluster:
         return self.start()
@@ -66,7 +69,7 @@ class EtcdCluster:
         self.stop()
 
     def start(self) -> EtcdCluster:
-        cluster = ",".join(f"{n}=http://127.0.0.1:{p}"
+        cluster = ",".join(f"{n}=http://{self.host}:{p}"
                            for n, p in zip(self.names, self.peer_ports, strict=True))
         token = f"ftrun-test-{uuid.uuid4().hex[:12]}"
         try:
@@ -83,8 +86,8 @@ class EtcdCluster:
 
     def _start_member(self, i: int, name: str, cluster: str,
                       token: str) -> subprocess.Popen[bytes]:
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
-        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+        client = f"http://{self.host}:{self.client_ports[i]}"
+        peer = f"http://{self.host}:{self.peer_ports[i]}"
         data = self.base / name
         data.mkdir(parents=True, exist_ok=True)
         with open(self.base / f"{name}.log", "ab") as out:
@@ -103,7 +106,7 @@ class EtcdCluster:
         return proc
 
     def member_healthy(self, i: int) -> bool:
-        url = f"http://127.0.0.1:{self.client_ports[i]}/health"
+        url = f"http://{self.host}:{self.client_ports[i]}/health"
         try:
             with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback
                 return b'"true"' in response.read()
