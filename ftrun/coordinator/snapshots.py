@@ -135,7 +135,10 @@ class SnapshotControl:
                 reply["durable"] = ep.durable if ep is not None else -1
             targets, self._commits.new_targets = self._commits.new_targets, []
             skipped, self._commits.skipped = self._commits.skipped, []
-        if began is not None:
+        if began is not None and began.pop("retaught", False):
+            # Not a restore: a store taught this (restarted or new) coordinator the epoch.
+            self._events.record("epoch_retaught", body["node_id"], began)
+        elif began is not None:
             self._events.record("restore", body["node_id"], began)
         for step, writing in skipped:
             log.warning("step %d is due for disk but node(s) %s still write the previous "

@@ -529,11 +529,13 @@ class NodeServices:
         # its place here, before the reporter's and the store's, whoever runs it.
         self._on_close("coordinator role in etcd", election.resign)
         self._on_close("coordinator", self._stop_coordinator)
-        if election.campaign() is None:
+        holds = election.campaign() is None
+        if holds:
             self._take_role()
         record = wait_coordinator(client, self.run_id, self._join_timeout_s())
-        log.info("coordinator of job %s at %s (run by %s, term %d, found in etcd)",
-                 self.run_id, record.endpoint, record.node_id, record.term)
+        if not holds:
+            log.info("coordinator of job %s at %s (run by %s, term %d, found in etcd)",
+                     self.run_id, record.endpoint, record.node_id, record.term)
         self.endpoint, self.detect_endpoint = record.endpoint, record.detect_endpoint
         self.term, self.holder = record.term, record.node_id
 
@@ -617,15 +619,18 @@ class NodeServices:
     def _tell_store(self, record: CoordinatorRecord) -> None:
         """Move this node's store to the new coordinator (bounded; a store that does not
         answer learns it when the launcher restarts it)."""
-        from ftrun.coordinator.client import request
+        from ftrun.protocol.transport import Client
 
+        client = Client(self.store_url, self.secret, self.run_id, f"launcher:{self.node_id}",
+                        peer="snapshot store")
         try:
-            request(self.store_url, self.secret, self.run_id, "coordinator_moved",
-                    {"endpoint": record.endpoint, "term": record.term}, timeout_s=5.0,
-                    sender=f"launcher:{self.node_id}")
+            client.request("coordinator_moved", {"endpoint": record.endpoint,
+                                                 "term": record.term}, "ack", 5.0, attempts=2)
         except FtrunError as e:
             log.error("could not move this node's snapshot store to the new coordinator "
                       "(%s); its commits wait until it learns it", e)
+        finally:
+            client.close()
 
     def _role_lost(self, reason: str) -> None:
         """This launcher's lease on the coordinator role ran out (its host froze, or etcd was

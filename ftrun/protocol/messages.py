@@ -262,6 +262,9 @@ class SnapEpoch(Body):
     persist_every: int | UnsetType = UNSET
     persist_interval_s: Float | UnsetType = UNSET
     source: Str | UnsetType = UNSET
+    # Taught again to a coordinator that did not know it (restarted, or a failover), not a
+    # restore: base_step is then the newest step the store knows committed.
+    retaught: bool | UnsetType = UNSET
 
 
 class SnapVerified(Body):
