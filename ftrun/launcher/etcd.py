@@ -347,8 +347,11 @@ def coordinator_endpoint(endpoints: str, run_id: str, timeout_s: float) -> str:
 
 
 def wait_coordinator(client: EtcdClient, run_id: str, timeout_s: float,
-                     poll_s: float = 0.1) -> CoordinatorRecord:
-    """The coordinator's record once its holder has published its endpoints."""
+                     poll_s: float = 0.1,
+                     on_vacant: Callable[[], None] | None = None) -> CoordinatorRecord:
+    """The coordinator's record once its holder has published its endpoints.
+    ``on_vacant`` is called whenever nobody holds the role (a launcher then campaigns: the
+    holder it saw may have died before publishing)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -357,6 +360,10 @@ def wait_coordinator(client: EtcdClient, run_id: str, timeout_s: float,
             if time.monotonic() >= deadline:
                 raise
             record = None
+        else:
+            if record is None and on_vacant is not None:
+                on_vacant()
+                continue
         if record is not None and record.endpoint:
             return record
         if time.monotonic() >= deadline:

@@ -532,8 +532,9 @@ class NodeServices:
         holds = election.campaign() is None
         if holds:
             self._take_role()
-        record = wait_coordinator(client, self.run_id, self._join_timeout_s())
-        if not holds:
+        record = wait_coordinator(client, self.run_id, self._join_timeout_s(),
+                                  on_vacant=self._role_vacant)
+        if record.node_id != self.node_id:
             log.info("coordinator of job %s at %s (run by %s, term %d, found in etcd)",
                      self.run_id, record.endpoint, record.node_id, record.term)
         self.endpoint, self.detect_endpoint = record.endpoint, record.detect_endpoint
