@@ -15,13 +15,12 @@ import sys
 import textwrap
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
-from test_etcd import require_etcd
+from test_etcd import client_fixture, cluster_fixture  # noqa: F401  (a 3-member etcd)
 
 from ftrun import protocol
 from ftrun.coordinator.client import coordinator_client, request
@@ -33,18 +32,6 @@ from ftrun.testing import wait_for
 from ftrun.testing.etcd import EtcdCluster
 
 SECRET = b"failover-secret"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    require_etcd()
-    with EtcdCluster(tmp_path_factory.mktemp("etcd")) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cluster: EtcdCluster) -> etcd.EtcdClient:
-    return etcd.EtcdClient(cluster.endpoints, timeout_s=2)
 
 
 def heartbeat(state: str, worker: str) -> dict[str, Any]:
