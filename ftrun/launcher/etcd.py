@@ -449,6 +449,8 @@ class CoordinatorElection:
             self._thread = None
             self.lost, self._stop = threading.Event(), threading.Event()
             self.lease = self.term = 0
+            # Unpublished again: the endpoints of the coordinator it ran are stale.
+            self.record = CoordinatorRecord(self.record.node_id, self.record.host)
         sent = time.monotonic()
         lease = self.client.grant(self.ttl_s)
         try:
@@ -560,6 +562,7 @@ class CoordinatorWatch:
         self.client = client
         self.run_id = run_id
         self.term = term  # the term last handed to on_change (or known at start)
+        self._endpoint = ""
         self._on_change = on_change
         self._on_vacant = on_vacant
         self.poll_s = poll_s
@@ -596,8 +599,8 @@ class CoordinatorWatch:
         record = read_coordinator(self.client, self.run_id)
         if record is None:
             self._on_vacant()
-        elif record.endpoint and record.term != self.term:
-            self.term = record.term
+        elif record.endpoint and (record.term, record.endpoint) != (self.term, self._endpoint):
+            self.term, self._endpoint = record.term, record.endpoint
             self._on_change(record)
 
 
