@@ -8,7 +8,7 @@ store, rank and memory. Checked in one run: another launcher takes the role (a l
 and every survivor moves to it (``coordinator_failover``); the job ends bit-identical to the
 fault-free run, resuming from memory (replicas), never from disk (there is none);
 ``ftrun status --etcd`` answers from the root namespace before the kill and after it, naming
-the new coordinator.
+the new coordinator, and every rank reports its collectives to the new detection service.
 """
 
 from __future__ import annotations
@@ -129,10 +129,21 @@ def test_coordinator_host_killed_another_takes_over(cluster_factory, state_dir: 
         survivors_training = {c.hostname(h) for h in training if h != holder}
         after = wait_for(taken_over, 90, "ftrun status --etcd to name a new coordinator, "
                          "its picture rebuilt", interval_s=0.5)
+
+        def detecting() -> dict | None:
+            """The status once every rank of the new world, the survivors' restarted in
+            place included, reports its collectives to the new detection service."""
+            doc = _status(run_id, endpoints)
+            suspects = ((doc or {}).get("detection") or {}).get("suspects") or {}
+            return doc if suspects.get("ranks", 0) >= 3 else None
+
+        detection = wait_for(detecting, 60, "every rank reporting to the new detection "
+                             "service", interval_s=0.5)["detection"]
         digest, text = _finish(c, [p for p in nodes if p.host != holder])
         t_end = time.time()
 
     new = after["coordinator"]
+    assert detection["endpoint"] != before["detection"]["endpoint"], detection
     assert new["endpoint"] != before["coordinator"]["endpoint"]
     assert not new["stepped_down"]
     assert digest == reference
