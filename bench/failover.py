@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -37,31 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 from ftrun.launcher import etcd  # noqa: E402
 from ftrun.testing import read_events, wait_for  # noqa: E402
-from ftrun.testing.etcd import EtcdCluster  # noqa: E402
+from ftrun.testing.etcd import USER_DDP_DIGEST, EtcdCluster, user_ddp_on_etcd  # noqa: E402
 from ftrun.testing.netns import Cluster  # noqa: E402
-
-USER_DDP = str(ROOT / "examples" / "user_ddp.py")
-STEPS = 32  # 2 epochs of 384 samples, 8 a step on each of 3 ranks
-
-
-def _job(c: Cluster, endpoints: str, run_id: str, hosts: list[int], out: Path) -> list[Any]:
-    out.mkdir(exist_ok=True)
-    cmd = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
-           "--rdzv-endpoint", endpoints, "--rdzv-id", run_id, "--max-restarts", "3",
-           USER_DDP, "--epochs", "2", "--samples", "384", "--batch-size", "8", "--hidden",
-           "64", "--step-sleep", "0.3", "--pid-log", str(out), "--fault-dir", str(out)]
-    return [c.ftrun(i, *cmd, name=f"{run_id}.host{i}") for i in hosts]
 
 
 def _digest(c: Cluster, nodes: list[Any]) -> str:
-    outs = []
-    for p in nodes:
-        code = c.wait(p, 300)
-        outs.append(c.output(p))
-        if code != 0:
-            raise RuntimeError(f"host {p.host} exited {code}:\n{outs[-1][-3000:]}")
-    [digest] = [ln.rpartition("params_xxh3=")[2] for ln in "".join(outs).splitlines()
-                if ln.startswith("user-ddp: step=")]
+    [digest] = re.findall(USER_DDP_DIGEST, c.succeed(nodes, 300), re.M)
     return digest
 
 
@@ -80,13 +62,13 @@ def run_case(c: Cluster, endpoints: str, state_dir: Path, case: str, kill_at: in
     client = etcd.EtcdClient(endpoints, timeout_s=2)
     run_id = f"{case}-{uuid.uuid4().hex[:6]}"
     out = tmp / run_id
-    nodes = _job(c, endpoints, run_id, [0, 1, 2], out)
+    nodes = user_ddp_on_etcd(c, endpoints, run_id, [0, 1, 2], out)
 
     def step() -> int:  # the newest step any rank logged
         return max((s for s, _ in _steps(out)), default=0)
 
     wait_for(lambda: step() >= 1, 300, "training", interval_s=0.2)
-    nodes += _job(c, endpoints, run_id, [3], out)  # the spare
+    nodes += user_ddp_on_etcd(c, endpoints, run_id, [3], out)  # the spare
     holder_rec = etcd.read_coordinator(client, run_id)
     assert holder_rec is not None
     holder = c.namespaces.index(holder_rec.host)
@@ -143,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                            check=True)
             with EtcdCluster(tmp / "etcd", host=root_addr) as cluster:
                 endpoints = cluster.endpoints
-                reference = _digest(c, _job(c, endpoints, f"ref-{uuid.uuid4().hex[:6]}",
+                reference = _digest(c, user_ddp_on_etcd(c, endpoints, f"ref-{uuid.uuid4().hex[:6]}",
                                             [0, 1, 2], tmp / "ref"))
                 rows = []
                 for _ in range(args.rounds):

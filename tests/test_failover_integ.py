@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,38 +29,24 @@ from netns import Cluster, cluster_fixture  # noqa: F401  (the fixture)
 from test_etcd import require_etcd
 
 from ftrun.launcher import etcd
-from ftrun.testing.etcd import EtcdCluster
+from ftrun.testing.etcd import (
+    USER_DDP_DIGEST,
+    USER_DDP_STEPS,
+    EtcdCluster,
+    user_ddp_on_etcd,
+)
 
 log = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.integration]
 
-USER_DDP = str(ROOT / "examples" / "user_ddp.py")
 KILL_AT = 8
-STEPS = 32  # 2 epochs of 384 samples, 8 a step on each of 3 ranks
-
-
-def _job(c: Cluster, endpoints: str, run_id: str, hosts: Sequence[int],
-         out: Path) -> list[Any]:
-    """examples/user_ddp.py on ``hosts``, one rank each, 3 nodes, rendezvous on etcd."""
-    out.mkdir(exist_ok=True)
-    cmd = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
-           "--rdzv-endpoint", endpoints, "--rdzv-id", run_id, "--max-restarts", "3",
-           USER_DDP, "--epochs", "2", "--samples", "384", "--batch-size", "8", "--hidden",
-           "64", "--step-sleep", "0.3", "--pid-log", str(out), "--fault-dir", str(out)]
-    return [c.ftrun(i, *cmd, name=f"{run_id}.host{i}") for i in hosts]
 
 
 def _finish(c: Cluster, nodes: list[Any]) -> tuple[str, str]:
     """(params_xxh3 of the run, every launcher's output); every launcher must succeed."""
-    outs = []
-    for p in nodes:
-        code = c.wait(p, 240)
-        outs.append(c.output(p))
-        assert code == 0, f"host {p.host} exited {code}:\n{outs[-1][-4000:]}"
-    out = "".join(outs)
-    digests = [ln.rpartition("params_xxh3=")[2] for ln in out.splitlines()
-               if ln.startswith("user-ddp: step=")]
+    out = c.succeed(nodes, 240)
+    digests = re.findall(USER_DDP_DIGEST, out, re.M)
     assert len(digests) == 1, out[-4000:]
     return digests[0], out
 
@@ -90,15 +75,15 @@ def test_coordinator_host_killed_another_takes_over(cluster_factory, state_dir: 
     with EtcdCluster(tmp_path / "etcd", host=root_addr) as cluster:
         endpoints = cluster.endpoints
         client = etcd.EtcdClient(endpoints, timeout_s=2)
-        reference, _ = _finish(c, _job(c, endpoints, f"ref-{uuid.uuid4().hex[:6]}", range(3),
+        reference, _ = _finish(c, user_ddp_on_etcd(c, endpoints, f"ref-{uuid.uuid4().hex[:6]}", range(3),
                                        tmp_path / "ref"))
 
         run_id = f"failover-{uuid.uuid4().hex[:6]}"
         out = tmp_path / "faulted"
-        nodes = _job(c, endpoints, run_id, range(3), out)
+        nodes = user_ddp_on_etcd(c, endpoints, run_id, range(3), out)
         wait_for(lambda: min(_step(out, r) for r in range(3)) >= 1, 150, "every rank trains",
                  interval_s=0.1)
-        nodes += _job(c, endpoints, run_id, [3], out)  # the spare
+        nodes += user_ddp_on_etcd(c, endpoints, run_id, [3], out)  # the spare
         before = wait_for(lambda: _status(run_id, endpoints), 60, "ftrun status --etcd")
         old = etcd.read_coordinator(client, run_id)
         assert old is not None and before["coordinator"]["term"] == old.term, before
@@ -112,7 +97,7 @@ def test_coordinator_host_killed_another_takes_over(cluster_factory, state_dir: 
         t_kill = time.time()
         killed = c.kill_host(holder)
         step_at_kill = max(_step(out, r) for r in range(3))
-        assert killed and step_at_kill < STEPS, (killed, step_at_kill)  # mid-training
+        assert killed and step_at_kill < USER_DDP_STEPS, (killed, step_at_kill)  # mid-training
 
         def taken_over() -> dict | None:
             """The status once a new coordinator answers it and has its picture back from

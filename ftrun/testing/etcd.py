@@ -19,9 +19,11 @@ import signal
 import subprocess
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from ftrun.testing.procs import _die_with_parent, free_port, pid_alive, wait_for
+from ftrun.testing.procs import REPO, _die_with_parent, free_port, pid_alive, wait_for
 
 REQUIRE_ENV = "FTRUN_REQUIRE_ETCD"
 START_TIMEOUT_S = 30.0
@@ -149,3 +151,22 @@ class EtcdCluster:
                 text = (self.base / f"{name}.log").read_text(errors="replace")
                 parts.append(f"--- etcd {name} ---\n{text[-1500:]}")
         return "\n".join(parts)
+
+
+# One user-style job on etcd, as the failover test and bench run it: examples/user_ddp.py
+# (@ftrun.resilient), 3 nodes of one rank, a step every ``step_sleep_s`` at least, 32 steps.
+USER_DDP_STEPS = 32  # 2 epochs of 384 samples, 8 a step on each of 3 ranks
+USER_DDP_DIGEST = r"^user-ddp: step=.* params_xxh3=(\w+)$"  # its result line (re.M)
+
+
+def user_ddp_on_etcd(cluster: Any, endpoints: str, run_id: str, hosts: Sequence[int],
+                     out: Path, step_sleep_s: float = 0.3) -> list[subprocess.Popen[str]]:
+    """Start the job's launchers on ``hosts`` of a :class:`ftrun.testing.netns.Cluster`;
+    each rank logs its steps (``pids-rank<R>.log``: step, pid, time) under ``out``."""
+    out.mkdir(exist_ok=True)
+    cmd = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+           "--rdzv-endpoint", endpoints, "--rdzv-id", run_id, "--max-restarts", "3",
+           str(REPO / "examples" / "user_ddp.py"), "--epochs", "2", "--samples", "384",
+           "--batch-size", "8", "--hidden", "64", "--step-sleep", str(step_sleep_s),
+           "--pid-log", str(out), "--fault-dir", str(out)]
+    return [cluster.ftrun(i, *cmd, name=f"{run_id}.host{i}") for i in hosts]
