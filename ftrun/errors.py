@@ -23,6 +23,10 @@ class AuthError(ProtocolError):
     """A control-plane message does not carry proof of the job secret."""
 
 
+class StaleTermError(ProtocolError):
+    """A message signed for another coordinator term than the receiver's (a failover)."""
+
+
 class UnreachableError(FtrunError):
     """A coordinator or store did not answer within its timeout."""
 

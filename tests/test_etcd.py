@@ -34,15 +34,15 @@ def require_etcd() -> None:
                 "a failure)")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+@pytest.fixture(scope="module", name="cluster")
+def cluster_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
     require_etcd()
     with EtcdCluster(tmp_path_factory.mktemp("etcd")) as c:
         yield c
 
 
-@pytest.fixture
-def client(cluster: EtcdCluster) -> etcd.EtcdClient:
+@pytest.fixture(name="client")
+def client_fixture(cluster: EtcdCluster) -> etcd.EtcdClient:
     return etcd.EtcdClient(cluster.endpoints, timeout_s=2)
 
 

@@ -85,6 +85,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "shard_read_request": {"segment": "s", "step": 3, "epoch": "e1", "first": 0, "count": 2},
     "shard_data": {"first": 0, "count": 2},
     "stores_request": {},
+    "coordinator_moved": {"endpoint": "10.0.0.2:4100", "term": 7},
     "stores_reply": {"stores": [{"node_id": "host-b/7", "addr": "10.0.0.2:40002"}]},
     "coll_report": {"node_id": "host-a/99", "host": "host-a", "rank": 3, "world_size": 8,
                     "restart": 0, "pid": 99, "backend": "gloo", "seq": 12, "interval_s": 0.02,

@@ -8,6 +8,8 @@ Launchers send them in heartbeats, the coordinator folds them into the status do
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from ftrun._enum import StrEnum
 
 
@@ -81,3 +83,25 @@ class Action(StrEnum):
 
 # The actions a user may choose for a finding (--on-hang, --on-slow).
 RESPONSES = (Action.WARN, Action.RESTART, Action.ISOLATE)
+
+
+class CoordinatorRole(Protocol):
+    """The role a coordinator that fails over holds (``--rdzv-backend etcd``:
+    :class:`ftrun.launcher.etcd.CoordinatorElection`): its term, whether its lease still
+    holds, and the job's state that must outlive its host (the exclude list, the event log's
+    position), kept where the role is.
+
+    ``acting`` is checked before every decision (a commit, a directive, an isolation): False
+    once the lease may have run out, even before the renewing thread noticed (a process
+    resumed after SIGSTOP). ``save`` writes only while the role is still this holder's
+    (False otherwise); both ``load`` and ``save`` are bounded by the store's timeout and
+    raise :class:`~ftrun.errors.UnreachableError` when it does not answer.
+    """
+
+    term: int
+
+    def acting(self) -> bool: ...
+
+    def load(self, name: str) -> Any: ...
+
+    def save(self, name: str, value: Any) -> bool: ...

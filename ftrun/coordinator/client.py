@@ -44,13 +44,15 @@ HINT = ("is the job running? (check the endpoint, firewalls, and that the job's 
 
 def coordinator_client(endpoint: str, secret: bytes, job: str, sender: str, *,
                        sndhwm: int = 16, context: zmq.Context[Any] | None = None,
-                       on_reply: Callable[[protocol.Message], None] | None = None) -> Client:
-    """A client of the coordinator at ``endpoint`` (``host:port``)."""
+                       on_reply: Callable[[protocol.Message], None] | None = None,
+                       term: int = 0) -> Client:
+    """A client of the coordinator at ``endpoint`` (``host:port``), of coordinator ``term``
+    (0: a coordinator that does not fail over)."""
     protocol.split_endpoint(endpoint)  # fail early on a malformed endpoint
     return Client(endpoint, secret, job, sender, peer="coordinator", hint=HINT,
                   on_reply=on_reply, send_timeout_s=0.0, sndhwm=sndhwm,
                   reconnect_s=RECONNECT_S, max_frame_bytes=protocol.MAX_MESSAGE_BYTES,
-                  context=context)
+                  context=context, term=term)
 
 
 def request(
@@ -183,6 +185,12 @@ class NodeReporter:
 
     ``on_hello`` is called from the reporter thread with the coordinator's answer to
     ``hello`` (``{"re", "detect", "on_hang", "on_slow"}``); :meth:`wait_hello` waits for it.
+
+    ``term`` is the coordinator's term (``--rdzv-backend etcd``; 0: none). When the
+    coordinator fails over, :meth:`retarget` moves the reporter to the new one: it says
+    ``hello`` there and sends a full heartbeat at once (the new coordinator rebuilds the
+    job's membership from them); replies of the old term, directives above all, are
+    dropped from then on.
     """
 
     def __init__(
@@ -196,9 +204,13 @@ class NodeReporter:
         interval_s: float = 1.0,
         on_directive: Callable[[dict[str, Any]], None] | None = None,
         on_hello: Callable[[dict[str, Any]], None] | None = None,
+        term: int = 0,
     ) -> None:
         protocol.split_endpoint(endpoint)  # fail early on a malformed endpoint
         self.endpoint = endpoint
+        self.term = term
+        self._moved: tuple[str, int] | None = None  # (endpoint, term) to move to
+        self._moved_lock = threading.Lock()
         self._secret = secret
         self.job = job
         self.node_id = node_id
@@ -226,6 +238,13 @@ class NodeReporter:
             target=self._run, name=f"ftrun-reporter-{self.node_id}", daemon=True
         )
         self._thread.start()
+
+    def retarget(self, endpoint: str, term: int) -> None:
+        """Report to the coordinator at ``endpoint`` of ``term`` from now on (thread-safe;
+        the reporter thread moves at its next turn)."""
+        protocol.split_endpoint(endpoint)
+        with self._moved_lock:
+            self._moved = (endpoint, term)
 
     def wait_hello(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for the coordinator's answer to ``hello``."""
@@ -262,7 +281,8 @@ class NodeReporter:
         acked: set[str] = set()
         client = coordinator_client(self.endpoint, self._secret, self.job, self.node_id,
                                     sndhwm=100, context=ctx,
-                                    on_reply=lambda msg: self._on_reply(msg, acked))
+                                    on_reply=lambda msg: self._on_reply(msg, acked),
+                                    term=self.term)
         pending: deque[tuple[str, dict[str, Any]]] = deque()
         pending.append(("hello", {"node_id": self.node_id, "host": self.host,
                                   "pid": os.getpid()}))
@@ -271,6 +291,8 @@ class NodeReporter:
         try:
             while True:
                 try:
+                    if self._move(client, pending):
+                        next_hb = time.monotonic()
                     self._drain_queue(pending)
                     bye_id = self._flush(client, pending) or bye_id
                     if not self._stop.is_set() and time.monotonic() >= next_hb:
@@ -292,6 +314,21 @@ class NodeReporter:
         finally:
             client.close()
             ctx.term()
+
+    def _move(self, client: Client, pending: deque[tuple[str, dict[str, Any]]]) -> bool:
+        """Move to the coordinator :meth:`retarget` named, if any: hello first, then a full
+        heartbeat at once. Returns whether it moved."""
+        with self._moved_lock:
+            moved, self._moved = self._moved, None
+        if moved is None or moved == (self.endpoint, self.term):
+            return False
+        self.endpoint, self.term = moved
+        client.retarget(*moved)
+        self._acks.clear()  # the old coordinator's directives: nothing to ack to the new one
+        pending.appendleft(("hello", {"node_id": self.node_id, "host": self.host,
+                                      "pid": os.getpid()}))
+        self._composer.want_full()
+        return True
 
     def _on_reply(self, msg: protocol.Message, acked: set[str]) -> None:
         if msg.kind == "ack" and msg.re is not None:

@@ -425,6 +425,8 @@ class CommitTracker:
             if not known and ep is not None:
                 began = {"epoch": ep.epoch, "step": ep.base_step, "world_size": ep.world_size,
                          "source": ep.source}
+                if body.get("retaught"):
+                    began["retaught"] = True
         elif kind == "snap_verified" and not body.get("ok", True):
             ep = self.failed(body["epoch"], body["rank"], body["step"])
         elif kind == "snap_verified":

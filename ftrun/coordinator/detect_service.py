@@ -20,7 +20,8 @@ finding                    action
 ========================  ==========================================================
 
 Isolating a host puts it on the job's exclude list (``<job dir>/excluded.json``, kept across
-coordinator restarts), orders every launcher on it to stop its workers and exit with code 8,
+coordinator restarts; with a coordinator that fails over, also in its role's store, etcd, so a
+successor on another host has it), orders every launcher on it to stop its workers and exit with code 8,
 and runs ``--isolate-hook CMD HOST`` once (bounded, off the loop). A launcher that starts on an
 excluded host later is told the same at its first heartbeat. The host running the
 coordinator is never isolated (that would end the job): the finding is acted on as a restart
@@ -95,6 +96,8 @@ class DetectService:
         excluded_file: Path | None,
         bind_host: str = "0.0.0.0",
         advertise_host: str = "127.0.0.1",
+        acting: Callable[[], bool] = lambda: True,
+        role: Any = None,
     ) -> None:
         self.run_id = run_id
         self._secret = secret
@@ -107,6 +110,10 @@ class DetectService:
         self._excluded_file = excluded_file
         self._bind_host = bind_host
         self._advertise_host = advertise_host
+        # Whether the coordinator may decide now (its lease holds: see
+        # ftrun.coordinator.server), and its CoordinatorRole, where the exclude list is kept.
+        self._acting = acting
+        self._role = role
         self._lock = threading.Lock()
         self._excluded: dict[str, dict[str, Any]] = self._load_excluded()
         self._told: set[str] = set()  # nodes already ordered out as excluded
@@ -190,6 +197,8 @@ class DetectService:
         with self._lock:
             findings = self.detector.analyse(now)
             generation = self.detector.generation  # bumped by every new world
+        if not self._acting():
+            return []  # the coordinator stepped down: another one decides
         self._order_out_excluded()
         for f in findings:
             self._act(f, now, generation)
@@ -273,6 +282,9 @@ class DetectService:
 
     def isolate(self, host: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
         """Put ``host`` on the exclude list, order its launchers out, run the hook."""
+        if not self._acting():
+            log.warning("not isolating host %s: the coordinator stepped down", host)
+            return
         with self._lock:
             if host in self._excluded:
                 return
@@ -361,6 +373,20 @@ class DetectService:
     # -- the exclude list --------------------------------------------------------------------
 
     def _load_excluded(self) -> dict[str, dict[str, Any]]:
+        hosts = self._load_excluded_file()
+        if self._role is not None:
+            try:
+                kept = self._role.load("excluded") or {}
+            except FtrunError as e:
+                log.error("cannot read the exclude list kept with the coordinator role (%s); "
+                          "using %s only", e, self._excluded_file)
+                kept = {}
+            for host, entry in kept.items():
+                if isinstance(entry, dict) and isinstance(entry.get("reason"), str):
+                    hosts.setdefault(host, {"time": None, "evidence": {}, **entry})
+        return hosts
+
+    def _load_excluded_file(self) -> dict[str, dict[str, Any]]:
         path = self._excluded_file
         if path is None or not path.exists():
             return {}
@@ -385,6 +411,13 @@ class DetectService:
         return dict(hosts)
 
     def _save_excluded(self) -> None:
+        if self._role is not None:
+            try:
+                if not self._role.save("excluded", self._excluded):
+                    log.error("the exclude list was not saved with the coordinator role: "
+                              "the role is another launcher's now")
+            except FtrunError as e:
+                log.error("cannot save the exclude list with the coordinator role (%s)", e)
         path = self._excluded_file
         if path is None:
             return

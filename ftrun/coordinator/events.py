@@ -40,6 +40,12 @@ class EventLog:
         """Events recorded so far (the newest ``seq``)."""
         return self._seq
 
+    def start_after(self, seq: int) -> None:
+        """Number the next event ``seq + 1`` (a coordinator that took over from another goes
+        on past the events its predecessor numbered); never goes back."""
+        with self._lock:
+            self._seq = max(self._seq, seq)
+
     def open(self, path: Path) -> None:
         """Append to ``path`` from now on; on failure events stay in memory only."""
         try:

@@ -17,6 +17,19 @@ messages are logged, counted and recorded, never allowed to crash the loop.
 It runs inside the launcher of node 0 (:meth:`Coordinator.start`, a daemon thread) or as a
 standalone process that also hosts the job's c10d rendezvous store (:func:`run_standalone`).
 
+**Failover** (``--rdzv-backend etcd``). The coordinator then runs in whichever launcher holds
+the role in etcd (a :class:`~ftrun.coordinator.api.CoordinatorRole`) and is bound to its
+*term*: it takes only messages signed for that term (but ``ftrun status``'s read-only
+requests), so nothing captured before a failover is accepted after it. Every decision (a
+message that changes state: a heartbeat, a commit, a store's report; a lost node; a
+directive; the detection service's isolations) first asks the role whether its lease still
+holds; once it does not, the coordinator *steps down*: it refuses everything, records
+``coordinator_stepped_down`` and decides nothing more; the launcher then stops it. What the
+job's launchers and stores report rebuilds a new coordinator's picture (they re-send
+everything on a new term); what no report carries lives with the role: the event log's
+position (saved every :data:`STATE_SAVE_S`; a successor numbers on from
+:data:`EVENT_SEQ_GAP` past it) and the detection service's exclude list.
+
 **Where it listens.** By default the coordinator binds the address its advertised host (the
 job's rendezvous host) resolves to, not every interface: it is reachable where the job
 reaches the rendezvous store and nowhere else. A name that resolves to a loopback address
@@ -38,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import jobs, protocol
-from ftrun.coordinator.api import Action
+from ftrun.coordinator.api import Action, CoordinatorRole
 from ftrun.coordinator.directives import REPORT_ACTION, DirectiveBook
 from ftrun.coordinator.events import EventLog
 from ftrun.coordinator.membership import Membership
@@ -53,7 +66,7 @@ from ftrun.coordinator.status import (
     health_of,
     with_detection,
 )
-from ftrun.errors import ConfigError, FtrunError, UnreachableError
+from ftrun.errors import ConfigError, FtrunError, StaleTermError, UnreachableError
 from ftrun.protocol import messages as m
 from ftrun.protocol.messages import UNSET, given
 from ftrun.protocol.service import Service
@@ -84,6 +97,13 @@ WARN_EVERY_S = 10.0
 EVENTS_REPLY_MAX = 1000
 EVENTS_REPLY_BYTES = protocol.MAX_MESSAGE_BYTES // 2
 ALL_INTERFACES = "0.0.0.0"
+# Read-only requests a coordinator with a term takes whatever term they are signed for:
+# `ftrun status` from a login shell need not know the term (a replay of one changes nothing).
+TERM_FREE = frozenset({"status_request", "events_request"})
+# A coordinator that holds a role saves the event log's position this often, and its
+# successor numbers on this far past the last saved one (the events of its last second).
+STATE_SAVE_S = 1.0
+EVENT_SEQ_GAP = 100_000
 
 
 def default_bind_host(advertise_host: str) -> str:
@@ -130,6 +150,7 @@ class Coordinator:
         events_file: Path | None = None,
         expected_nodes: tuple[int, int] | None = None,
         detection: Any = None,
+        role: CoordinatorRole | None = None,
     ) -> None:
         if not secret:
             raise FtrunError("the coordinator needs a non-empty job secret")
@@ -140,6 +161,13 @@ class Coordinator:
         self._advertise_host = advertise_host
         self._events_file = events_file
         self._expected_nodes = expected_nodes
+        # The role this coordinator holds when it can fail over (None: it is the job's only
+        # one), its term (0: none), and why it stepped down (None: it did not).
+        self._role = role
+        self.term = role.term if role is not None else 0
+        self.stepped_down: str | None = None
+        self._state_thread: threading.Thread | None = None
+        self._state_stop = threading.Event()
         # The collective analysis (ftrun.coordinator.detect_service), when the job runs one:
         # ``detection`` is its DetectConfig.
         self._detection: Any = None
@@ -164,7 +192,7 @@ class Coordinator:
         self._behind_max_s = 0.0  # of the current episode of being behind (0: not behind)
         # Messages read, and those refused (``auth_failures``, ``bad_messages``).
         self.counters: dict[str, int] = {}
-        self._handlers = {
+        handlers = {
             "status_request": self._on_status_request,
             "events_request": self._on_events_request,
             "hello": self._on_hello,
@@ -174,6 +202,8 @@ class Coordinator:
             "bye": self._on_bye,
             **self._snapshots.handlers(),
         }
+        self._handlers = {kind: handler if kind in TERM_FREE else self._guarded(handler)
+                          for kind, handler in handlers.items()}
         # The kinds whose handlers take typed bodies (the others, plain objects).
         self._typed = frozenset({"status_request", "events_request", "hello", "keepalive",
                                  "event", "bye"})
@@ -181,6 +211,68 @@ class Coordinator:
     @property
     def node_timeout_s(self) -> float:
         return self._membership.node_timeout_s
+
+    # -- the role (failover) -----------------------------------------------------------------
+
+    def acting(self) -> bool:
+        """Whether this coordinator may decide anything now: it holds no role (the job's
+        only coordinator), or its role's lease still holds. Steps down on the first False."""
+        if self.stepped_down is not None:
+            return False
+        if self._role is None or self._role.acting():
+            return True
+        self.step_down(f"its lease on the coordinator role (term {self.term}) ran out")
+        return False
+
+    def step_down(self, reason: str) -> None:
+        """Decide nothing more: another launcher may hold the role now. Idempotent; the
+        launcher stops the coordinator afterwards."""
+        if self.stepped_down is not None:
+            return
+        self.stepped_down = reason
+        log.error("coordinator of job %s (term %d) steps down: %s; it decides nothing more",
+                  self.run_id, self.term, reason)
+        self._record("coordinator_stepped_down", None, {"term": self.term, "reason": reason})
+
+    def _guarded(self, handler: Any) -> Any:
+        """``handler``, run only while this coordinator acts (see :meth:`acting`)."""
+        def guarded(msg: protocol.Message) -> Any:
+            if not self.acting():
+                raise StaleTermError(
+                    f"the coordinator of term {self.term} stepped down "
+                    f"({self.stepped_down}); look up the current one in etcd")
+            return handler(msg)
+
+        return guarded
+
+    def _restore_state(self) -> None:
+        """Take over what the role keeps: the event log's position."""
+        assert self._role is not None
+        try:
+            seq = self._role.load("events_seq")
+        except UnreachableError as e:
+            log.warning("cannot read the event log's position from the coordinator role (%s);"
+                        " numbering events from %d", e, EVENT_SEQ_GAP)
+            seq = 0
+        if seq:
+            self._events.start_after(int(seq) + EVENT_SEQ_GAP)
+
+    def _save_state(self) -> None:
+        """The state thread: save the event log's position while the role holds, at once,
+        every STATE_SAVE_S when it moved, and a last time as the coordinator stops."""
+        assert self._role is not None
+        saved = -1
+        while True:
+            stopping = self._state_stop.wait(STATE_SAVE_S if saved >= 0 else 0.0)
+            count = self._events.count
+            if count != saved and self.acting():
+                try:
+                    if self._role.save("events_seq", count):
+                        saved = count
+                except Exception as e:  # noqa: BLE001 - logged; the next round tries again
+                    log.warning("saving the event log's position failed (%s); retrying", e)
+            if stopping:
+                return
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -197,7 +289,8 @@ class Coordinator:
             return self.endpoint
         bind_host = self._bind_host or default_bind_host(self._advertise_host)
         server = Server("coordinator", self._secret, self.run_id, self._handlers,
-                        sender="coordinator", on_reject=self._rejected, typed=self._typed)
+                        sender="coordinator", on_reject=self._rejected, typed=self._typed,
+                        term=self.term, term_free=TERM_FREE)
         service = Service(server, poll_s=POLL_INTERVAL_S, max_messages=MAX_MESSAGES_PER_TICK,
                           after=self._after, batch_s=BATCH_INTERVAL_S, own_context=True,
                           thread_name=f"ftrun-coordinator-{self.run_id}")
@@ -216,10 +309,18 @@ class Coordinator:
         self._service = service
         if self._events_file is not None:
             self._events.open(self._events_file)
-        log.info("coordinator of job %s listening on %s (bound %s:%s)", self.run_id,
-                 self.endpoint, bind_host, self._bound_port)
-        self._record("job_start", None, {"run_id": self.run_id, "endpoint": self.endpoint,
-                                         "pid": os.getpid()})
+        log.info("coordinator of job %s listening on %s (bound %s:%s%s)", self.run_id,
+                 self.endpoint, bind_host, self._bound_port,
+                 f", term {self.term}" if self.term else "")
+        start: dict[str, Any] = {"run_id": self.run_id, "endpoint": self.endpoint,
+                                 "pid": os.getpid()}
+        if self._role is not None:
+            self._restore_state()
+            start["term"] = self.term
+            self._state_thread = threading.Thread(target=self._save_state, daemon=True,
+                                                  name=f"ftrun-coordinator-state-{self.run_id}")
+            self._state_thread.start()
+        self._record("job_start", None, start)
         if self._detection_config is not None:
             self._start_detection(bind_host)
         return self.endpoint
@@ -232,7 +333,8 @@ class Coordinator:
         self._detection = DetectService(
             self.run_id, self._secret, self._detection_config, direct=self._direct_quietly,
             record=self._record, nodes=self._live_nodes, coordinator_host=socket.gethostname(),
-            excluded_file=excluded, bind_host=bind_host, advertise_host=self._advertise_host)
+            excluded_file=excluded, bind_host=bind_host, advertise_host=self._advertise_host,
+            acting=self.acting, role=self._role)
         self._detection.start()
 
     def _corruption_policy(self, detection: Any) -> Any:
@@ -297,6 +399,10 @@ class Coordinator:
             self._close_parts()
 
     def _close_parts(self) -> None:
+        self._state_stop.set()
+        if self._state_thread is not None:
+            self._state_thread.join(timeout=10.0)
+            self._state_thread = None
         if self._detection is not None:
             self._detection.stop()
         self._service = None
@@ -330,7 +436,8 @@ class Coordinator:
             self._behind_max_s = max(self._behind_max_s, behind_s)
         if mono >= self._next_lost_check:
             self._next_lost_check = mono + LOST_CHECK_S
-            self._check_lost()
+            if self.acting():
+                self._check_lost()
 
     def _check_lost(self) -> None:
         for node_id, silent_s in self._membership.check_lost(self._caught_up):
@@ -465,6 +572,9 @@ class Coordinator:
         """Order ``node_id``'s launcher to carry out ``action`` (restart | isolate | probe)
         with ``data``; returns the directive id. It is sent in reply to each of the node's
         heartbeats until acked, and dropped when the node is gone or after 120 s."""
+        if not self.acting():
+            raise StaleTermError(f"cannot direct node {node_id!r}: the coordinator of term "
+                                 f"{self.term} stepped down ({self.stepped_down})")
         node = self._membership.get(node_id)
         if node is None or node.left or node.lost:
             raise FtrunError(f"cannot direct node {node_id!r}: it is "
@@ -544,6 +654,9 @@ class Coordinator:
             "messages": dict(self.counters),
             "directives_pending": self._directives.count(),
         }
+        if self.term:
+            doc["coordinator"]["term"] = self.term
+            doc["coordinator"]["stepped_down"] = self.stepped_down
         doc["summary"]["events"] = self._events.count
         doc["events_tail"] = self._events.tail(EVENTS_TAIL)
         doc["snapshots"] = self._snapshots.summary()

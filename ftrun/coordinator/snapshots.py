@@ -142,7 +142,10 @@ class SnapshotControl:
         for d in diverged:
             if self._corruption is not None:
                 self._corruption.handle(d)
-        if began is not None:
+        if began is not None and began.pop("retaught", False):
+            # Not a restore: a store taught this (restarted or new) coordinator the epoch.
+            self._events.record("epoch_retaught", body["node_id"], began)
+        elif began is not None:
             self._events.record("restore", body["node_id"], began)
         for step, writing in skipped:
             log.warning("step %d is due for disk but node(s) %s still write the previous "

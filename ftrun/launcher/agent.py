@@ -303,6 +303,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         if self._inplace_timeout_s > 0:
             worker_env[knobs.RANK_CONTROL.name] = self._control_base(local_rank)
             worker_env[knobs.RANK_GENERATION.name] = str(self._generation)
+        # Where ranks report their collectives moves when the coordinator fails over (etcd):
+        # a rank restarted in place takes the current one with its new world.
+        worker_env[knobs.DETECT.name] = self._ctx.worker_env.get(knobs.DETECT.name, "")
 
     def start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         os.environ.update(self._ctx.worker_env)

@@ -18,6 +18,17 @@ its holder keeps alive; the others read the coordinator's endpoints from it. The
 ``create_revision`` is the holder's *term*: it grows with every new holder (etcd revisions
 never go back), so what a coordinator signs can later be bound to its term, and a launcher
 that takes the role after the holder's lease expired (failover) gets a larger one.
+
+Failover: every launcher follows the key (:class:`CoordinatorWatch`, a poll every
+:data:`WATCH_POLL_S`). When the holder's host dies its lease runs out (at most
+:data:`COORDINATOR_TTL_S`), the key goes with it, and the first launcher to see it vacant
+takes the role (a new term), starts a coordinator and publishes it; every launcher then moves
+to it. The election is the coordinator's :class:`~ftrun.coordinator.api.CoordinatorRole`:
+:meth:`CoordinatorElection.acting` says whether the lease is certainly still held (its last
+renewal's send time plus the TTL has not passed: a holder frozen by SIGSTOP knows on resuming
+that it may have lost it, before any thread could renew or notice), and the job state that
+must outlive a holder's host is kept under ``/ftrun/<run id>/state/``, written only while the
+role is the writer's (a transaction on the role key's create revision).
 """
 
 from __future__ import annotations
@@ -47,6 +58,13 @@ _RETRY_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
 _LEASE_NOT_FOUND = 5  # NOT_FOUND, for an expired or revoked lease
 # The coordinator's lease: how long the role outlives a holder that stopped renewing it.
 COORDINATOR_TTL_S = 5
+# How often each launcher reads the coordinator's key (a range request: etcd serves tens of
+# thousands a second, so even a thousand launchers cost it little).
+WATCH_POLL_S = 0.5
+# A holder stops acting this long before its lease could run out at etcd (etcd counts the
+# TTL from when it received the renewal, later than the holder sent it; the margin covers a
+# renewal that etcd took but whose answer was lost).
+ACTING_MARGIN_S = 0.5
 
 
 class EtcdError(UnreachableError):
@@ -278,6 +296,11 @@ def coordinator_key(run_id: str) -> str:
     return key_prefix(run_id) + "coordinator"
 
 
+def state_key(run_id: str, name: str) -> str:
+    """Where the coordinator role keeps the job state ``name`` that outlives its host."""
+    return key_prefix(run_id) + "state/" + name
+
+
 @dataclass(frozen=True)
 class CoordinatorRecord:
     """What the holder of the coordinator role publishes (endpoints empty while it starts)."""
@@ -324,8 +347,11 @@ def coordinator_endpoint(endpoints: str, run_id: str, timeout_s: float) -> str:
 
 
 def wait_coordinator(client: EtcdClient, run_id: str, timeout_s: float,
-                     poll_s: float = 0.1) -> CoordinatorRecord:
-    """The coordinator's record once its holder has published its endpoints."""
+                     poll_s: float = 0.1,
+                     on_vacant: Callable[[], None] | None = None) -> CoordinatorRecord:
+    """The coordinator's record once its holder has published its endpoints.
+    ``on_vacant`` is called whenever nobody holds the role (a launcher then campaigns: the
+    holder it saw may have died before publishing)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -334,6 +360,10 @@ def wait_coordinator(client: EtcdClient, run_id: str, timeout_s: float,
             if time.monotonic() >= deadline:
                 raise
             record = None
+        else:
+            if record is None and on_vacant is not None:
+                on_vacant()
+                continue
         if record is not None and record.endpoint:
             return record
         if time.monotonic() >= deadline:
@@ -372,14 +402,56 @@ class CoordinatorElection:
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The lease is certainly held until then (monotonic): see acting().
+        self._alive_until = 0.0
 
     @property
     def leading(self) -> bool:
         return self.term > 0 and not self.lost.is_set()
 
+    def acting(self) -> bool:
+        """Whether this launcher certainly still holds the role: it won it, has not lost it,
+        and its lease cannot have run out yet (checked against the clock, so a process
+        resumed after SIGSTOP knows before any renewal or notice)."""
+        return self.leading and time.monotonic() < self._alive_until - ACTING_MARGIN_S
+
+    def load(self, name: str) -> Any:
+        """The job state ``name`` kept with the role (None when never saved)."""
+        kv = self.client.get(state_key(self.run_id, name))
+        if kv is None:
+            return None
+        try:
+            return json.loads(kv.value)
+        except ValueError as e:
+            raise EtcdError(f"etcd key {state_key(self.run_id, name)!r} does not hold JSON "
+                            f"({e}); another program uses it") from e
+
+    def save(self, name: str, value: Any) -> bool:
+        """Keep the job state ``name``; only while the role is this launcher's (returns
+        False, writing nothing, once it is not)."""
+        if not self.acting():
+            return False
+        put = {"key": b64(state_key(self.run_id, name)), "value": b64(json.dumps(value))}
+        ok, _, _ = self.client.txn(
+            [{"key": b64(self.key), "target": "CREATE", "result": "EQUAL",
+              "create_revision": str(self.term)}],
+            [{"request_put": put}], [])
+        return ok
+
     def campaign(self) -> CoordinatorRecord | None:
         """Try to take the role: None when this launcher holds it now (its lease then renewed
-        in the background), else the current holder's record."""
+        in the background), else the current holder's record. A launcher that lost the
+        role may campaign again (a new lease, a new term)."""
+        if self.leading:
+            return None
+        if self.lost.is_set() or self._thread is not None:
+            self._stop.set()
+            self._thread = None
+            self.lost, self._stop = threading.Event(), threading.Event()
+            self.lease = self.term = 0
+            # Unpublished again: the endpoints of the coordinator it ran are stale.
+            self.record = CoordinatorRecord(self.record.node_id, self.record.host)
+        sent = time.monotonic()
         lease = self.client.grant(self.ttl_s)
         try:
             won, holder = self.client.create(self.key, self.record.to_json(), lease)
@@ -397,8 +469,9 @@ class CoordinatorElection:
             self._revoke_quietly(lease)
             return self.campaign()
         self.lease, self.term = lease, kv.create_revision
-        self._thread = threading.Thread(target=self._renew, name="ftrun-coordinator-lease",
-                                        daemon=True)
+        self._alive_until = sent + self.ttl_s
+        self._thread = threading.Thread(target=self._renew, args=(self._stop,),
+                                        name="ftrun-coordinator-lease", daemon=True)
         self._thread.start()
         log.info("this launcher holds the coordinator role of job %s (term %d)",
                  self.run_id, self.term)
@@ -432,13 +505,13 @@ class CoordinatorElection:
                             "with its lease within %d s", e, self.ttl_s)
         self.lease = 0
 
-    def _renew(self) -> None:
+    def _renew(self, stop: threading.Event) -> None:
         interval = self.ttl_s / 3
-        # The lease is only known to be alive up to the last renewal's send time plus the TTL.
-        alive_until = time.monotonic() + self.ttl_s
-        while not self._stop.wait(interval):
+        while not stop.wait(interval):
             sent = time.monotonic()
-            if sent >= alive_until:
+            # The lease is only known to be alive up to the last renewal's send time plus
+            # the TTL.
+            if sent >= self._alive_until:
                 self._lose(f"its lease was not renewed for {self.ttl_s} s")
                 return
             try:
@@ -452,7 +525,8 @@ class CoordinatorElection:
             if ttl <= 0:
                 self._lose("etcd says its lease expired")
                 return
-            alive_until = sent + ttl
+            if not stop.is_set():
+                self._alive_until = sent + ttl
 
     def _lose(self, reason: str) -> None:
         if self.lost.is_set():
@@ -468,6 +542,66 @@ class CoordinatorElection:
             self.client.revoke(lease)
         except EtcdError as e:
             log.debug("revoking an unused lease failed (%s); it expires by itself", e)
+
+
+class CoordinatorWatch:
+    """Follows job ``run_id``'s coordinator role from a thread of its own.
+
+    Every ``poll_s`` it reads the role's key: ``on_change(record)`` is called once per new
+    published holder (a new term), ``on_vacant()`` while nobody holds the role (the holder's
+    lease ran out: the caller campaigns). Both run on the watch's thread; one that raises is
+    logged and the watch goes on. etcd unreachable is logged (at most every
+    :data:`WARN_EVERY_S`) and retried: the job goes on with the coordinator it has.
+    """
+
+    WARN_EVERY_S = 10.0
+
+    def __init__(self, client: EtcdClient, run_id: str, term: int,
+                 on_change: Callable[[CoordinatorRecord], None],
+                 on_vacant: Callable[[], None], poll_s: float = WATCH_POLL_S) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.term = term  # the term last handed to on_change (or known at start)
+        self._endpoint = ""
+        self._on_change = on_change
+        self._on_vacant = on_vacant
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_warn = float("-inf")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ftrun-coordinator-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.timeout_s * len(self.client.endpoints) + 1)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.check()
+            except EtcdError as e:
+                now = time.monotonic()
+                if now - self._last_warn >= self.WARN_EVERY_S:
+                    self._last_warn = now
+                    log.warning("cannot follow the coordinator role in etcd (%s); the job goes "
+                                "on with the coordinator of term %d", e, self.term)
+            except Exception:  # noqa: BLE001 - logged; the watch goes on
+                log.exception("following the coordinator role failed; retrying")
+
+    def check(self) -> None:
+        """One look at the role's key (what the thread does every ``poll_s``)."""
+        record = read_coordinator(self.client, self.run_id)
+        if record is None:
+            self._on_vacant()
+        elif record.endpoint and (record.term, record.endpoint) != (self.term, self._endpoint):
+            self.term, self._endpoint = record.term, record.endpoint
+            self._on_change(record)
 
 
 def _resolves(host: str) -> bool:

@@ -18,7 +18,10 @@ Order of business on every node:
    With ``--rdzv-backend etcd`` there is no such launcher: the rendezvous state lives in
    etcd (v3 API, :mod:`ftrun.launcher.etcd_rdzv`), and the launchers elect the one that runs
    the coordinator there (:class:`~ftrun.launcher.etcd.CoordinatorElection`), which publishes
-   its endpoint in etcd.
+   its endpoint in etcd. There the role fails over: every launcher follows it in etcd, one
+   takes it when its holder's lease runs out (the holder's host died, or froze), and every
+   launcher moves its reporter, its store and its future ranks to the new coordinator
+   (:meth:`NodeServices._coordinator_moved`); a holder whose lease ran out steps down.
 3. Tune the c10d rendezvous' dead-node detection (unless ``--rdzv-conf`` sets it), turn off
    torch's shared rendezvous store (restarted ranks read stale gloo addresses through it),
    and run torch's elastic launch with :class:`FtrunAgent`, inside the node's services
@@ -48,7 +51,7 @@ import zmq
 
 from ftrun import _torch, exit_codes, jobs, knobs, protocol
 from ftrun.coordinator.api import NodeState
-from ftrun.errors import ConfigError
+from ftrun.errors import ConfigError, FtrunError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent, HostIsolated
 from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftrun_options
@@ -61,7 +64,7 @@ from ftrun.store.api import StoreConfig
 if TYPE_CHECKING:
     from ftrun.coordinator.client import NodeReporter
     from ftrun.coordinator.server import Coordinator
-    from ftrun.launcher.etcd import EtcdClient
+    from ftrun.launcher.etcd import CoordinatorElection, CoordinatorRecord, EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -432,6 +435,12 @@ class NodeServices:
         self.detect_endpoint = ""
         self.coordinator: Coordinator | None = None
         self.reporter: NodeReporter | None = None
+        # --rdzv-backend etcd: the coordinator role's term and holder this node reports to,
+        # and this launcher's candidacy for the role.
+        self.term = 0
+        self.holder = ""
+        self._election: CoordinatorElection | None = None
+        self._failover_lock = threading.RLock()
         self.exitcode = 1
         self.final = NodeState.FAILED
         self._store_file: Path | None = None
@@ -454,6 +463,7 @@ class NodeServices:
             self._start_reporter()
             self._start_store()
             self._start_forwarding()
+            self._start_watch()
         except BaseException:
             self.close()
             raise
@@ -509,30 +519,140 @@ class NodeServices:
     def _elect_coordinator(self, client: EtcdClient) -> None:
         """--rdzv-backend etcd: run the coordinator if this launcher wins the role in etcd,
         else read the winner's endpoints there."""
-        from ftrun.launcher.etcd import (
-            URL_SCHEME,
-            CoordinatorElection,
-            format_endpoints,
-            wait_coordinator,
-        )
+        from ftrun.launcher.etcd import CoordinatorElection, wait_coordinator
 
-        election = CoordinatorElection(client, self.run_id, self.node_id, self.host)
-        holder = election.campaign()
-        if holder is not None:
-            record = wait_coordinator(client, self.run_id, self._join_timeout_s())
+        election = CoordinatorElection(client, self.run_id, self.node_id, self.host,
+                                       on_lost=self._role_lost)
+        self._election = election
+        # Registered first, so closed last: the role is given up once the coordinator
+        # stopped. Any launcher may come to run the coordinator (failover): its closer has
+        # its place here, before the reporter's and the store's, whoever runs it.
+        self._on_close("coordinator role in etcd", election.resign)
+        self._on_close("coordinator", self._stop_coordinator)
+        holds = election.campaign() is None
+        if holds:
+            self._take_role()
+        record = wait_coordinator(client, self.run_id, self._join_timeout_s(),
+                                  on_vacant=self._role_vacant)
+        if record.node_id != self.node_id:
             log.info("coordinator of job %s at %s (run by %s, term %d, found in etcd)",
                      self.run_id, record.endpoint, record.node_id, record.term)
-            self.endpoint, self.detect_endpoint = record.endpoint, record.detect_endpoint
-            return
-        # Registered first, so closed last: the role is given up once the coordinator stopped.
-        self._on_close("coordinator role in etcd", election.resign)
-        assert self.plan is not None
-        self._run_coordinator(self.opts.replica_addr or _replica_host(self.plan),
-                              URL_SCHEME + format_endpoints(client.endpoints))
-        election.publish(self.endpoint or "", self.detect_endpoint)
+        self.endpoint, self.detect_endpoint = record.endpoint, record.detect_endpoint
+        self.term, self.holder = record.term, record.node_id
 
-    def _run_coordinator(self, advertise_host: str, rdzv_endpoint: str) -> None:
-        """Start the job's coordinator in this launcher and record it in the job file."""
+    def _take_role(self) -> None:
+        """This launcher holds the coordinator role: start the coordinator, bound to the
+        role's term, and publish it in etcd."""
+        from ftrun.launcher.etcd import URL_SCHEME, format_endpoints
+
+        election, plan = self._election, self.plan
+        assert election is not None and plan is not None and plan.etcd is not None
+        coordinator = self._run_coordinator(
+            self.opts.replica_addr or _replica_host(plan),
+            URL_SCHEME + format_endpoints(plan.etcd.endpoints), role=election)
+        try:
+            election.publish(coordinator.endpoint, coordinator.detect_endpoint or "")
+        except Exception:
+            self._drop_coordinator("its role was lost before it was published")
+            raise
+
+    def _start_watch(self) -> None:
+        """--rdzv-backend etcd: follow the coordinator role (failover)."""
+        from ftrun.launcher.etcd import CoordinatorWatch
+
+        plan = self.plan
+        if plan is None or plan.etcd is None or self._election is None:
+            return
+        watch = CoordinatorWatch(plan.etcd, self.run_id, self.term,
+                                 on_change=self._coordinator_moved, on_vacant=self._role_vacant)
+        watch.start()
+        self._on_close("coordinator watch", watch.stop)
+
+    def _role_vacant(self) -> None:
+        """Nobody holds the coordinator role (its holder's lease ran out): take it. Called
+        from the watch's thread; the watch then finds the new holder (maybe this one)."""
+        election = self._election
+        assert election is not None
+        with self._failover_lock:
+            if self.coordinator is not None and self.coordinator.acting():
+                return  # ours: the key will be back (the watch read between two writes)
+            self._drop_coordinator("its role is vacant")
+            holder = election.campaign()
+            if holder is not None:
+                log.info("coordinator role of job %s taken by %s (term %d)", self.run_id,
+                         holder.node_id, holder.term)
+                return
+            log.warning("the coordinator role of job %s was vacant (holder %s, term %d, gone)"
+                        ": this launcher takes it (term %d)", self.run_id, self.holder,
+                        self.term, election.term)
+            self._take_role()
+
+    def _coordinator_moved(self, record: CoordinatorRecord) -> None:
+        """A new coordinator holds the role (failover): report to it from now on, from this
+        launcher, its store and the ranks it starts next. Called from the watch's thread."""
+        from dataclasses import replace
+
+        if record.term <= self.term:
+            return
+        old_term, old_holder = self.term, self.holder
+        self.term, self.holder = record.term, record.node_id
+        self.endpoint, self.detect_endpoint = record.endpoint, record.detect_endpoint
+        log.warning("coordinator failover: job %s's coordinator is now %s at %s (term %d; was "
+                    "%s, term %d)", self.run_id, record.node_id, record.endpoint, record.term,
+                    old_holder, old_term)
+        worker_env = self.ctx.worker_env
+        worker_env[knobs.COORDINATOR.name] = record.endpoint
+        worker_env[knobs.DETECT.name] = record.detect_endpoint
+        if self.reporter is not None:
+            self.reporter.retarget(record.endpoint, record.term)
+            self.ctx.run_probe = _probe_runner(self.ctx, self.secret, self.run_id,
+                                               record.endpoint)
+            self.reporter.event("coordinator_failover", old_term=old_term,
+                                new_term=record.term, old_holder=old_holder,
+                                new_holder=record.node_id, endpoint=record.endpoint)
+        store = getattr(self, "store", None)
+        if store is not None:
+            # A store restarted later starts with the new coordinator.
+            store.cfg = replace(store.cfg, coordinator=record.endpoint,
+                                coordinator_term=record.term)
+            self._tell_store(record)
+
+    def _tell_store(self, record: CoordinatorRecord) -> None:
+        """Move this node's store to the new coordinator (bounded; a store that does not
+        answer learns it when the launcher restarts it)."""
+        from ftrun.protocol.transport import Client
+
+        client = Client(self.store_url, self.secret, self.run_id, f"launcher:{self.node_id}",
+                        peer="snapshot store")
+        try:
+            client.request("coordinator_moved", {"endpoint": record.endpoint,
+                                                 "term": record.term}, "ack", 5.0, attempts=2)
+        except FtrunError as e:
+            log.error("could not move this node's snapshot store to the new coordinator "
+                      "(%s); its commits wait until it learns it", e)
+        finally:
+            client.close()
+
+    def _role_lost(self, reason: str) -> None:
+        """This launcher's lease on the coordinator role ran out (its host froze, or etcd was
+        unreachable for the whole TTL): its coordinator steps down and stops; the watch then
+        finds whoever holds the role now, or takes it again. From the lease's thread."""
+        threading.Thread(target=self._drop_coordinator, args=(f"lease lost: {reason}",),
+                         name="ftrun-coordinator-step-down", daemon=True).start()
+
+    def _drop_coordinator(self, reason: str) -> None:
+        """Step the coordinator this launcher runs down and stop it, if there is one."""
+        with self._failover_lock:
+            coordinator, self.coordinator = self.coordinator, None
+        if coordinator is None:
+            return
+        coordinator.step_down(reason)
+        coordinator.stop()
+
+    def _run_coordinator(self, advertise_host: str, rdzv_endpoint: str,
+                         role: CoordinatorElection | None = None) -> Coordinator:
+        """Start the job's coordinator in this launcher and record it in the job file.
+        ``role``: the coordinator role it holds (etcd), whose term it is bound to."""
         from ftrun.coordinator.server import Coordinator
 
         opts, run_id = self.opts, self.run_id
@@ -542,22 +662,27 @@ class NodeServices:
             node_timeout_s=opts.node_timeout_s,
             events_file=jobs.events_path(run_id, opts.state_dir),
             detection=_detection_config(opts),
+            role=role,
         )
         coordinator.start()
         self.coordinator = coordinator
-        self._on_close("coordinator", self._stop_coordinator)
-        self.endpoint = coordinator.endpoint
-        self.detect_endpoint = coordinator.detect_endpoint or ""
+        if role is None:
+            self._on_close("coordinator", self._stop_coordinator)
+            self.endpoint = coordinator.endpoint
+            self.detect_endpoint = coordinator.detect_endpoint or ""
+        # (With a role, the node moves to it once it is published: _coordinator_moved.)
         if knobs.SECRET.get():
             # For `ftrun status` from any shell that sees the state directory (a requeued
             # job's new secret replaces the old one).
             jobs.write_secret(run_id, self.secret, opts.state_dir)
         jobs.write_job_file(
-            jobs.JobFile(run_id=run_id, endpoint=self.endpoint, host=self.host, pid=os.getpid(),
+            jobs.JobFile(run_id=run_id, endpoint=coordinator.endpoint, host=self.host,
+                         pid=os.getpid(),
                          started_at=time.time(), rdzv_endpoint=rdzv_endpoint),
             opts.state_dir,
         )
-        log.info("coordinator of job %s at %s", run_id, self.endpoint)
+        log.info("coordinator of job %s at %s", run_id, coordinator.endpoint)
+        return coordinator
 
     def _make_context(self) -> None:
         opts = self.opts
@@ -607,7 +732,8 @@ class NodeServices:
         ctx, endpoint = self.ctx, self.endpoint
         reporter = NodeReporter(endpoint, self.secret, self.run_id, self.node_id, self.host,
                                 self._node_state, interval_s=self.opts.heartbeat_interval_s,
-                                on_directive=ctx.on_directive, on_hello=self._hello_answered)
+                                on_directive=ctx.on_directive, on_hello=self._hello_answered,
+                                term=self.term)
         self.reporter = reporter
         reporter.start()
         self._on_close("node reporter", self._stop_reporter)
@@ -655,7 +781,8 @@ class NodeServices:
                         node_id=self.node_id, owner_pid=os.getpid(), persist=opts.persist,
                         threads=opts.store_threads, replicas=opts.replicas,
                         replica_host=self.data_host,
-                        replica_rate_mb_s=opts.replica_rate_mb_s),
+                        replica_rate_mb_s=opts.replica_rate_mb_s,
+                        coordinator_term=self.term),
             env={knobs.SECRET.name: self.secret.decode()},
         )
         self.store = ctx.store = store
@@ -716,8 +843,10 @@ class NodeServices:
         reporter.stop(self.final, self.exitcode)
 
     def _stop_coordinator(self) -> None:
-        coordinator = self.coordinator
-        assert coordinator is not None
+        with self._failover_lock:
+            coordinator, self.coordinator = self.coordinator, None
+        if coordinator is None:
+            return  # (etcd) another launcher runs it, or this one's stepped down
         # Other nodes' stores ask the coordinator which step to write as they stop (SIGTERM
         # reaches every node at about the same time): serve them first.
         waiting = coordinator.wait_final_persists(FINAL_PERSIST_WAIT_S, FINAL_START_GRACE_S,

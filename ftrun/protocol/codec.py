@@ -27,6 +27,13 @@ Threat model, precisely:
   :class:`~ftrun.protocol.transport.Client` and per process) and a counter (``n``) in the
   signed header; a server takes each (sender, session) counter once and in increasing order
   (:class:`ReplayGuard`), and the clock check refuses what is older than the guard remembers.
+  The guard lives in the server's memory: a coordinator that fails over to another launcher
+  (``--rdzv-backend etcd``) starts with an empty one. So a message to the coordinator also
+  carries, signed, the coordinator *term* it was sent to (``tm``: the etcd revision at which
+  that coordinator took its role, growing with every holder); a coordinator with a term takes
+  only messages of its own term (:class:`~ftrun.protocol.transport.Server`), and a client
+  only replies of the term it talks to. A message captured before a failover is refused
+  after it.
 - Not protected: confidentiality (nothing is encrypted; anyone on the path reads snapshots
   and messages); an active attacker on the path who can find, for a frame, another one with the same xxh3-128
   under a key they do not know. xxh3 is fast, not cryptographic: it has no proof of being a
@@ -38,7 +45,8 @@ Threat model, precisely:
 
 The header carries ``v`` (protocol version), ``kind``, ``job`` (run id), ``sender``, ``ts``
 (unix time, float), ``id`` (random hex), ``sn`` (the sender's session, random hex), ``n``
-(the session's message counter, from 1), ``body`` (an object, see
+(the session's message counter, from 1), ``tm`` (the coordinator term, when there is one),
+``body`` (an object, see
 :mod:`ftrun.protocol.messages`), ``fd`` when there are data frames and, in a reply, ``re``:
 the id of the request it answers.
 
@@ -130,6 +138,7 @@ class HeaderFields(Item):
     sn: Hex
     n: Annotated[int, msgspec.Meta(ge=1)]
     re: Hex | UnsetType = UNSET
+    tm: Annotated[int, msgspec.Meta(ge=1)] | UnsetType = UNSET
     fd: Annotated[list[Str], messages.Items] | UnsetType = UNSET
 
 
@@ -221,7 +230,7 @@ def _nbytes(frame: Buffer) -> int:
 def encode(kind: str, body: Mapping[str, Any] | Body, *, secret: bytes, job: str,
            sender: str, id: str | None = None, re: str | None = None,
            data: Sequence[Buffer] = (), session: str | None = None,
-           counter: int = 1) -> list[Buffer]:
+           counter: int = 1, term: int = 0) -> list[Buffer]:
     """Build the signed frames of one message; the body (the kind's :class:`Body`, or the
     plain object it stands for) is validated like on receipt.
 
@@ -229,7 +238,8 @@ def encode(kind: str, body: Mapping[str, Any] | Body, *, secret: bytes, job: str
     are binary frames sent (uncopied) after the MAC, bound to it by their digests: they
     must not change until sent. ``session`` and ``counter`` are the sender's session and this
     message's number in it (a server takes each number once, in increasing order); without a
-    session, the message is alone in a fresh one.
+    session, the message is alone in a fresh one. ``term``: the coordinator term the message
+    is bound to (0: none).
     """
     cls = BODIES.get(kind)
     if cls is None:
@@ -260,6 +270,8 @@ def encode(kind: str, body: Mapping[str, Any] | Body, *, secret: bytes, job: str
     }
     if re is not None:
         header_obj["re"] = re
+    if term:
+        header_obj["tm"] = term
     if data:
         header_obj["fd"] = frame_digests(secret, header_obj["id"], data)
     try:
@@ -380,6 +392,7 @@ def parse(header: bytes, *, job: str, now: float | None = None,
         frames=tuple(data),
         session=h.sn,
         counter=h.n,
+        term=0 if h.tm is UNSET else h.tm,
     )
 
 

@@ -76,7 +76,8 @@ class Message(msgspec.Struct, frozen=True):
     else the plain JSON object. ``re`` is the id of the request a reply answers (None in a
     request); ``frames`` are the binary frames that travelled beside the JSON header, covered
     by the same MAC; ``session`` and ``counter`` are the sender's session and the message's
-    number in it.
+    number in it. ``term`` is the coordinator term the message was signed for (0: none; see
+    :mod:`ftrun.protocol.codec`).
     """
 
     kind: str
@@ -89,6 +90,7 @@ class Message(msgspec.Struct, frozen=True):
     frames: tuple[bytes | memoryview, ...] = ()
     session: str = ""
     counter: int = 0
+    term: int = 0
 
 
 # -- field types ---------------------------------------------------------------------------------
@@ -261,6 +263,9 @@ class SnapEpoch(Body):
     persist_every: int | UnsetType = UNSET
     persist_interval_s: Float | UnsetType = UNSET
     source: Str | UnsetType = UNSET
+    # Taught again to a coordinator that did not know it (restarted, or a failover), not a
+    # restore: base_step is then the newest step the store knows committed.
+    retaught: bool | UnsetType = UNSET
 
 
 class ReplicaDigest(Item):
@@ -589,6 +594,16 @@ class StoresRequest(Body):
 class StoresReply(Body):
     KIND = "stores_reply"
     stores: L[list[Peer], Items]
+
+
+class CoordinatorMoved(Body):
+    """Launcher -> its node's store: the job's coordinator failed over (``--rdzv-backend
+    etcd``); report to ``endpoint`` under ``term`` from now on, and teach it everything."""
+
+    KIND = "coordinator_moved"
+    REPLIES = ("ack",)
+    endpoint: Str
+    term: Annotated[int, msgspec.Meta(ge=1)]
 
 
 class CollGroup(Item):

@@ -15,6 +15,14 @@ that does not answer is :class:`UnreachableError` naming the address and what to
 malformed or oversized message is :class:`ProtocolError`, and an ``error`` reply is raised as
 the error class it names. Every wait is bounded; sockets never linger at close.
 
+Coordinator terms (``--rdzv-backend etcd``, where the coordinator fails over): a client's
+:attr:`Client.term` is signed into every message it sends, and a client with a term drops
+replies of another one (but errors, which order nothing; a client without a term, such as
+``ftrun status``, takes any); :meth:`Client.retarget` points it at a new coordinator and term. A server with a
+:attr:`Server.term` refuses messages of another term (``stale_term``, answered with an
+error) but for the read-only kinds in ``term_free`` (``ftrun status``), and signs its replies
+with its term.
+
 Hostile input. A server takes each client session's message numbers once and in order
 (:class:`~ftrun.protocol.codec.ReplayGuard`: a replayed message is refused), caps the size of
 a whole message as well as of each frame, and logs refused messages, and reports them to its
@@ -162,8 +170,11 @@ class Client:
         max_frame_bytes: int = codec.MAX_FRAME_BYTES,
         max_message_bytes: int | None = None,
         context: zmq.Context[Any] | None = None,
+        term: int = 0,
     ) -> None:
         self.address = address
+        # The coordinator term messages are bound to, and replies must carry (0: none).
+        self.term = term
         self.url = _url(address)
         self.peer = peer
         self._hint = hint
@@ -230,6 +241,14 @@ class Client:
         with self._lock:
             self._reset()
 
+    def retarget(self, address: str, term: int) -> None:
+        """Talk to ``address`` under coordinator ``term`` from now on (the coordinator failed
+        over). The session and its numbers go on; replies of another term are dropped."""
+        url = _url(address)
+        with self._lock:
+            self._reset()
+            self.address, self.url, self.term = address, url, term
+
     # -- sending -----------------------------------------------------------------------------
 
     def _encode(self, kind: str, body: Mapping[str, Any], msg_id: str,
@@ -240,7 +259,7 @@ class Client:
         self._counter += 1
         return codec.encode(kind, body, secret=self._secret, job=self._job,
                             sender=self._sender, id=msg_id, data=data,
-                            session=self._session, counter=self._counter)
+                            session=self._session, counter=self._counter, term=self.term)
 
     def send(self, kind: str, body: Mapping[str, Any],
              frames: Sequence[Buffer] = ()) -> str | None:
@@ -331,6 +350,12 @@ class Client:
                 continue
             msg = self._decode(frames, want)
             if msg is None:
+                continue
+            if self.term and msg.term != self.term and msg.kind != "error":
+                # A coordinator of an earlier (or later) term: whatever it says, a directive
+                # above all, is not this term's.
+                log.info("dropped a %s of coordinator term %d from %s (this client is on term "
+                         "%d)", msg.kind, msg.term, self, self.term)
                 continue
             if want is not None and msg.re == want:
                 return msg
@@ -439,9 +464,15 @@ class Server:
         on_reject: RejectHook | None = None,
         hwm: int = 1000,
         typed: Typed = False,
+        term: int = 0,
+        term_free: frozenset[str] = frozenset(),
     ) -> None:
         if not secret:
             raise FtrunError(f"the {name} needs a non-empty job secret")
+        # The coordinator term this server takes messages of (0: any), and the read-only
+        # kinds it takes of any term.
+        self.term = term
+        self.term_free = term_free
         self._typed = typed
         self.name = name
         self._secret = secret
@@ -462,7 +493,7 @@ class Server:
         self._session = codec.new_session()
         self._counter = 0
         self.counters: dict[str, int] = {"messages": 0, "auth_failures": 0, "bad_messages": 0,
-                                         "replays": 0, "handler_errors": 0}
+                                         "replays": 0, "stale_terms": 0, "handler_errors": 0}
 
     def bind(self, url: str, context: zmq.Context[Any] | None = None) -> str:
         """Bind to ``url`` (tcp://host:port, port * for any; ipc://path); return the URL
@@ -576,6 +607,18 @@ class Server:
             self._reply(identity, codec.peek(header, "id"), Reply("error", {
                 "message": str(e)[:MAX_ERROR_CHARS], "error": type(e).__name__}))
             return
+        if self.term and msg.term != self.term and msg.kind not in self.term_free:
+            # Signed for another coordinator (a capture from before a failover, or a peer
+            # that has not heard of it yet): refused, and answered so the peer can tell.
+            self.counters["stale_terms"] += 1
+            why = (f"{msg.kind} signed for coordinator term {msg.term or 'none'}; this "
+                   f"{self.name} is term {self.term}"
+                   + (": it was replaced (failover)" if msg.term > self.term
+                      else ": refused (sent before a failover, or a replay)"))
+            self._reject("stale_term", first, identity, why)
+            self._reply(identity, msg.id, Reply("error", {"message": why,
+                                                          "error": "StaleTermError"}))
+            return
         try:
             self.replays.check(msg)
         except ProtocolError as e:
@@ -635,14 +678,14 @@ class Server:
         try:
             out = codec.encode(answer.kind, answer.body, secret=self._secret, job=self._job,
                                sender=self._sender, re=re, data=answer.frames,
-                               session=self._session, counter=self._counter)
+                               session=self._session, counter=self._counter, term=self.term)
         except ProtocolError as e:
             log.error("%s cannot encode its %s reply: %s", self.name, answer.kind, e)
             out = codec.encode("error", {"message": f"the {self.name} cannot reply: "
                                                     f"{e}"[:MAX_ERROR_CHARS],
                                          "error": "ProtocolError"},
                                secret=self._secret, job=self._job, sender=self._sender, re=re,
-                               session=self._session, counter=self._counter)
+                               session=self._session, counter=self._counter, term=self.term)
         self._send(identity, out)
 
     def _send(self, identity: bytes, frames: list[Buffer]) -> None:

@@ -23,6 +23,9 @@ class StoreConfig:
     replicas: int = 1
     replica_host: str = "127.0.0.1"
     replica_rate_mb_s: float = 0.0
+    # The coordinator's term (--rdzv-backend etcd; 0: none): its messages are bound to it.
+    # A failover moves the store to another coordinator (``coordinator_moved``).
+    coordinator_term: int = 0
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> StoreConfig:

@@ -98,7 +98,8 @@ class CommitMirror:
     def reteach(self) -> None:
         if not self.world_size:
             return  # nothing verified here yet: nothing to teach
-        self.ask("snap_epoch", self.epoch_body(self.epoch, max(self.committed, 0)))
+        self.ask("snap_epoch", {**self.epoch_body(self.epoch, max(self.committed, 0)),
+                                "retaught": True})
         held = []
         for name in self.catalog.names():
             seg = self.catalog.open(name)

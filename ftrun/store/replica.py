@@ -799,10 +799,10 @@ class Replication:
 
     def __init__(self, cfg: ReplicaConfig, run_id: str, node_id: str, owner_pid: int,
                  secret: bytes, committed: Callable[[], tuple[str, int]],
-                 coordinator: str) -> None:
+                 coordinator: str, term: int = 0) -> None:
         self.cfg = cfg
         self._coord = Client(coordinator, secret, run_id, f"replicas:{node_id}",
-                             peer="coordinator")
+                             peer="coordinator", term=term)
         self.node_id = node_id
         self.receiver = ReplicaReceiver(run_id, node_id, owner_pid, secret, self._report)
         self.sender = ReplicaSender(run_id, node_id, owner_pid, secret, committed,
@@ -822,6 +822,10 @@ class Replication:
         except (UnreachableError, FtrunError) as e:
             log.warning("coordinator: replica of rank %d step %d not reported: %s", rank,
                         step, e)
+
+    def retarget(self, coordinator: str, term: int) -> None:
+        """Report to the coordinator at ``coordinator`` (term ``term``) from now on."""
+        self._coord.retarget(coordinator, term)
 
     def reteach(self) -> None:
         """Report every verified replica held here again (to a restarted coordinator)."""

@@ -19,6 +19,10 @@ It does the work the training loop must not wait for:
   refused) until the writer thread has copied them out, verified and written them;
 - **replicas** (``--replicas m``): committed shards are streamed to peer stores and peers'
   shards received, chunk by chunk, each chunk verified (ftrun.store.replica);
+- **follow the coordinator**: when it fails over (``--rdzv-backend etcd``) the launcher says
+  where it went (``coordinator_moved``); the store reports there from then on and teaches
+  the new coordinator what it holds at once (its report, the epoch's verified shards, the
+  replicas of peers' shards), so commits, durable steps and replica plans carry on;
 - **adopt and clean**: segments are named after the job, so a restarted store picks them up
   (verifying whatever was staged but not yet checked); segments of dead jobs are removed;
   on SIGTERM, the job's own segments go too.
@@ -44,6 +48,7 @@ from ftrun.coordinator.client import HINT as COORDINATOR_HINT
 from ftrun.coordinator.commits import FINAL_SETTLE_S
 from ftrun.errors import FtrunError, IntegrityError, UnreachableError
 from ftrun.pdeath import set_parent_death_signal
+from ftrun.protocol import messages as m
 from ftrun.protocol.service import Service
 from ftrun.protocol.transport import Client, Server
 from ftrun.sigrelay import SignalRelay
@@ -86,8 +91,10 @@ class SnapshotStore:
         self._prefix = shm.job_prefix(cfg.run_id)
         self.catalog = Catalog(cfg.run_id, cfg.node_id, cfg.owner_pid)
         self._coord = (Client(cfg.coordinator, secret, cfg.run_id, f"store:{cfg.node_id}",
-                              peer="coordinator", hint=COORDINATOR_HINT)
+                              peer="coordinator", hint=COORDINATOR_HINT,
+                              term=cfg.coordinator_term)
                        if cfg.coordinator else None)
+        self._moved = False  # the coordinator failed over: teach the new one at the next tick
         self._hashers = ThreadPoolExecutor(max_workers=cfg.threads or default_threads(),
                                            thread_name_prefix="ftrun-verify")
         self.persister = PersistWriter(cfg.persist, self.catalog, self._hashers)
@@ -195,8 +202,9 @@ class SnapshotStore:
     def serve(self) -> None:
         # Ranks' requests, one at a time between the loop's own work (_tick); data frames
         # may be chunk-sized.
+        table = {**self.handlers.table(), "coordinator_moved": self._on_coordinator_moved}
         self._service = service = Service(
-            Server("snapshot store", self._secret, self.cfg.run_id, self.handlers.table(),
+            Server("snapshot store", self._secret, self.cfg.run_id, table,
                    sender="store", max_frame_bytes=protocol.MAX_FRAME_BYTES, typed=True),
             poll_s=POLL_MS / 1000, max_messages=1, after=self._tick)
         service.bind(self.cfg.url)
@@ -216,9 +224,31 @@ class SnapshotStore:
         finally:
             self._shutdown()
 
+    def _on_coordinator_moved(self, msg: protocol.Message) -> m.Ack:
+        """The launcher says the coordinator failed over: report there from now on."""
+        b = msg.body
+        if self._coord is None:
+            raise FtrunError("this store runs without a coordinator: nothing to move")
+        if b.term > self._coord.term:
+            log.warning("the coordinator failed over: term %d at %s (was term %d at %s); "
+                        "teaching it what this store holds", b.term, b.endpoint,
+                        self._coord.term, self._coord.address)
+            self._coord.retarget(b.endpoint, b.term)
+            if self._replication is not None:
+                self._replication.retarget(b.endpoint, b.term)
+            self._moved = True
+        return m.Ack(re=msg.id)
+
     def _tick(self, _read: int) -> None:
         """The loop's own work after each round: a SIGUSR1's persist, learning targets,
-        reporting to the coordinator."""
+        reporting to the coordinator (everything, to a coordinator that took over)."""
+        if self._moved:
+            self._moved = False
+            self.report()
+            if self.commits.epoch:
+                self.commits.reteach()
+                self.commits.ask_epoch("commit_query", {"epoch": self.commits.epoch},
+                                       self.commits.epoch)
         if self._persist_now.is_set():
             self._persist_now.clear()
             if self.cfg.persist.dir:
@@ -253,7 +283,8 @@ class SnapshotStore:
             ReplicaConfig(self.cfg.replicas, self.cfg.replica_host,
                           self.cfg.replica_rate_mb_s * 1e6),
             self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid, self._secret,
-            lambda: (self.commits.epoch, self.commits.committed), self.cfg.coordinator)
+            lambda: (self.commits.epoch, self.commits.committed), self.cfg.coordinator,
+            self.cfg.coordinator_term)
         try:
             rep.start()
         except Exception:  # noqa: BLE001 - the ranks' snapshots go on without replicas

@@ -19,9 +19,11 @@ import signal
 import subprocess
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from ftrun.testing.procs import _die_with_parent, free_port, pid_alive, wait_for
+from ftrun.testing.procs import REPO, _die_with_parent, free_port, pid_alive, wait_for
 
 REQUIRE_ENV = "FTRUN_REQUIRE_ETCD"
 START_TIMEOUT_S = 30.0
@@ -35,14 +37,16 @@ def etcd_binary() -> str | None:
 
 
 class EtcdCluster:
-    """``members`` etcd processes forming one cluster on 127.0.0.1, under ``base``.
+    """``members`` etcd processes forming one cluster on ``host`` (127.0.0.1 by default:
+    an address of the root namespace's bridge reaches them from network namespaces), under
+    ``base``.
 
     Use as a context manager (or call :meth:`start` and :meth:`stop`): a failure while
     starting stops the members already started. :attr:`endpoints` is what ``--rdzv-endpoint``
     takes (``127.0.0.1:P1,127.0.0.1:P2,...``).
     """
 
-    def __init__(self, base: Path, members: int = 3) -> None:
+    def __init__(self, base: Path, members: int = 3, host: str = "127.0.0.1") -> None:
         if members < 1:
             raise ValueError(f"an etcd cluster needs at least one member, not {members}")
         binary = etcd_binary()
@@ -50,6 +54,7 @@ class EtcdCluster:
             raise FileNotFoundError("etcd is not installed; run: bash scripts/setup-etcd.sh")
         self.binary = binary
         self.base = base
+        self.host = host  # the address every member listens on (loopback by default)
         self.names = [f"m{i}" for i in range(members)]
         self.client_ports = [free_port() for _ in self.names]
         self.peer_ports = [free_port() for _ in self.names]
@@ -57,7 +62,7 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> str:
-        return ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        return ",".join(f"{self.host}:{p}" for p in self.client_ports)
 
     def __enter__(self) -> EtcdCluster:
         return self.start()
@@ -66,7 +71,7 @@ class EtcdCluster:
         self.stop()
 
     def start(self) -> EtcdCluster:
-        cluster = ",".join(f"{n}=http://127.0.0.1:{p}"
+        cluster = ",".join(f"{n}=http://{self.host}:{p}"
                            for n, p in zip(self.names, self.peer_ports, strict=True))
         token = f"ftrun-test-{uuid.uuid4().hex[:12]}"
         try:
@@ -83,8 +88,8 @@ class EtcdCluster:
 
     def _start_member(self, i: int, name: str, cluster: str,
                       token: str) -> subprocess.Popen[bytes]:
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
-        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+        client = f"http://{self.host}:{self.client_ports[i]}"
+        peer = f"http://{self.host}:{self.peer_ports[i]}"
         data = self.base / name
         data.mkdir(parents=True, exist_ok=True)
         with open(self.base / f"{name}.log", "ab") as out:
@@ -103,7 +108,7 @@ class EtcdCluster:
         return proc
 
     def member_healthy(self, i: int) -> bool:
-        url = f"http://127.0.0.1:{self.client_ports[i]}/health"
+        url = f"http://{self.host}:{self.client_ports[i]}/health"
         try:
             with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback
                 return b'"true"' in response.read()
@@ -146,3 +151,22 @@ class EtcdCluster:
                 text = (self.base / f"{name}.log").read_text(errors="replace")
                 parts.append(f"--- etcd {name} ---\n{text[-1500:]}")
         return "\n".join(parts)
+
+
+# One user-style job on etcd, as the failover test and bench run it: examples/user_ddp.py
+# (@ftrun.resilient), 3 nodes of one rank, a step every ``step_sleep_s`` at least, 32 steps.
+USER_DDP_STEPS = 32  # 2 epochs of 384 samples, 8 a step on each of 3 ranks
+USER_DDP_DIGEST = r"^user-ddp: step=.* params_xxh3=(\w+)$"  # its result line (re.M)
+
+
+def user_ddp_on_etcd(cluster: Any, endpoints: str, run_id: str, hosts: Sequence[int],
+                     out: Path, step_sleep_s: float = 0.3) -> list[subprocess.Popen[str]]:
+    """Start the job's launchers on ``hosts`` of a :class:`ftrun.testing.netns.Cluster`;
+    each rank logs its steps (``pids-rank<R>.log``: step, pid, time) under ``out``."""
+    out.mkdir(exist_ok=True)
+    cmd = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+           "--rdzv-endpoint", endpoints, "--rdzv-id", run_id, "--max-restarts", "3",
+           str(REPO / "examples" / "user_ddp.py"), "--epochs", "2", "--samples", "384",
+           "--batch-size", "8", "--hidden", "64", "--step-sleep", str(step_sleep_s),
+           "--pid-log", str(out), "--fault-dir", str(out)]
+    return [cluster.ftrun(i, *cmd, name=f"{run_id}.host{i}") for i in hosts]

@@ -309,6 +309,18 @@ class Cluster:
     output = staticmethod(Procs.output)
     wait = Procs.wait
 
+    def succeed(self, procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> str:
+        """Wait for every one of ``procs`` (each up to ``timeout_s``); each must exit 0.
+        Returns their outputs, joined."""
+        outs = []
+        for p in procs:
+            code = self.wait(p, timeout_s)
+            outs.append(self.output(p))
+            if code != 0:
+                raise AssertionError(f"host {p.host} exited {code}:\n"  # type: ignore[attr-defined]
+                                     f"{outs[-1][-4000:]}")
+        return "".join(outs)
+
     def pids(self, i: int) -> list[int]:
         """Every process on host ``i``."""
         return _ns_pids(self.namespaces[i])

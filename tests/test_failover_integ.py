@@ -1,0 +1,157 @@
+"""The host that runs the coordinator dies, and the job goes on (``--rdzv-backend etcd``).
+
+3 hosts train examples/user_ddp.py (``@ftrun.resilient``, one rank per host) and a 4th waits
+as the spare, all on network namespaces; a real 3-member etcd runs on the root side of their
+bridge (an address of the bridge's own, reached from every host and from the root
+namespace). The host whose launcher holds the coordinator role is killed: its launcher,
+store, rank and memory. Checked in one run: another launcher takes the role (a larger term)
+and every survivor moves to it (``coordinator_failover``); the job ends bit-identical to the
+fault-free run, resuming from memory (replicas), never from disk (there is none);
+``ftrun status --etcd`` answers from the root namespace before the kill and after it, naming
+the new coordinator, and every rank reports its collectives to the new detection service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, read_events, wait_for
+from netns import Cluster, cluster_fixture  # noqa: F401  (the fixture)
+from test_etcd import require_etcd
+
+from ftrun.launcher import etcd
+from ftrun.testing.etcd import (
+    USER_DDP_DIGEST,
+    USER_DDP_STEPS,
+    EtcdCluster,
+    user_ddp_on_etcd,
+)
+
+log = logging.getLogger(__name__)
+
+pytestmark = [pytest.mark.integration]
+
+KILL_AT = 8
+
+
+def _finish(c: Cluster, nodes: list[Any]) -> tuple[str, str]:
+    """(params_xxh3 of the run, every launcher's output); every launcher must succeed."""
+    out = c.succeed(nodes, 240)
+    digests = re.findall(USER_DDP_DIGEST, out, re.M)
+    assert len(digests) == 1, out[-4000:]
+    return digests[0], out
+
+
+def _status(run_id: str, endpoints: str) -> dict | None:
+    """``ftrun status RUN --etcd ... --json`` from the root namespace."""
+    done = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id, "--etcd", endpoints,
+                           "--json"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    if done.returncode not in (0, 3) or not done.stdout.strip():
+        return None
+    return json.loads(done.stdout)
+
+
+def _step(out: Path, rank: int) -> int:
+    path = out / f"pids-rank{rank}.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return int(lines[-1].split()[0]) if lines else 0
+
+
+def test_coordinator_host_killed_another_takes_over(cluster_factory, state_dir: Path,
+                                                    exact_steps: None, tmp_path: Path) -> None:
+    require_etcd()
+    c = cluster_factory(4)
+    root_addr = f"{c.subnet}.254"  # the bridge's own address, in the root namespace
+    subprocess.run(["ip", "addr", "add", f"{root_addr}/24", "dev", c.bridge], check=True)
+    with EtcdCluster(tmp_path / "etcd", host=root_addr) as cluster:
+        endpoints = cluster.endpoints
+        client = etcd.EtcdClient(endpoints, timeout_s=2)
+        reference, _ = _finish(c, user_ddp_on_etcd(c, endpoints, f"ref-{uuid.uuid4().hex[:6]}", range(3),
+                                       tmp_path / "ref"))
+
+        run_id = f"failover-{uuid.uuid4().hex[:6]}"
+        out = tmp_path / "faulted"
+        nodes = user_ddp_on_etcd(c, endpoints, run_id, range(3), out)
+        wait_for(lambda: min(_step(out, r) for r in range(3)) >= 1, 150, "every rank trains",
+                 interval_s=0.1)
+        nodes += user_ddp_on_etcd(c, endpoints, run_id, [3], out)  # the spare
+        before = wait_for(lambda: _status(run_id, endpoints), 60, "ftrun status --etcd")
+        old = etcd.read_coordinator(client, run_id)
+        assert old is not None and before["coordinator"]["term"] == old.term, before
+        holder = c.namespaces.index(old.host)
+        training = {c.namespaces.index(e["node"].split("/")[0])
+                    for e in read_events(state_dir, run_id) if e["type"] == "workers_started"}
+        assert holder in training and len(training) == 3, (holder, training)
+        wait_for(lambda: min(_step(out, r) for r in range(3)) >= KILL_AT, 150,
+                 f"step {KILL_AT} on every rank", interval_s=0.1)
+
+        t_kill = time.time()
+        killed = c.kill_host(holder)
+        step_at_kill = max(_step(out, r) for r in range(3))
+        assert killed and step_at_kill < USER_DDP_STEPS, (killed, step_at_kill)  # mid-training
+
+        def taken_over() -> dict | None:
+            """The status once a new coordinator answers it and has its picture back from
+            the survivors' reports: their nodes, the epoch's commits, durable steps."""
+            doc = _status(run_id, endpoints)
+            if not doc or doc["coordinator"].get("term", 0) <= old.term:
+                return None
+            snaps = doc.get("snapshots") or {}
+            live = {n["host"] for n in doc["nodes"] if not (n["lost"] or n["left"])}
+            rebuilt = (snaps.get("committed_step") or 0) >= KILL_AT - 1 and \
+                (snaps.get("durable_step") or 0) >= KILL_AT - 2
+            return doc if rebuilt and live >= survivors_training else None
+
+        survivors_training = {c.hostname(h) for h in training if h != holder}
+        after = wait_for(taken_over, 90, "ftrun status --etcd to name a new coordinator, "
+                         "its picture rebuilt", interval_s=0.5)
+
+        def detecting() -> dict | None:
+            """The status once every rank of the new world, the survivors' restarted in
+            place included, reports its collectives to the new detection service."""
+            doc = _status(run_id, endpoints)
+            suspects = ((doc or {}).get("detection") or {}).get("suspects") or {}
+            return doc if suspects.get("ranks", 0) >= 3 else None
+
+        detection = wait_for(detecting, 60, "every rank reporting to the new detection "
+                             "service", interval_s=0.5)["detection"]
+        digest, text = _finish(c, [p for p in nodes if p.host != holder])
+        t_end = time.time()
+
+    new = after["coordinator"]
+    assert detection["endpoint"] != before["detection"]["endpoint"], detection
+    assert new["endpoint"] != before["coordinator"]["endpoint"]
+    assert not new["stepped_down"]
+    assert digest == reference
+    # Every rank resumed from one step in memory (the lost rank from its replica), none
+    # from disk (there is none).
+    resumed = set(re.findall(r"user-ddp: rank \d resumed from step (\d+)", text))
+    events = read_events(state_dir, run_id)
+    restores = [e for e in events if e["type"] == "restore" and e["ts"] > t_kill]
+    assert len(resumed) == 1 and restores, (resumed, restores)
+    assert all(e["source"].startswith("memory") and str(e["step"]) in resumed
+               for e in restores), restores
+    moves = [e for e in events if e["type"] == "coordinator_failover"]
+    # Every launcher that was training moved; the spare did too if it had found the old
+    # coordinator before the kill (a launcher starting later finds the new one in etcd).
+    moved = {e["node"].split("/")[0] for e in moves}
+    assert survivors_training <= moved <= survivors_training | {c.hostname(3)}, moves
+    assert all(e["old_term"] == old.term and e["new_term"] == new["term"]
+               and e["old_holder"] == old.node_id and e["ts"] > t_kill
+               for e in moves), moves
+    starts = [e for e in events if e["type"] == "job_start" and e.get("term") == new["term"]]
+    assert starts and starts[0]["seq"] > max(e["seq"] for e in events
+                                             if e["ts"] < t_kill), starts
+    log.info("coordinator host %d (term %d) killed: term %d took over in %.1f s; job done "
+             "%.1f s after the kill; resumed from %s", holder, old.term, new["term"],
+             min(e["ts"] for e in moves) - t_kill, t_end - t_kill, resumed)
+    assert re.search(r"coordinator failover: job \S+'s coordinator is now", text), text[-3000:]
