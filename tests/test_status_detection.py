@@ -159,3 +159,36 @@ def test_4096_nodes_stay_short() -> None:
     assert "detection: 300 suspect(s), 300 host(s) isolated" in text
     assert "more suspect(s)" in text and "more isolated host(s)" in text
     assert sum(1 for line in lines if "  suspect: " in line) == 8
+
+
+def test_recoveries_are_kept_and_the_newest_is_shown_with_its_phases() -> None:
+    """Every launcher's ``recovery`` event is kept for ``ftrun status`` (the newest few, and
+    how many so far); the text says how the newest was done and how long each phase took."""
+    from ftrun.coordinator.events import RECOVERIES_KEPT, EventLog
+
+    log = EventLog()
+    log.record("worker_failure", "n0", {"rank": 1})
+    for gen in range(1, RECOVERIES_KEPT + 3):
+        log.record("recovery", "n0", {
+            "how": "in_process", "why": "rank 1 died (SIGKILL)", "generation": gen,
+            "new_processes": [1], "kept": [0, 2], "detect_s": 0.05, "abort_s": 0.1,
+            "rendezvous_s": 1.25, "world_s": 0.9, "total_s": 2.3})
+    log.record("recovery", "n1", {"how": "fallback", "why": "rank 2 died",
+                                  "fallback_reason": "local rank 0 did not acknowledge",
+                                  "detect_s": 0.1, "in_place_s": 5.0, "restart_s": 3.0,
+                                  "total_s": 8.1})
+    rec = log.recoveries()
+    assert rec["count"] == RECOVERIES_KEPT + 3 and len(rec["recent"]) == RECOVERIES_KEPT
+    assert rec["recent"][-1]["how"] == "fallback" and rec["recent"][-2]["generation"] == 10
+
+    doc = _doc([_node(0, "hosta"), _node(1, "hostb")], None)
+    assert "last recovery" not in _text(doc)  # none yet
+    doc["recoveries"] = {"count": 1, "recent": rec["recent"][-2:-1]}
+    text = _text(doc)
+    assert ("last recovery (1 so far, node n0): in place in 2.30 s (detect 0.05 s, abort "
+            "0.10 s, rendezvous 1.25 s, new world 0.90 s); new process for rank(s) 1; after: "
+            "rank 1 died (SIGKILL)") in text, text
+    doc["recoveries"] = rec
+    text = _text(doc)
+    assert "node n1): new processes (in place failed) in 8.10 s (detect 0.10 s, in-place " \
+           "attempt 5.00 s, restart 3.00 s); local rank 0 did not acknowledge" in text, text

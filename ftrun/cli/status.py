@@ -426,6 +426,9 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         (f" | {summary.get('restarts', 0)} restart(s)", ""),
     )
     details = _suspect_lines(doc) + detection_lines(doc)
+    recovered = recovery_line(doc)
+    if recovered is not None:
+        details.append(recovered)
     listed = _listed_line(doc)
     if listed is not None:
         details.insert(0, listed)
@@ -462,6 +465,40 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
              if fallback else "", "bold yellow"))
         return Group(table, line, *details, snap_line, restored)
     return Group(table, line, *details, snap_line)
+
+
+_HOW = {"in_process": "in place", "new_process": "new processes",
+        "fallback": "new processes (in place failed)"}
+# The phases of a recovery event, in order, as the launcher measured them.
+_PHASES = (("detect_s", "detect"), ("abort_s", "abort"), ("rendezvous_s", "rendezvous"),
+           ("world_s", "new world"), ("in_place_s", "in-place attempt"),
+           ("restart_s", "restart"))
+
+
+def recovery_line(doc: dict[str, Any]) -> Text | None:
+    """The newest recovery: how (in place, new processes, fallback and why), its phases,
+    which ranks got new processes; None when the job has not recovered yet."""
+    rec = doc.get("recoveries") or {}
+    recent = rec.get("recent") or []
+    if not recent:
+        return None
+    e = recent[-1]
+    how = str(e.get("how", "?"))
+    phases = ", ".join(f"{name} {e[key]:.2f} s" for key, name in _PHASES
+                       if isinstance(e.get(key), (int, float)))
+    parts = [f"last recovery ({rec.get('count', len(recent))} so far, node "
+             f"{e.get('node', '?')}): {_HOW.get(how, how)}"]
+    if isinstance(e.get("total_s"), (int, float)):
+        parts.append(f" in {e['total_s']:.2f} s" + (f" ({phases})" if phases else ""))
+    if how == "in_process":
+        new = e.get("new_processes") or []
+        parts.append(f"; new process for rank(s) {_ranks_text(new)}" if new
+                     else "; every rank kept its process")
+    elif e.get("fallback_reason"):
+        parts.append(f"; {_truncate(str(e['fallback_reason']))}")
+    if e.get("why"):
+        parts.append(f"; after: {_truncate(str(e['why']))}")
+    return Text("".join(parts), style="yellow" if how == "fallback" else "")
 
 
 def _corruption_text(snaps: dict[str, Any]) -> tuple[str, str]:

@@ -22,6 +22,8 @@ from ftrun.protocol.transport import RateLimiter
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 10_000
+# The newest recoveries (launchers' ``recovery`` events) ``ftrun status`` shows.
+RECOVERIES_KEPT = 8
 WARN_EVERY_S = 10.0
 
 
@@ -31,6 +33,8 @@ class EventLog:
     def __init__(self, max_events: int = MAX_EVENTS) -> None:
         self._lock = threading.Lock()
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
+        self._recoveries: deque[dict[str, Any]] = deque(maxlen=RECOVERIES_KEPT)
+        self._recovery_count = 0
         self._seq = 0
         self._fh: Any = None
         self._warn = RateLimiter(WARN_EVERY_S)
@@ -73,6 +77,9 @@ class EventLog:
             event = dict(data)
             event.update(seq=self._seq, ts=time.time(), type=type_, node=node)
             self._events.append(event)
+            if type_ == "recovery":
+                self._recoveries.append(event)
+                self._recovery_count += 1
             if self._fh is not None:
                 try:
                     self._fh.write(json.dumps(event, separators=(",", ":")) + "\n")
@@ -92,6 +99,12 @@ class EventLog:
             first = self._events[0]["seq"] if self._events else 0
             start = max(0, since - first + 1)
             return [dict(e) for e in list(self._events)[start:]]
+
+    def recoveries(self) -> dict[str, Any]:
+        """How many recoveries were recorded, and the newest ones (oldest first)."""
+        with self._lock:
+            return {"count": self._recovery_count,
+                    "recent": [dict(e) for e in self._recoveries]}
 
     def tail(self, n: int) -> list[dict[str, Any]]:
         with self._lock:

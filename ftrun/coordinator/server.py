@@ -659,6 +659,8 @@ class Coordinator:
             doc["coordinator"]["stepped_down"] = self.stepped_down
         doc["summary"]["events"] = self._events.count
         doc["events_tail"] = self._events.tail(EVENTS_TAIL)
+        # How each launcher recovered (in place / new processes / fallback), phase by phase.
+        doc["recoveries"] = self._events.recoveries()
         doc["snapshots"] = self._snapshots.summary()
         # The detection service's suspects, findings with their evidence, isolated hosts.
         if self._detection is not None:
