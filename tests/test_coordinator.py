@@ -113,6 +113,7 @@ def test_endpoint_and_job_start(coordinator: Coordinator, tmp_path: Path) -> Non
     assert doc["coordinator"]["endpoint"] == coordinator.endpoint
     assert doc["coordinator"]["pid"] == os.getpid()
     assert [e["type"] for e in doc["events_tail"]] == ["job_start"]
+    assert doc["recoveries"] == {"count": 0, "recent": []}
     first = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])
     assert first["type"] == "job_start" and first["seq"] == 1 and first["node"] is None
 
