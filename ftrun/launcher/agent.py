@@ -534,6 +534,25 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._replace = set(dead) if replace else set()
         self._phase = NodeState.RESTARTING
 
+    def _note_died_meanwhile(self, worker_group: WorkerGroup, local_ranks: set[int]) -> None:
+        """Ranks that did not answer the abort because they had died meanwhile (a rank that
+        exits as another's failure is being handled): their failure is recorded like any
+        other (``worker_failure``). A live one is killed for not answering, logged."""
+        procs = _torch.worker_processes(self._pcontext) or {}
+        by_local = {w.local_rank: w for w in worker_group.workers}
+        for lr in sorted(local_ranks):
+            proc = procs.get(lr)
+            code = proc.poll() if proc is not None else None
+            if proc is None or code is None:
+                continue
+            rank = by_local[lr].global_rank
+            sig = _signal_name(code)
+            what = f"rank {rank} died ({sig})" if sig else f"rank {rank} died (exit code {code})"
+            self._exitcodes[lr] = code
+            self._ctx.sink.event("worker_failure", rank=rank, local_rank=lr, pid=proc.pid,
+                                 exitcode=code, signal=sig, message=what,
+                                 timestamp=time.time(), in_place=True)
+
     def _cannot_restart_in_place(self, worker_group: WorkerGroup) -> str | None:
         """Why the workers cannot restart in place (None: they can)."""
         if self._inplace_timeout_s <= 0:
@@ -639,10 +658,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         stopped = self._kill_stopped(worker_group, survivors, why)
         dead |= stopped
         survivors -= stopped
+        silent = set()
         for lr in sorted(survivors):
             if not self._order(lr, "rank_abort", {"generation": gen, "reason": why}):
                 log.warning("local rank %d did not acknowledge rank_abort: replacing it", lr)
-                dead.add(lr)
+                silent.add(lr)
+        self._note_died_meanwhile(worker_group, silent)
+        dead |= silent
         survivors -= dead
         self._reap(dead, self._inplace_timeout_s)  # their exit releases the survivors (gloo)
         late = self._wait_ranks(worker_group, survivors, lambda d: d.get("state") in (
