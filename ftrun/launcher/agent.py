@@ -511,28 +511,33 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         pids = self.worker_pids()
         first: str | None = None
         for lr in sorted(dead, key=lambda lr: (states.get(lr) or {}).get("ts") or 0):
-            rank = by_local[lr].global_rank
-            doc = states.get(lr)
-            code = codes.get(lr)
-            sig = _signal_name(code)
-            if doc is not None and doc.get("state") in ("failed", "faulted"):
-                what = f"rank {rank} failed: {doc.get('error')}"
-            elif sig is not None:
-                what = f"rank {rank} died ({sig})"
-            else:
-                what = f"rank {rank} died (exit code {code})"
+            what = self._record_failure(by_local[lr].global_rank, lr, pids.get(lr),
+                                        codes.get(lr), states.get(lr))
             first = first or what
-            if code is not None:
-                self._exitcodes[lr] = code
-            self._ctx.sink.event("worker_failure", rank=rank, local_rank=lr, pid=pids.get(lr),
-                                 exitcode=code, signal=sig,
-                                 message=str((doc or {}).get("error") or what)[:4096],
-                                 timestamp=time.time(), in_place=True)
         assert first is not None
         self._last_error = first[:1024]
         self._note_restart(first[:300])
         self._replace = set(dead) if replace else set()
         self._phase = NodeState.RESTARTING
+
+    def _record_failure(self, rank: int, lr: int, pid: int | None, code: int | None,
+                        doc: dict[str, Any] | None) -> str:
+        """Record a dead rank (its exit code, event ``worker_failure``); returns what
+        happened to it in words."""
+        sig = _signal_name(code)
+        if doc is not None and doc.get("state") in ("failed", "faulted"):
+            what = f"rank {rank} failed: {doc.get('error')}"
+        elif sig is not None:
+            what = f"rank {rank} died ({sig})"
+        else:
+            what = f"rank {rank} died (exit code {code})"
+        if code is not None:
+            self._exitcodes[lr] = code
+        self._ctx.sink.event("worker_failure", rank=rank, local_rank=lr, pid=pid,
+                             exitcode=code, signal=sig,
+                             message=str((doc or {}).get("error") or what)[:4096],
+                             timestamp=time.time(), in_place=True)
+        return what
 
     def _note_died_meanwhile(self, worker_group: WorkerGroup, local_ranks: set[int]) -> None:
         """Ranks that did not answer the abort because they had died meanwhile (a rank that
@@ -543,15 +548,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         for lr in sorted(local_ranks):
             proc = procs.get(lr)
             code = proc.poll() if proc is not None else None
-            if proc is None or code is None:
-                continue
-            rank = by_local[lr].global_rank
-            sig = _signal_name(code)
-            what = f"rank {rank} died ({sig})" if sig else f"rank {rank} died (exit code {code})"
-            self._exitcodes[lr] = code
-            self._ctx.sink.event("worker_failure", rank=rank, local_rank=lr, pid=proc.pid,
-                                 exitcode=code, signal=sig, message=what,
-                                 timestamp=time.time(), in_place=True)
+            if proc is not None and code is not None:
+                self._record_failure(by_local[lr].global_rank, lr, proc.pid, code, None)
 
     def _cannot_restart_in_place(self, worker_group: WorkerGroup) -> str | None:
         """Why the workers cannot restart in place (None: they can)."""
