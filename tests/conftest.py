@@ -6,8 +6,10 @@ here under the names the test modules import from ``conftest``.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -15,8 +17,17 @@ from ftrun.testing import TRAIN, Procs, free_port, pid_alive, read_events, resul
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "TRAIN", "Procs", "free_port", "pid_alive", "read_events", "result_line",
-           "wait_for"]
+__all__ = ["ROOT", "TRAIN", "Procs", "free_port", "load_train", "pid_alive", "read_events",
+           "result_line", "wait_for"]
+
+
+def load_train() -> ModuleType:
+    """examples/train.py imported as a module (its functions, parse_args, ...)."""
+    spec = importlib.util.spec_from_file_location("ftrun_example_train", TRAIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

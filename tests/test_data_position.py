@@ -8,29 +8,19 @@ once. The integration tests run examples/train.py under ftrun with FSDP2 on 4 an
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, Procs, result_line
+from conftest import TRAIN, Procs, load_train, result_line
 from torch.utils.data import DistributedSampler
 
 import ftrun
 from ftrun.rank.data import ResumableDistributedSampler
 
-
-def _load_train() -> object:
-    spec = importlib.util.spec_from_file_location("ftrun_example_train", TRAIN)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _load_train()
+train = load_train()
 
 
 def epoch_order(length: int, seed: int, epoch: int) -> list[int]:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN, Procs, pid_alive, wait_for
+from conftest import ROOT, TRAIN, Procs, load_train, pid_alive, wait_for
 from slurm_cluster import SlurmCluster, exclusive, launcher_pid_slurm_node, unavailable
 
 # These tests check exact steps (resumed from, persisted): no snapshot may be skipped.
@@ -244,8 +244,6 @@ def test_example_runs_as_written_on_the_geometry_it_declares(script: str, tmp_pa
     records its command), hands examples/train.py arguments it accepts on the example's own
     geometry: ``#SBATCH --nodes`` launchers of ``--nproc-per-node`` ranks each (for spares,
     the largest world it may train on). No Slurm needed."""
-    import importlib.util
-
     text = (EXAMPLES / script).read_text()
     nodes = int(next(line.split("=", 1)[1] for line in text.splitlines()
                      if line.startswith("#SBATCH --nodes=")))
@@ -269,10 +267,7 @@ def test_example_runs_as_written_on_the_geometry_it_declares(script: str, tmp_pa
     world = nodes * gpus
     assert world == 32 if script != "spares.sbatch" else world == 48
 
-    spec = importlib.util.spec_from_file_location("ftrun_example_train", TRAIN)
-    assert spec is not None and spec.loader is not None
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_train()
     try:
         args = train.parse_args(train_args, world)
     except SystemExit as e:  # argparse's error: the script would stop every rank at start
