@@ -319,6 +319,7 @@ def test_a_lost_node_is_dropped_from_the_rendezvous_as_torch_drops_an_expired_on
     its keep-alives; the other drops it (refused while its keep-alive is younger than asked),
     and a fresh handler on the same store reads the round without it."""
     import threading
+    from datetime import timedelta
 
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -331,17 +332,19 @@ def test_a_lost_node_is_dropped_from_the_rendezvous_as_torch_drops_an_expired_on
     assert params(_BackendRendezvousStateHolder) == ["backend", "settings", "cache_duration"]
     for name in ("_sanitize", "sync", "mark_dirty", "state"):
         assert hasattr(_BackendRendezvousStateHolder, name), name
-    # As ftrun runs it (launch.py): no rendezvous store shared with the ranks. (With torch's
-    # shared one, rank 0 of the round starts a store server here and, after another test's
-    # agent run in this process, the round's MASTER_ADDR was never written: 2 x 60 s joins.)
+    # As ftrun runs it (launch.py): no rendezvous store shared with the ranks.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     port = free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    _server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
 
     def handler() -> DynamicRendezvousHandler:
+        # One store client per node, as on real hosts: with one client shared by both
+        # handlers, rank 1's blocking get of MASTER_ADDR could hold it while rank 0 waited to
+        # set the key (seen once in CI under load: a 300 s store timeout).
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         backend, _ = create_backend(RendezvousParameters(
             "c10d", f"127.0.0.1:{port}", "drop", 2, 2, is_host="0", timeout="30"))
-        return DynamicRendezvousHandler.from_backend("drop", store, backend, 2, 2)
+        return DynamicRendezvousHandler.from_backend("drop", client, backend, 2, 2)
 
     a, b = handler(), handler()
     assert _torch.drop_rendezvous_node(object(), "x", 0.0, 1.0)[0] == "unsupported"
