@@ -26,7 +26,9 @@ R`` SIGKILLs rank R in step S once per job, after its optimizer step and before 
 ``--fail-mode raise|stop|hang`` raises, freezes it (SIGSTOP) or hangs it in Python code outside any
 collective (alive, never progressing) instead, and ``--fail-mode bitflip`` flips one
 bit of one of its parameters in place (silent data corruption: the rank goes on, its replica
-now differs from the others'; ftrun's coordinator finds it at the snapshot of that step). ``--stuck-rank`` and
+now differs from the others'; ftrun's coordinator finds it at the snapshot of that step);
+``--fail-mode copy`` SIGKILLs it from its snapshot copy thread while the snapshot of step S is
+half written (the job resumes from S-1). ``--stuck-rank`` and
 ``--kill-after-restore-rank`` add a rank that never leaves the function and a second fault
 while the job re-forms. Each fault fires once per job: its marker file (holding the fault's
 time) lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
@@ -51,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ftrun
-from ftrun.faults import fire_once
+from ftrun.faults import fire_once, kill_in_snapshot_copy
 
 
 def make_dataset(n: int, features: int, classes: int) -> TensorDataset:
@@ -95,6 +97,8 @@ def once(args: argparse.Namespace, name: str) -> bool:
 def maybe_kill(args: argparse.Namespace, rank: int, step: int, model: nn.Module) -> None:
     if step != args.kill_at_step or rank != args.kill_rank:
         return
+    if args.fail_mode == "copy":
+        return  # armed in train(): the snapshot's copy thread fires it
     if not once(args, f"user-ddp-fault-rank{rank}-step{step}"):
         return  # fired already in this job (the marker holds its time: benchmarks read it)
     if args.fail_mode == "raise":
@@ -168,10 +172,11 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
-    p.add_argument("--fail-mode", choices=("kill", "raise", "stop", "hang", "bitflip"),
+    p.add_argument("--fail-mode", choices=("kill", "raise", "stop", "hang", "bitflip", "copy"),
                    default="kill",
                    help="SIGKILL, raise an exception, SIGSTOP (frozen) the rank, hang it in "
-                        "Python outside collectives, or flip a bit of one of its parameters")
+                        "Python outside collectives, flip a bit of one of its parameters, or "
+                        "SIGKILL it while its snapshot of the step is half copied")
     p.add_argument("--stuck-rank", type=int, default=-1,
                    help="in step --kill-at-step, this rank blocks in a C call for 600 s")
     p.add_argument("--kill-after-restore-rank", type=int, default=-1,
@@ -201,6 +206,9 @@ def train(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
+    if args.fail_mode == "copy" and rank == args.kill_rank and args.kill_at_step:
+        kill_in_snapshot_copy(rank, args.kill_at_step,
+                              args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or ".")
 
     dataset = make_dataset(args.samples, args.features, args.classes)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)

@@ -6,7 +6,8 @@ back to an older committed step; tests assert both. ``corrupt_persisted`` does t
 step persisted on disk (bit rot, a torn copy). ``corrupt_replica`` flips a byte of the newest
 verified replica this host holds of another node's rank: once that node is lost, the replica
 is the only copy of its step, and a restore must refuse it. ``kill_once`` SIGKILLs the calling
-rank, once per job, as a crashed host or an OOM kill would.
+rank, once per job, as a crashed host or an OOM kill would; ``kill_in_snapshot_copy`` does it
+from the rank's copy thread while a snapshot is half written.
 """
 
 from __future__ import annotations
@@ -163,3 +164,22 @@ def kill_once(name: str, rank: int, step: int, directory: str | None = None) -> 
     for handler in logging.getLogger().handlers:
         handler.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_snapshot_copy(rank: int, step: int, directory: str | None = None) -> None:
+    """Arm a SIGKILL of this process from its snapshot copy thread, in the middle of copying
+    the snapshot of ``step`` (its first group of tensors copied, the rest, the hashes and the
+    manifest not): the rank dies with that snapshot half written, as a crash during a copy
+    would leave it. Once per job, like :func:`kill_once` (same marker file)."""
+    from ftrun.rank import save
+
+    directory = directory or knobs.JOB_DIR.get()
+    if not directory:
+        raise FtrunError(f"kill_in_snapshot_copy needs a directory for its marker file "
+                         f"({knobs.JOB_DIR.name} is unset outside an ftrun job): pass directory=")
+
+    def fault(copying: int) -> None:
+        if copying == step:
+            kill_once("copy", rank, step, directory)
+
+    save.copy_fault = fault

@@ -106,3 +106,33 @@ def test_explicit_dests_stop_at_the_script() -> None:
     given = fargs.explicit_dests(parser, ["--nnodes", "2", "--standalone", "train.py", "--rdzv-id", "x"])
     assert given >= {"nnodes", "standalone"}
     assert "rdzv_id" not in given
+
+
+@pytest.mark.parametrize("env, argv, expected", [
+    (None, [], None), ("auto", [], None), ("1", [], True), ("off", [], False),
+    ("0", ["--warm-workers"], True), ("1", ["--no-warm-workers"], False),
+])
+def test_warm_workers_flag_variable_and_auto(monkeypatch: pytest.MonkeyPatch, env: str | None,
+                                             argv: list[str], expected: bool | None) -> None:
+    """Neither flag nor variable (or FTRUN_WARM_WORKERS=auto): None, decided by the CPUs per
+    local rank when the workers start; the flags win over the variable."""
+    if env is None:
+        monkeypatch.delenv("FTRUN_WARM_WORKERS", raising=False)
+    else:
+        monkeypatch.setenv("FTRUN_WARM_WORKERS", env)
+    ns = fargs.build_parser().parse_args([*argv, *SCRIPT])
+    assert fargs.ftrun_options(ns).warm_workers is expected
+
+
+def test_warm_workers_bad_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTRUN_WARM_WORKERS", "sometimes")
+    ns = fargs.build_parser().parse_args(SCRIPT)
+    with pytest.raises(ConfigError, match="FTRUN_WARM_WORKERS must be 1, 0 or auto, got 'sometimes'"):
+        fargs.ftrun_options(ns)
+
+
+def test_warm_workers_auto_needs_four_cpus_per_local_rank() -> None:
+    from ftrun.launcher.warm import auto_warm
+
+    assert auto_warm(1, cpus=4) and auto_warm(8, cpus=32) and auto_warm(2, cpus=16)
+    assert not auto_warm(3, cpus=2) and not auto_warm(8, cpus=31)

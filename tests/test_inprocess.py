@@ -111,6 +111,24 @@ def test_stopped_rank_is_killed_and_replaced_alone(procs: Procs, tmp_path: Path,
     assert digest == fault_free
 
 
+def test_rank_killed_while_its_snapshot_is_half_copied(procs: Procs, tmp_path: Path,
+                                                       fault_free: str) -> None:
+    """Rank 1 is SIGKILLed from its snapshot copy thread while the snapshot of step 5 is
+    half written (the others' copies of step 5 in flight or staged). That step is never
+    complete: the restarted world resumes from step 4, the new rank 1 finds its torn buffer
+    and does not load it, the survivors keep their processes (their own copies in flight are
+    given up by the abort), and the weights are the fault-free run's."""
+    digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "copy",
+                                  "--kill-at-step", "5", "--kill-rank", "1")
+    assert (tmp_path / "copy-fault-rank1-step5").exists(), "the fault never fired"
+    assert "SIGKILL rank 1 in step 5 (copy)" in out, out[-6000:]
+    assert "holds step 5 writing: torn or unverified, not loaded" in out, out[-6000:]
+    resumed = set(re.findall(r"user-ddp: rank (\d) resumed from step (\d+)", out))
+    assert resumed == {("0", "4"), ("1", "4"), ("2", "4")}, resumed
+    assert_only_rank_replaced(tmp_path, read_events(tmp_path / "state", run_id), 1)
+    assert digest == fault_free
+
+
 def test_rank_hung_outside_collectives_keeps_its_process_like_everyone(
         procs: Procs, tmp_path: Path, fault_free: str) -> None:
     """Rank 1 hangs in Python code outside any collective (alive, never progressing) while

@@ -53,7 +53,7 @@ from ftrun.coordinator.api import NodeState
 from ftrun.errors import FtrunError
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
-from ftrun.launcher.warm import WarmPool
+from ftrun.launcher.warm import WarmPool, auto_warm
 from ftrun.pdeath import tie_entrypoint
 from ftrun.rank import resilient
 from ftrun.rank.progress import create_progress_file, read_progress
@@ -119,8 +119,9 @@ class AgentContext:
     node_dir: Path  # private, host-local: progress files live here
     hang_timeout_s: float
     worker_env: dict[str, str] = field(default_factory=dict)
-    # Warm workers (ftrun.launcher.warm): on or off, and the modules imported ahead besides torch.
-    warm_workers: bool = False
+    # Warm workers (ftrun.launcher.warm): on, off or None (auto: by CPUs per local rank), and
+    # the modules imported ahead besides torch.
+    warm_workers: bool | None = None
     warm_imports: tuple[str, ...] = ()
     sink: EventSink = field(default_factory=_NoSink)
     agent: FtrunAgent | None = None
@@ -221,8 +222,11 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._replace: set[int] = set()  # dead local ranks the next restart gives new processes
         # Every worker start (first, restart, replacement) tries a warm interpreter first.
         self._told_to_exit: set[int] = set()  # local ranks sent rank_exit (reset per start)
+        warm = ctx.warm_workers
+        if warm is None:
+            warm = auto_warm(spec.local_world_size)
         self._warm = WarmPool.start_for(spec, ctx.worker_env, ctx.warm_imports, ctx.sink) \
-            if ctx.warm_workers else None
+            if warm else None
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------

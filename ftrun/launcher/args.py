@@ -52,7 +52,7 @@ class FtrunOptions:
     on_slow: str = "warn"
     on_corruption: str = "restart"
     isolate_hook: str | None = None
-    warm_workers: bool = False
+    warm_workers: bool | None = None  # None: auto (ftrun.launcher.warm.auto_warm)
     warm_imports: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -188,7 +188,8 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--warm-workers", knobs.WARM_WORKERS, bool,
      "Keep one interpreter per local rank started ahead with torch imported, so that a "
      "replaced or restarted rank skips starting Python and importing torch; a start that "
-     "differs from them (environment, command) starts cold, logged. Off by default for now; "
+     "differs from them (environment, command) starts cold, logged. Default (neither flag): "
+     "on where the launcher has at least 4 usable CPUs per local rank, off otherwise; "
      "--no-warm-workers: every worker starts cold."),
     ("--warm-imports", knobs.WARM_IMPORTS, str,
      "Modules the warm interpreters import besides torch, comma-separated (only modules "
@@ -203,6 +204,16 @@ _NEGATABLE = frozenset({"--warm-workers"})
 # shell completion offers them (FtrunOptions checks the FTRUN_* value as well).
 _CHOICES: dict[str, tuple[str, ...]] = {"--on-hang": ON_HANG_CHOICES, "--on-slow": ON_SLOW_CHOICES,
                                          "--on-corruption": ON_CORRUPTION_CHOICES}
+
+
+def _tristate(knob: knobs.Knob) -> bool | None:
+    """A negatable switch's variable: True, False, or None where it is unset or ``auto``."""
+    raw = knob.get().strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return knob.enabled()
+    raise ConfigError(f"{knob.name} must be 1, 0 or auto, got {knob.get()!r}")
 
 
 def _dest(flag: str) -> str:
@@ -245,9 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
         clash = taken.intersection(spellings)
         if clash:  # torch grew a flag of the same name: fail loudly, never shadow it
             raise ConfigError(f"ftrun flag {sorted(clash)} collides with a torchrun flag")
-        if typ is bool and flag in _NEGATABLE:
+        if typ is bool and flag in _NEGATABLE:  # neither flag: the variable (ftrun_options)
             group.add_argument(*spellings, dest=_dest(flag),
-                               action=argparse.BooleanOptionalAction, default=knob.enabled(),
+                               action=argparse.BooleanOptionalAction, default=None,
                                help=f"{help_text} [env {knob.name}]".replace("%", "%%"))
             continue
         if typ is bool:  # a switch: no value on the command line
@@ -297,7 +308,8 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         on_slow=str(ns.on_slow or knobs.ON_SLOW.default).strip().lower(),
         on_corruption=str(ns.on_corruption or knobs.ON_CORRUPTION.default).strip().lower(),
         isolate_hook=ns.isolate_hook or None,
-        warm_workers=bool(ns.warm_workers),
+        warm_workers=_tristate(knobs.WARM_WORKERS) if ns.warm_workers is None
+        else ns.warm_workers,
         warm_imports=tuple(m.strip() for m in (ns.warm_imports or "").split(",") if m.strip()),
     )
 

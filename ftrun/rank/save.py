@@ -34,6 +34,10 @@ RNG_KEY = "/rng/"
 SKIP_LOG_INTERVAL_S = 30.0
 COPY_GROUP_BYTES = 64 << 20  # GPU: one event per group; its chunks are hashed once it lands
 
+# Fault injection (ftrun.faults.kill_in_snapshot_copy installs it): called from the copy
+# thread with the step once the first group of a snapshot's tensors is copied.
+copy_fault: Callable[[int], None] | None = None
+
 
 class SaveJob:
     """One save() in flight: the copy thread starts it, or wait() gives it up first."""
@@ -314,11 +318,15 @@ class Saver:
                 event.synchronize()
                 for i in group:
                     hasher.copied(i)
+                if copy_fault is not None:
+                    copy_fault(step)
         else:
             for group in groups:
                 for i in group:
                     copy(i)
                     hasher.copied(i)
+                if copy_fault is not None:
+                    copy_fault(step)
         self._copied.set()
         if not self._rng_taken.wait(timeout=RNG_TIMEOUT_S):
             self.skipped(step, f"no forward pass and no wait() within {RNG_TIMEOUT_S:.0f} s "
