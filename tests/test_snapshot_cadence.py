@@ -47,6 +47,27 @@ def test_auto_snapshots_every_step_when_the_copy_is_hidden() -> None:
     assert c.k == 1
 
 
+def test_auto_backs_off_where_snapshots_were_given_up_and_stays_there() -> None:
+    """The copy looks free (the step after a save is no slower), but the store could not
+    keep up at K=2: two snapshots given up. K doubles and does not come back down when the
+    step times still say the copy is free."""
+    c = Cadence("auto")
+    feed(c, 12, plain_s=0.2, copy_s=0.0)
+    c.agree(32)
+    assert c.k == 1
+    c.k = 2
+    c.skipped()
+    c.skipped()
+    c.agree(64)
+    assert (c.k, c.floor) == (4, 4)
+    feed(c, 40, plain_s=0.2, copy_s=0.0)
+    c.agree(96)  # no skip at 4, and the step times still want 1
+    assert c.k == 4
+    c.skipped()
+    c.agree(128)
+    assert c.k == 8
+
+
 def test_auto_caps_the_interval() -> None:
     c = Cadence("auto")
     feed(c, 12, plain_s=0.001, copy_s=100.0)

@@ -88,7 +88,8 @@ class _SnapshotsCallback:
         trainer_state = _TrainerState(trainer, not self._own_optimizer)
         self.snapshotter = ftrun.Snapshotter(
             trainer.strategy.model, optimizers[0] if self._own_optimizer else None,
-            state={"lightning": trainer_state}, every=self.every, forward_hooks=False)
+            state={"lightning": trainer_state}, every=self.every, forward_hooks=False,
+            optimizer_hook=False)
         step = self.snapshotter.restore()
         self.resumed_from = step
         if step:
@@ -126,9 +127,12 @@ class _SnapshotsCallback:
             self.snapshotter.step_begins()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        # Several optimizers are not the Snapshotter's: keep their update off the copy.
-        if self.snapshotter is not None and not self._own_optimizer:
-            self.snapshotter.wait()
+        # Keep the parameter update off the copy in flight. Here, not in an optimizer step
+        # pre-hook: Lightning calls optimizer.step(closure) with the training step's forward
+        # and backward inside the closure, which runs after the pre-hooks and before this
+        # hook, so waiting here lets the copy overlap them.
+        if self.snapshotter is not None:
+            self.snapshotter.before_optimizer_step()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

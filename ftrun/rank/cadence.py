@@ -37,6 +37,12 @@ class Cadence:
     or below ``TARGET`` of the step time. Every ``AGREE_EVERY`` steps the ranks agree on the
     largest K any of them wants (a one-integer all_reduce), so all snapshot the same steps.
     Until both kinds of step have been seen, K is ``WARMUP_K``.
+
+    A snapshot given up because the store had not released a buffer (the one before it not
+    yet verified and committed) says the pipeline behind the copy (the store's hashing,
+    replication) needs more than K steps, a cost the step times do not show (it runs in
+    other processes and threads, on the same CPUs). Such a skip sets a floor of twice the K it
+    happened at, kept for the run: K then never comes back down to where snapshots were lost.
     """
 
     TARGET = 0.03
@@ -62,6 +68,8 @@ class Cadence:
         self._with_copy: deque[float] = deque(maxlen=self.WINDOW)
         self._plain: deque[float] = deque(maxlen=self.WINDOW)
         self._last_due = False
+        self._skips = 0  # snapshots given up since the last agreement
+        self.floor = 1  # from skips: the smallest K that may keep up
 
     def due(self, step: int) -> bool:
         return step % self.k == 0
@@ -73,6 +81,10 @@ class Cadence:
         """The step that just ended took ``step_s``; it overlapped a copy if the last was due."""
         (self._with_copy if self._last_due else self._plain).append(step_s)
 
+    def skipped(self) -> None:
+        """A snapshot was given up: the store had not released a buffer in time."""
+        self._skips += 1
+
     def cost(self) -> tuple[float, float] | None:
         """(seconds a snapshot adds to its step, seconds of a step without one), once known."""
         if len(self._with_copy) < 3 or len(self._plain) < 3:
@@ -82,18 +94,23 @@ class Cadence:
 
     def wanted(self) -> int:
         """The interval this rank would pick."""
+        if self._skips:
+            self.floor = min(self.MAX_K, max(self.floor, 2 * self.k))
         known = self.cost()
         if known is None:
-            return self.k if self.k > 1 else self.WARMUP_K
-        cost, plain = known
-        if plain <= 0:
-            return self.k
-        return max(1, min(self.MAX_K, math.ceil(cost / (self.TARGET * plain))))
+            want = self.k if self.k > 1 else self.WARMUP_K
+        elif known[1] <= 0:
+            want = self.k
+        else:
+            cost, plain = known
+            want = math.ceil(cost / (self.TARGET * plain))
+        return max(self.floor, min(self.MAX_K, want))
 
     def agree(self, step: int) -> None:
         import torch.distributed as dist
 
         want = self.wanted()
+        skips, self._skips = self._skips, 0
         if dist.is_available() and dist.is_initialized():
             device = (torch.device("cuda", torch.cuda.current_device())
                       if dist.get_backend() == "nccl" else torch.device("cpu"))
@@ -101,6 +118,8 @@ class Cadence:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             want = int(t.item())
         if want != self.k:
-            log.info("snapshot interval: every %d step(s) from step %d (was %d)", want, step,
-                     self.k)
+            why = (f"; {skips} snapshot(s) given up since the last change: the store had not "
+                   f"released a buffer" if skips else "")
+            log.info("snapshot interval: every %d step(s) from step %d (was %d%s)", want, step,
+                     self.k, why)
         self.k = want

@@ -192,6 +192,7 @@ class Saver:
 
     def skipped(self, step: int, why: str) -> None:
         self.skipped_saves += 1
+        self.cadence.skipped()
         now = time.monotonic()
         if now - self._skip_logged >= SKIP_LOG_INTERVAL_S:
             self._skip_logged = now

@@ -75,7 +75,8 @@ class Snapshotter:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, state: Mapping[str, Any] | None = None, every: int | str | None = None,
-                 async_copy: bool = True, forward_hooks: bool = True) -> None:
+                 async_copy: bool = True, forward_hooks: bool = True,
+                 optimizer_hook: bool = True) -> None:
         self.cadence = Cadence(knobs.SNAPSHOT_EVERY.get() if every is None else every)
         self.model = model
         self.optimizer = optimizer
@@ -98,7 +99,7 @@ class Snapshotter:
                         knobs.STORE.name)
             return
         ctx.connect()
-        if optimizer is not None:
+        if optimizer is not None and optimizer_hook:  # False: before_optimizer_step() is called
             optimizer.register_step_pre_hook(self._before_optimizer_step)
         if forward_hooks:  # False: the caller calls step_begins()
             inner = getattr(model, "module", None)
@@ -151,9 +152,19 @@ class Snapshotter:
             self._training.rng_restored = None
         self._saver.take_rng()
 
-    def _before_optimizer_step(self, *_: Any) -> None:
+    def before_optimizer_step(self) -> None:
+        """Wait for the copy in flight: the parameters are about to change. Registered as the
+        optimizer's step pre-hook unless ``Snapshotter(optimizer_hook=False)``.
+
+        A framework whose ``optimizer.step(closure)`` runs the forward and backward inside the
+        step (Lightning) calls this itself, after the closure and right before the update,
+        so the copy overlaps the forward and backward instead of holding them up.
+        """
         self.wait()
         self._unsaved = None  # the parameters change now: that step can no longer be taken
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self.before_optimizer_step()
 
     def save(self, step: int, extra: Any = None) -> bool:
         """Snapshot the state after ``step``. Returns False when this call took no snapshot."""
