@@ -20,14 +20,18 @@ GPU it trains on CPU with gloo; ``Accelerator(cpu=True)`` is how accelerate is t
 At the end rank 0 prints ``accelerate-ddp: step=N world=W params_xxh3=HEX scheduler_steps=K``;
 each rank prints ``accelerate-ddp: rank R trains from step=S epoch=E scheduler_steps=K``
 (the script's step and accelerate's counters) before its first step, and a rank that resumed
-prints ``accelerate-ddp: rank R resumed from step S``. ``--kill-at-step S
+prints ``accelerate-ddp: rank R resumed from step S (SOURCE)``. ``--kill-at-step S
 --kill-rank R`` SIGKILLs rank R once per job right after its optimizer step S (before the
 snapshot of S); the marker file lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+``--hold-at-step S`` (for tests that take a whole host away at a step of their choosing) has
+every rank wait after its snapshot of step S, once per job, until the file
+``accelerate-ddp-release`` exists there; each writes ``accelerate-ddp-held-rank<R>`` first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -41,8 +45,9 @@ from torch.utils.data import DataLoader
 from user_ddp import make_dataset, make_model, params_xxh3, warmup_cosine
 
 import ftrun
-from ftrun.faults import kill_once
+from ftrun.faults import fire_once, kill_once
 from ftrun.integrations.accelerate import AcceleratorSnapshotter
+from ftrun.testing import wait_for
 
 
 def main() -> int:
@@ -59,6 +64,7 @@ def main() -> int:
                    "(default: the launcher's --snapshot-every)")
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--hold-at-step", type=int, default=0)
     p.add_argument("--fault-dir")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -81,13 +87,15 @@ def main() -> int:
     step = snap.restore()  # 0 on a fresh start
     rank = accelerator.process_index
     if step:
-        print(f"accelerate-ddp: rank {rank} resumed from step {step}", file=sys.stderr,
-              flush=True)
+        print(f"accelerate-ddp: rank {rank} resumed from step {step} ({snap.source})",
+              file=sys.stderr, flush=True)
     # accelerate's own counters where training starts (after a resume: the snapshot's): the
     # loader's epoch and the prepared scheduler's steps (one per process per optimizer step).
     print(f"accelerate-ddp: rank {rank} trains from step={step} epoch={loader.iteration} "
           f"scheduler_steps={scheduler.scheduler.last_epoch}", file=sys.stderr, flush=True)
 
+    hold_dir = args.fault_dir or os.environ.get("FTRUN_JOB_DIR", ".")
+    release = os.path.join(hold_dir, "accelerate-ddp-release")
     loss_fn = nn.CrossEntropyLoss()
     first_epoch, done = divmod(step, len(loader))
     for _ in range(first_epoch, args.epochs):
@@ -105,6 +113,9 @@ def main() -> int:
             if step == args.kill_at_step and rank == args.kill_rank:
                 kill_once("accelerate-ddp", rank, step, args.fault_dir)
             snap.save(step)
+            if step == args.hold_at_step and fire_once(
+                    os.path.join(hold_dir, f"accelerate-ddp-held-rank{rank}")):
+                wait_for(lambda: os.path.exists(release), 600, release)
             if args.save_state_every and step % args.save_state_every == 0:
                 accelerator.save_state(args.save_dir)
             ftrun.progress(step)

@@ -14,15 +14,20 @@ Run it::
 At the end rank 0 prints ``hf-trainer: step=N world=W params_xxh3=HEX train_loss=X`` and the
 ``(step, loss)`` pairs of ``TrainerState.log_history``; each rank prints ``hf-trainer: rank R
 trains from global_step=S epoch=E`` (the Trainer's counters) at its first step, and a rank
-that resumed prints ``hf-trainer: rank R resumed from step S``. ``--kill-at-step S
+that resumed prints ``hf-trainer: rank R resumed from step S (SOURCE)`` (where the snapshot
+came from: ``memory``, ``memory (from node(s) N)``, ...). ``--kill-at-step S
 --kill-rank R`` SIGKILLs rank R once per job right after its optimizer step S (before the
 snapshot of S), so the job resumes from the snapshot of S-1; the marker file that makes it
-once lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+once lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``). ``--hold-at-step S`` (for tests that take
+a whole host away at a step of their choosing) has every rank wait after its optimizer step S,
+once per job, until the file ``hf-trainer-release`` exists there; each writes
+``hf-trainer-held-rank<R>`` first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 
@@ -38,8 +43,9 @@ from transformers import (
 )
 from user_ddp import params_xxh3  # examples/user_ddp.py (this directory is on sys.path)
 
-from ftrun.faults import kill_once
+from ftrun.faults import fire_once, kill_once
 from ftrun.integrations.transformers import add_snapshots
+from ftrun.testing import wait_for
 
 
 class CountingDataset(Dataset):
@@ -84,6 +90,20 @@ class KillOnce(TrainerCallback):
             kill_once("hf-trainer", self.rank, self.step, self.directory)
 
 
+class HoldOnce(TrainerCallback):
+    """For the tests: every rank waits after its optimizer step ``step``, once per job, until
+    the test writes ``hf-trainer-release`` (it takes a host away meanwhile)."""
+
+    def __init__(self, step: int, directory: str) -> None:
+        self.step, self.directory = step, directory
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        release = os.path.join(self.directory, "hf-trainer-release")
+        if state.global_step == self.step and fire_once(
+                os.path.join(self.directory, f"hf-trainer-held-rank{args.process_index}")):
+            wait_for(lambda: os.path.exists(release), 600, release)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-steps", type=int, default=10)
@@ -98,6 +118,7 @@ def main() -> int:
     p.add_argument("--output-dir", default=None)
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--hold-at-step", type=int, default=0)
     p.add_argument("--fault-dir")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -132,13 +153,16 @@ def main() -> int:
     trainer.add_callback(ReportStart())
     if args.kill_at_step:
         trainer.add_callback(KillOnce(args.kill_at_step, args.kill_rank, args.fault_dir))
+    if args.hold_at_step:
+        trainer.add_callback(HoldOnce(args.hold_at_step,
+                                      args.fault_dir or os.environ.get("FTRUN_JOB_DIR", ".")))
 
     result = trainer.train()
 
     rank = training_args.process_index
     if snapshots.resumed_from:
-        print(f"hf-trainer: rank {rank} resumed from step {snapshots.resumed_from}",
-              file=sys.stderr, flush=True)
+        print(f"hf-trainer: rank {rank} resumed from step {snapshots.resumed_from} "
+              f"({snapshots.snapshotter.source})", file=sys.stderr, flush=True)
     if rank == 0:
         print(f"hf-trainer: step={result.global_step} world={training_args.world_size} "
               f"params_xxh3={params_xxh3(trainer.model)} "

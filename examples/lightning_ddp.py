@@ -28,7 +28,10 @@ At the end rank 0 prints ``lightning-ddp: step=N world=W params_xxh3=HEX``; each
 trains (Lightning's counters: after a resume, those of the snapshot).
 ``--kill-at-step S --kill-rank R`` SIGKILLs rank R once per job, at the end of step S (after
 its optimizer step; the snapshot of S is under way). The marker file lives in
-``$FTRUN_JOB_DIR`` (or ``--fault-dir``).
+``$FTRUN_JOB_DIR`` (or ``--fault-dir``). ``--hold-at-step S`` (for tests that take a whole
+host away at a step of their choosing) has every rank wait at the end of step S, once per
+job, until the file ``lightning-release`` exists there; each writes
+``lightning-held-rank<R>`` first.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ import xxhash
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ftrun.faults import fire_once
 from ftrun.integrations.lightning import FtrunSnapshots
+from ftrun.testing import wait_for
 
 
 class Blobs(L.LightningDataModule):
@@ -84,6 +89,7 @@ class Classifier(L.LightningModule):
             nn.Linear(hidden, classes))
         self.loss = nn.CrossEntropyLoss()
         self.kill: tuple[int, int, str] | None = None  # (step, rank, marker directory)
+        self.hold: tuple[int, str] | None = None  # (step, marker directory)
         self.started = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +129,10 @@ class Classifier(L.LightningModule):
                   f"batch_idx={batch_idx}", file=sys.stderr, flush=True)
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.hold is not None and self.global_step == self.hold[0]:
+            release = os.path.join(self.hold[1], "lightning-release")
+            if fire_once(os.path.join(self.hold[1], f"lightning-held-rank{self.global_rank}")):
+                wait_for(lambda: os.path.exists(release), 600, release)
         if self.kill is None:
             return
         step, rank, directory = self.kill
@@ -160,6 +170,7 @@ def main() -> int:
     p.add_argument("--root-dir", default=None, help="logs and checkpoints (default: cwd)")
     p.add_argument("--kill-at-step", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--hold-at-step", type=int, default=0)
     p.add_argument("--fault-dir")
     args = p.parse_args()
 
@@ -174,6 +185,8 @@ def main() -> int:
     if args.kill_at_step:
         directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
         model.kill = (args.kill_at_step, args.kill_rank, directory)
+    if args.hold_at_step:
+        model.hold = (args.hold_at_step, args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or ".")
     every = int(args.every) if args.every and args.every.isdigit() else args.every
     callbacks = [FtrunSnapshots(every=every)]
     if args.ckpt_every:

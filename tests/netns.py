@@ -13,8 +13,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +188,93 @@ def reference_3_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
         job = Job(c, c.state_dir, "ref3")
         job.start(range(3), "3")
         return job.finish()
+
+
+# -- a framework's example script on 2 training hosts and a spare, losing a host ------------
+
+@dataclass(frozen=True)
+class HostLoss:
+    """A host lost by :meth:`SpareJob.lose_a_host`: the training host killed (never host 0,
+    whose launcher hosts the rendezvous store and the coordinator), the training host that
+    held its replicas, the spare, their node ids, the step durable at the kill (every shard
+    had its replica) and the time of the kill."""
+
+    victim: int
+    peer: int
+    spare: int
+    nodes: dict[int, str]  # host -> node id
+    durable: int
+    t_kill: float
+
+
+class SpareJob(Job):
+    """A framework's example script as one ftrun job on every host of a cluster: ``c.n - 1``
+    nodes train, the last launcher to join waits as the spare. The script holds its ranks
+    at a step (each writes a marker, then waits for a release file: its ``--hold-at-step``)
+    until :meth:`lose_a_host` has killed a training host."""
+
+    def start_script(self, per_node: int, script: str, *args: str,
+                     launcher: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        cmd = ["--nnodes", str(self.c.n - 1), "--nproc-per-node", str(per_node),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.c.hostname(0)}:{PORT}",
+               "--rdzv-id", self.run_id, "--max-restarts", "3", *launcher, script, *args]
+        self.nodes += [self.c.ftrun(i, *cmd, env=env, name=f"{self.run_id}.host{i}")
+                       for i in range(self.c.n)]
+
+    def lose_a_host(self, held: Sequence[Path], release: Path, durable: int,
+                    timeout_s: float = 240) -> HostLoss:
+        """Once every marker in ``held`` exists (the ranks wait at the hold step) and step
+        ``durable`` is durable, SIGKILL every process of a training host other than host 0
+        and drop its memory; then write ``release`` (also on failure), so that the ranks
+        held on the other training host go on, and fail on their lost peer."""
+        try:
+            def all_held() -> bool:
+                for p in self.live():
+                    assert p.poll() is None, \
+                        f"host {p.host} exited early:\n{self.c.output(p)[-3000:]}"  # type: ignore[attr-defined]
+                return all(m.exists() for m in held)
+
+            wait_for(all_held, timeout_s, f"every rank to hold: {[m.name for m in held]}",
+                     interval_s=0.1)
+            doc = self.wait_durable(durable)
+            training = sorted(h for h, ranks in self.hosts_with_ranks(doc).items() if ranks)
+            assert len(training) == self.c.n - 1, doc["nodes"]
+            victim = next(h for h in training if h != 0)
+            [peer] = set(training) - {victim}
+            [spare] = set(range(self.c.n)) - set(training)
+            nodes = {self.c.namespaces.index(n["host"]): n["node_id"] for n in doc["nodes"]
+                     if not (n["lost"] or n["left"])}
+            # Two copies of every shard: the victim's second copy is on its one peer.
+            coverage = doc["snapshots"]["replica_coverage"][nodes[victim]]
+            assert coverage["peers"] == [nodes[peer]], doc["snapshots"]["replica_coverage"]
+            assert coverage["replicated_step"] >= durable, coverage
+            t_kill = time.time()
+            self.c.kill_host(victim)
+        finally:
+            release.touch()
+        return HostLoss(victim, peer, spare, nodes, doc["snapshots"]["durable_step"], t_kill)
+
+    def restores(self) -> list[dict]:
+        """The coordinator's ``restore`` events of steps > 0 (one per resume), oldest first."""
+        return [e for e in self.events() if e["type"] == "restore" and e["step"]]
+
+    def check_replica_restore(self, loss: HostLoss, world_size: int) -> int:
+        """After ``loss``: the spare started workers, and the job resumed on ``world_size``
+        ranks from memory at a step no older than the one durable at the kill. The lost
+        node's memory was gone with it, so its ranks' shards of that step came from their
+        replica on the peer; the spare, which held nothing, read from the peer. Returns
+        the step."""
+        events = self.events()
+        spare = [e for e in events if e["type"] == "workers_started" and e["ts"] > loss.t_kill
+                 and e["node"] == loss.nodes[loss.spare]]
+        assert spare, f"the spare never started workers: {[e['type'] for e in events]}"
+        after = [e for e in self.restores() if e["ts"] > loss.t_kill]
+        assert len(after) == 1, after
+        [restore] = after
+        assert restore["world_size"] == world_size and restore["step"] >= loss.durable, \
+            (restore, loss)
+        # The event holds the source the first node's store reported: the peer's ranks read
+        # their own memory, the spare's read from the peer.
+        assert restore["source"] in ("memory", f"memory (from node(s) {loss.nodes[loss.peer]})"), \
+            restore
+        return int(restore["step"])

@@ -1,17 +1,24 @@
-"""Hugging Face Trainer and Accelerate scripts under ftrun: a killed rank ends bit-identical.
+"""Hugging Face Trainer and Accelerate scripts under ftrun: a killed rank, then a lost host.
 
 examples/hf_trainer.py (``Trainer`` + ``add_snapshots``) and examples/accelerate_ddp.py
 (``Accelerator`` + ``AcceleratorSnapshotter``) are written the way those users write them.
 Each runs as one job of 2 ``ftrun`` launchers x 2 ranks (``--nnodes 2``, c10d rendezvous,
-gloo on CPU) twice, at the same time: once without faults, and once with rank 2 SIGKILLed
-right after its optimizer step 7 (mid-epoch, in the second epoch). The faulted job must
-finish with the fault-free job's final weights, bit for bit, having resumed from a snapshot
-(every rank says from which step; the coordinator's event log holds the restore), with the
-framework's own counters carrying on from that step, not from 0 (the Trainer's global step,
-epoch and ``log_history``; accelerate's loader epoch and scheduler steps). The second epoch
-matters: the Trainer must skip a whole epoch and part of the next, and accelerate draws each
-epoch's order from a generator that the snapshot has to carry. Each script also runs under
-plain ``python``, which says once that snapshots are off and trains as usual.
+gloo on CPU) twice, at the same time: once without faults, on loopback, and once on 3 hosts
+(network namespaces, tests/netns.py: each its own address and memory; the third launcher to
+join waits as the spare) with two faults. First rank 2 is SIGKILLed right after its optimizer
+step 7 (mid-epoch, in the second epoch); later, once training moved on (every rank waits a
+step or two further until the test lets it go, ``--hold-at-step``), the host of the training
+node that is not host 0 (whose launcher hosts the rendezvous store and the coordinator) is
+killed, processes and memory, and the spare joins. The faulted job must finish with the
+fault-free job's final weights, bit for bit, having resumed twice from a snapshot (the
+coordinator's event log holds both restores; the second on 4 ranks from memory, at a step
+durable at the kill, the lost node's shards from their replica on the surviving peer, which
+the spare's ranks say they read from), with the framework's own counters carrying on from
+each restored step, not from 0 (the Trainer's global step, epoch and ``log_history``;
+accelerate's loader epoch and scheduler steps). The second epoch matters: the Trainer must
+skip a whole epoch and part of the next, and accelerate draws each epoch's order from a
+generator that the snapshot has to carry. Each script also runs under plain ``python``,
+which says once that snapshots are off and trains as usual.
 
 transformers' import is slow (seconds per process), so each framework's three runs go
 together, and the seam test checks the private parts the integration relies on without
@@ -30,7 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Procs, free_port, read_events
+from conftest import ROOT, Procs, free_port
+from netns import (  # noqa: F401  (the fixture)
+    Cluster,
+    HostLoss,
+    SpareJob,
+    cluster_fixture,
+)
 
 KILL_STEP, KILL_RANK = 7, 2
 NODES, PER_NODE = 2, 2
@@ -74,24 +87,39 @@ def one(pattern: str, out: str) -> re.Match[str]:
     return found[0]
 
 
-def check_fault_and_resume(tmp: Path, out: str, run_id: str, prefix: str,
-                           snapshot_every: int) -> int:
-    """The fault fired once, and every rank resumed from the same snapshot, not from 0."""
+def check_fault_and_resume(tmp: Path, runs: Runs, prefix: str,
+                           snapshot_every: int) -> tuple[int, int]:
+    """The fault fired once; the job resumed from the newest snapshot before it, not from 0,
+    and after the lost host from the peer's replica of a later step. Returns both steps."""
     assert (tmp / f"{prefix}-fault-rank{KILL_RANK}-step{KILL_STEP}").exists(), "no fault fired"
-    one(rf"fault injection: SIGKILL rank {KILL_RANK} in step {KILL_STEP} \({prefix}\)", out)
-    resumed = re.findall(rf"{prefix}: rank (\d) resumed from step (\d+)", out)
-    assert sorted(int(r) for r, _ in resumed) == list(range(RANKS)), out[-6000:]
-    steps = {int(s) for _, s in resumed}
-    assert len(steps) == 1, resumed
-    step = steps.pop()
+    one(rf"fault injection: SIGKILL rank {KILL_RANK} in step {KILL_STEP} \({prefix}\)",
+        runs.faulted)
+    job, loss = runs.job, runs.loss
+    first, second = [e["step"] for e in job.restores()]
     # The newest snapshot before the kill (or the one before it, if rank 1's copy of it had
     # not begun yet): never step 0, never a step the killed rank did not finish.
     newest = KILL_STEP - 1 - (KILL_STEP - 1) % snapshot_every
-    assert step in (newest, newest - snapshot_every) and step > 0, (step, out[-6000:])
-    restores = [e for e in read_events(tmp / "state", run_id)
-                if e["type"] == "restore" and e["step"]]
-    assert [e["step"] for e in restores] == [step], restores
-    return step
+    assert first in (newest, newest - snapshot_every) and first > 0, (first, runs.faulted[-6000:])
+    assert job.check_replica_restore(loss, RANKS) == second and first < second
+    # The spare held nothing: its ranks read the step from the peer that held the replicas.
+    spare = "".join(job.c.output(p) for p in job.nodes if p.host == loss.spare)  # type: ignore[attr-defined]
+    peer = f"memory (from node(s) {loss.nodes[loss.peer]})"
+    assert [(r, src) for r, s, src in resumed(prefix, spare) if s == second] == \
+        [(r, peer) for r in starts_on(prefix, spare, second)], spare[-6000:]
+    return first, second
+
+
+def resumed(prefix: str, out: str) -> list[tuple[int, int, str]]:
+    """(rank, step, where from) of each ``resumed from step`` line the script printed."""
+    return sorted((int(r), int(s), src) for r, s, src in
+                  re.findall(rf"{prefix}: rank (\d) resumed from step (\d+) \((.*)\)\n", out))
+
+
+def starts_on(prefix: str, out: str, step: int) -> list[int]:
+    """The ranks that started training from ``step`` in ``out``; two: a node's."""
+    ranks = sorted(int(r) for r in re.findall(rf"{prefix}: rank (\d) trains from \S*step={step} ", out))
+    assert len(ranks) == PER_NODE, (ranks, out[-6000:])
+    return ranks
 
 
 def check_plain_python(out: str) -> None:
@@ -101,26 +129,35 @@ def check_plain_python(out: str) -> None:
 @dataclass(frozen=True)
 class Runs:
     clean: str  # the fault-free job's output
-    faulted: str  # the output of the job whose rank KILL_RANK was killed after step KILL_STEP
-    run_id: str  # the faulted job's
+    job: SpareJob  # the job whose rank KILL_RANK was killed after step KILL_STEP, then a host
+    loss: HostLoss
     plain: str  # the script's output under plain python
 
+    @property
+    def faulted(self) -> str:
+        return self.job.output()
 
-def run_three(procs: Procs, tmp: Path, name: str, script: str, job_args: tuple[str, ...],
-              plain_args: tuple[str, ...], faulted_launcher: tuple[str, ...] = (),
-              dir_flag: str | None = None) -> Runs:
-    """The fault-free job, the faulted one and the plain python run, started together (their
-    imports overlap); each run gets ``dir_flag tmp/out-<run>`` when given. Waits for all."""
+
+def run_three(procs: Procs, tmp: Path, c: Cluster, name: str, script: str,
+              job_args: tuple[str, ...], plain_args: tuple[str, ...], hold: int, durable: int,
+              faulted_launcher: tuple[str, ...] = (), dir_flag: str | None = None) -> Runs:
+    """The fault-free job, the faulted one (on ``c``: holds at step ``hold``, where a host is
+    lost once step ``durable`` is) and the plain python run, started together (their imports
+    overlap); each run gets ``dir_flag tmp/out-<run>`` when given. Waits for all."""
     def own_dir(run: str) -> tuple[str, ...]:
         return (dir_flag, str(tmp / f"out-{run}")) if dir_flag else ()
 
     clean, _ = start_job(procs, tmp, f"{name}-clean", script, *job_args, *own_dir("clean"))
-    faulted, run_id = start_job(procs, tmp, f"{name}-faulted", script, *job_args,
-                                *own_dir("faulted"), "--kill-at-step", str(KILL_STEP),
-                                "--kill-rank", str(KILL_RANK), "--fault-dir", str(tmp),
-                                launcher=faulted_launcher)
+    job = SpareJob(c, c.state_dir, f"{name}-faulted")
+    job.start_script(PER_NODE, script, *job_args, *own_dir("faulted"), "--kill-at-step",
+                     str(KILL_STEP), "--kill-rank", str(KILL_RANK), "--fault-dir", str(tmp),
+                     "--hold-at-step", str(hold), launcher=faulted_launcher)
     plain = start_python(procs, tmp, script, *plain_args, *own_dir("plain"))
-    return Runs(finish(procs, clean), finish(procs, faulted), run_id, finish(procs, [plain]))
+    prefix = Path(script).stem.replace("_", "-")
+    loss = job.lose_a_host([tmp / f"{prefix}-held-rank{r}" for r in range(RANKS)],
+                           tmp / f"{prefix}-release", durable)
+    c.succeed(job.live(), 200)
+    return Runs(finish(procs, clean), job, loss, finish(procs, [plain]))
 
 
 def starts(prefix: str, out: str, counters: str) -> list[tuple[str, ...]]:
@@ -130,31 +167,39 @@ def starts(prefix: str, out: str, counters: str) -> list[tuple[str, ...]]:
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
-def test_trainer_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
-                                                                 tmp_path: Path) -> None:
+def test_trainer_killed_rank_then_lost_host_resume_bit_identical(procs: Procs, tmp_path: Path,
+                                                                  cluster_factory) -> None:
     # 64 samples, 4 ranks x batch 4: 4 steps per epoch, so step 7 is mid-epoch 2 of 3. The
     # faulted job snapshots every 2nd step: its resume also crosses the snapshot interval.
-    runs = run_three(procs, tmp_path, "hf", str(ROOT / "examples" / "hf_trainer.py"),
+    # The host is lost after step 9, with step 8 durable: the job resumes from 8.
+    runs = run_three(procs, tmp_path, cluster_factory(NODES + 1), "hf",
+                     str(ROOT / "examples" / "hf_trainer.py"),
                      ("--max-steps", "10", "--samples", "64"), ("--max-steps", "4"),
-                     faulted_launcher=("--snapshot-every", "2"), dir_flag="--output-dir")
+                     hold=9, durable=8, faulted_launcher=("--snapshot-every", "2"),
+                     dir_flag="--output-dir")
     result = r"hf-trainer: step=10 world=4 params_xxh3=([0-9a-f]+) train_loss=(\S+)"
     expected = one(result, runs.clean)
-    step = check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "hf-trainer",
-                                  snapshot_every=2)
-    got = one(result, runs.faulted)
+    first, second = check_fault_and_resume(tmp_path, runs, "hf-trainer", snapshot_every=2)
+    assert second == 8
+    out = runs.faulted
+    got = one(result, out)
     assert got.group(1) == expected.group(1), "final weights differ from the fault-free run"
     # The loop's loss accounts came back too: the reported train_loss is the same float.
     assert got.group(2) == expected.group(2)
-    # The TrainerState carried on from the restored step on every rank, not from 0 ...
+    # The ranks that finished say which step they resumed from (the first resume's did not
+    # finish).
+    assert [(r, s) for r, s, _ in resumed("hf-trainer", out)] == [(r, 8) for r in range(RANKS)]
+    # The TrainerState carried on from each restored step on every rank, not from 0 ...
     counters = r"global_step=(\d+) epoch=(\S+)"
     fresh = [(str(r), "0", "0") for r in range(RANKS)]
     assert starts("hf-trainer", runs.clean, counters) == fresh, runs.clean[-6000:]
-    assert starts("hf-trainer", runs.faulted, counters) == sorted(
-        fresh + [(str(r), str(step), f"{step / 4:g}") for r in range(RANKS)]), runs.faulted[-6000:]
-    # ... and its log_history: the logs of before the fault came back, the later ones follow
+    assert starts("hf-trainer", out, counters) == sorted(
+        fresh + [(str(r), str(s), f"{s / 4:g}") for s in (first, second) for r in range(RANKS)]), \
+        out[-6000:]
+    # ... and its log_history: the logs of before the faults came back, the later ones follow
     # at their own steps, with the uninterrupted run's losses.
     logged = r"hf-trainer: logged \(step, loss\) (.*)"
-    assert one(logged, runs.faulted).group(1) == one(logged, runs.clean).group(1)
+    assert one(logged, out).group(1) == one(logged, runs.clean).group(1)
     assert re.findall(r"\((\d+), ", one(logged, runs.clean).group(1)) == ["2", "4", "6", "8", "10"]
     check_plain_python(runs.plain)
     one(r"hf-trainer: step=4 world=1 params_xxh3=", runs.plain)
@@ -162,27 +207,32 @@ def test_trainer_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
-def test_accelerate_killed_rank_resumes_from_snapshot_bit_identical(procs: Procs,
-                                                                    tmp_path: Path) -> None:
-    # 128 samples, 4 ranks x batch 8: 4 steps per epoch, 3 epochs; step 7 is in epoch 2.
-    runs = run_three(procs, tmp_path, "acc", str(ROOT / "examples" / "accelerate_ddp.py"),
-                     ("--epochs", "3", "--samples", "128"), ("--epochs", "1"))
+def test_accelerate_killed_rank_then_lost_host_resume_bit_identical(procs: Procs,
+                                                                     tmp_path: Path,
+                                                                     cluster_factory) -> None:
+    # 128 samples, 4 ranks x batch 8: 4 steps per epoch, 3 epochs; step 7 is in epoch 2. The
+    # host is lost after step 10, with step 9 durable: the job resumes from 9 or 10.
+    runs = run_three(procs, tmp_path, cluster_factory(NODES + 1), "acc",
+                     str(ROOT / "examples" / "accelerate_ddp.py"),
+                     ("--epochs", "3", "--samples", "128"), ("--epochs", "1"), hold=10, durable=9)
     # The prepared scheduler steps once per process per optimizer step.
     result = (r"accelerate-ddp: step=12 world=4 params_xxh3=([0-9a-f]+) "
               rf"scheduler_steps={12 * RANKS}\n")
     expected = one(result, runs.clean).group(1)
-    step = check_fault_and_resume(tmp_path, runs.faulted, runs.run_id, "accelerate-ddp",
-                                  snapshot_every=1)
-    assert one(result, runs.faulted).group(1) == expected, \
-        "final weights differ from the fault-free run"
-    # The script's step and accelerate's counters carried on from the restored step on every
+    first, second = check_fault_and_resume(tmp_path, runs, "accelerate-ddp", snapshot_every=1)
+    out = runs.faulted
+    assert one(result, out).group(1) == expected, "final weights differ from the fault-free run"
+    # Every rank says which step it resumed from, both times.
+    assert [(r, s) for r, s, _ in resumed("accelerate-ddp", out)] == \
+        sorted((r, s) for s in (first, second) for r in range(RANKS))
+    # The script's step and accelerate's counters carried on from each restored step on every
     # rank: the loader's epoch and the scheduler's steps are the snapshot's, not 0.
     counters = r"step=(\d+) epoch=(\d+) scheduler_steps=(\d+)"
     fresh = [(str(r), "0", "0", "0") for r in range(RANKS)]
     assert starts("accelerate-ddp", runs.clean, counters) == fresh, runs.clean[-6000:]
-    assert starts("accelerate-ddp", runs.faulted, counters) == sorted(
-        fresh + [(str(r), str(step), str(step // 4), str(step * RANKS)) for r in range(RANKS)]), \
-        runs.faulted[-6000:]
+    assert starts("accelerate-ddp", out, counters) == sorted(
+        fresh + [(str(r), str(s), str(s // 4), str(s * RANKS))
+                 for s in (first, second) for r in range(RANKS)]), out[-6000:]
     check_plain_python(runs.plain)
     one(r"accelerate-ddp: step=12 world=1 params_xxh3=", runs.plain)
 

@@ -8,13 +8,23 @@ Two runs of 2 nodes x 2 ranks, started together (Lightning's import is slow; the
 - plain ``python --devices 2 --num-nodes 2``, one per node (Lightning's multi-node launch:
   each starts its node's other rank itself): the callback says once that snapshots are off,
   and the final weights are the reference;
-- ``ftrun --nnodes 2 --nproc-per-node 2`` (two launchers, c10d rendezvous), rank 2 SIGKILLed
-  in step 14 (epoch 1 of 9-step epochs): ftrun restarts the workers, ``fit()`` resumes from
-  the snapshot of step 13 (not from step 0), Lightning's own counters (global step, epoch,
-  batch of the epoch) carry on from there on every rank, the plain DataLoader resumes
-  mid-epoch, and the final weights are bit-identical to the reference. The uninterrupted
-  run validated between steps 13 and 14, the restored one does not: the RNG states must
-  still meet (they meet at the training step, not the forward).
+- ``ftrun --nnodes 2 --nproc-per-node 2`` on 3 hosts (network namespaces, tests/netns.py:
+  each host its own address and memory; the third launcher to join waits as the spare),
+  two faults in the one job:
+
+  1. rank 2 SIGKILLed in step 14 (epoch 1 of 9-step epochs): ftrun restarts the workers,
+     ``fit()`` resumes from the snapshot of step 13 (not from step 0), Lightning's own
+     counters (global step, epoch, batch of the epoch) carry on from there on every rank,
+     and the plain DataLoader resumes mid-epoch. The uninterrupted run validated between
+     steps 13 and 14, the restored one does not: the RNG states must still meet (they meet
+     at the training step, not the forward);
+  2. once training moved on (every rank waits at the end of step 16 until the test lets it
+     go, ``--hold-at-step``), the host of the training node that is not host 0 (whose
+     launcher hosts the rendezvous store and the coordinator) is killed, processes and
+     memory: the spare joins, and the job resumes on 4 ranks from memory at a step durable
+     at the kill, the lost node's shards taken from their replica on the surviving peer.
+
+  The final weights are bit-identical to the reference.
 
 The first tests check the Lightning internals the callback uses (ftrun/integrations/
 _lightning.py), so a Lightning upgrade that moves one fails here with its name.
@@ -29,13 +39,15 @@ import re
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Procs, free_port, read_events
+from conftest import ROOT, Procs, free_port
+from netns import HostLoss, SpareJob, require_netns
+
+from ftrun.testing.netns import Cluster, unavailable_reason
 
 pytest.importorskip("lightning")
 
@@ -45,6 +57,7 @@ WORLD = NODES * PER_NODE
 STEPS_PER_EPOCH = 9  # 288 training samples / 4 ranks / batch 8; validation after batches 4, 8
 STEPS = 2 * STEPS_PER_EPOCH
 KILL_STEP, KILL_RANK = 14, 2  # resumes from 13 (or before): mid-epoch, right after a validation
+HOLD_STEP = 16  # a host is lost here, once step 15 is durable: the job resumes from 15 or 16
 
 
 def test_ftrun_imports_no_lightning() -> None:
@@ -126,18 +139,6 @@ def end_groups(nodes: list[subprocess.Popen[str]]) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def start_job(procs: Procs, tmp: Path, name: str,
-              *args: str) -> tuple[list[subprocess.Popen[str]], str]:
-    """Two ftrun launchers x two ranks of one job; returns (launchers, run id)."""
-    run_id = f"{name}-{uuid.uuid4().hex[:8]}"
-    common = ("--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
-              "--max-restarts", "3", SCRIPT, "--root-dir", str(tmp / name), *args)
-    # The resume step is checked: each step waits for its snapshot buffer (see exact_steps).
-    env = {"FTRUN_STATE_DIR": str(tmp / "state"), "FTRUN_SNAPSHOT_WAIT": "60"}
-    return [procs.ftrun(*common, env=env, name=f"{name}-node{i}") for i in range(NODES)], run_id
-
-
 def finish(procs: Procs, nodes: list[subprocess.Popen[str]]) -> str:
     """The output of a job's launchers, together, once all exited 0."""
     codes = [procs.wait(p, 240) for p in nodes]
@@ -147,11 +148,26 @@ def finish(procs: Procs, nodes: list[subprocess.Popen[str]]) -> str:
 
 
 @dataclass(frozen=True)
+class Faulted:
+    job: SpareJob  # on 3 hosts: rank KILL_RANK killed in step KILL_STEP, later a host lost
+    loss: HostLoss
+
+
+@dataclass(frozen=True)
 class Runs:
     tmp: Path
     plain: str  # the fault-free run's output: plain python, both nodes
-    faulted: str  # the ftrun job's, whose rank KILL_RANK was killed in step KILL_STEP
-    run_id: str  # the ftrun job's
+    faulted: Faulted | None  # None where network namespaces are unavailable
+
+
+def start_faulted(hosts: contextlib.ExitStack, tmp: Path) -> SpareJob:
+    c = hosts.enter_context(Cluster(NODES + 1, tmp / "hosts", tmp / "state"))
+    job = SpareJob(c, c.state_dir, "faulted")
+    # The resume step is checked: each step waits for its snapshot buffer (see exact_steps).
+    job.start_script(PER_NODE, SCRIPT, "--root-dir", str(tmp / "faulted"), "--fault-dir",
+                     str(tmp), "--kill-at-step", str(KILL_STEP), "--kill-rank", str(KILL_RANK),
+                     "--hold-at-step", str(HOLD_STEP), env={"FTRUN_SNAPSHOT_WAIT": "60"})
+    return job
 
 
 @pytest.fixture(scope="module")
@@ -160,13 +176,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     procs = Procs(tmp)
     plain: list[subprocess.Popen[str]] = []
     try:
-        faulted, run_id = start_job(procs, tmp, "faulted", "--fault-dir", str(tmp),
-                                    "--kill-at-step", str(KILL_STEP),
-                                    "--kill-rank", str(KILL_RANK))
-        plain = start_plain(procs, tmp)
-        plain_out = finish(procs, plain)
-        end_groups(plain)
-        yield Runs(tmp, plain_out, finish(procs, faulted), run_id)
+        with contextlib.ExitStack() as hosts:
+            # The faulted job needs namespaces; the plain run (the reference) does not.
+            job = None if unavailable_reason() else start_faulted(hosts, tmp)
+            plain = start_plain(procs, tmp)
+            faulted = None
+            if job is not None:
+                loss = job.lose_a_host([tmp / f"lightning-held-rank{r}" for r in range(WORLD)],
+                                       tmp / "lightning-release", durable=HOLD_STEP - 1)
+                job.c.succeed(job.live(), 240)
+                faulted = Faulted(job, loss)
+            plain_out = finish(procs, plain)
+            end_groups(plain)
+        yield Runs(tmp, plain_out, faulted)
     finally:
         procs.cleanup()
         end_groups(plain)
@@ -193,24 +215,36 @@ def test_plain_python_runs_and_says_once_that_snapshots_are_off(runs: Runs) -> N
 
 
 @pytest.mark.integration
-def test_killed_rank_resumes_from_the_snapshot_bit_identical(runs: Runs) -> None:
-    out = runs.faulted
+def test_killed_rank_then_lost_host_resume_from_snapshots_bit_identical(runs: Runs) -> None:
+    require_netns()
+    assert runs.faulted is not None
+    job, loss = runs.faulted.job, runs.faulted.loss
+    out = job.output()
     assert (runs.tmp / f"lightning-fault-rank{KILL_RANK}-step{KILL_STEP}").exists(), \
         "the fault never fired"
     assert f"killing rank {KILL_RANK} in step {KILL_STEP}" in out
+    # Two resumes, in the coordinator's event log: after the killed rank, after the lost host.
+    first, second = [e["step"] for e in job.restores()]
     # The snapshot of the kill step may not be complete on every rank: it resumes from the
     # newest one that is (replication, on by default, can hold back the one before).
-    resumed = [int(s) for s in re.findall(r"ftrun: resumed from the snapshot of step (\d+)", out)]
-    assert resumed and STEPS_PER_EPOCH < resumed[0] <= KILL_STEP, out[-6000:]
-    assert all(s > STEPS_PER_EPOCH for s in resumed), resumed
-    events = read_events(runs.tmp / "state", runs.run_id)
-    assert any(e["type"] == "restore" and e["step"] == resumed[0] for e in events), events
-    # Lightning's own counters carry on from the restored step on every rank, not from 0:
+    assert STEPS_PER_EPOCH < first <= KILL_STEP, (first, out[-6000:])
+    # The lost host's shards came from their replica on its peer, at a step at least as new
+    # as the one durable at the kill: training had moved on from the first resume.
+    assert job.check_replica_restore(loss, WORLD) == second and first < second <= HOLD_STEP
+    # Rank 0 says which snapshot it resumed from, and where it came from.
+    resumed = re.findall(r"ftrun: resumed from the snapshot of step (\d+) \((.*)\): epoch", out)
+    assert sorted(int(s) for s, _ in resumed) == [first, second], resumed
+    peer = loss.nodes[loss.peer]
+    assert {src for s, src in resumed if int(s) == second} <= \
+        {"memory", f"memory (from node(s) {peer})"}, resumed
+    # Lightning's own counters carry on from the restored steps on every rank, not from 0:
     # global step, epoch 1, and the batch of the epoch after those already trained.
     fresh = [(r, 0, 0, 0) for r in range(WORLD)]
     assert starts(out) == sorted(fresh + [(r, s, *divmod(s, STEPS_PER_EPOCH))
-                                          for s in resumed for r in range(WORLD)]), out[-6000:]
+                                          for s in (first, second) for r in range(WORLD)]), \
+        out[-6000:]
     # Mid-epoch: the plain DataLoader skipped what epoch 1 had trained already.
-    skipped = resumed[0] - STEPS_PER_EPOCH
-    assert f"resumes after the {skipped} batches of epoch 1 already trained" in out
+    for step in (first, second):
+        skipped = step - STEPS_PER_EPOCH
+        assert f"resumes after the {skipped} batches of epoch 1 already trained" in out
     assert digest(out) == digest(runs.plain)
