@@ -192,17 +192,23 @@ def reference_3_fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 # -- a framework's example script on 2 training hosts and a spare, losing a host ------------
 
+def host_of(c: Cluster, node_id: str) -> int:
+    """The host of a node id (``<host name>/...``)."""
+    return c.namespaces.index(node_id.split("/")[0])
+
+
 @dataclass(frozen=True)
 class HostLoss:
     """A host lost by :meth:`SpareJob.lose_a_host`: the training host killed (never host 0,
-    whose launcher hosts the rendezvous store and the coordinator), the training host that
-    held its replicas, the spare, their node ids, the step durable at the kill (every shard
-    had its replica) and the time of the kill."""
+    whose launcher hosts the rendezvous store and the coordinator) and the global ranks it
+    ran, the spare, the node that held the victim's replicas (on another host: the other
+    training host's, or the spare's store, which takes replicas too), the step durable at
+    the kill (every shard had its replica) and the time of the kill."""
 
     victim: int
-    peer: int
+    victim_ranks: tuple[int, ...]
     spare: int
-    nodes: dict[int, str]  # host -> node id
+    holder: str  # node id
     durable: int
     t_kill: float
 
@@ -220,6 +226,14 @@ class SpareJob(Job):
                "--rdzv-id", self.run_id, "--max-restarts", "3", *launcher, script, *args]
         self.nodes += [self.c.ftrun(i, *cmd, env=env, name=f"{self.run_id}.host{i}")
                        for i in range(self.c.n)]
+
+    def ranks_by_host(self, after: float = 0.0) -> dict[int, list[int]]:
+        """host -> the global ranks of its newest workers started after ``after``."""
+        out = {}
+        for e in self.events():  # oldest first: a later start replaces an earlier one
+            if e["type"] == "workers_started" and e["ts"] > after:
+                out[host_of(self.c, e["node"])] = sorted(e["ranks"])
+        return out
 
     def lose_a_host(self, held: Sequence[Path], release: Path, durable: int,
                     timeout_s: float = 240) -> HostLoss:
@@ -240,19 +254,20 @@ class SpareJob(Job):
             training = sorted(h for h, ranks in self.hosts_with_ranks(doc).items() if ranks)
             assert len(training) == self.c.n - 1, doc["nodes"]
             victim = next(h for h in training if h != 0)
-            [peer] = set(training) - {victim}
             [spare] = set(range(self.c.n)) - set(training)
-            nodes = {self.c.namespaces.index(n["host"]): n["node_id"] for n in doc["nodes"]
-                     if not (n["lost"] or n["left"])}
-            # Two copies of every shard: the victim's second copy is on its one peer.
-            coverage = doc["snapshots"]["replica_coverage"][nodes[victim]]
-            assert coverage["peers"] == [nodes[peer]], doc["snapshots"]["replica_coverage"]
-            assert coverage["replicated_step"] >= durable, coverage
+            [node] = [n["node_id"] for n in doc["nodes"] if host_of(self.c, n["node_id"]) == victim
+                      and not (n["lost"] or n["left"])]
+            # Two copies of every shard: the victim's second copy is on one other host.
+            coverage = doc["snapshots"]["replica_coverage"][node]
+            [holder] = coverage["peers"]
+            assert host_of(self.c, holder) != victim and coverage["replicated_step"] >= durable, \
+                doc["snapshots"]["replica_coverage"]
+            ranks = tuple(self.ranks_by_host()[victim])
             t_kill = time.time()
             self.c.kill_host(victim)
         finally:
             release.touch()
-        return HostLoss(victim, peer, spare, nodes, doc["snapshots"]["durable_step"], t_kill)
+        return HostLoss(victim, ranks, spare, holder, doc["snapshots"]["durable_step"], t_kill)
 
     def restores(self) -> list[dict]:
         """The coordinator's ``restore`` events of steps > 0 (one per resume), oldest first."""
@@ -261,20 +276,26 @@ class SpareJob(Job):
     def check_replica_restore(self, loss: HostLoss, world_size: int) -> int:
         """After ``loss``: the spare started workers, and the job resumed on ``world_size``
         ranks from memory at a step no older than the one durable at the kill. The lost
-        node's memory was gone with it, so its ranks' shards of that step came from their
-        replica on the peer; the spare, which held nothing, read from the peer. Returns
-        the step."""
-        events = self.events()
-        spare = [e for e in events if e["type"] == "workers_started" and e["ts"] > loss.t_kill
-                 and e["node"] == loss.nodes[loss.spare]]
-        assert spare, f"the spare never started workers: {[e['type'] for e in events]}"
+        host's memory was gone with it: the shards of its ranks came from their replica on
+        ``loss.holder``. Returns the step."""
+        assert loss.spare in self.ranks_by_host(after=loss.t_kill), \
+            f"the spare never started workers: {[e['type'] for e in self.events()]}"
         after = [e for e in self.restores() if e["ts"] > loss.t_kill]
         assert len(after) == 1, after
         [restore] = after
         assert restore["world_size"] == world_size and restore["step"] >= loss.durable, \
             (restore, loss)
-        # The event holds the source the first node's store reported: the peer's ranks read
-        # their own memory, the spare's read from the peer.
-        assert restore["source"] in ("memory", f"memory (from node(s) {loss.nodes[loss.peer]})"), \
-            restore
+        # The event holds the source that the first node's store reported (each node's
+        # ranks may have read from elsewhere); never the lost node.
+        assert restore["source"].startswith("memory") and \
+            self.c.hostname(loss.victim) not in restore["source"], restore
         return int(restore["step"])
+
+    def replica_sources(self, loss: HostLoss) -> dict[int, str]:
+        """rank -> where the rank that took over each of the lost host's ranks must say it
+        read that rank's shard from: the replica's holder (its own node's store: "memory")."""
+        hosts = self.ranks_by_host(after=loss.t_kill)
+        where = {r: h for h, ranks in hosts.items() for r in ranks}
+        holder = host_of(self.c, loss.holder)
+        return {r: "memory" if where[r] == holder else f"memory (from node(s) {loss.holder})"
+                for r in loss.victim_ranks}
