@@ -12,8 +12,8 @@ node that is not host 0 (whose launcher hosts the rendezvous store and the coord
 killed, processes and memory, and the spare joins. The faulted job must finish with the
 fault-free job's final weights, bit for bit, having resumed twice from a snapshot (the
 coordinator's event log holds both restores; the second on 4 ranks from memory, at a step
-durable at the kill, the lost node's shards from their replica on the surviving peer, which
-the spare's ranks say they read from), with the framework's own counters carrying on from
+durable at the kill, the lost node's shards from their replica on another host, which the
+ranks that took over the lost node's ranks say they read from), with the framework's own counters carrying on from
 each restored step, not from 0 (the Trainer's global step, epoch and ``log_history``;
 accelerate's loader epoch and scheduler steps). The second epoch matters: the Trainer must
 skip a whole epoch and part of the next, and accelerate draws each epoch's order from a

@@ -22,7 +22,7 @@ Two runs of 2 nodes x 2 ranks, started together (Lightning's import is slow; the
      go, ``--hold-at-step``), the host of the training node that is not host 0 (whose
      launcher hosts the rendezvous store and the coordinator) is killed, processes and
      memory: the spare joins, and the job resumes on 4 ranks from memory at a step durable
-     at the kill, the lost node's shards taken from their replica on the surviving peer.
+     at the kill, the lost node's shards taken from their replica on another host.
 
   The final weights are bit-identical to the reference.
 
