@@ -98,8 +98,11 @@ def main() -> int:
     release = os.path.join(hold_dir, "accelerate-ddp-release")
     loss_fn = nn.CrossEntropyLoss()
     first_epoch, done = divmod(step, len(loader))
-    for _ in range(first_epoch, args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         model.train()
+        # The loader skip_first_batches returns for a resumed epoch counts epochs apart from
+        # this one: keep this one's count (accelerate's epoch) right for the epochs after.
+        loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, done) if done else loader
         done = 0
         for x, y in batches:
