@@ -224,6 +224,9 @@ class SpareJob(Job):
         cmd = ["--nnodes", str(self.c.n - 1), "--nproc-per-node", str(per_node),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.c.hostname(0)}:{PORT}",
                "--rdzv-id", self.run_id, "--max-restarts", "3", *launcher, script, *args]
+        # Held ranks sit between collectives on purpose: the hang analysis may say so, and
+        # must not restart them.
+        env = {"FTRUN_ON_HANG": "warn", **(env or {})}
         self.nodes += [self.c.ftrun(i, *cmd, env=env, name=f"{self.run_id}.host{i}")
                        for i in range(self.c.n)]
 
@@ -250,7 +253,10 @@ class SpareJob(Job):
 
             wait_for(all_held, timeout_s, f"every rank to hold: {[m.name for m in held]}",
                      interval_s=0.1)
-            doc = self.wait_durable(durable)
+            try:
+                doc = self.wait_durable(durable)
+            except AssertionError as e:
+                raise AssertionError(f"{e}: {self.status().get('snapshots')}") from None
             training = sorted(h for h, ranks in self.hosts_with_ranks(doc).items() if ranks)
             assert len(training) == self.c.n - 1, doc["nodes"]
             victim = next(h for h in training if h != 0)
