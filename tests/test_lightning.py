@@ -161,6 +161,7 @@ class Runs:
 
 
 def start_faulted(hosts: contextlib.ExitStack, tmp: Path) -> SpareJob:
+    (tmp / "hosts").mkdir()
     c = hosts.enter_context(Cluster(NODES + 1, tmp / "hosts", tmp / "state"))
     job = SpareJob(c, c.state_dir, "faulted")
     # The resume step is checked: each step waits for its snapshot buffer (see exact_steps).
