@@ -209,8 +209,7 @@ def test_accelerate_killed_rank_then_lost_host_resume_bit_identical(procs: Procs
     # host is lost after step 10, with step 9 durable: the job resumes from 9 or 10.
     runs = run_three(procs, tmp_path, cluster_factory(NODES + 1), "acc",
                      str(ROOT / "examples" / "accelerate_ddp.py"),
-                     ("--epochs", "3", "--samples", "128"), ("--epochs", "1"), hold=10, durable=9,
-                     faulted_launcher=("--warm-workers", "--warm-imports", "accelerate"))
+                     ("--epochs", "3", "--samples", "128"), ("--epochs", "1"), hold=10, durable=9)
     # The prepared scheduler steps once per process per optimizer step.
     result = (r"accelerate-ddp: step=12 world=4 params_xxh3=([0-9a-f]+) "
               rf"scheduler_steps={12 * RANKS}\n")
