@@ -12,14 +12,14 @@ complete -c ftrun -f
 # launcher: torchrun's flags and ftrun's) or a subcommand.
 function __ftrun_takes_value --argument-names context flag
     switch "$context $flag"
-        case 'launch --coordinator' 'launch --duplicate-stderr-filters' \
-            'launch --duplicate_stderr_filters' 'launch --duplicate-stdout-filters' \
-            'launch --duplicate_stdout_filters' 'launch --event-log-handler' \
-            'launch --event_log_handler' 'launch --hang-timeout' 'launch --hang_timeout' \
-            'launch --heartbeat-interval' 'launch --heartbeat_interval' 'launch --isolate-hook' \
-            'launch --isolate_hook' 'launch --local-addr' 'launch --local_addr' \
-            'launch --local-ranks-filter' 'launch --local_ranks_filter' 'launch --log-dir' \
-            'launch --log_dir' 'launch --logs-specs' 'launch --logs_specs' \
+        case 'launch --busy-hang-timeout' 'launch --busy_hang_timeout' 'launch --coordinator' \
+            'launch --duplicate-stderr-filters' 'launch --duplicate_stderr_filters' \
+            'launch --duplicate-stdout-filters' 'launch --duplicate_stdout_filters' \
+            'launch --event-log-handler' 'launch --event_log_handler' 'launch --hang-timeout' \
+            'launch --hang_timeout' 'launch --heartbeat-interval' 'launch --heartbeat_interval' \
+            'launch --isolate-hook' 'launch --isolate_hook' 'launch --local-addr' \
+            'launch --local_addr' 'launch --local-ranks-filter' 'launch --local_ranks_filter' \
+            'launch --log-dir' 'launch --log_dir' 'launch --logs-specs' 'launch --logs_specs' \
             'launch --master-addr' 'launch --master_addr' 'launch --master-port' \
             'launch --master_port' 'launch --max-restarts' 'launch --max_restarts' \
             'launch --monitor-interval' 'launch --monitor_interval' 'launch --nnodes' \
@@ -41,12 +41,12 @@ function __ftrun_takes_value --argument-names context flag
             'launch --start_method' 'launch --state-dir' 'launch --state_dir' \
             'launch --store-threads' 'launch --store_threads' 'launch -t' 'launch --tee' \
             'launch --warm-imports' 'launch --warm_imports' 'coordinator --bind-host' \
-            'coordinator --isolate-hook' 'coordinator --node-timeout' \
-            'coordinator --on-corruption' 'coordinator --on-hang' 'coordinator --on-slow' \
-            'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' 'coordinator --state-dir' \
-            'inspect --state-dir' 'inspect --step' 'status --endpoint' 'status --etcd' \
-            'status --interval' 'status --limit' 'status --match' 'status --nodes' \
-            'status --offset' 'status --state-dir' 'status --timeout'
+            'coordinator --busy-hang-timeout' 'coordinator --isolate-hook' \
+            'coordinator --node-timeout' 'coordinator --on-corruption' 'coordinator --on-hang' \
+            'coordinator --on-slow' 'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' \
+            'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' 'status --endpoint' \
+            'status --etcd' 'status --interval' 'status --limit' 'status --match' \
+            'status --nodes' 'status --offset' 'status --state-dir' 'status --timeout'
             return 0
     end
     return 1
@@ -132,6 +132,7 @@ complete -c ftrun -n '__ftrun_is first' -a 'status' -d 'Show a job: its health a
 
 # The launcher: torchrun's flags and ftrun's, up to the training script;
 # files for the script and, after it, for the script's own arguments.
+complete -c ftrun -n '__ftrun_is first launch' -l 'busy-hang-timeout' -l 'busy_hang_timeout' -r -d 'Seconds the others may wait in a collective for a rank that is alive and in no collective...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'coordinator' -r -d 'HOST:PORT of a coordinator started with `ftrun coordinator`; by default the launcher that hosts...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'duplicate-stderr-filters' -l 'duplicate_stderr_filters' -r -d 'Duplicates logs streamed to stderr to another specified file with a list of filters...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'duplicate-stdout-filters' -l 'duplicate_stdout_filters' -r -d 'Duplicates logs streamed to stdout to another specified file with a list of filters...'
@@ -193,6 +194,7 @@ complete -c ftrun -n '__ftrun_arg completions 0' -a 'bash zsh fish'
 
 # ftrun coordinator
 complete -c ftrun -n '__ftrun_in coordinator' -l 'bind-host' -r -d 'Address the coordinator binds...'
+complete -c ftrun -n '__ftrun_in coordinator' -l 'busy-hang-timeout' -r -d 'Seconds the others may wait in a collective for a rank that is alive and in no collective...'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'help' -d 'Show this message and exit.'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'isolate-hook' -r -d 'Shell command run with an isolated host\'s name as its argument (e.g. a Slurm drain).'
 complete -c ftrun -n '__ftrun_in coordinator' -l 'node-timeout' -r -d 'Seconds of silence before a node is reported lost.'

@@ -57,6 +57,13 @@ HANG_TIMEOUT = Knob(
     "for this long, or sat stopped (SIGSTOP) for a third of it (at least 1 s). 0 turns the "
     "progress check off; stopped ranks are then killed after 10 s.",
 )
+BUSY_HANG_TIMEOUT = Knob(
+    "FTRUN_BUSY_HANG_TIMEOUT", "seconds", "60",
+    "How long the ranks of a group may wait in a collective for a rank that is alive and in "
+    "no collective (saving, evaluating, or spinning in Python) before the coordinator names "
+    "it hung. Stopped, dead or silent ranks, and ranks stuck in another collective, are named "
+    "after 3 s.",
+)
 ON_HANG = Knob(
     "FTRUN_ON_HANG", "warn|restart|isolate", "restart",
     "What the coordinator does when its collective analysis names a hung rank: warn (log and "

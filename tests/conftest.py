@@ -58,3 +58,19 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield p
     finally:
         p.cleanup()
+
+
+# The suite runs on two pytest-xdist workers, one test file per worker at a time
+# (scripts/test.sh: -n 2 --dist loadfile). A worker takes the next file in collection order
+# when it is free: the longest files go first, so that no long one starts last and runs
+# alone at the end. Seconds per file in a serial CI run on the 2-CPU development machine.
+LONGEST_FILES = {
+    "test_node_loss.py": 318, "test_launcher_integ.py": 167, "test_detect_integ.py": 161,
+    "test_inprocess.py": 143, "test_chaos.py": 129, "test_snapshot_integ.py": 124,
+    "test_user_ddp.py": 107, "test_memload_integ.py": 106, "test_lightning.py": 100,
+    "test_slurm_examples.py": 96, "test_persist_integ.py": 93, "test_hf.py": 74,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: -LONGEST_FILES.get(item.path.name, 0))  # stable: file order kept

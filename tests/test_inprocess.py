@@ -31,10 +31,11 @@ def launcher_args(run_id: str, port: int, nproc: int, nnodes: int = 1) -> list[s
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "2"]
 
 
-def run_job(procs: Procs, tmp: Path, *script_args: str) -> tuple[str, str, str]:
+def run_job(procs: Procs, tmp: Path, *script_args: str,
+            env: dict[str, str] | None = None) -> tuple[str, str, str]:
     """One launcher x three ranks; returns (params_xxh3, run id, output)."""
     run_id = f"inproc-{uuid.uuid4().hex[:8]}"
-    env = {"FTRUN_STATE_DIR": str(tmp / "state")}
+    env = {"FTRUN_STATE_DIR": str(tmp / "state"), **(env or {})}
     p = procs.ftrun(*launcher_args(run_id, free_port(), 3), SCRIPT, *ARGS, "--fault-dir", str(tmp), "--pid-log", str(tmp),
                     *script_args, env=env, name="node0")
     code = procs.wait(p, 240)
@@ -134,9 +135,11 @@ def test_rank_hung_outside_collectives_keeps_its_process_like_everyone(
     """Rank 1 hangs in Python code outside any collective (alive, never progressing) while
     the others wait for it in DDP's all-reduce. The coordinator names it; the in-place
     restart aborts every rank, the hung one included (the abort's exception reaches it in
-    its sleep), so no rank gets a new process; the weights are the fault-free run's."""
+    its sleep), so no rank gets a new process; the weights are the fault-free run's. (Named
+    after --busy-hang-timeout, 60 s by default: 8 s here.)"""
     digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "hang",
-                                  "--kill-at-step", "5", "--kill-rank", "1")
+                                  "--kill-at-step", "5", "--kill-rank", "1",
+                                  env={"FTRUN_BUSY_HANG_TIMEOUT": "8"})
     assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
     events = read_events(tmp_path / "state", run_id)
     recoveries = [e for e in events if e["type"] == "recovery"]
@@ -144,6 +147,9 @@ def test_rank_hung_outside_collectives_keeps_its_process_like_everyone(
     assert all(r["new_processes"] == [] for r in recoveries), recoveries
     named = [e for e in events if e["type"] == "directive_restart" and 1 in e["ranks"]]
     assert named, [e["type"] for e in events]
+    hangs = [e["evidence"] for e in events if e["type"] == "detection" and e["kind"] == "hang"]
+    # Named past --busy-hang-timeout's 8 s (or 10x the group's typical wait), not 60 s.
+    assert hangs and all(h["threshold_s"] < 60 for h in hangs), hangs
     pids = pids_by_rank(tmp_path)
     assert all(len(p) == 1 for p in pids.values()), pids  # every rank kept its process
     assert digest == fault_free

@@ -233,7 +233,8 @@ def test_killed_rank_then_lost_host_resume_from_snapshots_bit_identical(runs: Ru
     # as the one durable at the kill: training had moved on from the first resume.
     assert job.check_replica_restore(loss, WORLD) == second and first < second <= HOLD_STEP
     # Rank 0 says which snapshot it resumed from, and where it came from.
-    resumed = re.findall(r"ftrun: resumed from the snapshot of step (\d+) \((.*)\): epoch", out)
+    resumed = re.findall(r"ftrun: resumed from the snapshot of step (\d+) "
+                         r"\((memory(?: \(from node\(s\) [^()]+\))?|[^()]*)\): epoch", out)
     assert sorted(int(s) for s, _ in resumed) == [first, second], resumed
     [source] = [src for s, src in resumed if int(s) == second]
     assert source.startswith("memory"), resumed

@@ -131,6 +131,7 @@ def coordinator_command(
     on_slow: Annotated[str, typer.Option(help="What to do about a slow rank or host the collectives and probes name: warn or isolate.", envvar="FTRUN_ON_SLOW")] = "warn",
     on_corruption: Annotated[str, typer.Option(help="What to do when data-parallel replicas disagree at a snapshot (silent data corruption): warn, restart (the job resumes from the newest step the replicas agreed on; a host named twice is isolated) or isolate.", envvar="FTRUN_ON_CORRUPTION")] = "restart",
     isolate_hook: Annotated[str | None, typer.Option(help="Shell command run with an isolated host's name as its argument (e.g. a Slurm drain).", envvar="FTRUN_ISOLATE_HOOK")] = None,
+    busy_hang_timeout: Annotated[float, typer.Option(help="Seconds the others may wait in a collective for a rank that is alive and in no collective (saving, evaluating, spinning) before it is named hung.", envvar="FTRUN_BUSY_HANG_TIMEOUT")] = 60.0,
 ) -> None:
     """Run a job's coordinator and rendezvous store on this host, until SIGTERM/Ctrl-C."""
     from ftrun.coordinator.detect import DetectConfig
@@ -139,7 +140,8 @@ def coordinator_command(
     log.configure()
     try:
         detection = DetectConfig(on_hang=on_hang, on_slow=on_slow, on_corruption=on_corruption,
-                                 isolate_hook=isolate_hook or None)
+                                 isolate_hook=isolate_hook or None,
+                                 busy_hang_s=busy_hang_timeout)
         code = run_standalone(rdzv_id, rdzv_endpoint, state_dir=state_dir,
                               node_timeout_s=node_timeout, bind_host=bind_host,
                               detection=detection)

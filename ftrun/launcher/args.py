@@ -52,6 +52,7 @@ class FtrunOptions:
     on_slow: str = "warn"
     on_corruption: str = "restart"
     isolate_hook: str | None = None
+    busy_hang_s: float = 60.0
     warm_workers: bool | None = None  # None: auto (ftrun.launcher.warm.auto_warm)
     warm_imports: tuple[str, ...] = ()
 
@@ -70,6 +71,10 @@ class FtrunOptions:
         if self.hang_timeout_s < 0:
             raise ConfigError(
                 f"--hang-timeout must be >= 0 seconds (0 turns it off), got {self.hang_timeout_s}"
+            )
+        if not (self.busy_hang_s > 0 and math.isfinite(self.busy_hang_s)):
+            raise ConfigError(
+                f"--busy-hang-timeout must be a number of seconds > 0, got {self.busy_hang_s}"
             )
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(
@@ -133,6 +138,10 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--hang-timeout", knobs.HANG_TIMEOUT, float,
      "Seconds a rank may go without calling ftrun.progress() (after its first call), or sit "
      "stopped, before the launcher kills it and restarts the workers. 0 turns it off."),
+    ("--busy-hang-timeout", knobs.BUSY_HANG_TIMEOUT, float,
+     "Seconds the others may wait in a collective for a rank that is alive and in no "
+     "collective (saving, evaluating, spinning) before the coordinator names it hung "
+     "(default 60; stopped, dead or silent ranks are named after 3 s)."),
     ("--on-hang", knobs.ON_HANG, str,
      "What to do when the coordinator's collective analysis names a hung rank: warn, "
      "restart (kill it; every node restarts from the snapshot) or isolate (also exclude its "
@@ -308,6 +317,7 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         on_slow=str(ns.on_slow or knobs.ON_SLOW.default).strip().lower(),
         on_corruption=str(ns.on_corruption or knobs.ON_CORRUPTION.default).strip().lower(),
         isolate_hook=ns.isolate_hook or None,
+        busy_hang_s=num("busy_hang_timeout", knobs.BUSY_HANG_TIMEOUT),
         warm_workers=_tristate(knobs.WARM_WORKERS) if ns.warm_workers is None
         else ns.warm_workers,
         warm_imports=tuple(m.strip() for m in (ns.warm_imports or "").split(",") if m.strip()),

@@ -365,7 +365,8 @@ def _detection_config(opts: FtrunOptions) -> Any:
     from ftrun.coordinator.detect import DetectConfig
 
     return DetectConfig(on_hang=opts.on_hang, on_slow=opts.on_slow,
-                        on_corruption=opts.on_corruption, isolate_hook=opts.isolate_hook)
+                        on_corruption=opts.on_corruption, isolate_hook=opts.isolate_hook,
+                        busy_hang_s=opts.busy_hang_s)
 
 
 def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str, endpoint: str) -> Any:
