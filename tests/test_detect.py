@@ -271,6 +271,24 @@ def test_silent_rank_named_after_silent_s():
     assert found[0].ranks == (2,) and found[0].evidence["reason"] == "silent"
 
 
+def test_silence_counts_against_the_ranks_own_report_gaps():
+    """On an overloaded host a live rank's reports arrive seconds apart (3.1 s seen at a load
+    of 20 on 2 CPUs): a silence names it only past twice its longest recent gap."""
+    job = Job(n=4, per_node=1)
+    for _ in range(10):
+        job.step(compute={r: 2.5 for r in range(4)})  # every rank reports 2.5 s apart
+    s = job.op + 1
+    found: list = []
+    for k in range(1, 14):
+        job.now += 0.5
+        hang_reports(job, {r: (s, s - 1, 0.5 * k) for r in (0, 1, 3)})
+        found = job.det.analyse(job.now)
+        if found:
+            break
+    assert [(f.kind, f.ranks, f.evidence["reason"]) for f in found] == [("hang", (2,), "silent")]
+    assert 0.5 * k >= 2 * 2.5, k  # not at silent_s (3 s)
+
+
 def side_group_hang(n: int) -> list:
     """The last rank sits in an allreduce on group "side" (all ranks) that nobody else
     enters; the others wait in the main group "0" for it. Returns the findings."""

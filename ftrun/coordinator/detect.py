@@ -9,6 +9,7 @@ passed in (``now``) are the coordinator's monotonic clock. Thresholds: docs/dete
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -19,6 +20,8 @@ from ftrun.errors import ConfigError
 # may get (--on-hang, --on-slow), and the kinds of finding.
 ACTIONS: tuple[Action, ...] = RESPONSES
 KINDS: tuple[FindingKind, ...] = tuple(FindingKind)
+SILENT_GAPS = 16  # report gaps per rank that set how long a silence must last to count
+SILENT_GAP_FACTOR = 2.0
 MAX_RETIRED = 16  # earlier worlds remembered (their late reports are ignored)
 
 
@@ -111,7 +114,7 @@ class _Member:
 
 
 class _Rank:
-    __slots__ = ("rank", "node_id", "host", "seen", "seq", "interval_s", "groups")
+    __slots__ = ("rank", "node_id", "host", "seen", "seq", "interval_s", "groups", "gaps")
 
     def __init__(self, rank: int, node_id: str, host: str) -> None:
         self.rank = rank
@@ -121,6 +124,13 @@ class _Rank:
         self.seq = -1
         self.interval_s = 0.02
         self.groups: dict[str, _Member] = {}
+        self.gaps: deque[float] = deque(maxlen=SILENT_GAPS)  # between its recent reports
+
+    def silent_after(self, floor_s: float) -> float:
+        """Silence that names this rank: ``floor_s``, or SILENT_GAP_FACTOR x the longest gap
+        between its recent reports where that is longer (an overloaded host delays a live
+        rank's reports by seconds: 3.1 s seen at a load of 20 on 2 CPUs)."""
+        return max(floor_s, SILENT_GAP_FACTOR * max(self.gaps, default=0.0))
 
 
 class _Group:
@@ -217,6 +227,9 @@ class Detector:
         rank.node_id = body["node_id"]
         rank.host = body["host"]
         rank.seq = body["seq"]
+        gap = now - rank.seen if rank.seen else None
+        if gap is not None and gap < rank.silent_after(self.config.silent_s):
+            rank.gaps.append(gap)  # jitter; not a silence long enough to have named it
         rank.seen = now
         rank.interval_s = interval = body["interval_s"]
         self._host_node[rank.host] = rank.node_id
@@ -341,7 +354,8 @@ class Detector:
             return []
         found: list[tuple[tuple, Finding]] = []
         threshold = self.hang_threshold(group.name)
-        silent = [r for r in group.members if now - self._ranks[r].seen >= cfg.silent_s]
+        silent = [r for r in group.members
+                  if now - self._ranks[r].seen >= self._ranks[r].silent_after(cfg.silent_s)]
         live_waits = {r: w for r, w in waiters.items() if r not in silent}
         if silent and any(w >= cfg.silent_s for _, w in live_waits.values()):
             ranks, hosts, nodes = self._who(silent)
