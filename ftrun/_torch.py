@@ -755,10 +755,13 @@ def rendezvous_connection_error() -> type:
     return RendezvousConnectionError
 
 
-def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]]) -> None:
+def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]],
+                                keep_world_retry_s: float | None = None) -> None:
     """Have torch's launcher build, for ``--rdzv-backend name``, its own
     ``DynamicRendezvousHandler`` over ``make(params) -> (backend, store)`` (``params``: the
-    launcher's ``RendezvousParameters``). Idempotent for one ``name``."""
+    launcher's ``RendezvousParameters``). Idempotent for one ``name``.
+    ``keep_world_retry_s``: the handlers keep the world while the backend is unreachable
+    (:func:`keep_world_while_unreachable`), trying it again every that many seconds."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -767,7 +770,65 @@ def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]
 
     def create(params: Any) -> Any:
         backend, store = make(params)
-        return create_handler(store, backend, params)
+        handler = create_handler(store, backend, params)
+        if keep_world_retry_s is not None:
+            keep_world_while_unreachable(handler, keep_world_retry_s)
+        return handler
 
     rendezvous_handler_registry.register(name, create)
     _registered_backends[name] = create
+
+
+class _WaitingWhileUnreachable:
+    """``num_nodes_waiting()`` of a handler whose backend may be unreachable for a while
+    (see :func:`keep_world_while_unreachable`)."""
+
+    def __init__(self, handler: Any, retry_s: float) -> None:
+        self._check = handler.num_nodes_waiting  # torch's bound method
+        self._run_id = handler.get_run_id()
+        self.retry_s = retry_s
+        self.down_since: float | None = None  # monotonic; None while the backend answers
+        self._next_try = 0.0
+
+    def __call__(self) -> int:
+        import time
+
+        error = rendezvous_connection_error()
+        now = time.monotonic()
+        if self.down_since is not None and now < self._next_try:
+            return 0
+        try:
+            waiting = int(self._check())
+        except error as e:
+            self._next_try = time.monotonic() + self.retry_s
+            if self.down_since is None:
+                self.down_since = now
+                log.warning(
+                    "the rendezvous of job %s is unreachable (%s): the job keeps training on "
+                    "its current world, but cannot recover from a fault (that needs a "
+                    "rendezvous) until it is back; trying again every %g s",
+                    self._run_id, e, self.retry_s)
+            return 0
+        if self.down_since is not None:
+            log.warning("the rendezvous of job %s is reachable again (after %.1f s)",
+                        self._run_id, time.monotonic() - self.down_since)
+            self.down_since = None
+        return waiting
+
+
+def keep_world_while_unreachable(handler: Any, retry_s: float) -> None:
+    """Keep the current world training while ``handler``'s backend is unreachable.
+
+    torch's agent asks ``rdzv_handler.num_nodes_waiting()`` on every monitor tick while its
+    workers are healthy; ``DynamicRendezvousHandler`` syncs its state with the backend there
+    and lets a ``RendezvousConnectionError`` propagate out of the agent's loop, which ends
+    the launch: a job whose rendezvous service lost its quorum for a moment (etcd) would stop
+    every rank although none needs the rendezvous to go on training. Here the handler's
+    ``num_nodes_waiting`` (an attribute of the instance, so torch's call finds it) answers 0
+    (nobody waits, as far as anyone can tell) while the backend is unreachable, logs that
+    once, and tries the backend again only every ``retry_s`` seconds (each try can take the
+    backend's request timeout, during which the agent's loop does not watch its workers).
+    Everything else still needs the backend: a rendezvous (a fault's recovery) raises as
+    before; the keep-alive thread logs its failures as before.
+    """
+    handler.num_nodes_waiting = _WaitingWhileUnreachable(handler, retry_s)

@@ -41,6 +41,9 @@ BACKEND_NAME = "etcd-v3"
 DEFAULT_STORE_TIMEOUT_S = 300.0
 _POLL_FIRST_S = 0.005
 _POLL_MAX_S = 0.1
+# While etcd is unreachable (its quorum lost), how often the agent's check for waiting nodes
+# tries it again; in between the job trains on (ftrun._torch.keep_world_while_unreachable).
+KEEP_WORLD_RETRY_S = 2.0
 
 
 def _kvs(responses: list[dict[str, Any]]) -> list[KeyValue]:
@@ -232,5 +235,7 @@ def create_backend(params: Any) -> tuple[EtcdRendezvousBackend, EtcdStore]:
 
 
 def register() -> None:
-    """Make ``--rdzv-backend etcd-v3`` known to torch's launcher in this process."""
-    _torch.register_rendezvous_backend(BACKEND_NAME, create_backend)
+    """Make ``--rdzv-backend etcd-v3`` known to torch's launcher in this process: its
+    handlers keep the current world training while etcd is unreachable."""
+    _torch.register_rendezvous_backend(BACKEND_NAME, create_backend,
+                                       keep_world_retry_s=KEEP_WORLD_RETRY_S)

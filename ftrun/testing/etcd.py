@@ -59,6 +59,7 @@ class EtcdCluster:
         self.client_ports = [free_port() for _ in self.names]
         self.peer_ports = [free_port() for _ in self.names]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
+        self._token = f"ftrun-test-{uuid.uuid4().hex[:12]}"
 
     @property
     def endpoints(self) -> str:
@@ -71,12 +72,9 @@ class EtcdCluster:
         self.stop()
 
     def start(self) -> EtcdCluster:
-        cluster = ",".join(f"{n}=http://{self.host}:{p}"
-                           for n, p in zip(self.names, self.peer_ports, strict=True))
-        token = f"ftrun-test-{uuid.uuid4().hex[:12]}"
         try:
-            for i, name in enumerate(self.names):
-                self.procs[i] = self._start_member(i, name, cluster, token)
+            for i in range(len(self.names)):
+                self.start_member(i)
             try:
                 wait_for(self.healthy, START_TIMEOUT_S, "etcd members healthy")
             except AssertionError as e:
@@ -86,8 +84,15 @@ class EtcdCluster:
             raise
         return self
 
-    def _start_member(self, i: int, name: str, cluster: str,
-                      token: str) -> subprocess.Popen[bytes]:
+    def start_member(self, i: int) -> None:
+        """Start member ``i`` (again, after :meth:`stop_member`: it rejoins with its data)."""
+        if self.procs[i] is not None:
+            raise RuntimeError(f"etcd member {self.names[i]} is running already")
+        self.procs[i] = self._start_member(i, self.names[i])
+
+    def _start_member(self, i: int, name: str) -> subprocess.Popen[bytes]:
+        cluster = ",".join(f"{n}=http://{self.host}:{p}"
+                           for n, p in zip(self.names, self.peer_ports, strict=True))
         client = f"http://{self.host}:{self.client_ports[i]}"
         peer = f"http://{self.host}:{self.peer_ports[i]}"
         data = self.base / name
@@ -98,7 +103,7 @@ class EtcdCluster:
                  "--listen-client-urls", client, "--advertise-client-urls", client,
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                 "--initial-cluster-token", token,
+                 "--initial-cluster-token", self._token,
                  "--heartbeat-interval", "50", "--election-timeout", "500",
                  "--log-level", "warn"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
