@@ -1,7 +1,7 @@
 """ftrun's etcd v3 rendezvous backend, store and coordinator election, against a real etcd.
 
-One 3-member cluster on loopback ports (ftrun.testing.etcd) serves the whole module. The
-tests skip where etcd is not installed (``bash scripts/setup-etcd.sh`` installs it), and fail
+One 3-member cluster on loopback ports (ftrun.testing.etcd) serves the module, but for the
+quorum-loss test, which stops 2 members of a cluster of its own. The tests skip where etcd is not installed (``bash scripts/setup-etcd.sh`` installs it), and fail
 instead under ``FTRUN_REQUIRE_ETCD=1``, as in CI. The member-failover test stops a member and
 runs last.
 """
@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -84,6 +85,13 @@ def test_torch_seams_for_the_etcd_backend() -> None:
     assert issubclass(_torch.rendezvous_connection_error(), Exception)
     assert list(inspect.signature(rendezvous_handler_registry.register).parameters) == \
         ["backend", "creator"]
+    # keep_world_while_unreachable: torch's agent asks the handler, by attribute, for nodes
+    # waiting on every healthy monitor tick, and torch's handler lets a backend error out.
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    assert "rdzv_handler.num_nodes_waiting()" in inspect.getsource(SimpleElasticAgent._invoke_run)
+    assert "raise" in inspect.getsource(DynamicRendezvousHandler.num_nodes_waiting)
 
 
 # -- against the cluster ------------------------------------------------------------------------
@@ -251,3 +259,73 @@ def test_member_failover(cluster: EtcdCluster, client: etcd.EtcdClient) -> None:
     wait_for(renewed.is_set, 10, "a lease renewal after the member stopped")
     assert not lost and election.leading and election.term == first_term
     election.resign()
+
+
+def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A cluster of its own loses 2 of its 3 members: requests fail at once saying the quorum
+    is lost; a rendezvous handler built by torch's registry answers "nobody waiting" instead
+    of raising out of the agent's loop; the coordinator's holder loses its role. Once the
+    members are back, the handler answers from etcd again and the role is taken anew."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftrun.launcher import etcd_rdzv
+    from ftrun.testing.procs import wait_for
+
+    require_etcd()
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with EtcdCluster(tmp_path / "etcd") as cluster:
+        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2)
+        rid = run_id()
+        etcd_rdzv.register()
+        handler = get_rendezvous_handler(RendezvousParameters(
+            backend=etcd_rdzv.BACKEND_NAME, endpoint=cluster.endpoints, run_id=rid,
+            min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout="30",
+            read_timeout="2"))
+        handler.next_rendezvous()
+        lost: list[str] = []
+        election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2,
+                                            on_lost=lost.append)
+        assert election.campaign() is None
+        old_term = election.term
+        assert handler.num_nodes_waiting() == 0
+        try:
+            cluster.stop_member(1)
+            cluster.stop_member(2)
+            # The lone member answers "no leader" once it has noticed (its election timeout).
+            error = wait_for(lambda: _unavailable(client), 30, "etcd to say it has no leader")
+            assert "quorum is lost" in str(error) and "no leader" in str(error), error
+            with caplog.at_level("WARNING", logger="ftrun._torch"):
+                assert handler.num_nodes_waiting() == 0  # no raise: the world is kept
+                assert handler.num_nodes_waiting() == 0  # (and not tried again at once)
+            assert "keeps training on its current world" in caplog.text
+            wait_for(lambda: lost, 30, "the holder to lose its role")
+            assert not election.acting()
+        finally:
+            for i in (1, 2):
+                if cluster.procs[i] is None:
+                    cluster.start_member(i)
+        wait_for(cluster.healthy, 30, "the members healthy again")
+
+        def reads_again() -> bool:
+            handler.num_nodes_waiting()
+            return "reachable again" in caplog.text
+
+        with caplog.at_level("WARNING", logger="ftrun._torch"):
+            wait_for(reads_again, 30, "the handler to read etcd again", interval_s=0.3)
+        # The old holder's key expires with its lease (etcd renews every lease for one TTL
+        # when a new leader is elected); a campaign then takes the role with a new term.
+        wait_for(lambda: election.campaign() is None, 30, "the role taken again",
+                 interval_s=0.3)
+        assert election.term > old_term
+        election.resign()
+        handler.shutdown()
+
+
+def _unavailable(client: etcd.EtcdClient) -> etcd.EtcdUnavailable | None:
+    try:
+        client.get("/ftrun/probe")
+    except etcd.EtcdUnavailable as e:
+        return e if "no leader" in str(e) else None
+    return None

@@ -56,6 +56,12 @@ URL_SCHEME = "etcd://"
 # gRPC status codes etcd answers with when a member cannot serve right now: another member may.
 _RETRY_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
 _LEASE_NOT_FOUND = 5  # NOT_FOUND, for an expired or revoked lease
+# Every request requires a leader (gRPC metadata ``hasleader: true``, which the gateway takes
+# from this header; etcd's own clients set it with WithRequireLeader): a member that lost the
+# cluster's quorum answers "no leader" at once instead of holding the request until it times
+# out, so the client moves on, and a lost quorum reads as such within milliseconds.
+_HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-Hasleader": "true"}
+_NO_LEADER = "no leader"
 # The coordinator's lease: how long the role outlives a holder that stopped renewing it.
 COORDINATOR_TTL_S = 5
 # How often each launcher reads the coordinator's key (a range request: etcd serves tens of
@@ -204,18 +210,23 @@ class EtcdClient:
                                 f"{doc.get('message') or doc.get('error') or status} "
                                 f"(code {code})", code)
             return doc
+        if any(_NO_LEADER in f for f in failures):
+            advice = ("etcd has no leader: its quorum is lost (a majority of its members is "
+                      "down or cut off from the others). A running job trains on, but cannot "
+                      "commit snapshots or recover from a fault until a majority is back.")
+        else:
+            advice = ("Check that --rdzv-endpoint lists the etcd members' client URLs "
+                      "(HOST:2379,...) and that a majority of them is up.")
         raise EtcdUnavailable(
             f"no etcd member answered /v3/{path} within {self.timeout_s:g} s ("
-            + "; ".join(failures) + "). Check that --rdzv-endpoint lists the etcd members' "
-            "client URLs (HOST:2379,...) and that a majority of them is up."
+            + "; ".join(failures) + "). " + advice
         )
 
     def _post(self, host: str, port: int, path: str,
               body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
         try:
-            conn.request("POST", f"/v3/{path}", json.dumps(body).encode(),
-                         {"Content-Type": "application/json"})
+            conn.request("POST", f"/v3/{path}", json.dumps(body).encode(), _HEADERS)
             response = conn.getresponse()
             raw = response.read()
         finally:
