@@ -832,3 +832,29 @@ def keep_world_while_unreachable(handler: Any, retry_s: float) -> None:
     before; the keep-alive thread logs its failures as before.
     """
     handler.num_nodes_waiting = _WaitingWhileUnreachable(handler, retry_s)
+
+
+def discount_keep_alives(state_bits: bytes, outage_s: float) -> bytes:
+    """torch's pickled rendezvous state (``_RendezvousState``) with every node's last
+    keep-alive (``last_heartbeats``) moved ``outage_s`` seconds later, never past now.
+
+    For a backend that was unreachable for ``outage_s``: nobody could write a keep-alive
+    meanwhile, so without this the first node to read the state afterwards would find every
+    keep-alive expired, drop every node (``_sanitize``, on its own copy) and every agent
+    would restart its workers. Moved by the outage, each keep-alive is as old as it was when
+    the outage began: a node that was alive then is alive, one that had stopped before
+    still expires (later by the outage at most)."""
+    import pickle
+    from datetime import datetime, timedelta, timezone
+
+    state = pickle.loads(state_bits)  # noqa: S301 - torch's own state, from the job's key
+    beats = getattr(state, "last_heartbeats", None)
+    if not beats:
+        return state_bits
+    shift = timedelta(seconds=outage_s)
+    for node, beat in beats.items():
+        now = datetime.now(timezone.utc)
+        if beat.tzinfo is None:  # torch before 2.6 wrote naive UTC times
+            now = now.replace(tzinfo=None)
+        beats[node] = min(now, beat + shift)
+    return pickle.dumps(state)

@@ -94,6 +94,29 @@ def test_torch_seams_for_the_etcd_backend() -> None:
     assert "raise" in inspect.getsource(DynamicRendezvousHandler.num_nodes_waiting)
 
 
+def test_keep_alives_are_moved_past_an_outage_never_past_now() -> None:
+    """discount_keep_alives on torch's own pickled rendezvous state."""
+    import pickle
+    from datetime import datetime, timezone
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _NodeDesc,
+        _RendezvousState,
+    )
+
+    state = _RendezvousState()
+    now = datetime.now(timezone.utc)
+    old, recent = _NodeDesc("old", 1, 0), _NodeDesc("recent", 2, 0)
+    state.last_heartbeats = {old: now - timedelta(seconds=60), recent: now - timedelta(seconds=1)}
+    state.participants = {old: 0, recent: 1}
+    moved = pickle.loads(_torch.discount_keep_alives(pickle.dumps(state), 20.0))
+    after = datetime.now(timezone.utc)
+    age = {str(n): (after - t).total_seconds() for n, t in moved.last_heartbeats.items()}
+    assert 40 <= age[str(old)] < 41, age  # as old as when the outage began
+    assert 0 <= age[str(recent)] < 1, age  # never in the future
+    assert moved.participants == state.participants
+
+
 # -- against the cluster ------------------------------------------------------------------------
 
 
@@ -282,7 +305,7 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
         handler = get_rendezvous_handler(RendezvousParameters(
             backend=etcd_rdzv.BACKEND_NAME, endpoint=cluster.endpoints, run_id=rid,
             min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout="30",
-            read_timeout="2"))
+            read_timeout="2", keep_alive_interval="1", keep_alive_max_attempt="2"))
         handler.next_rendezvous()
         lost: list[str] = []
         election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2,
@@ -296,6 +319,7 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
             # The lone member answers "no leader" once it has noticed (its election timeout).
             error = wait_for(lambda: _unavailable(client), 30, "etcd to say it has no leader")
             assert "quorum is lost" in str(error) and "no leader" in str(error), error
+            round_before = _torch.rendezvous_view(handler)
             with caplog.at_level("WARNING", logger="ftrun._torch"):
                 assert handler.num_nodes_waiting() == 0  # no raise: the world is kept
                 assert handler.num_nodes_waiting() == 0  # (and not tried again at once)
@@ -314,6 +338,12 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
 
         with caplog.at_level("WARNING", logger="ftrun._torch"):
             wait_for(reads_again, 30, "the handler to read etcd again", interval_s=0.3)
+        # The outage outlasted the keep-alive expiry (2 s), yet the node is still in its
+        # round: its keep-alive was moved past the outage, not found expired.
+        me = _torch.rendezvous_node(handler)
+        view = _torch.rendezvous_view(handler)
+        assert view is not None and me in view[1] and me in view[2], (me, view)
+        assert round_before is not None and view[0] == round_before[0], (round_before, view)
         # The old holder's key expires with its lease (etcd renews every lease for one TTL
         # when a new leader is elected); a campaign then takes the role with a new term.
         wait_for(lambda: election.campaign() is None, 30, "the role taken again",

@@ -20,6 +20,7 @@ closing) and gives it two v3 parts:
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -36,6 +37,8 @@ from ftrun.launcher.etcd import (
     key_prefix,
     prefix_end,
 )
+
+log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
 DEFAULT_STORE_TIMEOUT_S = 300.0
@@ -66,17 +69,40 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
             raise ValueError("the rendezvous run id must not be empty")
         self.client = client
         self.key = key_prefix(run_id) + "rdzv/state"
+        # When (monotonic) etcd last answered, and whether it has failed since: the state
+        # first read after an outage has its keep-alives moved past it (_after_outage).
+        self._answered_at = time.monotonic()
+        self._down = False
 
     @property
     def name(self) -> str:
         return BACKEND_NAME
 
+    def _unreachable(self, e: EtcdError, what: str) -> Exception:
+        self._down = True
+        return _connection_error(e, what)
+
+    def _after_outage(self, state: bytes) -> bytes:
+        """``state`` as read (or written) once etcd answers: after an outage, every
+        keep-alive moved later by its length, counted from etcd's last answer before it
+        (:func:`ftrun._torch.discount_keep_alives`): nobody could renew one while etcd was
+        down, and that is no reason to drop them."""
+        now = time.monotonic()
+        outage_s, self._answered_at = now - self._answered_at, now
+        down, self._down = self._down, False
+        if not down or not state:
+            return state
+        log.warning("etcd answers again after %.1f s: the rendezvous keep-alives are moved "
+                    "past the outage", outage_s)
+        return _torch.discount_keep_alives(state, outage_s)
+
     def get_state(self) -> tuple[bytes, Any] | None:
         try:
             kv = self.client.get(self.key)
         except EtcdError as e:
-            raise _connection_error(e, "reading the state failed") from e
-        return None if kv is None else (kv.value, kv.mod_revision)
+            raise self._unreachable(e, "reading the state failed") from e
+        state = self._after_outage(b"" if kv is None else kv.value)
+        return None if kv is None else (state, kv.mod_revision)
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         if token is None:
@@ -96,12 +122,12 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
                 [compare], [{"request_put": {"key": b64(self.key), "value": b64(state)}}],
                 [{"request_range": {"key": b64(self.key)}}])
         except EtcdError as e:
-            raise _connection_error(e, "writing the state failed") from e
+            raise self._unreachable(e, "writing the state failed") from e
         if ok:
             # The transaction's revision is the one its put wrote: the key's mod_revision.
-            return state, revision_after, True
+            return self._after_outage(state), revision_after, True
         kvs = _kvs(responses)
-        return (kvs[0].value, kvs[0].mod_revision, False) if kvs else None
+        return (self._after_outage(kvs[0].value), kvs[0].mod_revision, False) if kvs else None
 
 
 class EtcdStore(dist.Store):
