@@ -250,6 +250,47 @@ def test_election_one_holder_then_the_next(client: etcd.EtcdClient) -> None:
     second.resign()
 
 
+def test_a_job_that_ended_well_leaves_no_key_and_a_new_run_clears_the_old_rendezvous(
+        client: etcd.EtcdClient) -> None:
+    from ftrun.launcher.etcd_rdzv import EtcdRendezvousBackend, EtcdStore
+
+    rid = run_id()
+    prefix = etcd.key_prefix(rid)
+
+    def keys() -> set[str]:
+        return {kv.key.decode()[len(prefix):] for kv in client.get_prefix(prefix)}
+
+    # A previous run under this id, killed (a requeue): its rendezvous, its agents' store,
+    # the coordinator's kept state.
+    EtcdRendezvousBackend(client, rid).set_state(b"a killed run's rendezvous")
+    EtcdStore(client, rid).set("torch.rendezvous.x.0/MASTER_ADDR", "gone")
+    client.put(etcd.state_key(rid, "excluded"), "{}")
+    first, second, third = (etcd.LauncherPresence(client, rid, f"n{i}/1", ttl_s=2)
+                            for i in (1, 2, 3))
+    try:
+        assert first.join()  # the first launcher of the new run clears the old rendezvous
+        assert keys() == {"state/excluded", "launchers/n1/1"}
+        kv = client.get(first.key)
+        assert kv is not None and kv.lease == first.lease  # gone with its host
+        EtcdRendezvousBackend(client, rid).set_state(b"this run's rendezvous")
+        assert not second.join()  # one is present: nothing cleared
+        assert keys() == {"state/excluded", "launchers/n1/1", "launchers/n2/1", "rdzv/state"}
+        assert not second.leave(done=True)  # another launcher is present: keys stay
+        election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2)
+        assert election.campaign() is None
+        assert not first.leave(done=True)  # the role is held: keys stay
+        assert keys() == {"state/excluded", "rdzv/state", "coordinator"}
+        election.resign()
+        # Nobody of the job is running: a launcher starting now begins a new run.
+        assert third.join()
+        assert keys() == {"state/excluded", "launchers/n3/1"}
+        assert third.leave(done=True)  # the last one out, after a job that ended well
+        assert keys() == set()
+    finally:
+        for presence in (first, second, third):
+            presence.leave(done=False)
+
+
 def test_member_failover(cluster: EtcdCluster, client: etcd.EtcdClient) -> None:
     """Runs last in the module: stops a member. The client, its backend and an election's
     lease keep working on the two others."""

@@ -29,6 +29,7 @@ import pytest
 from conftest import ROOT, Procs
 from test_etcd import require_etcd
 
+from ftrun.launcher import etcd
 from ftrun.testing.etcd import EtcdCluster
 from ftrun.testing.procs import read_events, wait_for
 
@@ -114,6 +115,13 @@ def test_etcd_job_killed_rank_ends_bit_identical(procs: Procs, tmp_path: Path,
     steps = set(re.findall(r"rank \d resumed from step (\d+)", out))
     assert len(steps) == 1 and int(steps.pop()) in (10, 9), out[-6000:]
     assert digest == fault_free
+    assert_no_key_left(cluster, run_id)
+
+
+def assert_no_key_left(cluster: EtcdCluster, run_id: str) -> None:
+    """The job ended well: its last launcher out deleted its keys."""
+    left = etcd.EtcdClient(cluster.endpoints).get_prefix(etcd.key_prefix(run_id))
+    assert not left, [kv.key for kv in left]
 
 
 def _step(out: Path, rank: int) -> int:
@@ -178,3 +186,4 @@ def test_etcd_quorum_lost_the_ranks_train_on_and_commits_resume_once_it_is_back(
     assert all("is unreachable" in text and "keeps training on its current world" in text
                for text in without_quorum), "\n".join(t[-3000:] for t in without_quorum)
     assert out.count("is reachable again") == 2, out[-6000:]
+    assert_no_key_left(cluster, run_id)

@@ -615,6 +615,119 @@ class CoordinatorWatch:
             self._on_change(record)
 
 
+# -- a job's launchers and its keys ----------------------------------------------------------
+
+# How long a launcher's presence outlives it when it dies without leaving (host lost).
+PRESENCE_TTL_S = 10
+# What a new run of a job clears of a previous one: the rendezvous (torch's state, and the
+# agents' store). The coordinator's kept state (state/: the event log's position, the
+# excluded hosts) carries over to it.
+RUN_SCOPED = ("rdzv/", "store/")
+
+
+def presence_prefix(run_id: str) -> str:
+    return key_prefix(run_id) + "launchers/"
+
+
+def _range(prefix: str) -> dict[str, str]:
+    raw = prefix.encode()
+    return {"key": b64(raw), "range_end": b64(prefix_end(raw))}
+
+
+class LauncherPresence:
+    """This launcher's key ``/ftrun/<run id>/launchers/<node id>``, under a lease of its own
+    that a thread renews (a launcher that dies without leaving is gone within ``ttl_s``).
+
+    It decides who clears a job's keys, and when:
+
+    - :meth:`join`: the first launcher of a run (no launcher present, no coordinator holding
+      the role) clears what a previous run under the same id left of the rendezvous
+      (:data:`RUN_SCOPED`): a closed rendezvous, or one with the participants of a run
+      killed by its scheduler (a Slurm requeue). One transaction, so of launchers that start
+      together exactly one clears, and none once any is present;
+    - :meth:`leave`: the launcher revokes its key; after a job that ended well (``done``), the
+      last launcher to leave deletes everything under ``/ftrun/<run id>/``. A job that did
+      not end well (a signal, a failure: a requeue may follow) keeps its keys for the next
+      run, which clears the rendezvous part at its :meth:`join`.
+    """
+
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str,
+                 ttl_s: int = PRESENCE_TTL_S) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.key = presence_prefix(run_id) + node_id
+        self.ttl_s = ttl_s
+        self.lease = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def join(self) -> bool:
+        """Be present; returns whether this launcher cleared a previous run's rendezvous."""
+        self.lease = self.client.grant(self.ttl_s)
+        nobody = [{**_range(presence_prefix(self.run_id)), "target": "CREATE",
+                   "result": "EQUAL", "create_revision": "0"},
+                  {"key": b64(coordinator_key(self.run_id)), "target": "CREATE",
+                   "result": "EQUAL", "create_revision": "0"}]
+        put = {"request_put": {"key": b64(self.key), "value": b64(str(time.time())),
+                               "lease": str(self.lease)}}
+        clear = [{"request_delete_range": _range(key_prefix(self.run_id) + part)}
+                 for part in RUN_SCOPED]
+        first, _, responses = self.client.txn(nobody, [*clear, put], [put])
+        cleared = first and any(int(r.get("response_delete_range", {}).get("deleted", 0))
+                                for r in responses)
+        if cleared:
+            log.warning("job %s: no launcher of it is running, and the rendezvous of a previous "
+                        "run under this id was left in etcd: cleared (the coordinator's kept "
+                        "state carries over)", self.run_id)
+        self._thread = threading.Thread(target=self._renew, name="ftrun-etcd-presence",
+                                        daemon=True)
+        self._thread.start()
+        return cleared
+
+    def leave(self, done: bool) -> bool:
+        """Stop being present; after a job that ended well, the last launcher to leave
+        deletes the job's keys. Returns whether this one did."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.timeout_s * len(self.client.endpoints) + 1)
+        try:
+            if self.lease:
+                self.client.revoke(self.lease)
+                self.lease = 0
+            if not done:
+                return False
+            # Nobody present and nobody holding the role (the holder gives it up before it
+            # leaves): the job is over for every launcher.
+            ok, _, _ = self.client.txn(
+                [{**_range(presence_prefix(self.run_id)), "target": "CREATE",
+                  "result": "EQUAL", "create_revision": "0"},
+                 {"key": b64(coordinator_key(self.run_id)), "target": "CREATE",
+                  "result": "EQUAL", "create_revision": "0"}],
+                [{"request_delete_range": _range(key_prefix(self.run_id))}], [])
+        except EtcdError as e:
+            log.warning("job %s: could not leave etcd cleanly (%s); its keys under %s stay "
+                        "(a new run under this id clears its rendezvous)", self.run_id, e,
+                        key_prefix(self.run_id))
+            return False
+        if ok:
+            log.info("job %s ended: its keys are deleted from etcd", self.run_id)
+        return ok
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self.client.keep_alive(self.lease) > 0:
+                    continue
+                # Expired (etcd unreachable, or this process stalled, for the whole TTL).
+                lease = self.client.grant(self.ttl_s)
+                self.client.put(self.key, str(time.time()), lease)
+                self.lease = lease
+            except EtcdError as e:
+                log.debug("renewing this launcher's presence in etcd failed (%s); retrying", e)
+            except Exception:  # noqa: BLE001 - logged; the loop goes on
+                log.exception("renewing this launcher's presence in etcd failed; retrying")
+
+
 def _resolves(host: str) -> bool:
     try:
         socket.getaddrinfo(host, None)

@@ -519,8 +519,13 @@ class NodeServices:
     def _elect_coordinator(self, client: EtcdClient) -> None:
         """--rdzv-backend etcd: run the coordinator if this launcher wins the role in etcd,
         else read the winner's endpoints there."""
-        from ftrun.launcher.etcd import CoordinatorElection, wait_coordinator
+        from ftrun.launcher.etcd import CoordinatorElection, LauncherPresence, wait_coordinator
 
+        # First, so left last: after a job that ended well, the last launcher out deletes the
+        # job's keys; the first launcher of a new run clears a previous run's rendezvous.
+        presence = LauncherPresence(client, self.run_id, self.node_id)
+        presence.join()
+        self._on_close("presence in etcd", lambda: presence.leave(done=self.exitcode == 0))
         election = CoordinatorElection(client, self.run_id, self.node_id, self.host,
                                        on_lost=self._role_lost)
         self._election = election
