@@ -331,7 +331,10 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
     is lost; a rendezvous handler built by torch's registry answers "nobody waiting" instead
     of raising out of the agent's loop; the coordinator's holder loses its role. Once the
     members are back, the handler answers from etcd again and the role is taken anew."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousParameters,
+    )
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from ftrun.launcher import etcd_rdzv
@@ -365,6 +368,13 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
                 assert handler.num_nodes_waiting() == 0  # no raise: the world is kept
                 assert handler.num_nodes_waiting() == 0  # (and not tried again at once)
             assert "keeps training on its current world" in caplog.text
+            # A recovery needs a rendezvous: it fails, saying why (a launcher exits with it).
+            joining = get_rendezvous_handler(RendezvousParameters(
+                backend=etcd_rdzv.BACKEND_NAME, endpoint=cluster.endpoints, run_id=rid,
+                min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout="30",
+                read_timeout="2"))
+            with pytest.raises(RendezvousConnectionError, match="quorum is lost"):
+                joining.next_rendezvous()
             wait_for(lambda: lost, 30, "the holder to lose its role")
             assert not election.acting()
         finally:
