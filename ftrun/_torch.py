@@ -858,3 +858,40 @@ def discount_keep_alives(state_bits: bytes, outage_s: float) -> bytes:
             now = now.replace(tzinfo=None)
         beats[node] = min(now, beat + shift)
     return pickle.dumps(state)
+
+
+def bound_tcp_store(host: str, port: int, bind_host: str, timeout_s: float) -> Any:
+    """A ``TCPStore`` server that listens on ``bind_host`` only (port ``port``, 0: the OS
+    picks), for clients that reach it at ``host``.
+
+    torch's TCPStore server binds every interface; its ``master_listen_fd`` takes a socket
+    bound and listening already, which the server then owns (and closes). Only the libuv
+    backend (torch's default since 2.4) takes one; the store is multi-tenant, as torch's
+    launcher makes its own. Raises OSError when the address cannot be bound."""
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        bound_port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns it from here
+    try:
+        return TCPStore(host, bound_port, is_master=True, multi_tenant=True,
+                        wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                        master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        import os
+
+        os.close(fd)
+        raise

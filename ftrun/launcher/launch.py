@@ -170,9 +170,14 @@ def check_script(args: argparse.Namespace) -> None:
         )
 
 
-def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
+def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float,
+               bind_host: str | None = None) -> Any:
+    """The rendezvous TCPStore at ``host:port``: its server where ``is_master`` (listening on
+    ``bind_host`` only when given, else on every interface as torch's), else a client."""
     from torch.distributed import TCPStore
 
+    if is_master and bind_host:
+        return _torch.bound_tcp_store(host, port, bind_host, timeout_s)
     return TCPStore(
         host, port, is_master=is_master, multi_tenant=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),
@@ -203,11 +208,13 @@ def is_local_address(host: str) -> bool:
 
 def plan_rendezvous(
     args: argparse.Namespace, explicit: set[str], external: bool, node0_hosts: bool = False,
+    bind_host: str | None = None,
 ) -> RendezvousPlan | None:
     """Decide who hosts the rendezvous store (and so the coordinator). Mutates ``args``.
 
     ``node0_hosts``: the endpoint is node 0's host (Slurm's first host), so the launcher of
-    node rank 0 hosts, and no other.
+    node rank 0 hosts, and no other. ``bind_host`` (``--bind-host``): where a store hosted
+    here listens (default: every interface, as torch's).
     """
     _, max_nodes = (int(x) for x in (args.nnodes.split(":") * 2)[:2])
     single = args.standalone or (
@@ -216,8 +223,9 @@ def plan_rendezvous(
     )
     if single:
         # torch would bind localhost:0 inside its rendezvous; bind it here instead so the
-        # port is known before the coordinator publishes itself in the store.
-        store = _tcp_store("localhost", 0, True, 60)
+        # port is known before the coordinator publishes itself in the store. Every client
+        # is on this host: the store listens on localhost only (torch's on every interface).
+        store = _tcp_store("localhost", 0, True, 60, bind_host="localhost")
         args.standalone = False
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = f"localhost:{store.port}"
@@ -261,7 +269,7 @@ def plan_rendezvous(
     store = None
     if is_host:
         try:
-            store = _tcp_store(host, port, True, join_timeout)
+            store = _tcp_store(host, port, True, join_timeout, bind_host=bind_host)
         except Exception as e:
             # Under Slurm the port is the fixed default: a taken one is another job's.
             if explicit_host or node0_hosts:
@@ -510,7 +518,7 @@ class NodeServices:
         self._run_coordinator(plan.host if plan.host != "localhost" else "127.0.0.1",
                               f"{plan.host}:{plan.port}")
         if plan.store is None:
-            plan.store = _tcp_store(plan.host, plan.port, True, 60)
+            plan.store = _tcp_store(plan.host, plan.port, True, 60, bind_host=self.opts.bind_host)
         publish_endpoint(plan.store, self.endpoint, self.detect_endpoint)
 
     def _join_timeout_s(self) -> float:
@@ -663,6 +671,7 @@ class NodeServices:
         opts, run_id = self.opts, self.run_id
         coordinator = Coordinator(
             run_id, self.secret,
+            bind_host=opts.bind_host,
             advertise_host=advertise_host,
             node_timeout_s=opts.node_timeout_s,
             events_file=jobs.events_path(run_id, opts.state_dir),
@@ -871,6 +880,6 @@ def run(argv: list[str]) -> int:
     node0_hosts = apply_slurm(args, explicit, dict(os.environ))
     check_script(args)
     plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None,
-                           node0_hosts=node0_hosts)
+                           node0_hosts=node0_hosts, bind_host=opts.bind_host)
     with NodeServices(args, opts, plan) as node:
         return node.launch()
