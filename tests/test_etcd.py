@@ -57,8 +57,11 @@ def run_id() -> str:
 def test_endpoints_parse_and_bad_ones_say_what_to_do() -> None:
     assert etcd.parse_endpoints("a:1, http://b:2,c") == [("a", 1), ("b", 2), ("c", 2379)]
     assert etcd.parse_endpoints("[::1]:5") == [("::1", 5)]
+    assert etcd.parse_endpoints("https://a:1,https://b") == [("a", 1), ("b", 2379)]
+    assert etcd.endpoints_scheme("https://a:1,https://b") == "https"
     for bad, words in [("", "no etcd endpoint"), ("a:x", "HOST:PORT"), ("a:0", "HOST:PORT"),
-                       ("https://a:1", "no TLS"), ("a:1,a:1", "twice")]:
+                       ("ftp://a:1", "not etcd's"), ("http://a:1,https://b:1", "mix"),
+                       ("a:1,a:1", "twice")]:
         with pytest.raises(ConfigError, match=words):
             etcd.parse_endpoints(bad)
 
@@ -410,3 +413,70 @@ def _unavailable(client: etcd.EtcdClient) -> etcd.EtcdUnavailable | None:
     except etcd.EtcdUnavailable as e:
         return e if "no leader" in str(e) else None
     return None
+
+
+def test_tls_with_client_certificates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real etcd serving https that asks each client for a certificate (certificates
+    made with openssl here): without the CA a client fails saying what to check; with
+    --rdzv-conf protocol=https,cacert,cert,key (torch's keys) torch's handler completes a
+    round; ``ftrun status --etcd https://...`` finds the coordinator with etcdctl's
+    variables."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftrun.launcher import etcd_rdzv
+    from ftrun.testing.etcd import TestCerts
+
+    require_etcd()
+    certs = TestCerts.make(tmp_path / "certs")
+    with EtcdCluster(tmp_path / "etcd", members=1, tls=certs) as cluster:
+        assert cluster.endpoints.startswith("https://")
+        with pytest.raises(etcd.EtcdUnavailable, match="TLS handshake failed"):
+            etcd.check_endpoints(etcd.EtcdClient(cluster.endpoints, timeout_s=2))  # no CA
+        no_cert = etcd.EtcdClient(cluster.endpoints, timeout_s=2,
+                                  tls=etcd.EtcdTLS(cacert=str(certs.ca)))
+        with pytest.raises(etcd.EtcdError):
+            no_cert.get("/x")  # the member asks for a client certificate
+        conf = {"protocol": "https", "cacert": str(certs.ca), "cert": str(certs.client_cert),
+                "key": str(certs.client_key)}
+        tls = etcd.EtcdTLS.from_conf(conf.get)
+        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2, tls=tls)
+        client.put("/x", "y")
+        assert client.get("/x").value == b"y"
+        # The launcher's path: the endpoints without a scheme, TLS from --rdzv-conf.
+        bare = cluster.endpoints.replace("https://", "")
+        assert etcd.EtcdClient(bare, tls=tls).endpoints_text == cluster.endpoints
+
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        etcd_rdzv.register()
+        handler = get_rendezvous_handler(RendezvousParameters(
+            backend=etcd_rdzv.BACKEND_NAME, endpoint=bare, run_id=run_id(), min_nodes=1,
+            max_nodes=1, local_addr="127.0.0.1", join_timeout="30", **conf))
+        info = handler.next_rendezvous()
+        try:
+            assert (info.rank, info.world_size) == (0, 1)
+        finally:
+            handler.shutdown()
+
+        rid = run_id()
+        election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2)
+        assert election.campaign() is None
+        election.publish("127.0.0.1:5555", "")
+        for name, var in etcd.TLS_ENV.items():
+            monkeypatch.setenv(var, conf[name])
+        assert etcd.coordinator_endpoint(cluster.endpoints, rid, 5) == "127.0.0.1:5555"
+        election.resign()
+
+
+def test_tls_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    key = tmp_path / "k.pem"
+    key.write_text("x")
+    for conf, words in [({"protocol": "ftp"}, "give http or https"),
+                        ({"protocol": "http", "cacert": str(key)}, "protocol=https"),
+                        ({"protocol": "https", "cert": str(key)}, "both cert and key"),
+                        ({"cacert": str(tmp_path / "missing.pem")}, "does not exist")]:
+        with pytest.raises(ConfigError, match=words):
+            etcd.EtcdTLS.from_conf(conf.get)
+    assert etcd.EtcdTLS.from_conf({}.get) is None
+    with pytest.raises(ConfigError, match="cannot load"):
+        etcd.EtcdClient("https://127.0.0.1:1", tls=etcd.EtcdTLS(cacert=str(key)))

@@ -8,8 +8,9 @@ gRPC client, and the Python etcd v3 clients pin old grpc/protobuf releases or ar
 
 :class:`EtcdClient` holds the cluster's client endpoints (1, 3 or 5 members) and fails over
 between them: a request goes to the member that answered last; a member that refuses, times
-out or answers "unavailable" (no leader, stopping) is left for the next one. Every request has
-a timeout; when no member answers, :class:`EtcdUnavailable` says which were tried and what to
+out or answers "unavailable" (no leader, stopping) is left for the next one; :class:`EtcdTLS`
+reaches it over https, with client certificates where the members ask for them. Every
+request has a timeout; when no member answers, :class:`EtcdUnavailable` says which were tried and what to
 do. Nothing here imports torch: ``ftrun status`` uses it from a login shell.
 
 :class:`CoordinatorElection`: the launchers of a job on etcd elect the one that runs the
@@ -38,10 +39,12 @@ import http.client
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ftrun.errors import ConfigError, FtrunTimeoutError, JobNotFoundError, UnreachableError
@@ -90,18 +93,30 @@ def key_prefix(run_id: str) -> str:
     return f"{KEY_ROOT}/{run_id}/"
 
 
+def endpoints_scheme(text: str) -> str:
+    """``http`` or ``https``: the scheme the endpoints ``text`` name (none: http). All
+    members are reached the same way."""
+    schemes = {item.strip().partition("://")[0] if "://" in item else "http"
+               for item in text.split(",") if item.strip()}
+    bad = schemes - {"http", "https"}
+    if bad:
+        raise ConfigError(f"etcd endpoints {text!r}: scheme {sorted(bad)[0]}:// is not "
+                          "etcd's; give HOST:PORT, http://HOST:PORT or https://HOST:PORT")
+    if len(schemes) > 1:
+        raise ConfigError(f"etcd endpoints {text!r} mix http:// and https://: every member "
+                          "of one cluster serves its clients the same way")
+    return schemes.pop() if schemes else "http"
+
+
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """``host1:2379,host2:2379,...`` (``http://`` allowed, port 2379 by default) -> list."""
+    """``host1:2379,host2:2379,...`` (``http://`` or ``https://`` allowed, port 2379 by
+    default) -> list (the scheme: :func:`endpoints_scheme`)."""
+    endpoints_scheme(text)
     out: list[tuple[str, int]] = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
-        scheme, sep, rest = item.partition("://")
-        if sep and scheme != "http":
-            raise ConfigError(
-                f"etcd endpoint {item!r}: only http:// is supported (no TLS yet); give "
-                "HOST:PORT of the members' plain-text client URLs"
-            )
+        _, sep, rest = item.partition("://")
         hostport = rest if sep else item
         host, colon, port = hostport.rpartition(":")
         if not colon or "]" in port:
@@ -124,8 +139,67 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def format_endpoints(endpoints: Sequence[tuple[str, int]]) -> str:
-    return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in endpoints)
+def format_endpoints(endpoints: Sequence[tuple[str, int]], scheme: str = "http") -> str:
+    """The endpoints as ``--rdzv-endpoint`` takes them (``https://`` before each under TLS)."""
+    prefix = "https://" if scheme == "https" else ""
+    return ",".join(prefix + (f"[{h}]:{p}" if ":" in h else f"{h}:{p}") for h, p in endpoints)
+
+
+# The variables etcdctl reads its TLS files from; ftrun reads them where no --rdzv-conf
+# gives them (``ftrun status --etcd https://...`` from a login shell).
+TLS_ENV = {"cacert": "ETCDCTL_CACERT", "cert": "ETCDCTL_CERT", "key": "ETCDCTL_KEY"}
+
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    """How to reach etcd over TLS: the CA that signed the members' certificates (None: the
+    system's), and this client's certificate and key where the members ask for one
+    (``--client-cert-auth``). torch's etcd rendezvous takes the same ``--rdzv-conf`` keys:
+    ``protocol=https``, ``cacert``, ``cert``, ``key``."""
+
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("etcd TLS: give both cert and key (the client's certificate and "
+                              "its private key), or neither")
+        for name in ("cacert", "cert", "key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"etcd TLS: {name} file {path!r} does not exist")
+
+    @classmethod
+    def from_conf(cls, conf: Callable[[str], str | None]) -> EtcdTLS | None:
+        """From ``--rdzv-conf`` (``conf(key)``: its value or None): None when it asks for
+        plain http (``protocol`` unset or ``http``, no file given)."""
+        protocol = (conf("protocol") or "").strip().lower()
+        if protocol not in ("", "http", "https"):
+            raise ConfigError(f"--rdzv-conf protocol={protocol!r}: give http or https")
+        files = {k: conf(k) or None for k in TLS_ENV}
+        if protocol == "http" and any(files.values()):
+            raise ConfigError("--rdzv-conf protocol=http with TLS files: drop them, or use "
+                              "protocol=https")
+        if protocol != "https" and not any(files.values()):
+            return None
+        return cls(**files)
+
+    @classmethod
+    def from_env(cls) -> EtcdTLS:
+        import os
+
+        return cls(**{k: os.environ.get(v) or None for k, v in TLS_ENV.items()})
+
+    def context(self) -> ssl.SSLContext:
+        try:
+            context = ssl.create_default_context(cafile=self.cacert)
+            if self.cert is not None:
+                context.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"etcd TLS: cannot load the CA, certificate or key "
+                              f"({self}): {e}") from e
+        return context
 
 
 def b64(data: bytes | str) -> str:
@@ -171,17 +245,33 @@ class EtcdClient:
     """
 
     def __init__(self, endpoints: str | Sequence[tuple[str, int]],
-                 timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) \
-            else list(endpoints)
+                 timeout_s: float = REQUEST_TIMEOUT_S, tls: EtcdTLS | None = None) -> None:
+        if isinstance(endpoints, str):
+            self.endpoints = parse_endpoints(endpoints)
+            scheme = endpoints_scheme(endpoints)
+        else:
+            self.endpoints, scheme = list(endpoints), "http"
         if timeout_s <= 0:
             raise ConfigError(f"etcd request timeout {timeout_s!r} s: must be positive")
         self.timeout_s = timeout_s
+        # TLS when asked for, or when the endpoints say https:// (then with etcdctl's files).
+        self.tls = tls if tls is not None else EtcdTLS.from_env() if scheme == "https" \
+            else None
+        self._ssl = self.tls.context() if self.tls is not None else None
         self._current = 0
         self._lock = threading.Lock()
 
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
+    @property
+    def endpoints_text(self) -> str:
+        """The endpoints as ``--rdzv-endpoint`` takes them, the scheme included."""
+        return format_endpoints(self.endpoints, self.scheme)
+
     def __repr__(self) -> str:
-        return f"EtcdClient({format_endpoints(self.endpoints)!r})"
+        return f"EtcdClient({self.endpoints_text!r})"
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -210,7 +300,12 @@ class EtcdClient:
                                 f"{doc.get('message') or doc.get('error') or status} "
                                 f"(code {code})", code)
             return doc
-        if any(_NO_LEADER in f for f in failures):
+        if any("SSL" in f or "CERTIFICATE" in f for f in failures):
+            advice = ("A TLS handshake failed: check that the members serve https (and "
+                      "--rdzv-endpoint says https:// or --rdzv-conf protocol=https), and "
+                      "the CA, certificate and key (--rdzv-conf cacert=,cert=,key=; for "
+                      "`ftrun status`, ETCDCTL_CACERT, ETCDCTL_CERT, ETCDCTL_KEY).")
+        elif any(_NO_LEADER in f for f in failures):
             advice = ("etcd has no leader: its quorum is lost (a majority of its members is "
                       "down or cut off from the others). A running job trains on, but cannot "
                       "commit snapshots or recover from a fault until a majority is back.")
@@ -224,7 +319,9 @@ class EtcdClient:
 
     def _post(self, host: str, port: int, path: str,
               body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+        conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s) \
+            if self._ssl is None else \
+            http.client.HTTPSConnection(host, port, timeout=self.timeout_s, context=self._ssl)
         try:
             conn.request("POST", f"/v3/{path}", json.dumps(body).encode(), _HEADERS)
             response = conn.getresponse()
@@ -350,7 +447,7 @@ def coordinator_endpoint(endpoints: str, run_id: str, timeout_s: float) -> str:
     record = read_coordinator(client, run_id)
     if record is None or not record.endpoint:
         raise JobNotFoundError(
-            f"no coordinator of job {run_id!r} in etcd at {format_endpoints(client.endpoints)} "
+            f"no coordinator of job {run_id!r} in etcd at {client.endpoints_text} "
             f"(key {coordinator_key(run_id)!r}"
             + (f" held by {record.node_id}, still starting" if record else "")
             + "): is the job running, under that --rdzv-id?")

@@ -32,6 +32,7 @@ from ftrun.launcher.etcd import (
     REQUEST_TIMEOUT_S,
     EtcdClient,
     EtcdError,
+    EtcdTLS,
     KeyValue,
     b64,
     key_prefix,
@@ -252,9 +253,11 @@ class EtcdStore(dist.Store):
 
 def create_backend(params: Any) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """torch's ``RendezvousParameters`` -> the backend and the store. ``--rdzv-conf``
-    ``read_timeout`` (seconds, default 5) bounds each request to one etcd member."""
+    ``read_timeout`` (seconds, default 5) bounds each request to one etcd member;
+    ``protocol=https``, ``cacert``, ``cert``, ``key``: TLS, as torch's etcd rendezvous."""
     timeout_s = float(params.get("read_timeout", REQUEST_TIMEOUT_S))
-    client = EtcdClient(params.endpoint, timeout_s=timeout_s)
+    client = EtcdClient(params.endpoint, timeout_s=timeout_s,
+                        tls=EtcdTLS.from_conf(lambda key: params.get(key)))
     join_s = float(params.get("join_timeout", DEFAULT_STORE_TIMEOUT_S))
     return (EtcdRendezvousBackend(client, params.run_id),
             EtcdStore(client, params.run_id, timedelta(seconds=join_s)))

@@ -309,11 +309,12 @@ def _plan_etcd(args: argparse.Namespace) -> RendezvousPlan:
     except ValueError:
         raise ConfigError(f"--rdzv-conf read_timeout={conf['read_timeout']!r}: give seconds, "
                           "e.g. read_timeout=5") from None
-    client = etcd.EtcdClient(args.rdzv_endpoint, timeout_s=timeout_s)
+    client = etcd.EtcdClient(args.rdzv_endpoint, timeout_s=timeout_s,
+                             tls=etcd.EtcdTLS.from_conf(conf.get))
     etcd.check_endpoints(client)
     etcd_rdzv.register()
     args.rdzv_backend = etcd_rdzv.BACKEND_NAME
-    args.rdzv_endpoint = etcd.format_endpoints(client.endpoints)
+    args.rdzv_endpoint = client.endpoints_text
     args.rdzv_conf = _format_conf(conf)
     host, port = client.endpoints[0]
     return RendezvousPlan(host, port, False, etcd=client)
@@ -556,13 +557,13 @@ class NodeServices:
     def _take_role(self) -> None:
         """This launcher holds the coordinator role: start the coordinator, bound to the
         role's term, and publish it in etcd."""
-        from ftrun.launcher.etcd import URL_SCHEME, format_endpoints
+        from ftrun.launcher.etcd import URL_SCHEME
 
         election, plan = self._election, self.plan
         assert election is not None and plan is not None and plan.etcd is not None
         coordinator = self._run_coordinator(
             self.opts.replica_addr or _replica_host(plan),
-            URL_SCHEME + format_endpoints(plan.etcd.endpoints), role=election)
+            URL_SCHEME + plan.etcd.endpoints_text, role=election)
         try:
             election.publish(coordinator.endpoint, coordinator.detect_endpoint or "")
         except Exception:
