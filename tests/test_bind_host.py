@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -82,30 +79,20 @@ def _environ(pid: int) -> dict[str, str]:
                 if "=" in item)
 
 
-def test_standalone_coordinator_listens_on_its_bind_host_only(tmp_path: Path) -> None:
+def test_standalone_coordinator_listens_on_its_bind_host_only(procs: Procs,
+                                                              tmp_path: Path) -> None:
     port = free_port()
     state = tmp_path / "state"
-    env = {**os.environ, "FTRUN_SECRET": "a" * 32}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ftrun", "coordinator", "--rdzv-endpoint", f"127.0.0.1:{port}",
-         "--rdzv-id", "bind-test", "--bind-host", "127.0.0.1", "--state-dir", str(state)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
-        wait_for(lambda: (jobs.job_dir("bind-test", str(state)) / "job.json").exists()
-                 or proc.poll() is not None, 60, "the coordinator's job file")
-        assert proc.poll() is None, proc.communicate()[0]
-        bound = set().union(*listeners([proc.pid]).values())
-        assert ("127.0.0.1", port) in bound, bound  # the rendezvous store
-        assert len(bound) == 3, bound  # with the coordinator and the detection service
-        assert {addr for addr, _ in bound} == {"127.0.0.1"}, bound
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    proc = procs.ftrun("coordinator", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+                       "bind-test", "--bind-host", "127.0.0.1", "--state-dir", str(state),
+                       env={"FTRUN_SECRET": "a" * 32}, name="coordinator")
+    wait_for(lambda: (jobs.job_dir("bind-test", str(state)) / "job.json").exists()
+             or proc.poll() is not None, 60, "the coordinator's job file")
+    assert proc.poll() is None, procs.output(proc)
+    bound = set().union(*listeners([proc.pid]).values())
+    assert ("127.0.0.1", port) in bound, bound  # the rendezvous store
+    assert len(bound) == 3, bound  # with the coordinator and the detection service
+    assert {addr for addr, _ in bound} == {"127.0.0.1"}, bound
 
 
 def test_a_launcher_listens_on_its_bind_host_and_its_ranks_as_torch_does(
