@@ -755,6 +755,13 @@ def rendezvous_connection_error() -> type:
     return RendezvousConnectionError
 
 
+def rendezvous_closed_error() -> type:
+    """``RendezvousClosedError``: a rendezvous that was closed (its job ended)."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    return RendezvousClosedError
+
+
 def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]],
                                 keep_world_retry_s: float | None = None) -> None:
     """Have torch's launcher build, for ``--rdzv-backend name``, its own

@@ -253,7 +253,7 @@ def test_election_one_holder_then_the_next(client: etcd.EtcdClient) -> None:
     second.resign()
 
 
-def test_a_job_that_ended_well_leaves_no_key_and_a_new_run_clears_the_old_rendezvous(
+def test_a_job_that_ended_well_leaves_only_its_end_and_a_new_run_clears_the_old_rendezvous(
         client: etcd.EtcdClient) -> None:
     from ftrun.launcher.etcd_rdzv import EtcdRendezvousBackend, EtcdStore
 
@@ -268,8 +268,8 @@ def test_a_job_that_ended_well_leaves_no_key_and_a_new_run_clears_the_old_rendez
     EtcdRendezvousBackend(client, rid).set_state(b"a killed run's rendezvous")
     EtcdStore(client, rid).set("torch.rendezvous.x.0/MASTER_ADDR", "gone")
     client.put(etcd.state_key(rid, "excluded"), "{}")
-    first, second, third = (etcd.LauncherPresence(client, rid, f"n{i}/1", ttl_s=2)
-                            for i in (1, 2, 3))
+    first, second, third, fourth = (etcd.LauncherPresence(client, rid, f"n{i}/1", ttl_s=2)
+                                    for i in (1, 2, 3, 4))
     try:
         assert first.join()  # the first launcher of the new run clears the old rendezvous
         assert keys() == {"state/excluded", "launchers/n1/1"}
@@ -288,9 +288,17 @@ def test_a_job_that_ended_well_leaves_no_key_and_a_new_run_clears_the_old_rendez
         assert third.join()
         assert keys() == {"state/excluded", "launchers/n3/1"}
         assert third.leave(done=True)  # the last one out, after a job that ended well
-        assert keys() == set()
+        assert keys() == {"ended"}  # under a lease: gone by itself
+        ended = client.get(etcd.ended_key(rid))
+        assert ended is not None and ended.lease
+        # A launcher of that job back after its end (frozen, cut off) finds it closed.
+        with pytest.raises(_torch.rendezvous_closed_error(), match="ended"):
+            EtcdRendezvousBackend(client, rid).get_state()
+        # A new run under the id starts afresh.
+        assert fourth.join() and keys() == {"launchers/n4/1"}
+        assert EtcdRendezvousBackend(client, rid).get_state() is None
     finally:
-        for presence in (first, second, third):
+        for presence in (first, second, third, fourth):
             presence.leave(done=False)
 
 

@@ -119,9 +119,12 @@ def test_etcd_job_killed_rank_ends_bit_identical(procs: Procs, tmp_path: Path,
 
 
 def assert_no_key_left(cluster: EtcdCluster, run_id: str) -> None:
-    """The job ended well: its last launcher out deleted its keys."""
+    """The job ended well: its last launcher out deleted its keys, but for the mark that it
+    ended (under a lease)."""
     left = etcd.EtcdClient(cluster.endpoints).get_prefix(etcd.key_prefix(run_id))
-    assert not left, [kv.key for kv in left]
+    assert [kv.key.decode() for kv in left] == [etcd.ended_key(run_id)], \
+        [kv.key for kv in left]
+    assert left[0].lease
 
 
 def _step(out: Path, rank: int) -> int:

@@ -717,9 +717,17 @@ class CoordinatorWatch:
 # How long a launcher's presence outlives it when it dies without leaving (host lost).
 PRESENCE_TTL_S = 10
 # What a new run of a job clears of a previous one: the rendezvous (torch's state, and the
-# agents' store). The coordinator's kept state (state/: the event log's position, the
-# excluded hosts) carries over to it.
-RUN_SCOPED = ("rdzv/", "store/")
+# agents' store), and the mark of a job that ended. The coordinator's kept state (state/:
+# the event log's position, the excluded hosts) carries over to it.
+RUN_SCOPED = ("rdzv/", "store/", "ended")
+# How long the mark of a job that ended well outlives its keys: a launcher of that job that
+# was cut off or frozen until after the end (its presence expired meanwhile) finds it and
+# stops, instead of starting the job's rendezvous anew (and waiting for peers that are gone).
+ENDED_TTL_S = 600
+
+
+def ended_key(run_id: str) -> str:
+    return key_prefix(run_id) + "ended"
 
 
 def presence_prefix(run_id: str) -> str:
@@ -729,6 +737,15 @@ def presence_prefix(run_id: str) -> str:
 def _range(prefix: str) -> dict[str, str]:
     raw = prefix.encode()
     return {"key": b64(raw), "range_end": b64(prefix_end(raw))}
+
+
+def _delete_all_but(prefix: str, key: str) -> list[dict[str, Any]]:
+    """Requests deleting every key under ``prefix`` but ``key`` (etcd refuses a transaction
+    that deletes a key it also writes)."""
+    raw = key.encode()
+    return [{"request_delete_range": {"key": b64(prefix), "range_end": b64(raw)}},
+            {"request_delete_range": {"key": b64(raw + b"\0"),
+                                      "range_end": b64(prefix_end(prefix.encode()))}}]
 
 
 class LauncherPresence:
@@ -743,9 +760,10 @@ class LauncherPresence:
       killed by its scheduler (a Slurm requeue). One transaction, so of launchers that start
       together exactly one clears, and none once any is present;
     - :meth:`leave`: the launcher revokes its key; after a job that ended well (``done``), the
-      last launcher to leave deletes everything under ``/ftrun/<run id>/``. A job that did
-      not end well (a signal, a failure: a requeue may follow) keeps its keys for the next
-      run, which clears the rendezvous part at its :meth:`join`.
+      last launcher to leave deletes everything under ``/ftrun/<run id>/`` but for the key
+      ``ended``, under a lease of :data:`ENDED_TTL_S` (a straggler's rendezvous reads it as
+      closed). A job that did not end well (a signal, a failure: a requeue may follow) keeps
+      its keys for the next run, which clears the rendezvous part at its :meth:`join`.
     """
 
     def __init__(self, client: EtcdClient, run_id: str, node_id: str,
@@ -795,19 +813,25 @@ class LauncherPresence:
                 return False
             # Nobody present and nobody holding the role (the holder gives it up before it
             # leaves): the job is over for every launcher.
+            lease = self.client.grant(ENDED_TTL_S)
             ok, _, _ = self.client.txn(
                 [{**_range(presence_prefix(self.run_id)), "target": "CREATE",
                   "result": "EQUAL", "create_revision": "0"},
                  {"key": b64(coordinator_key(self.run_id)), "target": "CREATE",
                   "result": "EQUAL", "create_revision": "0"}],
-                [{"request_delete_range": _range(key_prefix(self.run_id))}], [])
+                [*_delete_all_but(key_prefix(self.run_id), ended_key(self.run_id)),
+                 {"request_put": {"key": b64(ended_key(self.run_id)),
+                                  "value": b64(str(time.time())), "lease": str(lease)}}], [])
+            if not ok:
+                self.client.revoke(lease)
         except EtcdError as e:
             log.warning("job %s: could not leave etcd cleanly (%s); its keys under %s stay "
                         "(a new run under this id clears its rendezvous)", self.run_id, e,
                         key_prefix(self.run_id))
             return False
         if ok:
-            log.info("job %s ended: its keys are deleted from etcd", self.run_id)
+            log.info("job %s ended: its keys are deleted from etcd (a mark that it ended stays "
+                     "%d s)", self.run_id, ENDED_TTL_S)
         return ok
 
     def _renew(self) -> None:

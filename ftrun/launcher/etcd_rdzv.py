@@ -35,6 +35,7 @@ from ftrun.launcher.etcd import (
     EtcdTLS,
     KeyValue,
     b64,
+    ended_key,
     key_prefix,
     prefix_end,
 )
@@ -70,6 +71,7 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
             raise ValueError("the rendezvous run id must not be empty")
         self.client = client
         self.key = key_prefix(run_id) + "rdzv/state"
+        self.ended_key = ended_key(run_id)
         # When (monotonic) etcd last answered, and whether it has failed since: the state
         # first read after an outage has its keep-alives moved past it (_after_outage).
         self._answered_at = time.monotonic()
@@ -100,8 +102,16 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
     def get_state(self) -> tuple[bytes, Any] | None:
         try:
             kv = self.client.get(self.key)
+            ended = self.client.get(self.ended_key) if kv is None else None
         except EtcdError as e:
             raise self._unreachable(e, "reading the state failed") from e
+        if ended is not None:
+            # The job ended well and its keys went; this launcher did not take part in its
+            # end (cut off, or frozen until after it). A new run clears the mark first.
+            raise _torch.rendezvous_closed_error()(
+                f"the job under this rendezvous id ended (at {ended.value.decode()} unix "
+                "time) while this launcher was away; its keys are gone from etcd. Start a new "
+                "run of all its launchers to train again")
         state = self._after_outage(b"" if kv is None else kv.value)
         return None if kv is None else (state, kv.mod_revision)
 
