@@ -585,11 +585,15 @@ class NodeServices:
     def _role_vacant(self) -> None:
         """Nobody holds the coordinator role (its holder's lease ran out): take it. Called
         from the watch's thread; the watch then finds the new holder (maybe this one)."""
-        election = self._election
-        assert election is not None
+        from ftrun.launcher.etcd import ended_key
+
+        election, plan = self._election, self.plan
+        assert election is not None and plan is not None and plan.etcd is not None
         with self._failover_lock:
             if self.coordinator is not None and self.coordinator.acting():
                 return  # ours: the key will be back (the watch read between two writes)
+            if plan.etcd.get(ended_key(self.run_id)) is not None:
+                return  # the job ended while this launcher was away (its rendezvous says so)
             self._drop_coordinator("its role is vacant")
             holder = election.campaign()
             if holder is not None:
