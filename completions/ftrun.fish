@@ -12,14 +12,14 @@ complete -c ftrun -f
 # launcher: torchrun's flags and ftrun's) or a subcommand.
 function __ftrun_takes_value --argument-names context flag
     switch "$context $flag"
-        case 'launch --coordinator' 'launch --duplicate-stderr-filters' \
-            'launch --duplicate_stderr_filters' 'launch --duplicate-stdout-filters' \
-            'launch --duplicate_stdout_filters' 'launch --event-log-handler' \
-            'launch --event_log_handler' 'launch --hang-timeout' 'launch --hang_timeout' \
-            'launch --heartbeat-interval' 'launch --heartbeat_interval' 'launch --isolate-hook' \
-            'launch --isolate_hook' 'launch --local-addr' 'launch --local_addr' \
-            'launch --local-ranks-filter' 'launch --local_ranks_filter' 'launch --log-dir' \
-            'launch --log_dir' 'launch --logs-specs' 'launch --logs_specs' \
+        case 'launch --bind-host' 'launch --bind_host' 'launch --coordinator' \
+            'launch --duplicate-stderr-filters' 'launch --duplicate_stderr_filters' \
+            'launch --duplicate-stdout-filters' 'launch --duplicate_stdout_filters' \
+            'launch --event-log-handler' 'launch --event_log_handler' 'launch --hang-timeout' \
+            'launch --hang_timeout' 'launch --heartbeat-interval' 'launch --heartbeat_interval' \
+            'launch --isolate-hook' 'launch --isolate_hook' 'launch --local-addr' \
+            'launch --local_addr' 'launch --local-ranks-filter' 'launch --local_ranks_filter' \
+            'launch --log-dir' 'launch --log_dir' 'launch --logs-specs' 'launch --logs_specs' \
             'launch --master-addr' 'launch --master_addr' 'launch --master-port' \
             'launch --master_port' 'launch --max-restarts' 'launch --max_restarts' \
             'launch --monitor-interval' 'launch --monitor_interval' 'launch --nnodes' \
@@ -132,6 +132,7 @@ complete -c ftrun -n '__ftrun_is first' -a 'status' -d 'Show a job: its health a
 
 # The launcher: torchrun's flags and ftrun's, up to the training script;
 # files for the script and, after it, for the script's own arguments.
+complete -c ftrun -n '__ftrun_is first launch' -l 'bind-host' -l 'bind_host' -r -d 'Address the job-wide services this launcher hosts listen on: the c10d rendezvous store...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'coordinator' -r -d 'HOST:PORT of a coordinator started with `ftrun coordinator`; by default the launcher that hosts...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'duplicate-stderr-filters' -l 'duplicate_stderr_filters' -r -d 'Duplicates logs streamed to stderr to another specified file with a list of filters...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'duplicate-stdout-filters' -l 'duplicate_stdout_filters' -r -d 'Duplicates logs streamed to stdout to another specified file with a list of filters...'
