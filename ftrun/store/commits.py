@@ -25,6 +25,12 @@ from ftrun.store.persist_writer import PersistWriter
 log = logging.getLogger("ftrun.store")
 
 COORDINATOR_TIMEOUT_S = 2.0
+# After a request the coordinator did not answer, the store asks it nothing more for this long
+# (within one coordinator term): each unanswered request holds the store's loop for
+# COORDINATOR_TIMEOUT_S while the ranks' claims queue behind it, so a coordinator gone until
+# a failover (or etcd's quorum lost) would keep the store too busy to answer its ranks or to
+# hear where the coordinator went.
+COORDINATOR_QUIET_S = 5.0
 # How long ranks skip snapshots to keep the newest durable step while replication is behind.
 DURABLE_KEEP_S = 60.0
 
@@ -53,6 +59,9 @@ class CommitMirror:
         # run here (nothing to wait for at the end: every rank reports to this store).
         self._local = CommitTracker(final_settle_s=0.0) if coord is None else None
         self.replication: Any = None  # ftrun.store.replica.Replication, once started
+        # The coordinator (term, address) that did not answer, and until when it is not asked.
+        self._quiet: tuple[int, str] | None = None
+        self._quiet_until = 0.0
 
     def ask(self, kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
         if self._local is not None:
@@ -67,9 +76,17 @@ class CommitMirror:
             self._local.sdc.found.clear()
             return reply
         assert self._coord is not None
+        now = time.monotonic()
+        if self._quiet == (self._coord.term, self._coord.address) and now < self._quiet_until:
+            return None  # it did not answer a moment ago: no commit info, as if asked
         try:
             msg = self._coord.request(kind, body, "commit_info", COORDINATOR_TIMEOUT_S)
-        except (UnreachableError, FtrunError) as e:
+        except UnreachableError as e:
+            log.warning("coordinator: %s (asking it nothing for %g s)", e, COORDINATOR_QUIET_S)
+            self._quiet = (self._coord.term, self._coord.address)
+            self._quiet_until = time.monotonic() + COORDINATOR_QUIET_S
+            return None
+        except FtrunError as e:
             log.warning("coordinator: %s", e)
             return None
         return msg.body
