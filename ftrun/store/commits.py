@@ -76,20 +76,31 @@ class CommitMirror:
             self._local.sdc.found.clear()
             return reply
         assert self._coord is not None
-        now = time.monotonic()
-        if self._quiet == (self._coord.term, self._coord.address) and now < self._quiet_until:
+        if self.coordinator_quiet():
             return None  # it did not answer a moment ago: no commit info, as if asked
         try:
             msg = self._coord.request(kind, body, "commit_info", COORDINATOR_TIMEOUT_S)
         except UnreachableError as e:
             log.warning("coordinator: %s (asking it nothing for %g s)", e, COORDINATOR_QUIET_S)
-            self._quiet = (self._coord.term, self._coord.address)
-            self._quiet_until = time.monotonic() + COORDINATOR_QUIET_S
+            self.coordinator_unanswered()
             return None
         except FtrunError as e:
             log.warning("coordinator: %s", e)
             return None
         return msg.body
+
+    def coordinator_quiet(self) -> bool:
+        """Whether the coordinator left a request unanswered within COORDINATOR_QUIET_S (and
+        is still the one asked: a failover moves the store to another)."""
+        coord = self._coord
+        return coord is not None and self._quiet == (coord.term, coord.address) \
+            and time.monotonic() < self._quiet_until
+
+    def coordinator_unanswered(self) -> None:
+        """The coordinator did not answer a request: ask it nothing for a while."""
+        assert self._coord is not None
+        self._quiet = (self._coord.term, self._coord.address)
+        self._quiet_until = time.monotonic() + COORDINATOR_QUIET_S
 
     def epoch_body(self, epoch: str, base_step: int) -> dict[str, Any]:
         body: dict[str, Any] = {"node_id": self.cfg.node_id, "epoch": epoch,
