@@ -227,13 +227,13 @@ def test_coordinator_host_frozen_under_min_max_the_others_go_on_resharded(
 
     # The reference: 3 ranks to that step, persisted at the job's end; 2 ranks from there.
     ckpt = tmp_path / "reference-ckpt"
-    train = ["--batch", "12", "--snapshot-every", "1", "--persist-dir", str(ckpt)]
+    train = ["--batch", "12", "--snapshot-every", "1"]
     env = {"FTRUN_STATE_DIR": str(tmp_path / "ref-state")}
-    first = procs.ftrun("--standalone", "--nproc-per-node", "3", TRAIN, "--steps", str(step),
-                        *train, env=env, name="ref3")
+    first = procs.ftrun("--standalone", "--nproc-per-node", "3", "--persist-dir", str(ckpt),
+                        TRAIN, "--steps", str(step), *train, env=env, name="ref3")
     assert procs.wait(first, 180) == 0, procs.output(first)[-3000:]
-    second = procs.ftrun("--standalone", "--nproc-per-node", "2", TRAIN, "--steps", str(STEPS),
-                         *train, env=env, name="ref2")
+    second = procs.ftrun("--standalone", "--nproc-per-node", "2", "--persist-dir", str(ckpt),
+                         TRAIN, "--steps", str(STEPS), *train, env=env, name="ref2")
     assert procs.wait(second, 180) == 0, procs.output(second)[-3000:]
     out = procs.output(second)
     assert f"resumed from step {step}" in out, out[-3000:]
