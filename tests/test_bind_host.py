@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, Procs, free_port, wait_for
 
 from ftrun import jobs
+from ftrun.rank.sockets import socket_inodes
 from ftrun.testing.procs import tree_pids
 
 pytestmark = [pytest.mark.integration]
@@ -55,22 +55,8 @@ def _proc_tcp_listeners() -> dict[int, tuple[str, int]]:
 def listeners(pids: list[int]) -> dict[int, set[tuple[str, int]]]:
     """pid -> the (address, port) its listening TCP sockets are bound to."""
     table = _proc_tcp_listeners()
-    out: dict[int, set[tuple[str, int]]] = {}
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inode = int(target[8:-1])
-                if inode in table:
-                    out.setdefault(pid, set()).add(table[inode])
-    return out
+    return {pid: {table[i] for i in inodes if i in table}
+            for pid in pids if (inodes := socket_inodes(pid) & table.keys())}
 
 
 def _environ(pid: int) -> dict[str, str]:
