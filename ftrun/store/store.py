@@ -190,6 +190,7 @@ class SnapshotStore:
                 }, None, COORDINATOR_TIMEOUT_S)
                 if reply.kind == "replica_plan" and self._replication is not None:
                     self._replication.set_plan(reply.body)
+                self.commits.coordinator_answered()
             except UnreachableError as e:
                 log.debug("store report: %s", e)
                 self.commits.coordinator_unanswered()
