@@ -11,6 +11,7 @@
 # "choices WORD...", or none for a flag that takes no value.
 _ftrun_kind() {
     case "$1 $2" in
+        'launch --bind-host' | 'launch --bind_host') _ftrun_k='files' ;;
         'launch --busy-hang-timeout' | 'launch --busy_hang_timeout') _ftrun_k='files' ;;
         'launch --coordinator') _ftrun_k='files' ;;
         'launch --duplicate-stderr-filters' | 'launch --duplicate_stderr_filters') _ftrun_k='files' ;;
@@ -87,28 +88,28 @@ _ftrun_kind() {
 _ftrun_command() {
     case $1 in
         launch)
-            _ftrun_opts='--busy-hang-timeout --busy_hang_timeout --coordinator
-                --duplicate-stderr-filters --duplicate_stderr_filters --duplicate-stdout-filters
-                --duplicate_stdout_filters --event-log-handler --event_log_handler
-                --hang-timeout --hang_timeout --heartbeat-interval --heartbeat_interval -h
-                --help --isolate-hook --isolate_hook --local-addr --local_addr
-                --local-ranks-filter --local_ranks_filter --log-dir --log_dir --logs-specs
-                --logs_specs --master-addr --master_addr --master-port --master_port
-                --max-restarts --max_restarts -m --module --monitor-interval --monitor_interval
-                --nnodes --no-python --no_python --node-rank --node_rank --node-timeout
-                --node_timeout --nproc-per-node --nproc_per_node --numa-binding --numa_binding
-                --on-corruption --on_corruption --on-hang --on_hang --on-slow --on_slow
-                --persist-dir --persist_dir --persist-every --persist_every --persist-interval
-                --persist_interval --persist-keep --persist_keep --rdzv-backend --rdzv_backend
-                --rdzv-conf --rdzv_conf --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id -r
-                --redirects --replica-addr --replica_addr --replica-rate --replica_rate
-                --replicas --role --run-path --run_path --shutdown-timeout --shutdown_timeout
-                --signals-to-handle --signals_to_handle --snapshot-every --snapshot_every
-                --snapshot-wait --snapshot_wait --standalone --start-fresh --start_fresh
-                --start-method --start_method --state-dir --state_dir --store-threads
-                --store_threads -t --tee --virtual-local-rank --virtual_local_rank
-                --warm-imports --warm_imports --warm-workers --no-warm-workers --warm_workers
-                --no-warm_workers'
+            _ftrun_opts='--bind-host --bind_host --busy-hang-timeout --busy_hang_timeout
+                --coordinator --duplicate-stderr-filters --duplicate_stderr_filters
+                --duplicate-stdout-filters --duplicate_stdout_filters --event-log-handler
+                --event_log_handler --hang-timeout --hang_timeout --heartbeat-interval
+                --heartbeat_interval -h --help --isolate-hook --isolate_hook --local-addr
+                --local_addr --local-ranks-filter --local_ranks_filter --log-dir --log_dir
+                --logs-specs --logs_specs --master-addr --master_addr --master-port
+                --master_port --max-restarts --max_restarts -m --module --monitor-interval
+                --monitor_interval --nnodes --no-python --no_python --node-rank --node_rank
+                --node-timeout --node_timeout --nproc-per-node --nproc_per_node --numa-binding
+                --numa_binding --on-corruption --on_corruption --on-hang --on_hang --on-slow
+                --on_slow --persist-dir --persist_dir --persist-every --persist_every
+                --persist-interval --persist_interval --persist-keep --persist_keep
+                --rdzv-backend --rdzv_backend --rdzv-conf --rdzv_conf --rdzv-endpoint
+                --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects --replica-addr --replica_addr
+                --replica-rate --replica_rate --replicas --role --run-path --run_path
+                --shutdown-timeout --shutdown_timeout --signals-to-handle --signals_to_handle
+                --snapshot-every --snapshot_every --snapshot-wait --snapshot_wait --standalone
+                --start-fresh --start_fresh --start-method --start_method --state-dir
+                --state_dir --store-threads --store_threads -t --tee --virtual-local-rank
+                --virtual_local_rank --warm-imports --warm_imports --warm-workers
+                --no-warm-workers --warm_workers --no-warm_workers'
             _ftrun_k=none ;;
         completions)
             _ftrun_opts='--help'

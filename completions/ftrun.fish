@@ -12,7 +12,8 @@ complete -c ftrun -f
 # launcher: torchrun's flags and ftrun's) or a subcommand.
 function __ftrun_takes_value --argument-names context flag
     switch "$context $flag"
-        case 'launch --busy-hang-timeout' 'launch --busy_hang_timeout' 'launch --coordinator' \
+        case 'launch --bind-host' 'launch --bind_host' 'launch --busy-hang-timeout' \
+            'launch --busy_hang_timeout' 'launch --coordinator' \
             'launch --duplicate-stderr-filters' 'launch --duplicate_stderr_filters' \
             'launch --duplicate-stdout-filters' 'launch --duplicate_stdout_filters' \
             'launch --event-log-handler' 'launch --event_log_handler' 'launch --hang-timeout' \
@@ -132,6 +133,7 @@ complete -c ftrun -n '__ftrun_is first' -a 'status' -d 'Show a job: its health a
 
 # The launcher: torchrun's flags and ftrun's, up to the training script;
 # files for the script and, after it, for the script's own arguments.
+complete -c ftrun -n '__ftrun_is first launch' -l 'bind-host' -l 'bind_host' -r -d 'Address the job-wide services this launcher hosts listen on: the c10d rendezvous store...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'busy-hang-timeout' -l 'busy_hang_timeout' -r -d 'Seconds the others may wait in a collective for a rank that is alive and in no collective...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'coordinator' -r -d 'HOST:PORT of a coordinator started with `ftrun coordinator`; by default the launcher that hosts...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'duplicate-stderr-filters' -l 'duplicate_stderr_filters' -r -d 'Duplicates logs streamed to stderr to another specified file with a list of filters...'

@@ -755,10 +755,20 @@ def rendezvous_connection_error() -> type:
     return RendezvousConnectionError
 
 
-def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]]) -> None:
+def rendezvous_closed_error() -> type:
+    """``RendezvousClosedError``: a rendezvous that was closed (its job ended)."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+    return RendezvousClosedError
+
+
+def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]],
+                                keep_world_retry_s: float | None = None) -> None:
     """Have torch's launcher build, for ``--rdzv-backend name``, its own
     ``DynamicRendezvousHandler`` over ``make(params) -> (backend, store)`` (``params``: the
-    launcher's ``RendezvousParameters``). Idempotent for one ``name``."""
+    launcher's ``RendezvousParameters``). Idempotent for one ``name``.
+    ``keep_world_retry_s``: the handlers keep the world while the backend is unreachable
+    (:func:`keep_world_while_unreachable`), trying it again every that many seconds."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -767,7 +777,128 @@ def register_rendezvous_backend(name: str, make: Callable[[Any], tuple[Any, Any]
 
     def create(params: Any) -> Any:
         backend, store = make(params)
-        return create_handler(store, backend, params)
+        handler = create_handler(store, backend, params)
+        if keep_world_retry_s is not None:
+            keep_world_while_unreachable(handler, keep_world_retry_s)
+        return handler
 
     rendezvous_handler_registry.register(name, create)
     _registered_backends[name] = create
+
+
+class _WaitingWhileUnreachable:
+    """``num_nodes_waiting()`` of a handler whose backend may be unreachable for a while
+    (see :func:`keep_world_while_unreachable`)."""
+
+    def __init__(self, handler: Any, retry_s: float) -> None:
+        self._check = handler.num_nodes_waiting  # torch's bound method
+        self._run_id = handler.get_run_id()
+        self.retry_s = retry_s
+        self.down_since: float | None = None  # monotonic; None while the backend answers
+        self._next_try = 0.0
+
+    def __call__(self) -> int:
+        import time
+
+        error = rendezvous_connection_error()
+        now = time.monotonic()
+        if self.down_since is not None and now < self._next_try:
+            return 0
+        try:
+            waiting = int(self._check())
+        except error as e:
+            self._next_try = time.monotonic() + self.retry_s
+            if self.down_since is None:
+                self.down_since = now
+                log.warning(
+                    "the rendezvous of job %s is unreachable (%s): the job keeps training on "
+                    "its current world, but cannot recover from a fault (that needs a "
+                    "rendezvous) until it is back; trying again every %g s",
+                    self._run_id, e, self.retry_s)
+            return 0
+        if self.down_since is not None:
+            log.warning("the rendezvous of job %s is reachable again (after %.1f s)",
+                        self._run_id, time.monotonic() - self.down_since)
+            self.down_since = None
+        return waiting
+
+
+def keep_world_while_unreachable(handler: Any, retry_s: float) -> None:
+    """Keep the current world training while ``handler``'s backend is unreachable.
+
+    torch's agent asks ``rdzv_handler.num_nodes_waiting()`` on every monitor tick while its
+    workers are healthy; ``DynamicRendezvousHandler`` syncs its state with the backend there
+    and lets a ``RendezvousConnectionError`` propagate out of the agent's loop, which ends
+    the launch: a job whose rendezvous service lost its quorum for a moment (etcd) would stop
+    every rank although none needs the rendezvous to go on training. Here the handler's
+    ``num_nodes_waiting`` (an attribute of the instance, so torch's call finds it) answers 0
+    (nobody waits, as far as anyone can tell) while the backend is unreachable, logs that
+    once, and tries the backend again only every ``retry_s`` seconds (each try can take the
+    backend's request timeout, during which the agent's loop does not watch its workers).
+    Everything else still needs the backend: a rendezvous (a fault's recovery) raises as
+    before; the keep-alive thread logs its failures as before.
+    """
+    handler.num_nodes_waiting = _WaitingWhileUnreachable(handler, retry_s)
+
+
+def discount_keep_alives(state_bits: bytes, outage_s: float) -> bytes:
+    """torch's pickled rendezvous state (``_RendezvousState``) with every node's last
+    keep-alive (``last_heartbeats``) moved ``outage_s`` seconds later, never past now.
+
+    For a backend that was unreachable for ``outage_s``: nobody could write a keep-alive
+    meanwhile, so without this the first node to read the state afterwards would find every
+    keep-alive expired, drop every node (``_sanitize``, on its own copy) and every agent
+    would restart its workers. Moved by the outage, each keep-alive is as old as it was when
+    the outage began: a node that was alive then is alive, one that had stopped before
+    still expires (later by the outage at most)."""
+    import pickle
+    from datetime import datetime, timedelta, timezone
+
+    state = pickle.loads(state_bits)  # noqa: S301 - torch's own state, from the job's key
+    beats = getattr(state, "last_heartbeats", None)
+    if not beats:
+        return state_bits
+    shift = timedelta(seconds=outage_s)
+    for node, beat in beats.items():
+        now = datetime.now(timezone.utc)
+        if beat.tzinfo is None:  # torch before 2.6 wrote naive UTC times
+            now = now.replace(tzinfo=None)
+        beats[node] = min(now, beat + shift)
+    return pickle.dumps(state)
+
+
+def bound_tcp_store(host: str, port: int, bind_host: str, timeout_s: float) -> Any:
+    """A ``TCPStore`` server that listens on ``bind_host`` only (port ``port``, 0: the OS
+    picks), for clients that reach it at ``host``.
+
+    torch's TCPStore server binds every interface; its ``master_listen_fd`` takes a socket
+    bound and listening already, which the server then owns (and closes). Only the libuv
+    backend (torch's default since 2.4) takes one; the store is multi-tenant, as torch's
+    launcher makes its own. Raises OSError when the address cannot be bound."""
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        bound_port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns it from here
+    try:
+        return TCPStore(host, bound_port, is_master=True, multi_tenant=True,
+                        wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                        master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        import os
+
+        os.close(fd)
+        raise

@@ -162,6 +162,12 @@ REPLICA_ADDR = Knob(
     "Address (interface) each node's store takes replicas on. Unset: this node's address "
     "toward the rendezvous endpoint (the endpoint's host on the node that hosts it).",
 )
+BIND_HOST = Knob(
+    "FTRUN_BIND_HOST", "host", "",
+    "Address the job-wide services a launcher hosts listen on: the c10d rendezvous store "
+    "(when it hosts it) and the coordinator (when it runs it). Unset: the store on every "
+    "interface, as torchrun; the coordinator on the address the rendezvous host resolves to.",
+)
 REPLICA_RATE = Knob(
     "FTRUN_REPLICA_RATE", "MB/s", "0",
     "Cap on the rate each node's store sends replicas at (0: no cap).",

@@ -1,7 +1,7 @@
 """ftrun's etcd v3 rendezvous backend, store and coordinator election, against a real etcd.
 
-One 3-member cluster on loopback ports (ftrun.testing.etcd) serves the whole module. The
-tests skip where etcd is not installed (``bash scripts/setup-etcd.sh`` installs it), and fail
+One 3-member cluster on loopback ports (ftrun.testing.etcd) serves the module, but for the
+quorum-loss test, which stops 2 members of a cluster of its own. The tests skip where etcd is not installed (``bash scripts/setup-etcd.sh`` installs it), and fail
 instead under ``FTRUN_REQUIRE_ETCD=1``, as in CI. The member-failover test stops a member and
 runs last.
 """
@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -56,8 +57,11 @@ def run_id() -> str:
 def test_endpoints_parse_and_bad_ones_say_what_to_do() -> None:
     assert etcd.parse_endpoints("a:1, http://b:2,c") == [("a", 1), ("b", 2), ("c", 2379)]
     assert etcd.parse_endpoints("[::1]:5") == [("::1", 5)]
+    assert etcd.parse_endpoints("https://a:1,https://b") == [("a", 1), ("b", 2379)]
+    assert etcd.endpoints_scheme("https://a:1,https://b") == "https"
     for bad, words in [("", "no etcd endpoint"), ("a:x", "HOST:PORT"), ("a:0", "HOST:PORT"),
-                       ("https://a:1", "no TLS"), ("a:1,a:1", "twice")]:
+                       ("ftp://a:1", "not etcd's"), ("http://a:1,https://b:1", "mix"),
+                       ("a:1,a:1", "twice")]:
         with pytest.raises(ConfigError, match=words):
             etcd.parse_endpoints(bad)
 
@@ -84,6 +88,36 @@ def test_torch_seams_for_the_etcd_backend() -> None:
     assert issubclass(_torch.rendezvous_connection_error(), Exception)
     assert list(inspect.signature(rendezvous_handler_registry.register).parameters) == \
         ["backend", "creator"]
+    # keep_world_while_unreachable: torch's agent asks the handler, by attribute, for nodes
+    # waiting on every healthy monitor tick, and torch's handler lets a backend error out.
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    assert "rdzv_handler.num_nodes_waiting()" in inspect.getsource(SimpleElasticAgent._invoke_run)
+    assert "raise" in inspect.getsource(DynamicRendezvousHandler.num_nodes_waiting)
+
+
+def test_keep_alives_are_moved_past_an_outage_never_past_now() -> None:
+    """discount_keep_alives on torch's own pickled rendezvous state."""
+    import pickle
+    from datetime import datetime, timezone
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _NodeDesc,
+        _RendezvousState,
+    )
+
+    state = _RendezvousState()
+    now = datetime.now(timezone.utc)
+    old, recent = _NodeDesc("old", 1, 0), _NodeDesc("recent", 2, 0)
+    state.last_heartbeats = {old: now - timedelta(seconds=60), recent: now - timedelta(seconds=1)}
+    state.participants = {old: 0, recent: 1}
+    moved = pickle.loads(_torch.discount_keep_alives(pickle.dumps(state), 20.0))
+    after = datetime.now(timezone.utc)
+    age = {str(n): (after - t).total_seconds() for n, t in moved.last_heartbeats.items()}
+    assert 40 <= age[str(old)] < 41, age  # as old as when the outage began
+    assert 0 <= age[str(recent)] < 1, age  # never in the future
+    assert moved.participants == state.participants
 
 
 # -- against the cluster ------------------------------------------------------------------------
@@ -219,6 +253,55 @@ def test_election_one_holder_then_the_next(client: etcd.EtcdClient) -> None:
     second.resign()
 
 
+def test_a_job_that_ended_well_leaves_only_its_end_and_a_new_run_clears_the_old_rendezvous(
+        client: etcd.EtcdClient) -> None:
+    from ftrun.launcher.etcd_rdzv import EtcdRendezvousBackend, EtcdStore
+
+    rid = run_id()
+    prefix = etcd.key_prefix(rid)
+
+    def keys() -> set[str]:
+        return {kv.key.decode()[len(prefix):] for kv in client.get_prefix(prefix)}
+
+    # A previous run under this id, killed (a requeue): its rendezvous, its agents' store,
+    # the coordinator's kept state.
+    EtcdRendezvousBackend(client, rid).set_state(b"a killed run's rendezvous")
+    EtcdStore(client, rid).set("torch.rendezvous.x.0/MASTER_ADDR", "gone")
+    client.put(etcd.state_key(rid, "excluded"), "{}")
+    first, second, third, fourth = (etcd.LauncherPresence(client, rid, f"n{i}/1", ttl_s=2)
+                                    for i in (1, 2, 3, 4))
+    try:
+        assert first.join()  # the first launcher of the new run clears the old rendezvous
+        assert keys() == {"state/excluded", "launchers/n1/1"}
+        kv = client.get(first.key)
+        assert kv is not None and kv.lease == first.lease  # gone with its host
+        EtcdRendezvousBackend(client, rid).set_state(b"this run's rendezvous")
+        assert not second.join()  # one is present: nothing cleared
+        assert keys() == {"state/excluded", "launchers/n1/1", "launchers/n2/1", "rdzv/state"}
+        assert not second.leave(done=True)  # another launcher is present: keys stay
+        election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2)
+        assert election.campaign() is None
+        assert not first.leave(done=True)  # the role is held: keys stay
+        assert keys() == {"state/excluded", "rdzv/state", "coordinator"}
+        election.resign()
+        # Nobody of the job is running: a launcher starting now begins a new run.
+        assert third.join()
+        assert keys() == {"state/excluded", "launchers/n3/1"}
+        assert third.leave(done=True)  # the last one out, after a job that ended well
+        assert keys() == {"ended"}  # under a lease: gone by itself
+        ended = client.get(etcd.ended_key(rid))
+        assert ended is not None and ended.lease
+        # A launcher of that job back after its end (frozen, cut off) finds it closed.
+        with pytest.raises(_torch.rendezvous_closed_error(), match="ended"):
+            EtcdRendezvousBackend(client, rid).get_state()
+        # A new run under the id starts afresh.
+        assert fourth.join() and keys() == {"launchers/n4/1"}
+        assert EtcdRendezvousBackend(client, rid).get_state() is None
+    finally:
+        for presence in (first, second, third, fourth):
+            presence.leave(done=False)
+
+
 def test_member_failover(cluster: EtcdCluster, client: etcd.EtcdClient) -> None:
     """Runs last in the module: stops a member. The client, its backend and an election's
     lease keep working on the two others."""
@@ -251,3 +334,157 @@ def test_member_failover(cluster: EtcdCluster, client: etcd.EtcdClient) -> None:
     wait_for(renewed.is_set, 10, "a lease renewal after the member stopped")
     assert not lost and election.leading and election.term == first_term
     election.resign()
+
+
+def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A cluster of its own loses 2 of its 3 members: requests fail at once saying the quorum
+    is lost; a rendezvous handler built by torch's registry answers "nobody waiting" instead
+    of raising out of the agent's loop; the coordinator's holder loses its role. Once the
+    members are back, the handler answers from etcd again and the role is taken anew."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousParameters,
+    )
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftrun.launcher import etcd_rdzv
+    from ftrun.testing.procs import wait_for
+
+    require_etcd()
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with EtcdCluster(tmp_path / "etcd") as cluster:
+        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2)
+        rid = run_id()
+        etcd_rdzv.register()
+        handler = get_rendezvous_handler(RendezvousParameters(
+            backend=etcd_rdzv.BACKEND_NAME, endpoint=cluster.endpoints, run_id=rid,
+            min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout="30",
+            read_timeout="2", keep_alive_interval="1", keep_alive_max_attempt="2"))
+        handler.next_rendezvous()
+        lost: list[str] = []
+        election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2,
+                                            on_lost=lost.append)
+        assert election.campaign() is None
+        old_term = election.term
+        assert handler.num_nodes_waiting() == 0
+        try:
+            cluster.stop_member(1)
+            cluster.stop_member(2)
+            # The lone member answers "no leader" once it has noticed (its election timeout).
+            error = wait_for(lambda: _unavailable(client), 30, "etcd to say it has no leader")
+            assert "quorum is lost" in str(error) and "no leader" in str(error), error
+            round_before = _torch.rendezvous_view(handler)
+            with caplog.at_level("WARNING", logger="ftrun._torch"):
+                assert handler.num_nodes_waiting() == 0  # no raise: the world is kept
+                assert handler.num_nodes_waiting() == 0  # (and not tried again at once)
+            assert "keeps training on its current world" in caplog.text
+            # A recovery needs a rendezvous: it fails, saying why (a launcher exits with it).
+            joining = get_rendezvous_handler(RendezvousParameters(
+                backend=etcd_rdzv.BACKEND_NAME, endpoint=cluster.endpoints, run_id=rid,
+                min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout="30",
+                read_timeout="2"))
+            with pytest.raises(RendezvousConnectionError, match="quorum is lost"):
+                joining.next_rendezvous()
+            wait_for(lambda: lost, 30, "the holder to lose its role")
+            assert not election.acting()
+        finally:
+            for i in (1, 2):
+                if cluster.procs[i] is None:
+                    cluster.start_member(i)
+        wait_for(cluster.healthy, 30, "the members healthy again")
+
+        def reads_again() -> bool:
+            handler.num_nodes_waiting()
+            return "reachable again" in caplog.text
+
+        with caplog.at_level("WARNING", logger="ftrun._torch"):
+            wait_for(reads_again, 30, "the handler to read etcd again", interval_s=0.3)
+        # The outage outlasted the keep-alive expiry (2 s), yet the node is still in its
+        # round: its keep-alive was moved past the outage, not found expired.
+        me = _torch.rendezvous_node(handler)
+        view = _torch.rendezvous_view(handler)
+        assert view is not None and me in view[1] and me in view[2], (me, view)
+        assert round_before is not None and view[0] == round_before[0], (round_before, view)
+        # The old holder's key expires with its lease (etcd renews every lease for one TTL
+        # when a new leader is elected); a campaign then takes the role with a new term.
+        wait_for(lambda: election.campaign() is None, 30, "the role taken again",
+                 interval_s=0.3)
+        assert election.term > old_term
+        election.resign()
+        handler.shutdown()
+
+
+def _unavailable(client: etcd.EtcdClient) -> etcd.EtcdUnavailable | None:
+    try:
+        client.get("/ftrun/probe")
+    except etcd.EtcdUnavailable as e:
+        return e if "no leader" in str(e) else None
+    return None
+
+
+def test_tls_with_client_certificates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real etcd serving https that asks each client for a certificate (certificates
+    made with openssl here): without the CA a client fails saying what to check; with
+    --rdzv-conf protocol=https,cacert,cert,key (torch's keys) torch's handler completes a
+    round; ``ftrun status --etcd https://...`` finds the coordinator with etcdctl's
+    variables."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from ftrun.launcher import etcd_rdzv
+    from ftrun.testing.etcd import TestCerts
+
+    require_etcd()
+    certs = TestCerts.make(tmp_path / "certs")
+    with EtcdCluster(tmp_path / "etcd", members=1, tls=certs) as cluster:
+        assert cluster.endpoints.startswith("https://")
+        with pytest.raises(etcd.EtcdUnavailable, match="TLS handshake failed"):
+            etcd.check_endpoints(etcd.EtcdClient(cluster.endpoints, timeout_s=2))  # no CA
+        no_cert = etcd.EtcdClient(cluster.endpoints, timeout_s=2,
+                                  tls=etcd.EtcdTLS(cacert=str(certs.ca)))
+        with pytest.raises(etcd.EtcdError):
+            no_cert.get("/x")  # the member asks for a client certificate
+        conf = {"protocol": "https", "cacert": str(certs.ca), "cert": str(certs.client_cert),
+                "key": str(certs.client_key)}
+        tls = etcd.EtcdTLS.from_conf(conf.get)
+        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2, tls=tls)
+        client.put("/x", "y")
+        assert client.get("/x").value == b"y"
+        # The launcher's path: the endpoints without a scheme, TLS from --rdzv-conf.
+        bare = cluster.endpoints.replace("https://", "")
+        assert etcd.EtcdClient(bare, tls=tls).endpoints_text == cluster.endpoints
+
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        etcd_rdzv.register()
+        handler = get_rendezvous_handler(RendezvousParameters(
+            backend=etcd_rdzv.BACKEND_NAME, endpoint=bare, run_id=run_id(), min_nodes=1,
+            max_nodes=1, local_addr="127.0.0.1", join_timeout="30", **conf))
+        info = handler.next_rendezvous()
+        try:
+            assert (info.rank, info.world_size) == (0, 1)
+        finally:
+            handler.shutdown()
+
+        rid = run_id()
+        election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2)
+        assert election.campaign() is None
+        election.publish("127.0.0.1:5555", "")
+        for name, var in etcd.TLS_ENV.items():
+            monkeypatch.setenv(var, conf[name])
+        assert etcd.coordinator_endpoint(cluster.endpoints, rid, 5) == "127.0.0.1:5555"
+        election.resign()
+
+
+def test_tls_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    key = tmp_path / "k.pem"
+    key.write_text("x")
+    for conf, words in [({"protocol": "ftp"}, "give http or https"),
+                        ({"protocol": "http", "cacert": str(key)}, "protocol=https"),
+                        ({"protocol": "https", "cert": str(key)}, "both cert and key"),
+                        ({"cacert": str(tmp_path / "missing.pem")}, "does not exist")]:
+        with pytest.raises(ConfigError, match=words):
+            etcd.EtcdTLS.from_conf(conf.get)
+    assert etcd.EtcdTLS.from_conf({}.get) is None
+    with pytest.raises(ConfigError, match="cannot load"):
+        etcd.EtcdClient("https://127.0.0.1:1", tls=etcd.EtcdTLS(cacert=str(key)))

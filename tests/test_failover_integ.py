@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, read_events, wait_for
-from netns import Cluster, cluster_fixture  # noqa: F401  (the fixture)
+from conftest import ROOT, TRAIN, Procs, read_events, result_line, wait_for
+from netns import KILL_AT, STEPS, Cluster, Job, cluster_fixture  # noqa: F401  (the fixture)
 from test_etcd import require_etcd
 
 from ftrun.launcher import etcd
@@ -39,8 +39,6 @@ from ftrun.testing.etcd import (
 log = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.integration]
-
-KILL_AT = 8
 
 
 def _finish(c: Cluster, nodes: list[Any]) -> tuple[str, str]:
@@ -155,3 +153,62 @@ def test_coordinator_host_killed_another_takes_over(cluster_factory, state_dir: 
              "%.1f s after the kill; resumed from %s", holder, old.term, new["term"],
              min(e["ts"] for e in moves) - t_kill, t_end - t_kill, resumed)
     assert re.search(r"coordinator failover: job \S+'s coordinator is now", text), text[-3000:]
+
+
+def test_coordinator_host_killed_under_min_max_the_others_go_on_resharded(
+        cluster_factory, state_dir: Path, exact_steps: None, procs: Procs,
+        tmp_path: Path) -> None:
+    """``--nnodes 2:3`` on etcd, no spare: the host whose launcher holds the coordinator role
+    is killed (launcher, store, rank, memory). Another launcher takes the role (a larger
+    term); the 2 others go on, resharding the newest durable step from memory onto 2 ranks;
+    the final weights equal the reference of tests/test_node_loss.py's MIN:MAX test (3 ranks
+    to that step, persisted; 2 ranks from it), run here as two plain jobs."""
+    require_etcd()
+    c = cluster_factory(3)
+    root_addr = f"{c.subnet}.254"
+    subprocess.run(["ip", "addr", "add", f"{root_addr}/24", "dev", c.bridge], check=True)
+    with EtcdCluster(tmp_path / "etcd", host=root_addr) as cluster:
+        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2)
+        job = Job(c, state_dir, "etcd-shrink")
+        job.start(range(3), "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                  cluster.endpoints)
+        job.wait_step(KILL_AT)
+        old = wait_for(lambda: etcd.read_coordinator(client, job.run_id), 30,
+                       "the coordinator's record")
+        holder = c.namespaces.index(old.host)
+        other = (holder + 1) % 3
+        durable = job.wait_durable(KILL_AT - 2, host=other)["snapshots"]["durable_step"]
+        t_kill = time.time()
+        c.kill_host(holder)
+        new = wait_for(lambda: (r := etcd.read_coordinator(client, job.run_id)) and
+                       r.term > old.term and r.endpoint and r, 60,
+                       "another launcher to take the coordinator role", interval_s=0.2)
+        assert new.host != old.host, (old, new)
+        got = job.finish()
+        t_end = time.time()
+    result = json.loads(job.result.read_text())
+    assert result["world_size"] == 2, result
+    [step] = result["resumed_from"]
+    assert step >= durable, (step, durable)
+    assert {(s, src.split(" (from ")[0]) for _, s, src in job.resumes()} == \
+        {(step, "memory, resharded from 3 ranks")}, job.resumes()
+    moves = [e for e in job.events() if e["type"] == "coordinator_failover"]
+    assert {e["node"].split("/")[0] for e in moves} == \
+        {c.hostname(h) for h in range(3) if h != holder}, moves
+    log.info("holder host %d (term %d) killed: term %d took over in %.1f s, job done %.1f s "
+             "after; resumed from %d on 2 ranks", holder, old.term, new.term,
+             min(e["ts"] for e in moves) - t_kill, t_end - t_kill, step)
+
+    # The reference: 3 ranks to that step, persisted at the job's end; 2 ranks from there.
+    ckpt = tmp_path / "reference-ckpt"
+    train = ["--batch", "12", "--snapshot-every", "1"]
+    env = {"FTRUN_STATE_DIR": str(tmp_path / "ref-state")}
+    first = procs.ftrun("--standalone", "--nproc-per-node", "3", "--persist-dir", str(ckpt),
+                        TRAIN, "--steps", str(step), *train, env=env, name="ref3")
+    assert procs.wait(first, 180) == 0, procs.output(first)[-3000:]
+    second = procs.ftrun("--standalone", "--nproc-per-node", "2", "--persist-dir", str(ckpt),
+                         TRAIN, "--steps", str(STEPS), *train, env=env, name="ref2")
+    assert procs.wait(second, 180) == 0, procs.output(second)[-3000:]
+    out = procs.output(second)
+    assert f"resumed from step {step}" in out, out[-3000:]
+    assert result_line(out).split("params_xxh3=")[1].strip() == got

@@ -238,12 +238,14 @@ def test_spares_lose_a_node_and_complete(cluster: SlurmCluster, tmp_path: Path) 
         _why(work, out, job_id)
 
 
-@pytest.mark.parametrize("script", ["basic.sbatch", "requeue.sbatch", "spares.sbatch"])
-def test_example_runs_as_written_on_the_geometry_it_declares(script: str, tmp_path: Path) -> None:
-    """Each sbatch example, run as written (no variable set, a stand-in ``srun`` on PATH that
-    records its command), hands examples/train.py arguments it accepts on the example's own
-    geometry: ``#SBATCH --nodes`` launchers of ``--nproc-per-node`` ranks each (for spares,
-    the largest world it may train on). No Slurm needed."""
+# What a site must give an example, as it would at submission.
+SITE_SETTINGS = {"etcd.sbatch": {"ETCD_ENDPOINTS": "etcd1:2379,etcd2:2379,etcd3:2379"}}
+
+
+def _run_as_written(script: str, tmp_path: Path,
+                    **settings: str) -> tuple[subprocess.CompletedProcess[str], list[str], int]:
+    """Run ``script`` with a stand-in ``srun`` on PATH that records its command: (the run,
+    srun's arguments (empty when srun did not run), the ``#SBATCH --nodes`` count)."""
     text = (EXAMPLES / script).read_text()
     nodes = int(next(line.split("=", 1)[1] for line in text.splitlines()
                      if line.startswith("#SBATCH --nodes=")))
@@ -254,18 +256,40 @@ def test_example_runs_as_written_on_the_geometry_it_declares(script: str, tmp_pa
     srun.write_text(f'#!/bin/sh\nprintf "%s\\0" "$@" > {record}\n')
     srun.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "GPUS", "STEPS", "TRAIN", "BATCH", "PERSIST_"))}
+           if not k.startswith(("SLURM_", "GPUS", "STEPS", "TRAIN", "BATCH", "PERSIST_",
+                                "ETCD_"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NUM_NODES=str(nodes),
-               SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(tmp_path))
-    subprocess.run(["bash", str(EXAMPLES / script)], cwd=ROOT, env=env, timeout=60,
-                   capture_output=True, check=False)
-    argv = record.read_bytes().decode().split("\0")[:-1]
+               SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(tmp_path), **settings)
+    done = subprocess.run(["bash", str(EXAMPLES / script)], cwd=ROOT, env=env, timeout=60,
+                          capture_output=True, text=True, check=False)
+    argv = record.read_bytes().decode().split("\0")[:-1] if record.exists() else []
+    return done, argv, nodes
+
+
+@pytest.mark.parametrize("script", ["basic.sbatch", "requeue.sbatch", "spares.sbatch",
+                                    "etcd.sbatch"])
+def test_example_runs_as_written_on_the_geometry_it_declares(script: str, tmp_path: Path) -> None:
+    """Each sbatch example, run as written (no variable set but a site's own, such as the etcd
+    members, a stand-in ``srun`` on PATH that records its command), hands examples/train.py
+    arguments it accepts on the example's own geometry: ``#SBATCH --nodes`` launchers of
+    ``--nproc-per-node`` ranks each (for spares and etcd, the largest world it may train
+    on). No Slurm needed."""
+    settings = SITE_SETTINGS.get(script, {})
+    _, argv, nodes = _run_as_written(script, tmp_path, **settings)
     assert "examples/train.py" in argv, f"{script} did not run srun with the training script"
     i = argv.index("examples/train.py")
     launcher, train_args = argv[:i], argv[i + 1:]
     gpus = int(next(a.split("=", 1)[1] for a in launcher if a.startswith("--nproc-per-node=")))
     world = nodes * gpus
-    assert world == 32 if script != "spares.sbatch" else world == 48
+    assert world == 32 if script in ("basic.sbatch", "requeue.sbatch") else world == 48
+    if "ETCD_ENDPOINTS" in settings:
+        j = launcher.index("--rdzv-backend")
+        assert launcher[j + 1:j + 4] == ["etcd", "--rdzv-endpoint",
+                                         settings["ETCD_ENDPOINTS"]], launcher
+        # The launcher accepts them (up to reaching etcd, which these hosts do not run).
+        from ftrun.launcher.args import build_parser
+
+        build_parser().parse_args(launcher[launcher.index("ftrun") + 1:] + [TRAIN])
 
     train = load_train()
     try:
@@ -274,3 +298,9 @@ def test_example_runs_as_written_on_the_geometry_it_declares(script: str, tmp_pa
         pytest.fail(f"{script} as written: examples/train.py refuses {train_args} on "
                     f"WORLD_SIZE={world} (exit {e.code})")
     assert args.batch == world
+
+
+def test_the_etcd_example_without_the_members_says_what_to_give(tmp_path: Path) -> None:
+    done, argv, _ = _run_as_written("etcd.sbatch", tmp_path)
+    assert done.returncode == 2 and not argv, (done.returncode, argv)
+    assert "ETCD_ENDPOINTS is not set" in done.stderr and "etcd1:2379" in done.stderr

@@ -653,3 +653,28 @@ def test_worker_starts_go_through_the_hook_and_torch_keeps_the_process(tmp_path:
     finally:
         pc.close(signal.SIGKILL, 5)
     assert not pid_alive(pids[0]) and not pid_alive(pids[1])
+
+
+def test_a_store_bound_to_one_address_listens_there_only_and_torch_shares_it() -> None:
+    """bound_tcp_store: torch's TCPStore takes a pre-bound listening socket
+    (``master_listen_fd``, libuv backend); a second server that torch's launcher makes for the
+    same port in the process (multi-tenant) shares it."""
+    from datetime import timedelta
+
+    assert "master_listen_fd" in (dist.TCPStore.__init__.__doc__ or "")
+    store = _torch.bound_tcp_store("127.0.0.1", 0, "127.0.0.1", 10)
+    port = store.port
+    assert port > 0 and store.libuvBackend
+    store.set("k", "v")
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    assert client.get("k") == b"v"
+    # Another address of this host (all of 127/8 is loopback on Linux): nobody listens.
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    # What torch's c10d handler does on the hosting launcher: a multi-tenant server on the
+    # same port, in the same process, is the same store.
+    again = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=10))
+    assert again.get("k") == b"v"
+    with pytest.raises(OSError):
+        _torch.bound_tcp_store("127.0.0.1", 0, "203.0.113.9", 10)  # not an address here

@@ -737,13 +737,13 @@ def run_standalone(
     Launchers started with ``--rdzv-endpoint`` pointing here find the coordinator through the
     store key :data:`ENDPOINT_KEY`. Returns the exit code (0 after a clean stop).
     """
-    from torch.distributed import TCPStore  # lazily: torch is heavy
+    from ftrun import _torch  # lazily: torch is heavy
 
     host, port = protocol.split_endpoint(rdzv_endpoint)
     secret = jobs.load_secret(run_id, state_dir, create=True)
     try:
-        store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+        # Where the coordinator listens (torch's own store would listen on every interface).
+        store = _torch.bound_tcp_store(host, port, bind_host or default_bind_host(host), 30)
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
         raise UnreachableError(
             f"cannot host the rendezvous store on {rdzv_endpoint}: {e}; is the port in use?"

@@ -47,6 +47,7 @@ class FtrunOptions:
     store_threads: int = 0
     replicas: int = 2
     replica_addr: str | None = None
+    bind_host: str | None = None
     replica_rate_mb_s: float = 0.0
     on_hang: str = "restart"
     on_slow: str = "warn"
@@ -189,6 +190,12 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--replica-addr", knobs.REPLICA_ADDR, str,
      "Address (interface) this node's store takes replicas on; default: this node's address "
      "toward the rendezvous endpoint."),
+    ("--bind-host", knobs.BIND_HOST, str,
+     "Address the job-wide services this launcher hosts listen on: the c10d rendezvous store "
+     "(when it hosts it) and the coordinator (when it runs it); default: the store on every "
+     "interface (as torchrun), the coordinator on the address the rendezvous host resolves "
+     "to. Rank 0's process-group store listens on every interface whatever this says (torch "
+     "gives its env:// initialisation no address to bind)."),
     ("--replica-rate", knobs.REPLICA_RATE, float,
      "Cap, in MB/s, on the rate this node's store sends replicas at (0: no cap)."),
     ("--start-fresh", knobs.START_FRESH, bool,
@@ -312,6 +319,7 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         store_threads=int(num("store_threads", knobs.STORE_THREADS)),
         replicas=int(num("replicas", knobs.REPLICAS)),
         replica_addr=ns.replica_addr or None,
+        bind_host=ns.bind_host or None,
         replica_rate_mb_s=num("replica_rate", knobs.REPLICA_RATE),
         on_hang=str(ns.on_hang or knobs.ON_HANG.default).strip().lower(),
         on_slow=str(ns.on_slow or knobs.ON_SLOW.default).strip().lower(),

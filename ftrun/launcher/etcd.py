@@ -8,8 +8,9 @@ gRPC client, and the Python etcd v3 clients pin old grpc/protobuf releases or ar
 
 :class:`EtcdClient` holds the cluster's client endpoints (1, 3 or 5 members) and fails over
 between them: a request goes to the member that answered last; a member that refuses, times
-out or answers "unavailable" (no leader, stopping) is left for the next one. Every request has
-a timeout; when no member answers, :class:`EtcdUnavailable` says which were tried and what to
+out or answers "unavailable" (no leader, stopping) is left for the next one; :class:`EtcdTLS`
+reaches it over https, with client certificates where the members ask for them. Every
+request has a timeout; when no member answers, :class:`EtcdUnavailable` says which were tried and what to
 do. Nothing here imports torch: ``ftrun status`` uses it from a login shell.
 
 :class:`CoordinatorElection`: the launchers of a job on etcd elect the one that runs the
@@ -38,10 +39,12 @@ import http.client
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ftrun.errors import ConfigError, FtrunTimeoutError, JobNotFoundError, UnreachableError
@@ -56,6 +59,12 @@ URL_SCHEME = "etcd://"
 # gRPC status codes etcd answers with when a member cannot serve right now: another member may.
 _RETRY_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
 _LEASE_NOT_FOUND = 5  # NOT_FOUND, for an expired or revoked lease
+# Every request requires a leader (gRPC metadata ``hasleader: true``, which the gateway takes
+# from this header; etcd's own clients set it with WithRequireLeader): a member that lost the
+# cluster's quorum answers "no leader" at once instead of holding the request until it times
+# out, so the client moves on, and a lost quorum reads as such within milliseconds.
+_HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-Hasleader": "true"}
+_NO_LEADER = "no leader"
 # The coordinator's lease: how long the role outlives a holder that stopped renewing it.
 COORDINATOR_TTL_S = 5
 # How often each launcher reads the coordinator's key (a range request: etcd serves tens of
@@ -84,18 +93,30 @@ def key_prefix(run_id: str) -> str:
     return f"{KEY_ROOT}/{run_id}/"
 
 
+def endpoints_scheme(text: str) -> str:
+    """``http`` or ``https``: the scheme the endpoints ``text`` name (none: http). All
+    members are reached the same way."""
+    schemes = {item.strip().partition("://")[0] if "://" in item else "http"
+               for item in text.split(",") if item.strip()}
+    bad = schemes - {"http", "https"}
+    if bad:
+        raise ConfigError(f"etcd endpoints {text!r}: scheme {sorted(bad)[0]}:// is not "
+                          "etcd's; give HOST:PORT, http://HOST:PORT or https://HOST:PORT")
+    if len(schemes) > 1:
+        raise ConfigError(f"etcd endpoints {text!r} mix http:// and https://: every member "
+                          "of one cluster serves its clients the same way")
+    return schemes.pop() if schemes else "http"
+
+
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """``host1:2379,host2:2379,...`` (``http://`` allowed, port 2379 by default) -> list."""
+    """``host1:2379,host2:2379,...`` (``http://`` or ``https://`` allowed, port 2379 by
+    default) -> list (the scheme: :func:`endpoints_scheme`)."""
+    endpoints_scheme(text)
     out: list[tuple[str, int]] = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
-        scheme, sep, rest = item.partition("://")
-        if sep and scheme != "http":
-            raise ConfigError(
-                f"etcd endpoint {item!r}: only http:// is supported (no TLS yet); give "
-                "HOST:PORT of the members' plain-text client URLs"
-            )
+        _, sep, rest = item.partition("://")
         hostport = rest if sep else item
         host, colon, port = hostport.rpartition(":")
         if not colon or "]" in port:
@@ -118,8 +139,67 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def format_endpoints(endpoints: Sequence[tuple[str, int]]) -> str:
-    return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in endpoints)
+def format_endpoints(endpoints: Sequence[tuple[str, int]], scheme: str = "http") -> str:
+    """The endpoints as ``--rdzv-endpoint`` takes them (``https://`` before each under TLS)."""
+    prefix = "https://" if scheme == "https" else ""
+    return ",".join(prefix + (f"[{h}]:{p}" if ":" in h else f"{h}:{p}") for h, p in endpoints)
+
+
+# The variables etcdctl reads its TLS files from; ftrun reads them where no --rdzv-conf
+# gives them (``ftrun status --etcd https://...`` from a login shell).
+TLS_ENV = {"cacert": "ETCDCTL_CACERT", "cert": "ETCDCTL_CERT", "key": "ETCDCTL_KEY"}
+
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    """How to reach etcd over TLS: the CA that signed the members' certificates (None: the
+    system's), and this client's certificate and key where the members ask for one
+    (``--client-cert-auth``). torch's etcd rendezvous takes the same ``--rdzv-conf`` keys:
+    ``protocol=https``, ``cacert``, ``cert``, ``key``."""
+
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("etcd TLS: give both cert and key (the client's certificate and "
+                              "its private key), or neither")
+        for name in ("cacert", "cert", "key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"etcd TLS: {name} file {path!r} does not exist")
+
+    @classmethod
+    def from_conf(cls, conf: Callable[[str], str | None]) -> EtcdTLS | None:
+        """From ``--rdzv-conf`` (``conf(key)``: its value or None): None when it asks for
+        plain http (``protocol`` unset or ``http``, no file given)."""
+        protocol = (conf("protocol") or "").strip().lower()
+        if protocol not in ("", "http", "https"):
+            raise ConfigError(f"--rdzv-conf protocol={protocol!r}: give http or https")
+        files = {k: conf(k) or None for k in TLS_ENV}
+        if protocol == "http" and any(files.values()):
+            raise ConfigError("--rdzv-conf protocol=http with TLS files: drop them, or use "
+                              "protocol=https")
+        if protocol != "https" and not any(files.values()):
+            return None
+        return cls(**files)
+
+    @classmethod
+    def from_env(cls) -> EtcdTLS:
+        import os
+
+        return cls(**{k: os.environ.get(v) or None for k, v in TLS_ENV.items()})
+
+    def context(self) -> ssl.SSLContext:
+        try:
+            context = ssl.create_default_context(cafile=self.cacert)
+            if self.cert is not None:
+                context.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"etcd TLS: cannot load the CA, certificate or key "
+                              f"({self}): {e}") from e
+        return context
 
 
 def b64(data: bytes | str) -> str:
@@ -165,17 +245,33 @@ class EtcdClient:
     """
 
     def __init__(self, endpoints: str | Sequence[tuple[str, int]],
-                 timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        self.endpoints = parse_endpoints(endpoints) if isinstance(endpoints, str) \
-            else list(endpoints)
+                 timeout_s: float = REQUEST_TIMEOUT_S, tls: EtcdTLS | None = None) -> None:
+        if isinstance(endpoints, str):
+            self.endpoints = parse_endpoints(endpoints)
+            scheme = endpoints_scheme(endpoints)
+        else:
+            self.endpoints, scheme = list(endpoints), "http"
         if timeout_s <= 0:
             raise ConfigError(f"etcd request timeout {timeout_s!r} s: must be positive")
         self.timeout_s = timeout_s
+        # TLS when asked for, or when the endpoints say https:// (then with etcdctl's files).
+        self.tls = tls if tls is not None else EtcdTLS.from_env() if scheme == "https" \
+            else None
+        self._ssl = self.tls.context() if self.tls is not None else None
         self._current = 0
         self._lock = threading.Lock()
 
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
+    @property
+    def endpoints_text(self) -> str:
+        """The endpoints as ``--rdzv-endpoint`` takes them, the scheme included."""
+        return format_endpoints(self.endpoints, self.scheme)
+
     def __repr__(self) -> str:
-        return f"EtcdClient({format_endpoints(self.endpoints)!r})"
+        return f"EtcdClient({self.endpoints_text!r})"
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -204,18 +300,30 @@ class EtcdClient:
                                 f"{doc.get('message') or doc.get('error') or status} "
                                 f"(code {code})", code)
             return doc
+        if any("SSL" in f or "CERTIFICATE" in f for f in failures):
+            advice = ("A TLS handshake failed: check that the members serve https (and "
+                      "--rdzv-endpoint says https:// or --rdzv-conf protocol=https), and "
+                      "the CA, certificate and key (--rdzv-conf cacert=,cert=,key=; for "
+                      "`ftrun status`, ETCDCTL_CACERT, ETCDCTL_CERT, ETCDCTL_KEY).")
+        elif any(_NO_LEADER in f for f in failures):
+            advice = ("etcd has no leader: its quorum is lost (a majority of its members is "
+                      "down or cut off from the others). A running job trains on, but cannot "
+                      "commit snapshots or recover from a fault until a majority is back.")
+        else:
+            advice = ("Check that --rdzv-endpoint lists the etcd members' client URLs "
+                      "(HOST:2379,...) and that a majority of them is up.")
         raise EtcdUnavailable(
             f"no etcd member answered /v3/{path} within {self.timeout_s:g} s ("
-            + "; ".join(failures) + "). Check that --rdzv-endpoint lists the etcd members' "
-            "client URLs (HOST:2379,...) and that a majority of them is up."
+            + "; ".join(failures) + "). " + advice
         )
 
     def _post(self, host: str, port: int, path: str,
               body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+        conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s) \
+            if self._ssl is None else \
+            http.client.HTTPSConnection(host, port, timeout=self.timeout_s, context=self._ssl)
         try:
-            conn.request("POST", f"/v3/{path}", json.dumps(body).encode(),
-                         {"Content-Type": "application/json"})
+            conn.request("POST", f"/v3/{path}", json.dumps(body).encode(), _HEADERS)
             response = conn.getresponse()
             raw = response.read()
         finally:
@@ -339,7 +447,7 @@ def coordinator_endpoint(endpoints: str, run_id: str, timeout_s: float) -> str:
     record = read_coordinator(client, run_id)
     if record is None or not record.endpoint:
         raise JobNotFoundError(
-            f"no coordinator of job {run_id!r} in etcd at {format_endpoints(client.endpoints)} "
+            f"no coordinator of job {run_id!r} in etcd at {client.endpoints_text} "
             f"(key {coordinator_key(run_id)!r}"
             + (f" held by {record.node_id}, still starting" if record else "")
             + "): is the job running, under that --rdzv-id?")
@@ -602,6 +710,143 @@ class CoordinatorWatch:
         elif record.endpoint and (record.term, record.endpoint) != (self.term, self._endpoint):
             self.term, self._endpoint = record.term, record.endpoint
             self._on_change(record)
+
+
+# -- a job's launchers and its keys ----------------------------------------------------------
+
+# How long a launcher's presence outlives it when it dies without leaving (host lost).
+PRESENCE_TTL_S = 10
+# What a new run of a job clears of a previous one: the rendezvous (torch's state, and the
+# agents' store), and the mark of a job that ended. The coordinator's kept state (state/:
+# the event log's position, the excluded hosts) carries over to it.
+RUN_SCOPED = ("rdzv/", "store/", "ended")
+# How long the mark of a job that ended well outlives its keys: a launcher of that job that
+# was cut off or frozen until after the end (its presence expired meanwhile) finds it and
+# stops, instead of starting the job's rendezvous anew (and waiting for peers that are gone).
+ENDED_TTL_S = 600
+
+
+def ended_key(run_id: str) -> str:
+    return key_prefix(run_id) + "ended"
+
+
+def presence_prefix(run_id: str) -> str:
+    return key_prefix(run_id) + "launchers/"
+
+
+def _range(prefix: str) -> dict[str, str]:
+    raw = prefix.encode()
+    return {"key": b64(raw), "range_end": b64(prefix_end(raw))}
+
+
+def _delete_all_but(prefix: str, key: str) -> list[dict[str, Any]]:
+    """Requests deleting every key under ``prefix`` but ``key`` (etcd refuses a transaction
+    that deletes a key it also writes)."""
+    raw = key.encode()
+    return [{"request_delete_range": {"key": b64(prefix), "range_end": b64(raw)}},
+            {"request_delete_range": {"key": b64(raw + b"\0"),
+                                      "range_end": b64(prefix_end(prefix.encode()))}}]
+
+
+class LauncherPresence:
+    """This launcher's key ``/ftrun/<run id>/launchers/<node id>``, under a lease of its own
+    that a thread renews (a launcher that dies without leaving is gone within ``ttl_s``).
+
+    It decides who clears a job's keys, and when:
+
+    - :meth:`join`: the first launcher of a run (no launcher present, no coordinator holding
+      the role) clears what a previous run under the same id left of the rendezvous
+      (:data:`RUN_SCOPED`): a closed rendezvous, or one with the participants of a run
+      killed by its scheduler (a Slurm requeue). One transaction, so of launchers that start
+      together exactly one clears, and none once any is present;
+    - :meth:`leave`: the launcher revokes its key; after a job that ended well (``done``), the
+      last launcher to leave deletes everything under ``/ftrun/<run id>/`` but for the key
+      ``ended``, under a lease of :data:`ENDED_TTL_S` (a straggler's rendezvous reads it as
+      closed). A job that did not end well (a signal, a failure: a requeue may follow) keeps
+      its keys for the next run, which clears the rendezvous part at its :meth:`join`.
+    """
+
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str,
+                 ttl_s: int = PRESENCE_TTL_S) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.key = presence_prefix(run_id) + node_id
+        self.ttl_s = ttl_s
+        self.lease = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def join(self) -> bool:
+        """Be present; returns whether this launcher cleared a previous run's rendezvous."""
+        self.lease = self.client.grant(self.ttl_s)
+        nobody = [{**_range(presence_prefix(self.run_id)), "target": "CREATE",
+                   "result": "EQUAL", "create_revision": "0"},
+                  {"key": b64(coordinator_key(self.run_id)), "target": "CREATE",
+                   "result": "EQUAL", "create_revision": "0"}]
+        put = {"request_put": {"key": b64(self.key), "value": b64(str(time.time())),
+                               "lease": str(self.lease)}}
+        clear = [{"request_delete_range": _range(key_prefix(self.run_id) + part)}
+                 for part in RUN_SCOPED]
+        first, _, responses = self.client.txn(nobody, [*clear, put], [put])
+        cleared = first and any(int(r.get("response_delete_range", {}).get("deleted", 0))
+                                for r in responses)
+        if cleared:
+            log.warning("job %s: no launcher of it is running, and the rendezvous of a previous "
+                        "run under this id was left in etcd: cleared (the coordinator's kept "
+                        "state carries over)", self.run_id)
+        self._thread = threading.Thread(target=self._renew, name="ftrun-etcd-presence",
+                                        daemon=True)
+        self._thread.start()
+        return cleared
+
+    def leave(self, done: bool) -> bool:
+        """Stop being present; after a job that ended well, the last launcher to leave
+        deletes the job's keys. Returns whether this one did."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.client.timeout_s * len(self.client.endpoints) + 1)
+        try:
+            if self.lease:
+                self.client.revoke(self.lease)
+                self.lease = 0
+            if not done:
+                return False
+            # Nobody present and nobody holding the role (the holder gives it up before it
+            # leaves): the job is over for every launcher.
+            lease = self.client.grant(ENDED_TTL_S)
+            ok, _, _ = self.client.txn(
+                [{**_range(presence_prefix(self.run_id)), "target": "CREATE",
+                  "result": "EQUAL", "create_revision": "0"},
+                 {"key": b64(coordinator_key(self.run_id)), "target": "CREATE",
+                  "result": "EQUAL", "create_revision": "0"}],
+                [*_delete_all_but(key_prefix(self.run_id), ended_key(self.run_id)),
+                 {"request_put": {"key": b64(ended_key(self.run_id)),
+                                  "value": b64(str(time.time())), "lease": str(lease)}}], [])
+            if not ok:
+                self.client.revoke(lease)
+        except EtcdError as e:
+            log.warning("job %s: could not leave etcd cleanly (%s); its keys under %s stay "
+                        "(a new run under this id clears its rendezvous)", self.run_id, e,
+                        key_prefix(self.run_id))
+            return False
+        if ok:
+            log.info("job %s ended: its keys are deleted from etcd (a mark that it ended stays "
+                     "%d s)", self.run_id, ENDED_TTL_S)
+        return ok
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self.client.keep_alive(self.lease) > 0:
+                    continue
+                # Expired (etcd unreachable, or this process stalled, for the whole TTL).
+                lease = self.client.grant(self.ttl_s)
+                self.client.put(self.key, str(time.time()), lease)
+                self.lease = lease
+            except EtcdError as e:
+                log.debug("renewing this launcher's presence in etcd failed (%s); retrying", e)
+            except Exception:  # noqa: BLE001 - logged; the loop goes on
+                log.exception("renewing this launcher's presence in etcd failed; retrying")
 
 
 def _resolves(host: str) -> bool:

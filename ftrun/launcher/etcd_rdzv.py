@@ -20,6 +20,7 @@ closing) and gives it two v3 parts:
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -31,16 +32,23 @@ from ftrun.launcher.etcd import (
     REQUEST_TIMEOUT_S,
     EtcdClient,
     EtcdError,
+    EtcdTLS,
     KeyValue,
     b64,
+    ended_key,
     key_prefix,
     prefix_end,
 )
+
+log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
 DEFAULT_STORE_TIMEOUT_S = 300.0
 _POLL_FIRST_S = 0.005
 _POLL_MAX_S = 0.1
+# While etcd is unreachable (its quorum lost), how often the agent's check for waiting nodes
+# tries it again; in between the job trains on (ftrun._torch.keep_world_while_unreachable).
+KEEP_WORLD_RETRY_S = 2.0
 
 
 def _kvs(responses: list[dict[str, Any]]) -> list[KeyValue]:
@@ -63,17 +71,49 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
             raise ValueError("the rendezvous run id must not be empty")
         self.client = client
         self.key = key_prefix(run_id) + "rdzv/state"
+        self.ended_key = ended_key(run_id)
+        # When (monotonic) etcd last answered, and whether it has failed since: the state
+        # first read after an outage has its keep-alives moved past it (_after_outage).
+        self._answered_at = time.monotonic()
+        self._down = False
 
     @property
     def name(self) -> str:
         return BACKEND_NAME
 
+    def _unreachable(self, e: EtcdError, what: str) -> Exception:
+        self._down = True
+        return _connection_error(e, what)
+
+    def _after_outage(self, state: bytes) -> bytes:
+        """``state`` as read (or written) once etcd answers: after an outage, every
+        keep-alive moved later by its length, counted from etcd's last answer before it
+        (:func:`ftrun._torch.discount_keep_alives`): nobody could renew one while etcd was
+        down, and that is no reason to drop them."""
+        now = time.monotonic()
+        outage_s, self._answered_at = now - self._answered_at, now
+        down, self._down = self._down, False
+        if not down or not state:
+            return state
+        log.warning("etcd answers again after %.1f s: the rendezvous keep-alives are moved "
+                    "past the outage", outage_s)
+        return _torch.discount_keep_alives(state, outage_s)
+
     def get_state(self) -> tuple[bytes, Any] | None:
         try:
             kv = self.client.get(self.key)
+            ended = self.client.get(self.ended_key) if kv is None else None
         except EtcdError as e:
-            raise _connection_error(e, "reading the state failed") from e
-        return None if kv is None else (kv.value, kv.mod_revision)
+            raise self._unreachable(e, "reading the state failed") from e
+        if ended is not None:
+            # The job ended well and its keys went; this launcher did not take part in its
+            # end (cut off, or frozen until after it). A new run clears the mark first.
+            raise _torch.rendezvous_closed_error()(
+                f"the job under this rendezvous id ended (at {ended.value.decode()} unix "
+                "time) while this launcher was away; its keys are gone from etcd. Start a new "
+                "run of all its launchers to train again")
+        state = self._after_outage(b"" if kv is None else kv.value)
+        return None if kv is None else (state, kv.mod_revision)
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         if token is None:
@@ -93,12 +133,12 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
                 [compare], [{"request_put": {"key": b64(self.key), "value": b64(state)}}],
                 [{"request_range": {"key": b64(self.key)}}])
         except EtcdError as e:
-            raise _connection_error(e, "writing the state failed") from e
+            raise self._unreachable(e, "writing the state failed") from e
         if ok:
             # The transaction's revision is the one its put wrote: the key's mod_revision.
-            return state, revision_after, True
+            return self._after_outage(state), revision_after, True
         kvs = _kvs(responses)
-        return (kvs[0].value, kvs[0].mod_revision, False) if kvs else None
+        return (self._after_outage(kvs[0].value), kvs[0].mod_revision, False) if kvs else None
 
 
 class EtcdStore(dist.Store):
@@ -223,14 +263,18 @@ class EtcdStore(dist.Store):
 
 def create_backend(params: Any) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """torch's ``RendezvousParameters`` -> the backend and the store. ``--rdzv-conf``
-    ``read_timeout`` (seconds, default 5) bounds each request to one etcd member."""
+    ``read_timeout`` (seconds, default 5) bounds each request to one etcd member;
+    ``protocol=https``, ``cacert``, ``cert``, ``key``: TLS, as torch's etcd rendezvous."""
     timeout_s = float(params.get("read_timeout", REQUEST_TIMEOUT_S))
-    client = EtcdClient(params.endpoint, timeout_s=timeout_s)
+    client = EtcdClient(params.endpoint, timeout_s=timeout_s,
+                        tls=EtcdTLS.from_conf(lambda key: params.get(key)))
     join_s = float(params.get("join_timeout", DEFAULT_STORE_TIMEOUT_S))
     return (EtcdRendezvousBackend(client, params.run_id),
             EtcdStore(client, params.run_id, timedelta(seconds=join_s)))
 
 
 def register() -> None:
-    """Make ``--rdzv-backend etcd-v3`` known to torch's launcher in this process."""
-    _torch.register_rendezvous_backend(BACKEND_NAME, create_backend)
+    """Make ``--rdzv-backend etcd-v3`` known to torch's launcher in this process: its
+    handlers keep the current world training while etcd is unreachable."""
+    _torch.register_rendezvous_backend(BACKEND_NAME, create_backend,
+                                       keep_world_retry_s=KEEP_WORLD_RETRY_S)

@@ -170,9 +170,14 @@ def check_script(args: argparse.Namespace) -> None:
         )
 
 
-def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
+def _tcp_store(host: str, port: int, is_master: bool, timeout_s: float,
+               bind_host: str | None = None) -> Any:
+    """The rendezvous TCPStore at ``host:port``: its server where ``is_master`` (listening on
+    ``bind_host`` only when given, else on every interface as torch's), else a client."""
     from torch.distributed import TCPStore
 
+    if is_master and bind_host:
+        return _torch.bound_tcp_store(host, port, bind_host, timeout_s)
     return TCPStore(
         host, port, is_master=is_master, multi_tenant=True, wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),
@@ -203,11 +208,13 @@ def is_local_address(host: str) -> bool:
 
 def plan_rendezvous(
     args: argparse.Namespace, explicit: set[str], external: bool, node0_hosts: bool = False,
+    bind_host: str | None = None,
 ) -> RendezvousPlan | None:
     """Decide who hosts the rendezvous store (and so the coordinator). Mutates ``args``.
 
     ``node0_hosts``: the endpoint is node 0's host (Slurm's first host), so the launcher of
-    node rank 0 hosts, and no other.
+    node rank 0 hosts, and no other. ``bind_host`` (``--bind-host``): where a store hosted
+    here listens (default: every interface, as torch's).
     """
     _, max_nodes = (int(x) for x in (args.nnodes.split(":") * 2)[:2])
     single = args.standalone or (
@@ -216,8 +223,9 @@ def plan_rendezvous(
     )
     if single:
         # torch would bind localhost:0 inside its rendezvous; bind it here instead so the
-        # port is known before the coordinator publishes itself in the store.
-        store = _tcp_store("localhost", 0, True, 60)
+        # port is known before the coordinator publishes itself in the store. Every client
+        # is on this host: the store listens on localhost only (torch's on every interface).
+        store = _tcp_store("localhost", 0, True, 60, bind_host="localhost")
         args.standalone = False
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = f"localhost:{store.port}"
@@ -261,7 +269,7 @@ def plan_rendezvous(
     store = None
     if is_host:
         try:
-            store = _tcp_store(host, port, True, join_timeout)
+            store = _tcp_store(host, port, True, join_timeout, bind_host=bind_host)
         except Exception as e:
             # Under Slurm the port is the fixed default: a taken one is another job's.
             if explicit_host or node0_hosts:
@@ -301,11 +309,12 @@ def _plan_etcd(args: argparse.Namespace) -> RendezvousPlan:
     except ValueError:
         raise ConfigError(f"--rdzv-conf read_timeout={conf['read_timeout']!r}: give seconds, "
                           "e.g. read_timeout=5") from None
-    client = etcd.EtcdClient(args.rdzv_endpoint, timeout_s=timeout_s)
+    client = etcd.EtcdClient(args.rdzv_endpoint, timeout_s=timeout_s,
+                             tls=etcd.EtcdTLS.from_conf(conf.get))
     etcd.check_endpoints(client)
     etcd_rdzv.register()
     args.rdzv_backend = etcd_rdzv.BACKEND_NAME
-    args.rdzv_endpoint = etcd.format_endpoints(client.endpoints)
+    args.rdzv_endpoint = client.endpoints_text
     args.rdzv_conf = _format_conf(conf)
     host, port = client.endpoints[0]
     return RendezvousPlan(host, port, False, etcd=client)
@@ -511,7 +520,7 @@ class NodeServices:
         self._run_coordinator(plan.host if plan.host != "localhost" else "127.0.0.1",
                               f"{plan.host}:{plan.port}")
         if plan.store is None:
-            plan.store = _tcp_store(plan.host, plan.port, True, 60)
+            plan.store = _tcp_store(plan.host, plan.port, True, 60, bind_host=self.opts.bind_host)
         publish_endpoint(plan.store, self.endpoint, self.detect_endpoint)
 
     def _join_timeout_s(self) -> float:
@@ -520,8 +529,13 @@ class NodeServices:
     def _elect_coordinator(self, client: EtcdClient) -> None:
         """--rdzv-backend etcd: run the coordinator if this launcher wins the role in etcd,
         else read the winner's endpoints there."""
-        from ftrun.launcher.etcd import CoordinatorElection, wait_coordinator
+        from ftrun.launcher.etcd import CoordinatorElection, LauncherPresence, wait_coordinator
 
+        # First, so left last: after a job that ended well, the last launcher out deletes the
+        # job's keys; the first launcher of a new run clears a previous run's rendezvous.
+        presence = LauncherPresence(client, self.run_id, self.node_id)
+        presence.join()
+        self._on_close("presence in etcd", lambda: presence.leave(done=self.exitcode == 0))
         election = CoordinatorElection(client, self.run_id, self.node_id, self.host,
                                        on_lost=self._role_lost)
         self._election = election
@@ -544,13 +558,13 @@ class NodeServices:
     def _take_role(self) -> None:
         """This launcher holds the coordinator role: start the coordinator, bound to the
         role's term, and publish it in etcd."""
-        from ftrun.launcher.etcd import URL_SCHEME, format_endpoints
+        from ftrun.launcher.etcd import URL_SCHEME
 
         election, plan = self._election, self.plan
         assert election is not None and plan is not None and plan.etcd is not None
         coordinator = self._run_coordinator(
             self.opts.replica_addr or _replica_host(plan),
-            URL_SCHEME + format_endpoints(plan.etcd.endpoints), role=election)
+            URL_SCHEME + plan.etcd.endpoints_text, role=election)
         try:
             election.publish(coordinator.endpoint, coordinator.detect_endpoint or "")
         except Exception:
@@ -572,11 +586,15 @@ class NodeServices:
     def _role_vacant(self) -> None:
         """Nobody holds the coordinator role (its holder's lease ran out): take it. Called
         from the watch's thread; the watch then finds the new holder (maybe this one)."""
-        election = self._election
-        assert election is not None
+        from ftrun.launcher.etcd import ended_key
+
+        election, plan = self._election, self.plan
+        assert election is not None and plan is not None and plan.etcd is not None
         with self._failover_lock:
             if self.coordinator is not None and self.coordinator.acting():
                 return  # ours: the key will be back (the watch read between two writes)
+            if plan.etcd.get(ended_key(self.run_id)) is not None:
+                return  # the job ended while this launcher was away (its rendezvous says so)
             self._drop_coordinator("its role is vacant")
             holder = election.campaign()
             if holder is not None:
@@ -659,6 +677,7 @@ class NodeServices:
         opts, run_id = self.opts, self.run_id
         coordinator = Coordinator(
             run_id, self.secret,
+            bind_host=opts.bind_host,
             advertise_host=advertise_host,
             node_timeout_s=opts.node_timeout_s,
             events_file=jobs.events_path(run_id, opts.state_dir),
@@ -867,6 +886,6 @@ def run(argv: list[str]) -> int:
     node0_hosts = apply_slurm(args, explicit, dict(os.environ))
     check_script(args)
     plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None,
-                           node0_hosts=node0_hosts)
+                           node0_hosts=node0_hosts, bind_host=opts.bind_host)
     with NodeServices(args, opts, plan) as node:
         return node.launch()

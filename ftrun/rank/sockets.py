@@ -28,16 +28,16 @@ log = logging.getLogger(__name__)
 TCP_LISTEN = "0A"  # /proc/net/tcp state column
 
 
-def socket_inodes() -> set[int]:
-    """The inodes of this process's open sockets."""
+def socket_inodes(pid: int | str = "self") -> set[int]:
+    """The inodes of the open sockets of process ``pid`` (this one by default)."""
     out: set[int] = set()
     try:
-        fds = os.listdir("/proc/self/fd")
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return out
     for fd in fds:
         try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if link.startswith("socket:["):

@@ -25,6 +25,14 @@ from ftrun.store.persist_writer import PersistWriter
 log = logging.getLogger("ftrun.store")
 
 COORDINATOR_TIMEOUT_S = 2.0
+# After COORDINATOR_QUIET_AFTER requests in a row the coordinator did not answer, the store
+# asks it nothing more for COORDINATOR_QUIET_S (within one coordinator term and address):
+# each unanswered request holds the store's loop for COORDINATOR_TIMEOUT_S while the ranks'
+# claims queue behind it, so a coordinator gone until a failover (or etcd's quorum lost) kept
+# the store too busy to answer its ranks or to hear where the coordinator went. (One slow
+# answer on a loaded host does not silence it.)
+COORDINATOR_QUIET_S = 5.0
+COORDINATOR_QUIET_AFTER = 2
 # How long ranks skip snapshots to keep the newest durable step while replication is behind.
 DURABLE_KEEP_S = 60.0
 
@@ -53,6 +61,10 @@ class CommitMirror:
         # run here (nothing to wait for at the end: every rank reports to this store).
         self._local = CommitTracker(final_settle_s=0.0) if coord is None else None
         self.replication: Any = None  # ftrun.store.replica.Replication, once started
+        # The coordinator (term, address) that did not answer, and until when it is not asked.
+        self._quiet: tuple[int, str] | None = None
+        self._quiet_until = 0.0
+        self._unanswered = 0  # requests in a row the coordinator did not answer
 
     def ask(self, kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
         if self._local is not None:
@@ -67,12 +79,44 @@ class CommitMirror:
             self._local.sdc.found.clear()
             return reply
         assert self._coord is not None
+        if self.coordinator_quiet():
+            return None  # it did not answer a moment ago: no commit info, as if asked
         try:
             msg = self._coord.request(kind, body, "commit_info", COORDINATOR_TIMEOUT_S)
-        except (UnreachableError, FtrunError) as e:
+        except UnreachableError as e:
+            log.warning("coordinator: %s", e)
+            self.coordinator_unanswered()
+            return None
+        except FtrunError as e:
+            self.coordinator_answered()  # (an error reply is an answer)
             log.warning("coordinator: %s", e)
             return None
+        self.coordinator_answered()
         return msg.body
+
+    def coordinator_quiet(self) -> bool:
+        """Whether the coordinator left a request unanswered within COORDINATOR_QUIET_S (and
+        is still the one asked: a failover moves the store to another)."""
+        coord = self._coord
+        return coord is not None and self._quiet == (coord.term, coord.address) \
+            and time.monotonic() < self._quiet_until
+
+    def coordinator_answered(self) -> None:
+        self._unanswered = 0
+
+    def coordinator_unanswered(self) -> None:
+        """The coordinator did not answer a request: after COORDINATOR_QUIET_AFTER in a row,
+        ask it nothing for a while."""
+        assert self._coord is not None
+        self._unanswered += 1
+        if self._unanswered < COORDINATOR_QUIET_AFTER:
+            return
+        self._unanswered = 0
+        self._quiet = (self._coord.term, self._coord.address)
+        self._quiet_until = time.monotonic() + COORDINATOR_QUIET_S
+        log.warning("coordinator at %s did not answer %d requests in a row: asking it nothing "
+                    "for %g s", self._coord.address, COORDINATOR_QUIET_AFTER,
+                    COORDINATOR_QUIET_S)
 
     def epoch_body(self, epoch: str, base_step: int) -> dict[str, Any]:
         body: dict[str, Any] = {"node_id": self.cfg.node_id, "epoch": epoch,

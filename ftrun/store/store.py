@@ -172,7 +172,7 @@ class SnapshotStore:
                 continue
         if self._replication is not None:
             total += self._replication.receiver.nbytes()  # peers' replicas held here
-        if self._coord is not None:
+        if self._coord is not None and (final or not self.commits.coordinator_quiet()):
             extra = self._replication.report_fields() if self._replication is not None else {}
             if self._shards is not None:
                 extra["shard_addr"] = self._shards.address
@@ -190,7 +190,11 @@ class SnapshotStore:
                 }, None, COORDINATOR_TIMEOUT_S)
                 if reply.kind == "replica_plan" and self._replication is not None:
                     self._replication.set_plan(reply.body)
-            except (UnreachableError, FtrunError) as e:
+                self.commits.coordinator_answered()
+            except UnreachableError as e:
+                log.debug("store report: %s", e)
+                self.commits.coordinator_unanswered()
+            except FtrunError as e:
                 log.debug("store report: %s", e)
 
     def _poll(self) -> None:

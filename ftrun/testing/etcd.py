@@ -16,10 +16,12 @@ import contextlib
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import urllib.request
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,8 @@ class EtcdCluster:
     takes (``127.0.0.1:P1,127.0.0.1:P2,...``).
     """
 
-    def __init__(self, base: Path, members: int = 3, host: str = "127.0.0.1") -> None:
+    def __init__(self, base: Path, members: int = 3, host: str = "127.0.0.1",
+                 tls: TestCerts | None = None) -> None:
         if members < 1:
             raise ValueError(f"an etcd cluster needs at least one member, not {members}")
         binary = etcd_binary()
@@ -55,14 +58,19 @@ class EtcdCluster:
         self.binary = binary
         self.base = base
         self.host = host  # the address every member listens on (loopback by default)
+        # With ``tls``, members serve their clients over https and ask each for a
+        # certificate signed by the test CA (peers still talk plain http among themselves).
+        self.tls = tls
         self.names = [f"m{i}" for i in range(members)]
         self.client_ports = [free_port() for _ in self.names]
         self.peer_ports = [free_port() for _ in self.names]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
+        self._token = f"ftrun-test-{uuid.uuid4().hex[:12]}"
 
     @property
     def endpoints(self) -> str:
-        return ",".join(f"{self.host}:{p}" for p in self.client_ports)
+        scheme = "https://" if self.tls else ""
+        return ",".join(f"{scheme}{self.host}:{p}" for p in self.client_ports)
 
     def __enter__(self) -> EtcdCluster:
         return self.start()
@@ -71,12 +79,9 @@ class EtcdCluster:
         self.stop()
 
     def start(self) -> EtcdCluster:
-        cluster = ",".join(f"{n}=http://{self.host}:{p}"
-                           for n, p in zip(self.names, self.peer_ports, strict=True))
-        token = f"ftrun-test-{uuid.uuid4().hex[:12]}"
         try:
-            for i, name in enumerate(self.names):
-                self.procs[i] = self._start_member(i, name, cluster, token)
+            for i in range(len(self.names)):
+                self.start_member(i)
             try:
                 wait_for(self.healthy, START_TIMEOUT_S, "etcd members healthy")
             except AssertionError as e:
@@ -86,9 +91,19 @@ class EtcdCluster:
             raise
         return self
 
-    def _start_member(self, i: int, name: str, cluster: str,
-                      token: str) -> subprocess.Popen[bytes]:
-        client = f"http://{self.host}:{self.client_ports[i]}"
+    def start_member(self, i: int) -> None:
+        """Start member ``i`` (again, after :meth:`stop_member`: it rejoins with its data)."""
+        if self.procs[i] is not None:
+            raise RuntimeError(f"etcd member {self.names[i]} is running already")
+        self.procs[i] = self._start_member(i, self.names[i])
+
+    def _start_member(self, i: int, name: str) -> subprocess.Popen[bytes]:
+        cluster = ",".join(f"{n}=http://{self.host}:{p}"
+                           for n, p in zip(self.names, self.peer_ports, strict=True))
+        client = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_ports[i]}"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+            "--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
         peer = f"http://{self.host}:{self.peer_ports[i]}"
         data = self.base / name
         data.mkdir(parents=True, exist_ok=True)
@@ -98,9 +113,9 @@ class EtcdCluster:
                  "--listen-client-urls", client, "--advertise-client-urls", client,
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                 "--initial-cluster-token", token,
+                 "--initial-cluster-token", self._token,
                  "--heartbeat-interval", "50", "--election-timeout", "500",
-                 "--log-level", "warn"],
+                 "--log-level", "warn", *tls],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
@@ -108,9 +123,14 @@ class EtcdCluster:
         return proc
 
     def member_healthy(self, i: int) -> bool:
-        url = f"http://{self.host}:{self.client_ports[i]}/health"
+        scheme = "https" if self.tls else "http"
+        url = f"{scheme}://{self.host}:{self.client_ports[i]}/health"
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback
+            with urllib.request.urlopen(url, timeout=2, context=context) as response:  # noqa: S310
                 return b'"true"' in response.read()
         except OSError:
             return False
@@ -151,6 +171,44 @@ class EtcdCluster:
                 text = (self.base / f"{name}.log").read_text(errors="replace")
                 parts.append(f"--- etcd {name} ---\n{text[-1500:]}")
         return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class TestCerts:
+    """A throw-away CA, a server certificate for ``host`` and a client certificate, made
+    with ``openssl`` under ``base`` (:meth:`make`)."""
+
+    __test__ = False  # (not a pytest class)
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    @classmethod
+    def make(cls, base: Path, host: str = "127.0.0.1") -> TestCerts:
+        base.mkdir(parents=True, exist_ok=True)
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=base, check=True, capture_output=True,
+                           timeout=60)
+
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                "/CN=ftrun-test-ca", "-keyout", "ca.key", "-out", "ca.pem")
+        # etcd's JSON gateway dials its own gRPC server with the server certificate: under
+        # --client-cert-auth that certificate must be good for client authentication too.
+        for name, ext in (("server", f"subjectAltName=IP:{host}\n"
+                                     "extendedKeyUsage=serverAuth,clientAuth"),
+                          ("client", "extendedKeyUsage=clientAuth")):
+            (base / f"{name}.ext").write_text(ext + "\n")
+            openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=ftrun-test-{name}",
+                    "-keyout", f"{name}.key", "-out", f"{name}.csr")
+            openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                    "-CAcreateserial", "-days", "1", "-extfile", f"{name}.ext",
+                    "-out", f"{name}.pem")
+        return cls(base / "ca.pem", base / "server.pem", base / "server.key",
+                   base / "client.pem", base / "client.key")
 
 
 # One user-style job on etcd, as the failover test and bench run it: examples/user_ddp.py
