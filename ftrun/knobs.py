@@ -55,7 +55,7 @@ AGGREGATE_GROUP = Knob(
     "FTRUN_AGGREGATE_GROUP", "int", "16",
     "Launchers per aggregation group, read where the coordinator runs: one launcher of each "
     "group sends its group's heartbeats to the coordinator in one message per interval, so "
-    "the coordinator's work grows with the groups, not the nodes. Starts at twice this many "
+    "the coordinator's work grows with the groups, not the nodes. Starts above this many "
     "nodes; 0 or 1: every launcher reports directly.",
 )
 HANG_TIMEOUT = Knob(

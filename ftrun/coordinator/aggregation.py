@@ -10,10 +10,10 @@ directives, which the aggregator hands on in its reply to the member's next repo
 events and bye still go straight to the coordinator (they are rare), and so does everything
 while a launcher has no plan.
 
-**Small jobs are unchanged.** Aggregation starts only when at least two groups' worth of
-launchers have a node rank (:data:`MIN_GROUPS`); below that, and with a group size of 0 or 1
-(``FTRUN_AGGREGATE_GROUP``), every launcher reports directly as before. A group of one reports
-directly too.
+**Small jobs are unchanged.** Aggregation starts only when more launchers have a node rank
+than one group holds (there are two groups at least); up to that, and with a group size of 0
+or 1 (``FTRUN_AGGREGATE_GROUP``), every launcher reports directly as before. A group of one
+reports directly too.
 
 **Plans.** What one launcher is told is a :class:`Plan`: report directly (``via`` empty),
 aggregate your group (``via`` is the launcher itself), or report through ``via`` at ``addr``.
@@ -42,8 +42,6 @@ from typing import Any
 from ftrun.coordinator.api import Action
 from ftrun.coordinator.membership import NodeRecord
 
-# Aggregation starts once this many groups' worth of launchers have a node rank.
-MIN_GROUPS = 2
 DEFAULT_GROUP_SIZE = 16
 
 
@@ -108,7 +106,7 @@ class Groups:
                 continue
             count += 1
             ranked.setdefault(rank // max(1, size), []).append((rank, r))
-        if size <= 1 or count < MIN_GROUPS * size:
+        if size <= 1 or count <= size:
             ranked = {}
         handovers: list[tuple[int, str, str]] = []
         aggregators: dict[int, str] = {}
