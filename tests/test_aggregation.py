@@ -102,6 +102,19 @@ def test_the_aggregator_is_handed_on_when_lost_and_kept_while_live() -> None:
     assert groups.plan_of("n4/1").via == "" and groups.tell("n4/1", None) is not None
 
 
+def test_the_coordinators_host_aggregates_only_when_no_other_member_can() -> None:
+    groups = Groups(2, coordinator_host="n0")
+    nodes = [record(i, i) for i in range(4)]
+    groups.refresh(nodes, 1)
+    assert groups.plan_of("n1/1").via == "n1/1"  # not n0, the coordinator's host
+    assert groups.plan_of("n2/1").via == "n2/1"
+    nodes[1].lost = True
+    nodes[2].fields["group_rank"] = 1
+    nodes[3].fields["group_rank"] = 2
+    groups.refresh(nodes, 2)  # group 0 is n0 and n2 now; group 1 is n3 alone
+    assert groups.plan_of("n2/1").via == "n2/1" and groups.plan_of("n3/1") is None
+
+
 def test_group_size_knob_is_checked() -> None:
     assert parse_group_size("8", "FTRUN_AGGREGATE_GROUP") == 8
     for bad in ("-1", "x", "2.5"):

@@ -23,9 +23,13 @@ again (an ``aggregate`` directive, never acked) in its reply to any report namin
 An aggregator is named first and its members are pointed at it only once it reports where it
 listens (``aggr_addr`` in its heartbeat).
 
+**Who aggregates.** The member with the lowest node rank, but not on the coordinator's own
+host when another member is elsewhere (that host is the busiest of the job already, and
+losing it loses the coordinator too): deterministic, the same table gives the same choice.
+
 **Handover.** The aggregator of a group stays while it is live and in the group; when it is
-lost or leaves, or its node rank moves it out of the group, the member with the lowest node
-rank takes the role (deterministic: the same table gives the same choice). Members do not
+lost or leaves, or its node rank moves it out of the group, the next by the same rule takes
+the role. Members do not
 wait for that: a member whose aggregator stops answering falls back to reporting directly
 (:class:`ftrun.coordinator.client.NodeReporter`), so the coordinator keeps hearing from it.
 How a member's silence is judged while its aggregator is the one silent is
@@ -79,8 +83,9 @@ def parse_group_size(text: str, source: str) -> int:
 class Groups:
     """The coordinator's aggregation plan: groups, their aggregators, each launcher's plan."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, coordinator_host: str = "") -> None:
         self.group_size = group_size
+        self.coordinator_host = coordinator_host
         self._plans: dict[str, Plan] = {}  # node -> its plan (absent: direct, never told)
         self._aggregators: dict[int, str] = {}  # group -> its aggregator
         self._next = 0
@@ -117,7 +122,8 @@ class Groups:
             members.sort(key=lambda m: m[0])
             ids = {r.node_id for _, r in members}
             old = self._aggregators.get(group)
-            chosen = old if old in ids else members[0][1].node_id
+            away = [r for _, r in members if r.host != self.coordinator_host]
+            chosen = old if old in ids else (away or [members[0][1]])[0].node_id
             if old is not None and old != chosen:
                 handovers.append((group, old, chosen))
             aggregators[group] = chosen

@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 # Reports unanswered this long (at least; see silent_after) mean the way through the
 # aggregator is down; after a fall-back, the aggregator is tried again this much later.
-SILENT_S = 2.5
-SILENT_BEATS = 2.5
+SILENT_S = 2.0
+SILENT_BEATS = 2.0
 RETRY_S = 10.0
 # An aggregate message holds at most about this much JSON (far below the coordinator's 1 MiB).
 BATCH_BYTES = 512 * 1024

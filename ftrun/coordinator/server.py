@@ -185,7 +185,7 @@ class Coordinator:
                                                    knobs.AGGREGATE_GROUP.name)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        self._groups = Groups(aggregate_group)
+        self._groups = Groups(aggregate_group, socket.gethostname())
         self._next_plan = 0.0
         self._events = EventLog()
         self._directives = DirectiveBook()
