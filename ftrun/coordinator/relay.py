@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from ftrun import protocol
+from ftrun.coordinator.api import Action
 from ftrun.errors import ProtocolError
 from ftrun.protocol import messages as m
 from ftrun.protocol.messages import UNSET
@@ -100,8 +101,11 @@ class GroupRelay:
         if not self.upstream_ok(time.monotonic()):
             self.counters["unanswered"] += 1
             return None  # the member falls back to reporting directly
-        held = self._held.pop(node_id, None)
-        return m.Directives(directives=list(held.values()) if held else [])
+        held = list(self._held.pop(node_id, {}).values())
+        for d in held:
+            if d["action"] not in (Action.AGGREGATE, Action.REPORT):
+                log.info("directive %s (%s) handed on to %s", d["id"], d["action"], node_id)
+        return m.Directives(directives=held)
 
     def _on_heartbeat(self, msg: protocol.Message) -> m.Directives | None:
         b: m.Heartbeat = msg.body
