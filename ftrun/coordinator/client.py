@@ -460,7 +460,8 @@ class NodeReporter:
         link = self.upstream
         if link is not None and link.usable(now) and link.send(kind, body, now):
             self.sent["via_aggregator"] += 1
-            return "relayed"
+            if link.confirmed:
+                return "relayed"
         return client.send(kind, body)
 
     def _directive(self, d: dict[str, Any]) -> None:

@@ -22,9 +22,9 @@ aggregator has been silent about as long as the node (no later message from it t
 :data:`VIA_SLACK_S` after the node's last beat), the silence is the aggregator's, not the
 node's: the node is not judged, neither by the timeout nor early. When the aggregator is
 declared lost or leaves, its members' silence is counted from then (the *handover*): each
-member has fallen back, or soon falls back, to reporting directly, and is judged as any node
-from its next beat on; a member that went down with its aggregator is lost one timeout (or,
-while nodes fail, one early limit) after its aggregator.
+member has fallen back, or soon falls back, to reporting directly; it is judged by the
+timeout (not early) until it has beaten twice again, and as any node after. A member that
+went down with its aggregator is lost one timeout after its aggregator.
 """
 
 from __future__ import annotations
@@ -234,6 +234,9 @@ class Membership:
             if node.via in gone:
                 node.via = None
                 node.last_seen_mono = max(node.last_seen_mono, mono)
+                # Its beats' rhythm restarts: judged by the timeout, not early, until it
+                # has beaten twice again (its first direct report may take a few seconds).
+                node.beat_mono = node.beat_gap_s = node.beat_gap_max_s = 0.0
 
     def check_lost(self, caught_up_mono: float) -> list[tuple[str, float]]:
         """Mark lost the nodes silent for longer than the timeout up to ``caught_up_mono``

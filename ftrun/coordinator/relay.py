@@ -7,13 +7,15 @@ The coordinator decides who aggregates (:mod:`ftrun.coordinator.aggregation`); a
   heartbeats and keep-alives (each signed by its member and checked here), kept until the
   aggregator's next heartbeat, then sent on with the aggregator's own in one ``aggregate``
   message (split when large). The coordinator's reply holds each member's directives; a
-  member gets its own in the relay's reply to its next report. A relay that has not heard
-  from the coordinator for :data:`SILENT_S` answers nobody: its members, who take an answer as
+  member gets its own in the relay's reply to its next report. A relay whose aggregates the
+  coordinator has not answered for :data:`UPSTREAM_FACTOR` times the members' limit answers
+  nobody: its members, who take an answer as
   the sign that their reports reach the coordinator, fall back to reporting directly.
 - :class:`UpstreamLink`, in a member: whether its reports reach the coordinator through its
   aggregator. Each report is answered by the relay; when none is answered for
   :data:`SILENT_S` the member reports directly, and tries its aggregator again after
-  :data:`RETRY_S` unless the coordinator named another meanwhile.
+  :data:`RETRY_S` unless the coordinator named another meanwhile. Until an aggregator has
+  answered once (a new one, or one tried again), the member's reports also go directly.
 
 Both are used from the reporter's thread only.
 """
@@ -42,6 +44,10 @@ log = logging.getLogger(__name__)
 SILENT_S = 2.0
 SILENT_BEATS = 2.0
 RETRY_S = 10.0
+# An aggregator whose aggregates the coordinator has not answered for this many times the
+# members' limit stops answering them. Longer than theirs: a coordinator a few seconds behind
+# its messages must not get every member's report directly on top.
+UPSTREAM_FACTOR = 2.0
 # An aggregate message holds at most about this much JSON (far below the coordinator's 1 MiB).
 BATCH_BYTES = 512 * 1024
 # What a heartbeat's size is reckoned at: this much, and this much per worker.
@@ -74,7 +80,7 @@ class GroupRelay:
                               {"heartbeat": self._on_heartbeat, "keepalive": self._on_keepalive},
                               sender=node_id, typed=True)
         self.address = self._server.bind_tcp(host, context)
-        self._silent_s = silent_after(interval_s)
+        self._silent_s = UPSTREAM_FACTOR * silent_after(interval_s)
         self._heartbeats: dict[str, m.Heartbeat] = {}
         self._keepalives: dict[str, m.Keepalive] = {}
         # member -> its directives (by id) to hand on in the reply to its next report
@@ -190,6 +196,7 @@ class UpstreamLink:
 
         def answered(msg: protocol.Message) -> None:
             self._unanswered_since = None
+            self.confirmed = True
             on_reply(msg)
 
         self._client = Client(addr, secret, job, node_id, peer=f"aggregator {via}",
@@ -197,6 +204,10 @@ class UpstreamLink:
                               reconnect_s=(0.2, 2.0), context=context)
         self._unanswered_since: float | None = None
         self.down_until = 0.0  # reporting directly until then
+        # Whether the aggregator answered since this link was (re)opened: until it does, the
+        # member's reports go to the coordinator directly as well (a new aggregator, or one
+        # tried again after a fall-back, may be dead: no gap in what the coordinator hears).
+        self.confirmed = False
         self._created = time.monotonic()
         self._client.poll(0.0)  # connect now: the first report finds the connection made
 
@@ -231,4 +242,5 @@ class UpstreamLink:
     def _fall_back(self, now: float) -> None:
         self.down_until = now + RETRY_S
         self._unanswered_since = None
+        self.confirmed = False
         self._client.close()  # a fresh connection when tried again
