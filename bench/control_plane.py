@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,29 @@ def worker_state(node: int, step: int, interval_s: float = 1.0) -> dict[str, Any
 # -- a generator process: ``count`` simulated nodes ------------------------------------------
 
 
+def paced(n: int, t0: float, seconds: float, interval_s: float, clients: list[Client],
+          stats: dict[str, Any]) -> Iterator[tuple[int, int, float]]:
+    """(round r, sender j, now) for the ``n`` senders in turn, each once per interval
+    (sender j of round r is due at t0 + (r + j / n) * interval), until ``seconds`` passed;
+    reads replies while it waits, and notes in ``stats`` how late it fell behind."""
+    end = t0 + seconds
+    k = 0
+    while True:
+        r, j = divmod(k, n)
+        due = t0 + (r + j / n) * interval_s
+        now = time.monotonic()
+        if due >= end:
+            return
+        if due > now:
+            time.sleep(min(due - now, 0.05))
+            for client in clients[::max(1, n // 64)]:
+                client.poll(0)
+            continue
+        stats["late_max_s"] = max(stats["late_max_s"], now - due)
+        yield r, j, now
+        k += 1
+
+
 def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
              seconds: float, interval_s: float, full_every_s: float,
              group: int = 0) -> dict[str, Any]:
@@ -110,22 +134,9 @@ def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
     t0 = time.monotonic()
     for i, _, client in nodes:
         client.send("hello", {"node_id": f"sim-{i:05d}/1", "host": f"sim-{i:05d}", "pid": 1})
-    end = t0 + seconds
-    k = 0
     step = 0
-    while True:
-        # Node k of round r is due at t0 + r * interval + k / count * interval.
-        r, j = divmod(k, count)
-        due = t0 + (r + j / count) * interval_s
-        now = time.monotonic()
-        if due >= end:
-            break
-        if due > now:
-            time.sleep(min(due - now, 0.05))
-            for _, _, client in nodes[::max(1, count // 64)]:
-                client.poll(0)
-            continue
-        stats["late_max_s"] = max(stats["late_max_s"], now - due)
+    for r, j, now in paced(count, t0, seconds, interval_s,
+                           [client for *_, client in nodes], stats):
         i, composer, client = nodes[j]
         if i in asked:
             asked.discard(i)
@@ -142,7 +153,6 @@ def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
         if j % 256 == 255:
             for _, _, c in nodes[j - 255:j + 1]:
                 c.poll(0)
-        k += 1
     for _, _, client in nodes:
         client.close()
     ctx.term()
@@ -185,21 +195,8 @@ def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, coun
         for i in members:
             client.send("hello", {"node_id": f"sim-{i:05d}/1", "host": f"sim-{i:05d}",
                                   "pid": 1})
-    end = t0 + seconds
-    k = 0
-    n = len(groups)
-    while True:
-        r, j = divmod(k, n)
-        due = t0 + (r + j / n) * interval_s
-        now = time.monotonic()
-        if due >= end:
-            break
-        if due > now:
-            time.sleep(min(due - now, 0.05))
-            for *_, client in groups[::max(1, n // 64)]:
-                client.poll(0)
-            continue
-        stats["late_max_s"] = max(stats["late_max_s"], now - due)
+    for r, j, now in paced(len(groups), t0, seconds, interval_s,
+                           [client for *_, client in groups], stats):
         g0, members, composers, client = groups[j]
         heartbeats, keepalives = [], []
         for i in members:
@@ -227,7 +224,6 @@ def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, coun
         if j % 64 == 63:
             for *_, c in groups[j - 63:j + 1]:
                 c.poll(0)
-        k += 1
     for *_, client in groups:
         client.close()
     ctx.term()
