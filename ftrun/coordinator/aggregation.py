@@ -17,7 +17,7 @@ reports directly too.
 
 **Plans.** What one launcher is told is a :class:`Plan`: report directly (``via`` empty),
 aggregate your group (``via`` is the launcher itself), or report through ``via`` at ``addr``.
-Each plan has a number (unique in the coordinator's life); a launcher names the plan it
+Each plan has a number (unique, also across the coordinator's restarts); a launcher names the plan it
 follows in every heartbeat and keep-alive (``plan``), and the coordinator sends the plan
 again (an ``aggregate`` directive, never acked) in its reply to any report naming another.
 An aggregator is named first and its members are pointed at it only once it reports where it
@@ -40,6 +40,7 @@ Thread-safety: the coordinator's serving thread is the only caller.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +89,9 @@ class Groups:
         self.coordinator_host = coordinator_host
         self._plans: dict[str, Plan] = {}  # node -> its plan (absent: direct, never told)
         self._aggregators: dict[int, str] = {}  # group -> its aggregator
-        self._next = 0
+        # Plan numbers start from the clock: a restarted coordinator never gives a number a
+        # launcher still follows from its predecessor (2**20 plans a second to spare).
+        self._next = int(time.time()) << 20
         self._version = -1  # of the membership the plan was made from
         self.handovers = 0  # aggregators replaced (lost, left or moved)
 

@@ -428,10 +428,15 @@ class NodeReporter:
             self._directives(msg.body["directives"])
 
     def _serve_group(self) -> None:
-        if self.relay is not None:
-            self.relay.serve()
-        if self.upstream is not None:
-            self.upstream.poll()
+        """Take the members' reports (aggregator), read the aggregator's answers (member);
+        a failure here is logged and never stops the node's own heartbeats."""
+        try:
+            if self.relay is not None:
+                self.relay.serve()
+            if self.upstream is not None:
+                self.upstream.poll()
+        except Exception as e:  # noqa: BLE001 - the reporter's own beats come first
+            self._warn("group", 10.0, "aggregation: %s: %s", type(e).__name__, e)
 
     def _send_report(self, client: Client, kind: str, body: dict[str, Any]) -> str | None:
         """Send one heartbeat or keep-alive the way the plan says; the message id (or
