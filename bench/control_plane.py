@@ -17,8 +17,9 @@ on every second), signed and validated by the real protocol code. After ``--warm
 - reply latency: round trips of a ``hello`` (answered with an ack) from one more client, every
   0.2 s, queued behind the nodes' heartbeats like any message;
 - status latency: ``ftrun status``'s default request (summary and problem nodes), every 2 s;
-- after the window, the whole document fetched page by page as ``ftrun status --json`` does:
-  time, pages, bytes, the largest reply;
+- after the window, ``ftrun status`` run as an operator runs it (a new process), timed whole;
+  and the whole document fetched page by page as ``ftrun status --json`` does: time, pages,
+  bytes, the largest reply;
 - the coordinator's resident memory (VmRSS at the end, VmHWM peak);
 - false "lost": every simulated node stays alive, so every node reported lost is false.
 
@@ -353,6 +354,15 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
         for p in gens:
             out, _ = p.communicate(timeout=120)
             gen_stats.append(json.loads(out.strip().splitlines()[-1]))
+        # `ftrun status` as an operator types it (a new process: interpreter start, the job
+        # file, the request and the table of problem nodes), timed whole.
+        t = time.perf_counter()
+        cli = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id,
+                              "--state-dir", state], env=env, capture_output=True, text=True,
+                             timeout=60, check=False)
+        cli_s = time.perf_counter() - t
+        if cli.returncode not in (0, 3):
+            raise RuntimeError(f"ftrun status failed ({cli.returncode}): {cli.stderr[-2000:]}")
         # The whole document, page by page (ftrun status --json).
         t = time.perf_counter()
         offset: int | None = 0
@@ -396,6 +406,7 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
             "reply_ms_max": round(max(latencies) * 1e3, 2) if latencies else None,
             "status_ms_p50": round(pct(status_lat, 0.5) * 1e3, 1),
             "status_ms_max": round(max(status_lat) * 1e3, 1) if status_lat else None,
+            "cli_status_s": round(cli_s, 3),
             "full_status_s": round(full_s, 3), "full_status_pages": pages,
             "full_status_bytes": nbytes, "largest_reply_bytes": largest,
             "listed": listed, "joined": final["summary"]["nodes"] - 1,
@@ -433,6 +444,7 @@ COLUMNS = [
     ("cpu_load", "CPU load (cores)"),
     ("reply_ms_p50", "reply p50 ms"), ("reply_ms_p99", "reply p99 ms"),
     ("status_ms_p50", "status p50 ms"), ("status_ms_max", "status max ms"),
+    ("cli_status_s", "`ftrun status` s"),
     ("full_status_s", "full --json s"), ("full_status_pages", "pages"),
     ("largest_reply_bytes", "largest reply B"), ("peak_rss_mib", "peak RSS MiB"),
     ("lost", "lost (false)"), ("gen_late_max_s", "generator late s"),
