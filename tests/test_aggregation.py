@@ -15,11 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from conftest import wait_for as harness_wait_for
 
+from ftrun.coordinator import relay as relay_mod
 from ftrun.coordinator.aggregation import Groups, parse_group_size
 from ftrun.coordinator.membership import Membership, NodeRecord
+from ftrun.coordinator.relay import GroupRelay
 from ftrun.coordinator.server import Coordinator
+from ftrun.protocol.transport import Client
 from ftrun.testing.procs import kill_sessions
 
 pytestmark = pytest.mark.timeout(60)
@@ -179,6 +183,75 @@ def test_an_aggregator_that_says_bye_hands_its_members_over() -> None:
     assert ms.get("m").via is None and ms.get("m").last_seen_mono == 5.0
     assert ms.check_lost(14.0) == []
     assert [n for n, *_ in ms.check_lost(15.5)] == ["m"]
+
+
+# -- the aggregator's relay ---------------------------------------------------------------------
+
+
+def heartbeat(node: str, serial: int, workers: int = 1) -> dict[str, Any]:
+    return {"node_id": node, "host": node, "pid": 1, "state": "healthy", "group_rank": 1,
+            "group_world_size": 3, "restarts": 0, "max_restarts": 3, "last_error": None,
+            "serial": serial, "workers": [{"local_rank": i, "rank": i, "pid": 1,
+                                           "state": "healthy", "exitcode": None}
+                                          for i in range(workers)]}
+
+
+def test_the_relay_sends_its_members_reports_on_and_hands_their_directives_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = zmq.Context()
+    relay = GroupRelay(SECRET, JOB, "agg/1", "127.0.0.1", ctx, interval_s=0.5)
+    answers: list[Any] = []
+    members = [Client(relay.address, SECRET, JOB, f"m{i}/1", context=ctx,
+                      on_reply=answers.append) for i in range(3)]
+    try:
+        def send(i: int, kind: str, body: dict[str, Any]) -> None:
+            n = len(answers)
+            members[i].send(kind, body)
+            wait_for(lambda: relay.serve() + members[i].poll(0.01) >= 0 and len(answers) > n,
+                     what=f"the relay's answer to m{i}")
+
+        send(0, "heartbeat", heartbeat("m0/1", 4))
+        # A keep-alive while its full heartbeat waits: the full one goes, with its acks.
+        send(0, "keepalive", {"node_id": "m0/1", "same": 4, "acked": ["d1"], "plan": 7})
+        send(1, "keepalive", {"node_id": "m1/1", "same": 2})
+        relay.add_own("keepalive", {"node_id": "agg/1", "same": 9})
+        [batch] = relay.batches()
+        assert [(h.node_id, h.acked) for h in batch.heartbeats] == [("m0/1", ["d1"])]
+        assert sorted(k.node_id for k in batch.keepalives) == ["agg/1", "m1/1"]
+        assert relay.batches() == []  # sent on: nothing waits
+        # The coordinator's answer: the aggregator's own directives now, a member's in the
+        # relay's answer to its next report.
+        relay.sent(time.monotonic())
+        order = {"id": "d2", "action": "restart", "data": {"ranks": [1]}}
+        own = relay.deliver({"members": [
+            {"node_id": "agg/1", "directives": [{"id": "d3", "action": "probe", "data": {}}]},
+            {"node_id": "m1/1", "directives": [order]}]})
+        assert [d["id"] for d in own] == ["d3"]
+        send(1, "keepalive", {"node_id": "m1/1", "same": 2})
+        assert answers[-1].body["directives"] == [order]
+        send(1, "keepalive", {"node_id": "m1/1", "same": 2})
+        assert answers[-1].body["directives"] == []  # handed on once
+        # Large groups go on in several messages, each within the size budget.
+        monkeypatch.setattr(relay_mod, "BATCH_BYTES", 4000)
+        for i in range(6):
+            relay.add_own("heartbeat", heartbeat("agg/1", i, workers=4))
+            relay._heartbeats[f"x{i}/1"] = relay._heartbeats.pop("agg/1")
+        assert [len(b.heartbeats) for b in relay.batches()] == [2, 2, 2]
+        # The coordinator stops answering: the relay stops answering its members, who then
+        # report directly.
+        relay.sent(time.monotonic() - 60)
+        assert not relay.upstream_ok(time.monotonic())
+        n = len(answers)
+        members[2].send("keepalive", {"node_id": "m2/1", "same": 1})
+        wait_for(lambda: relay.serve() and relay.counters["unanswered"] == 1,
+                 what="the report taken")
+        members[2].poll(0.2)
+        assert len(answers) == n
+    finally:
+        for c in members:
+            c.close()
+        relay.close()
+        ctx.term()
 
 
 # -- real reporters, a real coordinator --------------------------------------------------------
