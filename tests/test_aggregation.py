@@ -279,7 +279,7 @@ def reporters(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
     kill_sessions(procs)
 
 
-def test_reporters_aggregate_and_a_killed_aggregator_is_handed_on_without_a_false_lost(
+def test_reporters_aggregate_a_killed_or_frozen_aggregator_causes_no_false_lost(
         tmp_path: Path, reporters: list[subprocess.Popen[str]]) -> None:
     c = Coordinator(JOB, SECRET, bind_host="127.0.0.1", node_timeout_s=3.0,
                     events_file=tmp_path / "events.jsonl", aggregate_group=3)
@@ -320,5 +320,16 @@ def test_reporters_aggregate_and_a_killed_aggregator_is_handed_on_without_a_fals
         assert lost == ["node0/1"], lost
         doc = c.status_document()
         assert [n["node_id"] for n in doc["nodes"] if n["lost"]] == ["node0/1"]
+        # The new aggregator freezes (as behind a cut link: its connections stay, nothing
+        # answers): its member reports directly, and only the frozen one is lost.
+        os.killpg(reporters[1].pid, signal.SIGSTOP)
+        wait_for(lambda: [e for e in c.events() if e["type"] == "node_lost"
+                          and e["node"] == "node1/1"], what="node1 lost")
+        wait_for(lambda: c._membership.get("node2/1").via is None, what="node2 direct")
+        os.killpg(reporters[1].pid, signal.SIGCONT)
+        wait_for(lambda: [e for e in c.events() if e["type"] == "node_joined"
+                          and e["node"] == "node1/1" and e.get("rejoined")], what="node1 back")
+        lost = [e["node"] for e in c.events() if e["type"] == "node_lost"]
+        assert lost == ["node0/1", "node1/1"], lost
     finally:
         c.stop(timeout_s=2)
