@@ -21,7 +21,8 @@ on every second), signed and validated by the real protocol code. After ``--warm
   and the whole document fetched page by page as ``ftrun status --json`` does: time, pages,
   bytes, the largest reply;
 - the coordinator's resident memory (VmRSS at the end, VmHWM peak);
-- false "lost": every simulated node stays alive, so every node reported lost is false.
+- false "lost": every simulated node stays alive, so every node reported lost by the end of
+  the window is false (read while the generators still run).
 
 Two modes (``--modes``, each node count run in each, side by side): ``direct``, every node
 reports to the coordinator itself as above; ``aggregated`` (ftrun.coordinator.aggregation),
@@ -346,6 +347,11 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
         doc, _, _ = status_page(client, {"nodes": "none"})
         cpu1, msgs1, t1 = proc_cpu_s(coord.pid), doc["coordinator"]["messages"]["messages"], \
             time.monotonic()
+        # False "lost" is read here, while every simulated node still reports: once the
+        # generators stop, every node falls silent, and on a slow machine the reads below
+        # can outlast the node timeout.
+        lost_at_end, t1_wall = doc["summary"]["nodes_lost"], time.time()
+        agg = doc["coordinator"].get("aggregation") or {}
         threads1 = thread_cpu_s(coord.pid)
         by_thread = {name: round((threads1[name] - threads0.get(name, 0.0))
                                  / max(1, msgs1 - msgs0) * 1e6, 1)
@@ -381,13 +387,13 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
             reply = client.request("events_request", {"since": since}, "events_reply", 30.0)
             events = reply.body["events"]
             lost_events += sum(1 for e in events if e["type"] == "node_lost"
+                               and e["ts"] <= t1_wall
                                and str(e.get("node", "")).startswith("sim-"))
             if not reply.body.get("more") or not events:
                 break
             since = events[-1]["seq"]
         client.close()
         msgs = msgs1 - msgs0
-        agg = final["coordinator"].get("aggregation") or {}
         return {
             "mode": mode, "group": group or 1,
             "nodes": n_nodes, "ranks": n_nodes * WORKERS, "full_every_s": args.full_every,
@@ -411,7 +417,7 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
             "full_status_bytes": nbytes, "largest_reply_bytes": largest,
             "listed": listed, "joined": final["summary"]["nodes"] - 1,
             "rss_mib": round(rss, 1), "peak_rss_mib": round(hwm, 1),
-            "lost": final["summary"]["nodes_lost"], "lost_events": lost_events,
+            "lost": lost_at_end, "lost_events": lost_events,
             "behind_s": final["coordinator"]["behind_s"],
             "sent": sum(g["sent"] for g in gen_stats),
             "full": sum(g["full"] for g in gen_stats),
