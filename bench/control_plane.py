@@ -358,7 +358,7 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
                      for name in threads1 if threads1[name] - threads0.get(name, 0.0) > 0}
         gen_stats = []
         for p in gens:
-            out, _ = p.communicate(timeout=120)
+            out, _ = p.communicate(timeout=300)
             gen_stats.append(json.loads(out.strip().splitlines()[-1]))
         # `ftrun status` as an operator types it (a new process: interpreter start, the job
         # file, the request and the table of problem nodes), timed whole.

@@ -550,31 +550,39 @@ class Coordinator:
         each applied as if its launcher had sent it; the reply holds each one's directives."""
         b: m.Aggregate = msg.body
         out: list[m.MemberDirectives] = []
+        now, mono = time.time(), time.monotonic()  # one arrival for the whole group
         for hb in b.heartbeats:
-            directives = self._heartbeat(m.to_dict(hb), b.node_id)
+            directives = self._heartbeat(m.to_dict(hb), b.node_id, now, mono)
             if directives:
                 out.append(m.MemberDirectives(node_id=hb.node_id, directives=directives))
         for ka in b.keepalives:
-            directives = self._keepalive(ka, b.node_id)
+            directives = self._keepalive(ka, b.node_id, now, mono)
             if directives:
                 out.append(m.MemberDirectives(node_id=ka.node_id, directives=directives))
         return m.AggregateReply(members=out)
 
-    def _heartbeat(self, body: dict[str, Any], via: str | None) -> list[Any]:
-        """Apply one full heartbeat (a plain body, directly or through aggregator ``via``);
-        returns the directives for its node."""
-        node, joined = self._membership.heartbeat(body, time.time(), time.monotonic(), via)
+    def _heartbeat(self, body: dict[str, Any], via: str | None, now: float | None = None,
+                   mono: float | None = None) -> list[Any]:
+        """Apply one full heartbeat (a plain body, directly or through aggregator ``via``)
+        that arrived at ``now``/``mono`` (default: now); returns the directives for its
+        node."""
+        node, joined = self._membership.heartbeat(
+            body, time.time() if now is None else now,
+            time.monotonic() if mono is None else mono, via)
         if joined is not None:
             self._joined(node.node_id, joined)
         out = self._directives_for(node.node_id, body.get("acked"))
         plan = self._groups.tell(node.node_id, body.get("plan"))
         return [plan, *out] if plan is not None else out
 
-    def _keepalive(self, b: m.Keepalive, via: str | None) -> list[Any]:
-        """Apply one keep-alive; returns the directives for its node (a request for a full
-        heartbeat first, when the coordinator does not hold its workers)."""
-        node, joined, stale = self._membership.keepalive(b.node_id, b.same, time.time(),
-                                                         time.monotonic(), via)
+    def _keepalive(self, b: m.Keepalive, via: str | None, now: float | None = None,
+                   mono: float | None = None) -> list[Any]:
+        """Apply one keep-alive (as :meth:`_heartbeat`); returns the directives for its node
+        (a request for a full heartbeat first, when the coordinator does not hold its
+        workers)."""
+        node, joined, stale = self._membership.keepalive(
+            b.node_id, b.same, time.time() if now is None else now,
+            time.monotonic() if mono is None else mono, via)
         if joined is not None:
             self._joined(node.node_id, joined)
         out = self._directives_for(node.node_id, None if b.acked is UNSET else b.acked)
