@@ -1,6 +1,7 @@
 """Benchmark: the coordinator under thousands of nodes, as an operator would run it.
 
-    .venv/bin/python bench/control_plane.py [--nodes 1024,2048,4096] [--output bench/RESULTS.md]
+    .venv/bin/python bench/control_plane.py [--nodes 1024,2048,4096] [--modes direct,aggregated]
+        [--group 16] [--output bench/RESULTS.md]
 
 For each node count N: a real ``ftrun coordinator`` process (it also hosts the rendezvous
 store), and N simulated nodes of 8 workers each, spread over ``--generators`` processes. Every
@@ -16,10 +17,21 @@ on every second), signed and validated by the real protocol code. After ``--warm
 - reply latency: round trips of a ``hello`` (answered with an ack) from one more client, every
   0.2 s, queued behind the nodes' heartbeats like any message;
 - status latency: ``ftrun status``'s default request (summary and problem nodes), every 2 s;
-- after the window, the whole document fetched page by page as ``ftrun status --json`` does:
-  time, pages, bytes, the largest reply;
+- after the window, ``ftrun status`` run as an operator runs it (a new process), timed whole;
+  and the whole document fetched page by page as ``ftrun status --json`` does: time, pages,
+  bytes, the largest reply;
 - the coordinator's resident memory (VmRSS at the end, VmHWM peak);
-- false "lost": every simulated node stays alive, so every node reported lost is false.
+- false "lost": every simulated node stays alive, so every node reported lost by the end of
+  the window is false (read while the generators still run).
+
+Two modes (``--modes``, each node count run in each, side by side): ``direct``, every node
+reports to the coordinator itself as above; ``aggregated`` (ftrun.coordinator.aggregation),
+the nodes are cut into groups of ``--group`` by node rank, and each group's aggregator sends
+its members' heartbeats and keep-alives (each composed by the member's own composer) in one
+``aggregate`` message per interval over its own connection; it follows the coordinator's
+plan (the members' ``plan`` numbers, full heartbeats when asked) as the launcher's relay
+does. The hop from member to aggregator costs the aggregator, not the coordinator, and is not
+simulated; hellos travel on the aggregators' connections.
 
 The machine this runs on is shared: the generators and the coordinator compete for its cores,
 so a generator may fall behind its schedule (``late`` is how far).
@@ -35,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -73,8 +86,35 @@ def worker_state(node: int, step: int, interval_s: float = 1.0) -> dict[str, Any
 # -- a generator process: ``count`` simulated nodes ------------------------------------------
 
 
+def paced(n: int, t0: float, seconds: float, interval_s: float, clients: list[Client],
+          stats: dict[str, Any]) -> Iterator[tuple[int, int, float]]:
+    """(round r, sender j, now) for the ``n`` senders in turn, each once per interval
+    (sender j of round r is due at t0 + (r + j / n) * interval), until ``seconds`` passed;
+    reads replies while it waits, and notes in ``stats`` how late it fell behind."""
+    end = t0 + seconds
+    k = 0
+    while True:
+        r, j = divmod(k, n)
+        due = t0 + (r + j / n) * interval_s
+        now = time.monotonic()
+        if due >= end:
+            return
+        if due > now:
+            time.sleep(min(due - now, 0.05))
+            for client in clients[::max(1, n // 64)]:
+                client.poll(0)
+            continue
+        stats["late_max_s"] = max(stats["late_max_s"], now - due)
+        yield r, j, now
+        k += 1
+
+
 def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
-             seconds: float, interval_s: float, full_every_s: float) -> dict[str, Any]:
+             seconds: float, interval_s: float, full_every_s: float,
+             group: int = 0) -> dict[str, Any]:
+    if group > 1:
+        return generate_aggregated(endpoint, secret, job, first, count, seconds, interval_s,
+                                   full_every_s, group)
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, count + 64)
     asked: set[int] = set()
@@ -96,22 +136,9 @@ def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
     t0 = time.monotonic()
     for i, _, client in nodes:
         client.send("hello", {"node_id": f"sim-{i:05d}/1", "host": f"sim-{i:05d}", "pid": 1})
-    end = t0 + seconds
-    k = 0
     step = 0
-    while True:
-        # Node k of round r is due at t0 + r * interval + k / count * interval.
-        r, j = divmod(k, count)
-        due = t0 + (r + j / count) * interval_s
-        now = time.monotonic()
-        if due >= end:
-            break
-        if due > now:
-            time.sleep(min(due - now, 0.05))
-            for _, _, client in nodes[::max(1, count // 64)]:
-                client.poll(0)
-            continue
-        stats["late_max_s"] = max(stats["late_max_s"], now - due)
+    for r, j, now in paced(count, t0, seconds, interval_s,
+                           [client for *_, client in nodes], stats):
         i, composer, client = nodes[j]
         if i in asked:
             asked.discard(i)
@@ -128,8 +155,78 @@ def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
         if j % 256 == 255:
             for _, _, c in nodes[j - 255:j + 1]:
                 c.poll(0)
-        k += 1
     for _, _, client in nodes:
+        client.close()
+    ctx.term()
+    return stats
+
+
+def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, count: int,
+                        seconds: float, interval_s: float, full_every_s: float,
+                        group: int) -> dict[str, Any]:
+    """``count`` nodes from ``first`` as groups of ``group``: one connection and one
+    ``aggregate`` a second per group, each holding every member's own report."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, count // group + 64)
+    plans: dict[int, int] = {}  # node -> the plan it follows
+    want_full: set[int] = set()
+    groups = []
+    for g0 in range(first, first + count, group):
+        members = list(range(g0, min(g0 + group, first + count)))
+        composers = {i: HeartbeatComposer(f"sim-{i:05d}/1", f"sim-{i:05d}", 1, full_every_s)
+                     for i in members}
+
+        def on_reply(msg: Any) -> None:
+            if msg.kind != "aggregate_reply":
+                return
+            for entry in msg.body["members"]:
+                i = int(entry["node_id"][4:9])
+                for d in entry["directives"]:
+                    if d["action"] == REPORT_ACTION:
+                        want_full.add(i)
+                    elif d["action"] == "aggregate":
+                        plans[i] = int(d["data"]["plan"])
+
+        client = coordinator_client(endpoint, secret, job, f"sim-{g0:05d}/1", context=ctx,
+                                    on_reply=on_reply, sndhwm=100)
+        groups.append((g0, members, composers, client))
+    stats = {"sent": 0, "dropped": 0, "full": 0, "keepalive": 0, "asked_full": 0,
+             "late_max_s": 0.0, "reports": 0}
+    t0 = time.monotonic()
+    for _, members, _, client in groups:
+        for i in members:
+            client.send("hello", {"node_id": f"sim-{i:05d}/1", "host": f"sim-{i:05d}",
+                                  "pid": 1})
+    for r, j, now in paced(len(groups), t0, seconds, interval_s,
+                           [client for *_, client in groups], stats):
+        g0, members, composers, client = groups[j]
+        heartbeats, keepalives = [], []
+        for i in members:
+            composer = composers[i]
+            if i in want_full:
+                want_full.discard(i)
+                composer.want_full()
+                stats["asked_full"] += 1
+            state = worker_state(i, r)
+            if i == g0:
+                state["aggr_addr"] = f"sim-{g0:05d}:1"
+            kind, body = composer.compose(state, now)
+            if i in plans:
+                body["plan"] = plans[i]
+            stats["full" if kind == "heartbeat" else "keepalive"] += 1
+            (heartbeats if kind == "heartbeat" else keepalives).append(body)
+        if client.send("aggregate", {"node_id": f"sim-{g0:05d}/1", "heartbeats": heartbeats,
+                                     "keepalives": keepalives}) is None:
+            stats["dropped"] += 1
+            for i in members:
+                composers[i].want_full()
+        else:
+            stats["sent"] += 1
+            stats["reports"] += len(members)
+        if j % 64 == 63:
+            for *_, c in groups[j - 63:j + 1]:
+                c.poll(0)
+    for *_, client in groups:
         client.close()
     ctx.term()
     return stats
@@ -183,7 +280,10 @@ def status_page(client: Client, body: dict[str, Any]) -> tuple[dict[str, Any], i
     return reply.body["doc"], size, dt
 
 
-def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
+            env: dict[str, str]) -> dict[str, Any]:
+    group = args.group if mode == "aggregated" else 0
+    env = {**env, "FTRUN_AGGREGATE_GROUP": str(group)}
     tmp = Path(tempfile.mkdtemp(prefix="ftrun-cp-"))
     run_id = f"cp{n_nodes}-{os.getpid()}"
     state = str(tmp / "state")
@@ -211,6 +311,8 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
         secret = jobs.load_secret(run_id, state, create=False)
         total = args.warmup + args.seconds
         per = -(-n_nodes // args.generators)
+        if group > 1:  # whole groups per generator
+            per = -(-per // group) * group
         for g in range(args.generators):
             first, count = g * per, min(per, n_nodes - g * per)
             if count <= 0:
@@ -219,7 +321,8 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
                 [sys.executable, __file__, "_generate", "--endpoint", endpoint,
                  "--secret-hex", secret.hex(), "--job", run_id, "--first", str(first),
                  "--count", str(count), "--seconds", str(total),
-                 "--interval", str(args.interval), "--full-every", str(args.full_every)],
+                 "--interval", str(args.interval), "--full-every", str(args.full_every),
+                 "--group", str(group)],
                 env=env, stdout=subprocess.PIPE, text=True))
         client = coordinator_client(endpoint, secret, run_id, "bench-probe")
         t_start = time.monotonic()
@@ -244,14 +347,28 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
         doc, _, _ = status_page(client, {"nodes": "none"})
         cpu1, msgs1, t1 = proc_cpu_s(coord.pid), doc["coordinator"]["messages"]["messages"], \
             time.monotonic()
+        # False "lost" is read here, while every simulated node still reports: once the
+        # generators stop, every node falls silent, and on a slow machine the reads below
+        # can outlast the node timeout.
+        lost_at_end, t1_wall = doc["summary"]["nodes_lost"], time.time()
+        agg = doc["coordinator"].get("aggregation") or {}
         threads1 = thread_cpu_s(coord.pid)
         by_thread = {name: round((threads1[name] - threads0.get(name, 0.0))
                                  / max(1, msgs1 - msgs0) * 1e6, 1)
                      for name in threads1 if threads1[name] - threads0.get(name, 0.0) > 0}
         gen_stats = []
         for p in gens:
-            out, _ = p.communicate(timeout=120)
+            out, _ = p.communicate(timeout=300)
             gen_stats.append(json.loads(out.strip().splitlines()[-1]))
+        # `ftrun status` as an operator types it (a new process: interpreter start, the job
+        # file, the request and the table of problem nodes), timed whole.
+        t = time.perf_counter()
+        cli = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id,
+                              "--state-dir", state], env=env, capture_output=True, text=True,
+                             timeout=60, check=False)
+        cli_s = time.perf_counter() - t
+        if cli.returncode not in (0, 3):
+            raise RuntimeError(f"ftrun status failed ({cli.returncode}): {cli.stderr[-2000:]}")
         # The whole document, page by page (ftrun status --json).
         t = time.perf_counter()
         offset: int | None = 0
@@ -270,6 +387,7 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
             reply = client.request("events_request", {"since": since}, "events_reply", 30.0)
             events = reply.body["events"]
             lost_events += sum(1 for e in events if e["type"] == "node_lost"
+                               and e["ts"] <= t1_wall
                                and str(e.get("node", "")).startswith("sim-"))
             if not reply.body.get("more") or not events:
                 break
@@ -277,6 +395,7 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
         client.close()
         msgs = msgs1 - msgs0
         return {
+            "mode": mode, "group": group or 1,
             "nodes": n_nodes, "ranks": n_nodes * WORKERS, "full_every_s": args.full_every,
             "window_s": round(t1 - t0, 2), "messages": msgs,
             "msg_per_s": round(msgs / (t1 - t0), 1),
@@ -293,11 +412,12 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
             "reply_ms_max": round(max(latencies) * 1e3, 2) if latencies else None,
             "status_ms_p50": round(pct(status_lat, 0.5) * 1e3, 1),
             "status_ms_max": round(max(status_lat) * 1e3, 1) if status_lat else None,
+            "cli_status_s": round(cli_s, 3),
             "full_status_s": round(full_s, 3), "full_status_pages": pages,
             "full_status_bytes": nbytes, "largest_reply_bytes": largest,
             "listed": listed, "joined": final["summary"]["nodes"] - 1,
             "rss_mib": round(rss, 1), "peak_rss_mib": round(hwm, 1),
-            "lost": final["summary"]["nodes_lost"], "lost_events": lost_events,
+            "lost": lost_at_end, "lost_events": lost_events,
             "behind_s": final["coordinator"]["behind_s"],
             "sent": sum(g["sent"] for g in gen_stats),
             "full": sum(g["full"] for g in gen_stats),
@@ -305,6 +425,10 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
             "dropped": sum(g["dropped"] for g in gen_stats),
             "asked_full": sum(g["asked_full"] for g in gen_stats),
             "gen_late_max_s": round(max(g["late_max_s"] for g in gen_stats), 2),
+            "reports_per_s": round(sum(g.get("reports", g["sent"]) for g in gen_stats) / total,
+                                   1),
+            "groups": agg.get("groups", 0),
+            "members_via_aggregator": agg.get("members_via_aggregator", 0),
         }
     finally:
         for p in gens:
@@ -320,12 +444,13 @@ def run_one(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict
 
 
 COLUMNS = [
-    ("nodes", "nodes"), ("ranks", "ranks"), ("full_every_s", "full every s"),
-    ("msg_per_s", "msgs/s"), ("cpu_us_per_msg", "CPU µs/msg"),
+    ("mode", "mode"), ("nodes", "nodes"), ("ranks", "ranks"), ("group", "group"),
+    ("reports_per_s", "node reports/s"), ("msg_per_s", "msgs/s"), ("cpu_us_per_msg", "CPU µs/msg"),
     ("cpu_us_python", "of which Python"), ("cpu_us_zmq_io", "of which ZeroMQ I/O"),
     ("cpu_load", "CPU load (cores)"),
     ("reply_ms_p50", "reply p50 ms"), ("reply_ms_p99", "reply p99 ms"),
     ("status_ms_p50", "status p50 ms"), ("status_ms_max", "status max ms"),
+    ("cli_status_s", "`ftrun status` s"),
     ("full_status_s", "full --json s"), ("full_status_pages", "pages"),
     ("largest_reply_bytes", "largest reply B"), ("peak_rss_mib", "peak RSS MiB"),
     ("lost", "lost (false)"), ("gen_late_max_s", "generator late s"),
@@ -352,6 +477,7 @@ def main() -> int:
     g.add_argument("--seconds", type=float, required=True)
     g.add_argument("--interval", type=float, default=1.0)
     g.add_argument("--full-every", type=float, default=FULL_EVERY_S)
+    g.add_argument("--group", type=int, default=0)
     parser.add_argument("--nodes", default="1024,2048,4096")
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
     parser.add_argument("--warmup", type=float, default=10.0)
@@ -360,27 +486,37 @@ def main() -> int:
     parser.add_argument("--full-every", type=float, default=FULL_EVERY_S,
                         help="seconds between full heartbeats of an unchanged node (0: every "
                              "heartbeat is full, as before keep-alives)")
+    parser.add_argument("--modes", default="direct",
+                        help="direct, aggregated, or both (comma-separated): each node count "
+                             "is run in each")
+    parser.add_argument("--group", type=int, default=16,
+                        help="launchers per aggregation group in the aggregated mode")
     parser.add_argument("--node-timeout", type=float, default=10.0)
     parser.add_argument("--output", type=Path, default=None,
                         help="append the results as a section of this Markdown file")
     args = parser.parse_args()
     if args.cmd == "_generate":
         stats = generate(args.endpoint, bytes.fromhex(args.secret_hex), args.job, args.first,
-                         args.count, args.seconds, args.interval, args.full_every)
+                         args.count, args.seconds, args.interval, args.full_every, args.group)
         print(json.dumps(stats), flush=True)
         return 0
     env = dict(os.environ, PYTHONPATH=str(REPO))
     results = []
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"direct", "aggregated"}:
+        parser.error(f"--modes {args.modes!r}: give direct, aggregated, or both")
     for n in (int(x) for x in args.nodes.split(",")):
-        r = run_one(n, args, env)
-        print(json.dumps(r), flush=True)
-        results.append(r)
+        for mode in modes:
+            r = run_one(n, mode, args, env)
+            print(json.dumps(r), flush=True)
+            results.append(r)
     cmd = "python bench/control_plane.py " + " ".join(sys.argv[1:])
     text = (f"\n## Control plane at scale (`bench/control_plane.py`)\n\n"
             f"`{cmd}`, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
             f"{platform.node()}: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
             f"shared by the coordinator, the {args.generators} generator processes and "
-            f"other work; heartbeats every {args.interval:g} s (full every "
+            f"other work; modes {', '.join(modes)} (aggregation groups of {args.group}); "
+            f"heartbeats every {args.interval:g} s (full every "
             f"{args.full_every:g} s when unchanged, keep-alives between), 8 workers per node, "
             f"{args.seconds:g} s window after {args.warmup:g} s warm-up.\n\n"
             + table(results) + "\n")

@@ -51,6 +51,13 @@ NODE_TIMEOUT = Knob(
     "FTRUN_NODE_TIMEOUT", "seconds", "10.0",
     "A node silent for this long is reported lost by the coordinator.",
 )
+AGGREGATE_GROUP = Knob(
+    "FTRUN_AGGREGATE_GROUP", "int", "16",
+    "Launchers per aggregation group, read where the coordinator runs: one launcher of each "
+    "group sends its group's heartbeats to the coordinator in one message per interval, so "
+    "the coordinator's work grows with the groups, not the nodes. Starts above this many "
+    "nodes; 0 or 1: every launcher reports directly.",
+)
 HANG_TIMEOUT = Knob(
     "FTRUN_HANG_TIMEOUT", "seconds", "0",
     "Kill a rank (and so restart the workers) when it reported progress before and then none "

@@ -106,6 +106,17 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "rank_world": {"generation": 1, "env": {"RANK": "0", "MASTER_PORT": "29500"}},
     "rank_exit": {"generation": 1, "reason": "no restarts left"},
     "fault_reply": {"segment": "s", "step": 3, "offset": 100},
+    "aggregate": {"node_id": "host-a/99",
+                  "heartbeats": [{**HEARTBEAT, "node_id": "host-b/7", "plan": 4,
+                                  "aggr_addr": "10.0.0.2:40003"}],
+                  "keepalives": [{"node_id": "host-c/8", "same": 3, "plan": 4}]},
+    "aggregate_reply": {"members": [{"node_id": "host-c/8", "directives": [
+        {"id": "plan-5", "action": "aggregate",
+         "data": {"plan": 5, "via": "", "addr": "", "group": 1}}]}]},
+    "survey_request": {"key": "10.0.0.1:29500/1/8", "offset": 0},
+    "survey_reply": {"ready": True, "records": [{"node": "h/1", "addr": "10.0.0.2:40002",
+                                                 "segment": "s", "rank": 2, "step": 3}],
+                     "lost": ["h/2"], "next": 1000},
 }
 
 
@@ -211,7 +222,7 @@ def test_wrong_version_names_both() -> None:
     # not by a missing field.
     old = header(v=3)
     del old["sn"], old["n"]
-    with pytest.raises(ProtocolError, match="version 3.*speaks version 4"):
+    with pytest.raises(ProtocolError, match=rf"version 3.*speaks version {protocol.VERSION}"):
         protocol.decode(sign(old), secret=SECRET, job=JOB)
     with pytest.raises(ProtocolError, match="version None"):
         h = header()

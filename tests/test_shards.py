@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -18,9 +19,11 @@ from snapshot_helpers import stage_segment
 
 from ftrun.errors import IntegrityError
 from ftrun.rank import memload
-from ftrun.rank.shards import Holding, ShardReader, complete, describe_gaps, survey
+from ftrun.rank.shards import Holding, ShardReader, complete, describe_gaps, holding
 from ftrun.snapshot.segment import Segment
+from ftrun.store import survey as store_survey
 from ftrun.store.shards import ShardService
+from ftrun.store.survey import Surveyor, ask_holdings
 
 SECRET = b"s" * 32
 
@@ -62,6 +65,12 @@ def service(held: tuple[str, list[Segment]]) -> Iterator[ShardService]:
         svc.stop()
 
 
+def survey(stores: dict[str, str], secret: bytes, run_id: str, sender: str,
+           timeout_s: float = 3.0) -> tuple[list[Holding], list[str]]:
+    records, lost = ask_holdings(stores, secret, run_id, sender, timeout_s)
+    return [holding(r) for r in records], lost
+
+
 def _holding(rank: int, step: int, world: int = 2, node: str = "a") -> Holding:
     return Holding(node, "", f"seg-{node}-{rank}-{step}", node, rank, step, "e", world, 8, 4)
 
@@ -86,6 +95,56 @@ def test_survey_lists_what_the_store_holds_and_a_dead_address_is_left_out(
         (0, "b0", 2), (0, "b1", 2), (1, "b0", 2)]
     [cand] = complete(found)
     assert cand.key[0] == 9 and len(cand.holders[0]) == 2
+
+
+def test_the_store_surveys_once_per_restore_for_all_its_ranks(
+        held: tuple[str, list[Segment]], service: ShardService,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's store asks the other stores once per restore key; its own shard service is
+    asked afresh for each rank; the answer comes in pages."""
+    run_id, _ = held
+    from conftest import free_port, wait_for
+
+    other = ShardService(run_id, "node-b", os.getpid(), SECRET)  # sees the same segments
+    other.start("127.0.0.1")
+    asked: list[int] = []
+
+    def stores() -> dict[str, str]:
+        asked.append(1)
+        return {"node-a": service.address, "node-b": other.address,
+                "node-x": f"127.0.0.1:{free_port()}"}
+
+    monkeypatch.setattr(store_survey, "SURVEY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(store_survey, "PAGE", 2)
+    surveyor = Surveyor(SECRET, run_id, "node-a", stores)
+    try:
+        def pages(key: str) -> tuple[list[dict], list[str]]:
+            first = wait_for(lambda: (r := surveyor.answer(key, 0)).ready and r, timeout_s=10,
+                             what="the survey", interval_s=0.02)
+            records, nxt = list(first.records), first.next
+            while nxt is not msgspec.UNSET:
+                page = surveyor.answer(key, nxt)
+                records += page.records
+                nxt = page.next
+            return records, list(first.lost)
+
+        records, lost = pages("w1")
+        assert lost == ["node-x"]
+        assert sorted((r["node"], r["rank"], r["segment"][-2:]) for r in records) == [
+            ("node-a", 0, "b0"), ("node-a", 0, "b1"), ("node-a", 1, "b0"),
+            ("node-b", 0, "b0"), ("node-b", 0, "b1"), ("node-b", 1, "b0")]
+        assert {r["addr"] for r in records if r["node"] == "node-b"} == {other.address}
+        [cand] = complete(holding(r) for r in records)
+        assert cand.key[0] == 9 and len(cand.holders[0]) == 4
+        # The node's other ranks of the same restore: the same survey, not another one.
+        for _ in range(7):
+            assert sorted(map(str, pages("w1")[0])) == sorted(map(str, records))
+        assert len(asked) == 1 and surveyor.surveys == 1
+        pages("w2")  # the next restore surveys again
+        assert len(asked) == 2
+    finally:
+        surveyor.close()
+        other.stop()
 
 
 def test_a_chunk_changed_after_hashing_is_read_from_the_other_copy(

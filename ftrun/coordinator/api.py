@@ -79,6 +79,11 @@ class Action(StrEnum):
     # Not an order but a request, in a reply to a keep-alive whose workers the coordinator
     # does not hold: send a full heartbeat. The reporter handles it; never handed on or acked.
     REPORT = "report"
+    # Not an order either: whom the launcher reports its heartbeats through from now on
+    # {"plan", "via", "addr", "group"} (ftrun.coordinator.aggregation). Never acked: a
+    # launcher's reports name the plan they follow, and the coordinator sends it again
+    # until they name this one.
+    AGGREGATE = "aggregate"
 
 
 # The actions a user may choose for a finding (--on-hang, --on-slow).

@@ -24,8 +24,11 @@ from typing import Any
 import zmq
 
 from ftrun import protocol
+from ftrun.coordinator.api import Action
 from ftrun.coordinator.directives import REPORT_ACTION
+from ftrun.coordinator.relay import GroupRelay, UpstreamLink, local_address
 from ftrun.errors import AuthError, ProtocolError
+from ftrun.protocol import messages as m
 from ftrun.protocol.transport import Client
 
 log = logging.getLogger(__name__)
@@ -191,6 +194,15 @@ class NodeReporter:
     ``hello`` there and sends a full heartbeat at once (the new coordinator rebuilds the
     job's membership from them); replies of the old term, directives above all, are
     dropped from then on.
+
+    **Aggregation** (:mod:`ftrun.coordinator.aggregation`). The coordinator may tell the
+    reporter (an ``aggregate`` directive) to aggregate its group, or to send its heartbeats
+    and keep-alives through another launcher; hello, events and bye always go directly.
+    As an aggregator it runs a :class:`~ftrun.coordinator.relay.GroupRelay` on the interface
+    of its probe service (``probe_addr`` in the state; else the one that reaches the
+    coordinator) and names it in its heartbeats (``aggr_addr``); as a member it reports
+    through an :class:`~ftrun.coordinator.relay.UpstreamLink`, and directly whenever that
+    link is down. Every report names the plan it follows (``plan``).
     """
 
     def __init__(
@@ -228,8 +240,17 @@ class NodeReporter:
         self._composer = HeartbeatComposer(node_id, host, os.getpid())
         # id -> heartbeats that still ack it; insertion order is delivery order.
         self._acks: dict[str, int] = {}
-        self.sent = {"hello": 0, "heartbeat": 0, "event": 0, "bye": 0, "dropped": 0}
+        self.sent = {"hello": 0, "heartbeat": 0, "event": 0, "bye": 0, "dropped": 0,
+                     "via_aggregator": 0, "aggregate": 0}
         self.directives = 0  # directives delivered to on_directive
+        # The aggregation plan followed (0: none told: report directly), and the part it
+        # gives this launcher: an aggregator's relay, or a member's link (reporter thread).
+        self.plan = 0
+        self._plan_next: dict[str, Any] | None = None  # told, not yet taken up
+        self.relay: GroupRelay | None = None
+        self.upstream: UpstreamLink | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._bind_host: str | None = None
 
     def start(self) -> None:
         if self._thread is not None:
@@ -278,6 +299,7 @@ class NodeReporter:
 
     def _run(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
+        self._ctx = ctx
         acked: set[str] = set()
         client = coordinator_client(self.endpoint, self._secret, self.job, self.node_id,
                                     sndhwm=100, context=ctx,
@@ -293,6 +315,8 @@ class NodeReporter:
                 try:
                     if self._move(client, pending):
                         next_hb = time.monotonic()
+                    self._take_plan()
+                    self._serve_group()
                     self._drain_queue(pending)
                     bye_id = self._flush(client, pending) or bye_id
                     if not self._stop.is_set() and time.monotonic() >= next_hb:
@@ -312,6 +336,7 @@ class NodeReporter:
                     log.exception("node reporter loop error; continuing")
                     time.sleep(REPORTER_POLL_S)
         finally:
+            self._set_part(None, None)
             client.close()
             ctx.term()
 
@@ -325,6 +350,8 @@ class NodeReporter:
         self.endpoint, self.term = moved
         client.retarget(*moved)
         self._acks.clear()  # the old coordinator's directives: nothing to ack to the new one
+        self._set_part(None, None)  # the new coordinator plans the groups again
+        self.plan, self._plan_next = 0, None
         pending.appendleft(("hello", {"node_id": self.node_id, "host": self.host,
                                       "pid": os.getpid()}))
         self._composer.want_full()
@@ -341,11 +368,106 @@ class NodeReporter:
                         log.exception("handling the coordinator's answer to hello failed")
                 self._hello_answered.set()
         elif msg.kind == "directives":
-            for d in msg.body["directives"]:
-                if d["action"] == REPORT_ACTION:
-                    self._composer.want_full()
-                else:
-                    self._directive(d)
+            self._directives(msg.body["directives"])
+        elif msg.kind == "aggregate_reply" and self.relay is not None:
+            self._directives(self.relay.deliver(msg.body))
+
+    def _directives(self, directives: list[dict[str, Any]]) -> None:
+        for d in directives:
+            if d["action"] == REPORT_ACTION:
+                self._composer.want_full()
+            elif d["action"] == Action.AGGREGATE:
+                self._plan_next = dict(d["data"])
+            else:
+                self._directive(d)
+
+    # -- aggregation ----------------------------------------------------------------------------
+
+    def _take_plan(self) -> None:
+        """Take up the plan the coordinator told (see the class docstring)."""
+        told, self._plan_next = self._plan_next, None
+        if told is None or int(told["plan"]) == self.plan:
+            return
+        self.plan = int(told["plan"])
+        via, addr = str(told.get("via") or ""), str(told.get("addr") or "")
+        log.info("aggregation plan %d: %s", self.plan,
+                 "this launcher aggregates its group" if via == self.node_id else
+                 f"reporting through {via} ({addr})" if via and addr else "reporting directly")
+        self._set_part(via, addr)
+
+    def _set_part(self, via: str | None, addr: str | None) -> None:
+        """Become the aggregator (``via`` is this node), a member reporting through ``via``
+        at ``addr``, or neither."""
+        if via == self.node_id:
+            if self.upstream is not None:
+                self.upstream.close()
+                self.upstream = None
+            if self.relay is None and self._ctx is not None:
+                host = self._bind_host or local_address(self.endpoint)
+                try:
+                    self.relay = GroupRelay(self._secret, self.job, self.node_id, host,
+                                            self._ctx, self.interval_s)
+                except zmq.ZMQError as e:
+                    log.error("cannot listen for this group's reports on %s (%s): reporting "
+                              "directly", host, e)
+            return
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
+            self._composer.want_full()  # aggr_addr is gone from the heartbeat
+        if self.upstream is not None and (self.upstream.via, self.upstream.addr) != (via, addr):
+            self.upstream.close()
+            self.upstream = None
+        if via and addr and self.upstream is None and self._ctx is not None:
+            self.upstream = UpstreamLink(via, addr, self._secret, self.job, self.node_id,
+                                         self._ctx, self.interval_s, self._on_member_reply)
+            self._composer.want_full()  # the aggregator starts from a full heartbeat
+
+    def _on_member_reply(self, msg: protocol.Message) -> None:
+        if msg.kind == "directives":
+            self._directives(msg.body["directives"])
+
+    def _serve_group(self) -> None:
+        """Take the members' reports (aggregator), read the aggregator's answers (member);
+        a failure here is logged and never stops the node's own heartbeats."""
+        try:
+            if self.relay is not None:
+                self.relay.serve()
+            if self.upstream is not None:
+                self.upstream.poll()
+        except Exception as e:  # noqa: BLE001 - the reporter's own beats come first
+            self._warn("group", 10.0, "aggregation: %s: %s", type(e).__name__, e)
+
+    def _send_report(self, client: Client, kind: str, body: dict[str, Any]) -> str | None:
+        """Send one heartbeat or keep-alive the way the plan says; the message id (or
+        "relayed"), or None when it could not be sent."""
+        now = time.monotonic()
+        if self.plan:
+            body["plan"] = self.plan
+        relay = self.relay
+        if relay is not None:
+            # While the coordinator does not answer the relay, its own report goes directly
+            # too, and what it sends on (members' reports, or nothing) asks whether it
+            # answers again.
+            ok = relay.upstream_ok(now)
+            if ok:
+                relay.add_own(kind, body)
+            sent: str | None = None
+            for batch in relay.batches() or [m.Aggregate(node_id=self.node_id, heartbeats=[],
+                                                         keepalives=[])]:
+                sent = client.send("aggregate", batch)
+                if sent is None:
+                    break
+                relay.sent(now)
+                self.sent["aggregate"] += 1
+            if ok:
+                return sent
+        link = self.upstream
+        if link is not None and link.usable(now) and link.send(kind, body, now):
+            self.sent["via_aggregator"] += 1
+            if link.confirmed:
+                return "relayed"
+        return client.send(kind, body)
 
     def _directive(self, d: dict[str, Any]) -> None:
         """Deliver a directive once; (re)start acking it either way (the coordinator sent it
@@ -419,9 +541,13 @@ class NodeReporter:
             log.exception("state_fn failed; heartbeat skipped")
             return
         acked = self._acked()
+        if self._bind_host is None and isinstance(state.get("probe_addr"), str):
+            self._bind_host = protocol.split_endpoint(state["probe_addr"])[0]
+        if self.relay is not None:
+            state["aggr_addr"] = self.relay.address
         kind, body = self._composer.compose(state, time.monotonic(), acked)
         try:
-            sent = client.send(kind, body)
+            sent = self._send_report(client, kind, body)
         except ProtocolError as e:
             # Stay alive in the coordinator's eyes: send what is certainly valid.
             self._warn("bad_heartbeat", 30.0, "state_fn returned an invalid heartbeat: %s", e)

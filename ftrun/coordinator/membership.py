@@ -15,6 +15,16 @@ lost) marks the node's workers *stale*, and the coordinator asks for a full hear
 everything queued (``caught_up``), not up to now: a heartbeat still waiting in a queue is not
 silence. An overloaded coordinator therefore declares nobody lost for the time it is behind
 (it says so in the status document) instead of calling healthy nodes lost.
+
+**Reports through an aggregator** (:mod:`ftrun.coordinator.aggregation`). A node whose last
+beat came in its group aggregator's ``aggregate`` remembers it (``via``). While that
+aggregator has been silent about as long as the node (no later message from it than
+:data:`VIA_SLACK_S` after the node's last beat), the silence is the aggregator's, not the
+node's: the node is not judged, neither by the timeout nor early. When the aggregator is
+declared lost or leaves, its members' silence is counted from then (the *handover*): each
+member has fallen back, or soon falls back, to reporting directly; it is judged by the
+timeout (not early) until it has beaten twice again, and as any node after. A member that
+went down with its aggregator is lost one timeout after its aggregator.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ WORKER_RUNNING = frozenset({"running", "healthy"})
 WORKER_BAD = frozenset({"failed", "unhealthy"})
 # The top-level heartbeat fields a node record keeps (its workers are kept apart).
 HEARTBEAT_FIELDS = ("group_rank", "group_world_size", "restarts", "max_restarts",
-                    "last_error", "probe_addr", "extra")
+                    "last_error", "probe_addr", "extra", "aggr_addr")
 # A node is lost early (:meth:`Membership.check_lost_early`) when silent for this many of its
 # heartbeat intervals, at least EARLY_LOST_MIN_S, and EARLY_LOST_JITTER times the longest
 # recent gap between its beats. On 2 CPUs at load 16-22 a live launcher's heartbeats (every
@@ -40,6 +50,10 @@ EARLY_LOST_MIN_S = 3.0
 EARLY_LOST_JITTER = 1.5
 # How fast the longest recent gap is forgotten (per beat).
 GAP_MAX_DECAY = 0.98
+# A node that reports through an aggregator is not judged while the aggregator's last
+# message came less than this after the node's last beat (see the module docstring): a
+# member's beat can miss one of the aggregator's sends and ride in the next.
+VIA_SLACK_S = 2.5
 
 
 def worker_running(worker: dict[str, Any]) -> bool:
@@ -79,6 +93,7 @@ class NodeRecord:
     beat_mono: float = 0.0  # when the last heartbeat or keep-alive arrived
     beat_gap_s: float = 0.0  # the usual time between them (moving average; 0: unknown yet)
     beat_gap_max_s: float = 0.0  # the longest recent one (decays by GAP_MAX_DECAY per beat)
+    via: str | None = None  # the aggregator its last beat came through (None: directly)
     # Derived from ``workers`` on each full heartbeat (the status summary reads only these).
     ranks: list[int] = field(default_factory=list)
     running: int = 0
@@ -154,11 +169,13 @@ class Membership:
             node.pid = pid
         return node, joined
 
-    def heartbeat(self, body: dict[str, Any], now: float,
-                  mono: float) -> tuple[NodeRecord, dict[str, Any] | None]:
-        """Apply a full heartbeat: (record, what to say if it joined now)."""
+    def heartbeat(self, body: dict[str, Any], now: float, mono: float,
+                  via: str | None = None) -> tuple[NodeRecord, dict[str, Any] | None]:
+        """Apply a full heartbeat (that came through aggregator ``via``, or directly): (record,
+        what to say if it joined now)."""
         with self._lock:
             node, joined = self._touch(body["node_id"], body["host"], body["pid"], now, mono)
+            node.via = via if via != node.node_id else None
             node.heartbeats += 1
             node.beat(mono)
             if node.state != body["state"]:
@@ -174,12 +191,14 @@ class Membership:
             node.full_mono = mono
         return node, joined
 
-    def keepalive(self, node_id: str, same: int, now: float,
-                  mono: float) -> tuple[NodeRecord, dict[str, Any] | None, bool]:
-        """Apply a keep-alive: (record, joined, whether the node's workers are stale: this
-        is not the full heartbeat they came with, and a full one is wanted)."""
+    def keepalive(self, node_id: str, same: int, now: float, mono: float,
+                  via: str | None = None) -> tuple[NodeRecord, dict[str, Any] | None, bool]:
+        """Apply a keep-alive (through aggregator ``via``, or directly): (record, joined,
+        whether the node's workers are stale: this is not the full heartbeat they came with,
+        and a full one is wanted)."""
         with self._lock:
             node, joined = self._touch(node_id, None, None, now, mono)
+            node.via = via if via != node.node_id else None
             node.keepalives += 1
             node.beat(mono)
             if same == node.serial:
@@ -197,7 +216,27 @@ class Membership:
             node.state = state
             node.exitcode = exitcode
             self.version += 1
+            self._hand_over({node_id}, mono)
         return node, joined
+
+    def _covered(self, node: NodeRecord) -> bool:
+        """Whether ``node``'s silence is its aggregator's (see the module docstring)."""
+        if node.via is None:
+            return False
+        agg = self._nodes.get(node.via)
+        return (agg is not None and not agg.lost and not agg.left
+                and agg.last_seen_mono < node.last_seen_mono + VIA_SLACK_S)
+
+    def _hand_over(self, gone: set[str], mono: float) -> None:
+        """The aggregators ``gone`` were lost or left: their members' silence counts from
+        ``mono`` (they report directly from now on, or through the next aggregator)."""
+        for node in self._nodes.values():
+            if node.via in gone:
+                node.via = None
+                node.last_seen_mono = max(node.last_seen_mono, mono)
+                # Its beats' rhythm restarts: judged by the timeout, not early, until it
+                # has beaten twice again (its first direct report may take a few seconds).
+                node.beat_mono = node.beat_gap_s = node.beat_gap_max_s = 0.0
 
     def check_lost(self, caught_up_mono: float) -> list[tuple[str, float]]:
         """Mark lost the nodes silent for longer than the timeout up to ``caught_up_mono``
@@ -205,12 +244,16 @@ class Membership:
         lost: list[tuple[str, float]] = []
         limit = caught_up_mono - self.node_timeout_s
         with self._lock:
-            for node in self._nodes.values():
-                if node.last_seen_mono < limit and not node.lost and not node.left:
-                    node.lost = True
-                    lost.append((node.node_id, caught_up_mono - node.last_seen_mono))
+            # Judged before any is marked: an aggregator marked lost in this pass still
+            # covers its members until the handover below.
+            silent = [node for node in self._nodes.values()
+                      if node.last_seen_mono < limit and not node.lost and not node.left]
+            for node in [n for n in silent if not self._covered(n)]:
+                node.lost = True
+                lost.append((node.node_id, caught_up_mono - node.last_seen_mono))
             if lost:
                 self.version += 1
+                self._hand_over({n for n, _ in lost}, caught_up_mono)
         return lost
 
     def check_lost_early(self, caught_up_mono: float) -> list[tuple[str, float, float]]:
@@ -223,6 +266,7 @@ class Membership:
         A node whose interval is not known yet (fewer than two beats) is left to the timeout."""
         lost: list[tuple[str, float, float]] = []
         with self._lock:
+            found: list[tuple[NodeRecord, float, float]] = []
             for node in self._nodes.values():
                 if node.lost or node.left or not node.beat_gap_s:
                     continue
@@ -230,10 +274,14 @@ class Membership:
                             EARLY_LOST_JITTER * node.beat_gap_max_s)
                 silent = caught_up_mono - node.last_seen_mono
                 if limit < self.node_timeout_s and silent > limit:
-                    node.lost = True
-                    lost.append((node.node_id, silent, limit))
+                    found.append((node, silent, limit))
+            # Judged before any is marked (as in check_lost).
+            for node, silent, limit in [f for f in found if not self._covered(f[0])]:
+                node.lost = True
+                lost.append((node.node_id, silent, limit))
             if lost:
                 self.version += 1
+                self._hand_over({n for n, _, _ in lost}, caught_up_mono)
         return lost
 
     def note_error(self, node_id: str, text: str) -> None:

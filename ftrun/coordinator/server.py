@@ -50,7 +50,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ftrun import jobs, protocol
+from ftrun import jobs, knobs, protocol
+from ftrun.coordinator.aggregation import Groups, parse_group_size
 from ftrun.coordinator.api import Action, CoordinatorRole
 from ftrun.coordinator.directives import REPORT_ACTION, DirectiveBook
 from ftrun.coordinator.events import EventLog
@@ -91,6 +92,8 @@ MAX_MESSAGES_PER_TICK = 1000
 BATCH_INTERVAL_S = 0.01
 # How often the serving thread looks for lost nodes (a scan of the whole node table).
 LOST_CHECK_S = 0.25
+# How often it plans aggregation groups again, when the node table changed.
+PLAN_EVERY_S = 0.5
 # Behind by more than this (messages queued unread), the coordinator says so.
 BEHIND_WARN_S = 1.0
 WARN_EVERY_S = 10.0
@@ -151,6 +154,7 @@ class Coordinator:
         expected_nodes: tuple[int, int] | None = None,
         detection: Any = None,
         role: CoordinatorRole | None = None,
+        aggregate_group: int | None = None,
     ) -> None:
         if not secret:
             raise FtrunError("the coordinator needs a non-empty job secret")
@@ -173,6 +177,16 @@ class Coordinator:
         self._detection: Any = None
         self._detection_config = detection
         self._membership = Membership(node_timeout_s)
+        # Which launchers report through which (ftrun.coordinator.aggregation); the group
+        # size from FTRUN_AGGREGATE_GROUP unless given.
+        if aggregate_group is None:
+            try:
+                aggregate_group = parse_group_size(knobs.AGGREGATE_GROUP.get(),
+                                                   knobs.AGGREGATE_GROUP.name)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        self._groups = Groups(aggregate_group, socket.gethostname())
+        self._next_plan = 0.0
         self._events = EventLog()
         self._directives = DirectiveBook()
         self._snapshots = SnapshotControl(self._membership, self._events,
@@ -198,6 +212,7 @@ class Coordinator:
             "hello": self._on_hello,
             "heartbeat": self._on_heartbeat,
             "keepalive": self._on_keepalive,
+            "aggregate": self._on_aggregate,
             "event": self._on_event,
             "bye": self._on_bye,
             **self._snapshots.handlers(),
@@ -206,7 +221,7 @@ class Coordinator:
                           for kind, handler in handlers.items()}
         # The kinds whose handlers take typed bodies (the others, plain objects).
         self._typed = frozenset({"status_request", "events_request", "hello", "keepalive",
-                                 "event", "bye"})
+                                 "event", "bye", "aggregate"})
 
     @property
     def node_timeout_s(self) -> float:
@@ -438,6 +453,17 @@ class Coordinator:
             self._next_lost_check = mono + LOST_CHECK_S
             if self.acting():
                 self._check_lost()
+        if mono >= self._next_plan:
+            self._next_plan = mono + PLAN_EVERY_S
+            self._plan_groups()
+
+    def _plan_groups(self) -> None:
+        """Plan the aggregation groups again when the node table changed; a handover (an
+        aggregator lost, gone or moved) is logged and recorded."""
+        for group, old, new in self._groups.refresh(self._membership.records(),
+                                                    self._membership.version):
+            log.info("aggregation group %d: %s takes over from %s", group, new, old)
+            self._record("aggregator_handover", new, {"group": group, "from": old})
 
     def _check_lost(self) -> None:
         for node_id, silent_s in self._membership.check_lost(self._caught_up):
@@ -512,25 +538,61 @@ class Coordinator:
                      on_slow=str(policy.on_slow), on_corruption=str(policy.on_corruption))
 
     def _on_heartbeat(self, msg: protocol.Message) -> Reply | None:
-        body = msg.body
-        node, joined = self._membership.heartbeat(body, time.time(), time.monotonic())
-        if joined is not None:
-            self._joined(node.node_id, joined)
-        return self._directives_reply(node.node_id, body.get("acked"))
+        out = self._heartbeat(msg.body, None)
+        return Reply("directives", {"directives": out}) if out else None
 
     def _on_keepalive(self, msg: protocol.Message) -> Reply | None:
-        b: m.Keepalive = msg.body
-        node, joined, stale = self._membership.keepalive(b.node_id, b.same, time.time(),
-                                                         time.monotonic())
+        out = self._keepalive(msg.body, None)
+        return Reply("directives", {"directives": out}) if out else None
+
+    def _on_aggregate(self, msg: protocol.Message) -> m.AggregateReply:
+        """A group's reports, sent on by its aggregator (ftrun.coordinator.aggregation):
+        each applied as if its launcher had sent it; the reply holds each one's directives."""
+        b: m.Aggregate = msg.body
+        out: list[m.MemberDirectives] = []
+        now, mono = time.time(), time.monotonic()  # one arrival for the whole group
+        for hb in b.heartbeats:
+            directives = self._heartbeat(m.to_dict(hb), b.node_id, now, mono)
+            if directives:
+                out.append(m.MemberDirectives(node_id=hb.node_id, directives=directives))
+        for ka in b.keepalives:
+            directives = self._keepalive(ka, b.node_id, now, mono)
+            if directives:
+                out.append(m.MemberDirectives(node_id=ka.node_id, directives=directives))
+        return m.AggregateReply(members=out)
+
+    def _heartbeat(self, body: dict[str, Any], via: str | None, now: float | None = None,
+                   mono: float | None = None) -> list[Any]:
+        """Apply one full heartbeat (a plain body, directly or through aggregator ``via``)
+        that arrived at ``now``/``mono`` (default: now); returns the directives for its
+        node."""
+        node, joined = self._membership.heartbeat(
+            body, time.time() if now is None else now,
+            time.monotonic() if mono is None else mono, via)
         if joined is not None:
             self._joined(node.node_id, joined)
-        reply = self._directives_reply(node.node_id, None if b.acked is UNSET else b.acked)
-        if not stale:
-            return reply
-        # A keep-alive for workers this coordinator does not hold: ask for a full heartbeat.
-        ask = {"id": protocol.new_id(), "action": REPORT_ACTION, "data": {}}
-        out = [ask, *(reply.body["directives"] if reply is not None else [])]
-        return Reply("directives", {"directives": out})
+        out = self._directives_for(node.node_id, body.get("acked"))
+        plan = self._groups.tell(node.node_id, body.get("plan"))
+        return [plan, *out] if plan is not None else out
+
+    def _keepalive(self, b: m.Keepalive, via: str | None, now: float | None = None,
+                   mono: float | None = None) -> list[Any]:
+        """Apply one keep-alive (as :meth:`_heartbeat`); returns the directives for its node
+        (a request for a full heartbeat first, when the coordinator does not hold its
+        workers)."""
+        node, joined, stale = self._membership.keepalive(
+            b.node_id, b.same, time.time() if now is None else now,
+            time.monotonic() if mono is None else mono, via)
+        if joined is not None:
+            self._joined(node.node_id, joined)
+        out = self._directives_for(node.node_id, None if b.acked is UNSET else b.acked)
+        plan = self._groups.tell(node.node_id, given(b.plan, None))
+        if plan is not None:
+            out = [plan, *out]
+        if stale:
+            # A keep-alive for workers this coordinator does not hold: ask for a full one.
+            out = [{"id": protocol.new_id(), "action": REPORT_ACTION, "data": {}}, *out]
+        return out
 
     def _on_event(self, msg: protocol.Message) -> None:
         b: m.Event = msg.body
@@ -555,6 +617,7 @@ class Coordinator:
             self._joined(node.node_id, joined)
         self._record("node_left", node.node_id, {"state": b.state, "exitcode": b.exitcode})
         self._drop_directives(node.node_id, "node left")
+        self._groups.forget(node.node_id)
         return m.Ack(re=msg.id)
 
     def _touch(self, node_id: str, host: str | None, pid: int | None) -> None:
@@ -588,9 +651,10 @@ class Coordinator:
         """The directives not acked yet (of ``node_id``, or of every node)."""
         return self._directives.pending(node_id)
 
-    def _directives_reply(self, node_id: str, acked: list[str] | None) -> Reply | None:
+    def _directives_for(self, node_id: str, acked: list[str] | None) -> list[Any]:
+        """The directives to send ``node_id`` in reply to its report acking ``acked``."""
         if not self._directives.any_for(node_id):
-            return None
+            return []
         now = time.monotonic()
         out, done, expired = self._directives.for_heartbeat(node_id, acked or (), now)
         for d in done:
@@ -602,7 +666,7 @@ class Coordinator:
                         d.id, d.action, node_id, now - d.issued_mono)
             self._record("directive_expired", node_id,
                          {"id": d.id, "action": d.action, "sent": d.sent})
-        return Reply("directives", {"directives": out}) if out else None
+        return out
 
     def _drop_directives(self, node_id: str, why: str) -> None:
         for d in self._directives.drop_node(node_id):
@@ -653,6 +717,7 @@ class Coordinator:
             "behind_s": round(behind_s, 3) if behind_s > BEHIND_WARN_S else 0.0,
             "messages": dict(self.counters),
             "directives_pending": self._directives.count(),
+            "aggregation": self._groups.summary(),
         }
         if self.term:
             doc["coordinator"]["term"] = self.term

@@ -94,7 +94,10 @@ from ftrun.protocol.messages import (
 # 4: the header carries the sender's session ``sn`` and counter ``n`` (replays are refused).
 # (Typed bodies, decoded with msgspec, kept version 4: the bytes on the wire and what is
 # accepted are the same.)
-VERSION = 4
+# 5: launchers report through aggregators (``aggregate``/``aggregate_reply``; ``plan`` and
+#    ``aggr_addr`` in heartbeats and keep-alives) and ranks ask their store for the job's
+#    holdings (``survey_request``/``survey_reply``).
+VERSION = 5
 # The largest JSON header (with its MAC), and the most and largest binary frames a message may
 # carry. An endpoint also caps a whole message (header, MAC and data frames together, see
 # :func:`total_cap`): the coordinator takes MAX_MESSAGE_BYTES in all; an endpoint that takes

@@ -58,6 +58,8 @@ class ReplyKind(StrEnum):
     STORES_REPLY = "stores_reply"
     PROBE_ACK = "probe_ack"
     FAULT_REPLY = "fault_reply"
+    AGGREGATE_REPLY = "aggregate_reply"
+    SURVEY_REPLY = "survey_reply"
 
     def __str__(self) -> str:
         return str(self.value)
@@ -170,6 +172,10 @@ class Heartbeat(Body):
     probe_addr: Str | UnsetType = UNSET
     # This full heartbeat's number (keep-alives name it: ftrun.coordinator.membership).
     serial: int | UnsetType = UNSET
+    # The aggregation plan this launcher follows (ftrun.coordinator.aggregation), and where
+    # it takes its group's reports when it is the group's aggregator.
+    plan: int | UnsetType = UNSET
+    aggr_addr: Str | UnsetType = UNSET
 
 
 class Keepalive(Body):
@@ -181,6 +187,20 @@ class Keepalive(Body):
     node_id: Str
     same: int
     acked: L[list[Str], Items] | UnsetType = UNSET
+    plan: int | UnsetType = UNSET
+
+
+class Aggregate(Body):
+    """A group's aggregator (a launcher the coordinator named) -> coordinator, once per
+    heartbeat interval: the heartbeats and keep-alives its group's launchers (itself
+    included) sent it since the last one, each as its launcher sent it (ftrun.coordinator.
+    aggregation). The reply lists the directives of each member that has any."""
+
+    KIND = "aggregate"
+    REPLIES = ("aggregate_reply",)
+    node_id: Str
+    heartbeats: L[list[Heartbeat], Items]
+    keepalives: L[list[Keepalive], Items]
 
 
 class Event(Body):
@@ -549,6 +569,30 @@ class HoldingsReply(Body):
     records: L[list[Json], Items]
 
 
+class SurveyRequest(Body):
+    """Rank -> its node's store: every verified shard the job's live stores hold, from one
+    survey per node and restore (``key`` names the restore: the ranks of a node that restore
+    together send the same), ``offset`` onwards (ftrun.store.survey)."""
+
+    KIND = "survey_request"
+    REPLIES = ("survey_reply",)
+    key: Str
+    offset: int | UnsetType = UNSET
+
+
+class SurveyReply(Body):
+    """``ready`` false: the survey is under way, ask again. ``records``: holdings as
+    ``holdings_reply`` lists them, with the ``node`` and ``addr`` of the store that holds
+    each; ``lost``: the stores that did not answer; ``next``: the offset of the next page
+    (absent at the end)."""
+
+    KIND = "survey_reply"
+    ready: bool
+    records: L[list[Json], Items] | UnsetType = UNSET
+    lost: L[list[Str], Items] | UnsetType = UNSET
+    next: int | UnsetType = UNSET
+
+
 class ShardMetaRequest(Body):
     """One held shard's manifest and chunk hash table: two binary frames."""
 
@@ -657,6 +701,19 @@ class Directives(Body):
 
     KIND = "directives"
     directives: L[list[Directive], Items]
+
+
+class MemberDirectives(Item):
+    node_id: Str
+    directives: L[list[Directive], Items]
+
+
+class AggregateReply(Body):
+    """Coordinator -> aggregator: the directives of its members (those with any); the
+    aggregator hands each member its own in the reply to the member's next report."""
+
+    KIND = "aggregate_reply"
+    members: L[list[MemberDirectives], Items]
 
 
 class Probe(Body):

@@ -5,6 +5,8 @@ and fall back to the persisted DCP checkpoint when memory holds no complete step
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 from ftrun import knobs
@@ -19,6 +21,18 @@ from ftrun.snapshot.manifest import parse_manifest, tensor_view, unflatten
 log = logging.getLogger("ftrun.rank.snapshotter")
 
 MODEL_KEY = "/model/"
+# A rank waits this long at most for its store's survey of the job's stores (each store has
+# ftrun.store.survey.SURVEY_TIMEOUT_S to answer), asking again every SURVEY_POLL_S.
+SURVEY_WAIT_S = 30.0
+SURVEY_POLL_S = 0.05
+
+
+def survey_key() -> str:
+    """What names this restore on every rank of a node: the world it restores into (the
+    rendezvous round's MASTER_ADDR:MASTER_PORT, the restart count, the world size)."""
+    env = os.environ
+    return (f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}/"
+            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{env.get('WORLD_SIZE', '1')}")
 
 
 class Restorer:
@@ -102,20 +116,18 @@ class Restorer:
         return out
 
     def _job_holdings(self, local: dict[int, int]) -> list[shards.Holding]:
-        """Every verified shard the job's live stores hold (this node's included), as their
-        shard services list them; this rank's own buffers at least."""
+        """Every verified shard the job's live stores hold (this node's included), as this
+        node's store surveyed them for this restore (once for all its ranks:
+        ftrun.store.survey); this rank's own buffers at least."""
         node = knobs.NODE_ID.get()
-        stores: dict[str, str] = {}
-        assert self._ctx.chan is not None
+        held: list[shards.Holding] = []
         try:
-            reply = self._ctx.chan.request("stores_request", {}, "stores_reply",
-                                           STORE_TIMEOUT_S, attempts=2)
-            stores = {s["node_id"]: s["addr"] for s in reply.body["stores"]}
-        except (UnreachableError, FtrunError) as e:
-            log.warning("the snapshot store did not list the job's stores (%s); only this "
+            records, lost = self._survey()
+            held = [shards.holding(r) for r in records]
+        except (UnreachableError, FtrunError, KeyError, TypeError, ValueError) as e:
+            log.warning("the snapshot store did not survey the job's stores (%s); only this "
                         "rank's own snapshots are used", e)
-        ctx = self._ctx
-        held, lost = shards.survey(stores, ctx.secret, ctx.run_id, f"rank:{ctx.rank}")
+            lost = []
         if lost:
             log.warning("rank %d: the store(s) of %s did not answer; their shards are read "
                         "from replicas, where there are any", self._ctx.rank, ", ".join(lost))
@@ -132,6 +144,30 @@ class Restorer:
             held.append(shards.Holding(node, "", seg.name, node, self._ctx.rank, step, h.epoch,
                                        world, h.data_len, h.chunk_size))
         return held
+
+    def _survey(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Ask this node's store for the job's holdings (all pages), waiting while its survey
+        runs; (records, stores that did not answer)."""
+        assert self._ctx.chan is not None
+        key = survey_key()
+        deadline = time.monotonic() + SURVEY_WAIT_S
+        records: list[dict[str, Any]] = []
+        lost: list[str] = []
+        offset: int | None = 0
+        while offset is not None:
+            reply = self._ctx.chan.request("survey_request", {"key": key, "offset": offset},
+                                           "survey_reply", STORE_TIMEOUT_S, attempts=2)
+            body = reply.body
+            if not body["ready"]:
+                if time.monotonic() > deadline:
+                    raise UnreachableError(f"the store's survey of the job's stores took over "
+                                           f"{SURVEY_WAIT_S:g} s")
+                time.sleep(SURVEY_POLL_S)
+                continue
+            records += body.get("records") or []
+            lost = list(body.get("lost") or [])
+            offset = body.get("next")
+        return records, lost
 
     def _agree_candidates(self, mine: list[tuple[int, str, int]],
                           distributed: bool) -> list[tuple[int, str, int]]:

@@ -1,9 +1,9 @@
 """Reading shards across nodes, rank side: what every live store holds, and one old rank's shard.
 
 The stores' shard services (ftrun.store.shards) list what each node holds and serve byte
-ranges of it. Here, in the ranks, :func:`survey` asks every live store what it holds (in
-parallel, each with a timeout: a store that does not answer is a lost node, and is left out),
-:func:`complete` finds the steps whose every old rank's shard is held somewhere, and
+ranges of it; each node's store surveys what every live store holds, once per restore for all
+its ranks (ftrun.store.survey: a store that does not answer is a lost node, and is left out).
+Here, in the ranks, :func:`holding` reads a survey's record, :func:`complete` finds the steps whose every old rank's shard is held somewhere, and
 :class:`ShardReader` reads one old rank's shard from its holders: its own node's segment
 straight from shared memory, others' over the wire. Every chunk is checked against its xxh3
 before it is used; a chunk that fails is read from the next holder, and the failure is logged
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,6 @@ from ftrun.snapshot.manifest import parse_manifest
 
 log = logging.getLogger("ftrun.shards")
 
-SURVEY_TIMEOUT_S = 3.0  # a store that has not answered by then is taken as lost
 READ_TIMEOUT_S = 20.0
 READ_ATTEMPTS = 2
 
@@ -81,30 +79,12 @@ def _client(addr: str, secret: bytes, run_id: str, sender: str) -> Client:
                   max_frame_bytes=protocol.MAX_FRAME_BYTES)
 
 
-def survey(stores: dict[str, str], secret: bytes, run_id: str, sender: str,
-           timeout_s: float = SURVEY_TIMEOUT_S) -> tuple[list[Holding], list[str]]:
-    """Ask every store (node -> shard service address) what it holds, in parallel:
-    (holdings, nodes that did not answer)."""
-
-    def ask(node: str, addr: str) -> list[Holding] | None:
-        client = _client(addr, secret, run_id, sender)
-        try:
-            reply = client.request("holdings_request", {}, "holdings_reply", timeout_s)
-        except FtrunError as e:
-            log.warning("the store of node %s (%s) did not list its shards: %s", node, addr, e)
-            return None
-        finally:
-            client.close()
-        return [Holding(node, addr, r["segment"], r["origin"], int(r["rank"]), int(r["step"]),
-                        r["epoch"], int(r["world_size"]), int(r["data_len"]),
-                        int(r["chunk_size"])) for r in reply.body["records"]]
-
-    if not stores:
-        return [], []
-    with ThreadPoolExecutor(max_workers=min(32, len(stores))) as pool:
-        answers = dict(zip(stores, pool.map(lambda kv: ask(*kv), stores.items()), strict=True))
-    held = [h for found in answers.values() if found for h in found]
-    return held, sorted(n for n, found in answers.items() if found is None)
+def holding(r: dict[str, Any]) -> Holding:
+    """A holding from a survey's record (ftrun.store.survey: the store's listing, with the
+    ``node`` and ``addr`` that hold it)."""
+    return Holding(str(r["node"]), str(r["addr"]), r["segment"], r["origin"], int(r["rank"]),
+                   int(r["step"]), r["epoch"], int(r["world_size"]), int(r["data_len"]),
+                   int(r["chunk_size"]))
 
 
 def complete(holdings: Iterable[Holding]) -> list[Candidate]:

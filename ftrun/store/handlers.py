@@ -42,6 +42,7 @@ class StoreHandlers:
         self.cadence: dict[int, tuple[int, int]] = {}  # rank -> (snapshots skipped, interval)
         self.replication: Any = None  # ftrun.store.replica.Replication, once started
         self.shards: Any = None  # ftrun.store.shards.ShardService, once started
+        self.surveyor: Any = None  # ftrun.store.survey.Surveyor
 
     def handle(self, msg: protocol.Message) -> tuple[str, dict[str, Any]] | None:
         """Answer one request as the store's server does, outside it (tests, tools): a plain
@@ -71,6 +72,7 @@ class StoreHandlers:
             "catalog_request": self._on_catalog,
             "fault_corrupt": self._on_fault_corrupt,
             "stores_request": self._on_stores,
+            "survey_request": self._on_survey,
         }
 
     def _follow_ranks(self, b: m.SnapStaged | m.SnapClaim) -> None:
@@ -140,6 +142,12 @@ class StoreHandlers:
     def _on_stores(self, msg: protocol.Message) -> m.StoresReply:
         """The job's live stores' shard services, as the coordinator knows them (this store's
         own at least): where a restoring rank looks for shards (ftrun.store.shards)."""
+        return m.StoresReply(stores=[m.Peer(node_id=n, addr=a)
+                                     for n, a in sorted(self.job_stores().items())])
+
+    def job_stores(self) -> dict[str, str]:
+        """node -> shard service of the job's live stores, as the coordinator lists them, with
+        this store's own (when it serves shards)."""
         stores: dict[str, str] = {}
         if self._coord is not None:
             try:
@@ -151,8 +159,15 @@ class StoreHandlers:
                             "this node's shards only", e)
         if self.shards is not None:
             stores[self.cfg.node_id] = self.shards.address
-        return m.StoresReply(stores=[m.Peer(node_id=n, addr=a)
-                                     for n, a in sorted(stores.items())])
+        return stores
+
+    def _on_survey(self, msg: protocol.Message) -> m.SurveyReply:
+        """Every verified shard the job's live stores hold, surveyed once per restore for
+        all of this node's ranks (ftrun.store.survey)."""
+        b: m.SurveyRequest = msg.body
+        if self.surveyor is None:
+            raise FtrunError("this store does not survey the job's stores")
+        return self.surveyor.answer(b.key, max(0, given(b.offset, 0)))
 
     def _on_fault_corrupt(self, msg: protocol.Message) -> m.FaultReply:
         b: m.FaultCorrupt = msg.body

@@ -59,6 +59,7 @@ from ftrun.store.catalog import Catalog, rank_of
 from ftrun.store.commits import COORDINATOR_TIMEOUT_S, CommitMirror
 from ftrun.store.handlers import StoreHandlers
 from ftrun.store.persist_writer import PersistWriter
+from ftrun.store.survey import Surveyor
 from ftrun.store.verifier import Verifier
 
 __all__ = ["SnapshotStore", "StoreConfig", "default_threads", "main"]
@@ -102,6 +103,8 @@ class SnapshotStore:
         self.verifier = Verifier(cfg.node_id, self.catalog, self._hashers, self.commits)
         self.handlers = StoreHandlers(cfg, self.catalog, self.commits, self.verifier,
                                       self.persister, self._coord)
+        self.handlers.surveyor = Surveyor(self._secret, cfg.run_id, cfg.node_id,
+                                          self.handlers.job_stores)
         self._warmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-import")
         self._stop = threading.Event()
         self._persist_now = threading.Event()
@@ -334,6 +337,7 @@ class SnapshotStore:
             except Exception:
                 log.exception("final persist failed")
         self.persister.writer.shutdown(wait=True)
+        self.handlers.surveyor.close()
         self._hashers.shutdown(wait=True)
         self._warmer.shutdown(wait=False)
         if self._shards is not None:
