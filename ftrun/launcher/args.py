@@ -204,9 +204,9 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--warm-workers", knobs.WARM_WORKERS, bool,
      "Keep one interpreter per local rank started ahead with torch imported, so that a "
      "replaced or restarted rank skips starting Python and importing torch; a start that "
-     "differs from them (environment, command) starts cold, logged. Default (neither flag): "
-     "on where the launcher has at least 4 usable CPUs per local rank, off otherwise; "
-     "--no-warm-workers: every worker starts cold."),
+     "differs from them (environment, command) starts cold, logged. Off by default for now "
+     "(FTRUN_WARM_WORKERS=auto: on where the launcher has at least 4 usable CPUs per local "
+     "rank); --no-warm-workers: every worker starts cold."),
     ("--warm-imports", knobs.WARM_IMPORTS, str,
      "Modules the warm interpreters import besides torch, comma-separated (only modules "
      "whose import does not depend on the rank)."),
@@ -223,7 +223,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {"--on-hang": ON_HANG_CHOICES, "--on-slow
 
 
 def _tristate(knob: knobs.Knob) -> bool | None:
-    """A negatable switch's variable: True, False, or None where it is unset or ``auto``."""
+    """A negatable switch's variable (its default where unset): True, False, or None for
+    ``auto``."""
     raw = knob.get().strip().lower()
     if raw in ("", "auto"):
         return None
