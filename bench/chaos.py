@@ -517,6 +517,16 @@ class ChaosRun:
                                              f" (exit {e.get('exitcode')}, "
                                              f"signal {e.get('signal')})")
                 break
+        if f.detected_s is None and f.kind == "hang":
+            # All ranks stall behind a hung one, and the launcher's progress check may kill
+            # those it sees first: the in-place restart then aborts the hung rank, which
+            # leaves its function and keeps its process (no failure of its pid to report).
+            for e in job.events(t0):
+                if e["type"] == "recovery" and e.get("how") == "in_process" and \
+                        info["rank"] in e.get("kept", []):
+                    f.detected_s = e["ts"] - t0
+                    f.detail = f"aborted in place, kept its process ({e.get('why')})"
+                    break
         if f.detected_s is None:
             f.problems.append(f"ftrun never reported the failure of pid {info['pid']}")
         self._recovered(f, nxt, expected_resume(f, job.bases[-1], corrupted))

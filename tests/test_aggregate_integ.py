@@ -25,7 +25,7 @@ from netns import (  # noqa: F401  (the fixtures)
 
 log = logging.getLogger(__name__)
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # see tests/test_detect_integ.py
 
 HANG_AT = KILL_AT  # rank 0 (host 0, a member of the group) hangs in a collective here
 HOST_KILL_AT = 15  # the group's aggregator is killed once this step is done

@@ -29,7 +29,9 @@ from ftrun.exit_codes import ISOLATED
 
 log = logging.getLogger(__name__)
 
-pytestmark = [pytest.mark.integration]
+# Timing-sensitive (slow ranks named, healthy runs with no suspect): run alone, after the
+# parallel part of the suite (scripts/test.sh), never beside another test's processes.
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 
 def _detections(job: Job, kind: str | None = None) -> list[dict[str, Any]]:
