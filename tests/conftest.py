@@ -60,7 +60,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         p.cleanup()
 
 
-# The suite runs on two pytest-xdist workers, one test file per worker at a time
+# With FTRUN_TEST_WORKERS=2 (scripts/test.sh) the suite runs on two pytest-xdist workers, one file per worker at a time
 # (scripts/test.sh: -n 2 --dist loadfile). A worker takes the next file in collection order
 # when it is free: the longest files go first, so that no long one starts last and runs
 # alone at the end. Seconds per file in a serial CI run on the 2-CPU development machine.
