@@ -72,15 +72,15 @@ SHIM = ("-m", "ftrun._exec")
 MAX_EARLY_DEATHS = 3
 # How long close() waits for an interpreter it killed, and for the pool's thread.
 CLOSE_TIMEOUT_S = 5.0
-# Warm workers by default from this many usable CPUs per local rank: below it, the
-# interpreters' torch imports (started again after every take) compete with the ranks' own
-# start and first steps (bench/RESULTS.md, "Warm workers": 3 ranks on 2 CPUs ran 0.5 s longer).
+# FTRUN_WARM_WORKERS=auto turns warm workers on from this many usable CPUs per local rank:
+# below it, the interpreters' torch imports (started again after every take) compete with
+# the ranks' own start and first steps (bench/RESULTS.md, "Warm workers": 3 ranks on 2 CPUs ran 0.5 s longer).
 AUTO_CPUS_PER_RANK = 4
 
 
 def auto_warm(local_ranks: int, cpus: int | None = None) -> bool:
-    """The default (neither --warm-workers nor --no-warm-workers): on where the launcher has
-    AUTO_CPUS_PER_RANK usable CPUs per local rank. Logged either way."""
+    """FTRUN_WARM_WORKERS=auto (and neither --warm-workers nor --no-warm-workers): on where the
+    launcher has AUTO_CPUS_PER_RANK usable CPUs per local rank. Logged either way."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0))
     on = cpus >= AUTO_CPUS_PER_RANK * max(1, local_ranks)
