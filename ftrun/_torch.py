@@ -475,6 +475,91 @@ def drop_rendezvous_node(handler: Any, node: str, min_silence_s: float,
             return "timeout", round_, age_s
 
 
+
+# -- a node left waiting for a round that is full (ftrun.launcher.agent) ----------------------
+#
+# In torch's join operation (``_RendezvousJoinOp``) a node that finds a complete round with no
+# room goes to ``redundancy_list`` (a spare: not counted by ``num_nodes_waiting()``), and one
+# that finds a complete round with room goes to ``wait_list`` (counted: every agent restarts
+# its workers to take it in). During a restart the participants leave the complete round one
+# by one, so for a moment it has room: a spare moves itself to the wait list, and so does a
+# restarting node. Nothing takes a node off the wait list but its own join (or its keep-alives
+# expiring). When the next round fills without it (4 launchers for 3 places: one is left out)
+# it stays on the wait list of a full round, every agent sees a node waiting and restarts, and
+# the next round can leave the same node out again: seen in CI as a job that restarted every
+# few seconds and never trained. A node waiting for a full round is a spare; ftrun moves it
+# back to the redundancy list, by compare-and-set as in drop_rendezvous_node, where torch's
+# join puts it back on the wait list as soon as the round has room again.
+
+
+class _WaitingForRoom:
+    """``num_nodes_waiting()`` that counts only the nodes a new round could take in (see
+    :func:`spares_stay_spare`)."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+        self._check = handler.num_nodes_waiting  # torch's method, or another ftrun wrapper
+
+    def __call__(self) -> int:
+        waiting = int(self._check())
+        if waiting <= 0:
+            return waiting
+        holder = getattr(self._handler, "_state_holder", None)
+        settings = getattr(self._handler, "_settings", None)
+        state = getattr(holder, "state", None)
+        if state is None or settings is None or not _full(state, settings.max_nodes):
+            return waiting
+        try:
+            moved = park_waiting_nodes(holder._backend, settings)
+        except rendezvous_connection_error() as e:  # tried again on the next tick
+            log.debug("could not park the nodes waiting for a full round: %s", e)
+            return 0
+        if moved:
+            log.info("rendezvous round %d is full: %s moved from its wait list to its spares "
+                     "(waiting for a round that has room, they would restart every node for "
+                     "nothing)", int(state.round), ", ".join(moved))
+        return 0  # a full round takes nobody in: restarting every node would change nothing
+
+
+def _full(state: Any, max_nodes: int) -> bool:
+    return bool(state.complete) and not state.closed and len(state.participants) >= max_nodes
+
+
+def park_waiting_nodes(backend: Any, settings: Any, timeout_s: float = 10.0) -> list[str]:
+    """Move every node on the wait list of a complete, full round to its redundancy list
+    (compare-and-set, retried on a lost race for up to ``timeout_s``); the names moved."""
+    import time
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _BackendRendezvousStateHolder,
+    )
+
+    mine = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        mine.sync()
+        state = mine.state
+        waiting = [n for n in state.wait_list if n not in state.participants]
+        if not waiting or not _full(state, settings.max_nodes):
+            return []
+        for node in waiting:
+            state.wait_list.discard(node)
+            state.redundancy_list.add(node)
+        mine.mark_dirty()
+        if mine.sync():
+            return [str(n) for n in waiting]
+        if time.monotonic() >= deadline:
+            return []
+
+
+def spares_stay_spare(handler: Any) -> None:
+    """Have ``handler.num_nodes_waiting()`` (what torch's agent asks on every monitor tick
+    while its workers are healthy) park the nodes waiting for a complete round that has no
+    room as spares and not count them; a c10d/etcd ``DynamicRendezvousHandler`` only."""
+    if getattr(handler, "_state_holder", None) is None or not hasattr(handler, "_settings"):
+        return
+    handler.num_nodes_waiting = _WaitingForRoom(handler)
+
 # -- the Flight Recorder (ftrun.rank.collectives) ----------------------------------------------
 #
 # torch records every collective of every process group in its Flight Recorder, on gloo too:

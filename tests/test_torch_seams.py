@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port, pid_alive
+from conftest import free_port, pid_alive, wait_for
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -371,6 +371,89 @@ def test_a_lost_node_is_dropped_from_the_rendezvous_as_torch_drops_an_expired_on
         assert _torch.drop_rendezvous_node(a, lost, 0.0, 10.0)[0] == "absent"
     finally:
         a.shutdown()
+
+
+
+def test_a_node_left_waiting_for_a_full_round_is_parked_as_a_spare(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """spares_stay_spare: real c10d handlers, a round of 2 (a, b) and a third node c waiting
+    as a spare. c is put on the wait list of the full round, as torch's join leaves a node
+    that a restart round filled without (seen in CI: every round restarted every node); torch
+    alone counts it as waiting; with ftrun's wrapper it is parked on the redundancy list and
+    not counted. Once the round has room again (b dropped), c's own join puts it back on the
+    wait list and it is counted."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        _BackendRendezvousStateHolder,
+    )
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    port = free_port()
+    _server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def handler() -> DynamicRendezvousHandler:
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        backend, _ = create_backend(RendezvousParameters(
+            "c10d", f"127.0.0.1:{port}", "park", 2, 2, is_host="0", timeout="60"))
+        return DynamicRendezvousHandler.from_backend("park", client, backend, 2, 2)
+
+    a, b, c = handler(), handler(), handler()
+    joined = [threading.Thread(target=h.next_rendezvous) for h in (a, b)]
+    for t in joined:
+        t.start()
+    for t in joined:
+        t.join(60)
+    assert not any(t.is_alive() for t in joined), "the round of 2 did not form within 60 s"
+    ended: list[BaseException] = []
+
+    def spare() -> None:
+        try:
+            c.next_rendezvous()
+        except BaseException as e:  # noqa: BLE001  (the rendezvous closed at the end)
+            ended.append(e)
+
+    waiting = threading.Thread(target=spare, daemon=True)
+    waiting.start()
+    holder = _BackendRendezvousStateHolder(a._state_holder._backend, a._settings, 0)
+    try:
+        name_c = wait_for(lambda: _torch.rendezvous_node(c), 30, "c's name")
+
+        def listed(where: str) -> bool:
+            holder.sync()
+            return any(str(n) == name_c for n in getattr(holder.state, where))
+
+        wait_for(lambda: listed("redundancy_list"), 30, "c parked as a spare by torch")
+        # What a restart round that filled without c leaves behind:
+        desc = next(n for n in holder.state.redundancy_list if str(n) == name_c)
+        holder.state.redundancy_list.discard(desc)
+        holder.state.wait_list.add(desc)
+        holder.mark_dirty()
+        assert holder.sync()
+        # torch alone (once its cached state expires): every agent would restart.
+        wait_for(lambda: a.num_nodes_waiting() == 1, 10, "c counted as waiting by torch")
+        assert listed("wait_list")  # and it stays there
+
+        _torch.spares_stay_spare(a)
+        assert a.num_nodes_waiting() == 0
+        assert listed("redundancy_list") and not listed("wait_list")
+        assert waiting.is_alive()  # still waiting, as a spare
+
+        b._stop_heartbeats()
+        assert _torch.drop_rendezvous_node(a, _torch.rendezvous_node(b), 0.0, 10.0)[0] \
+            == "dropped"
+        wait_for(lambda: a.num_nodes_waiting() == 1, 30,
+                 "c waiting again for the round that has room")
+    finally:
+        a.set_closed()
+        waiting.join(30)
+        a.shutdown()
+    assert not waiting.is_alive() and ended, "c did not leave the closed rendezvous"
 
 
 # ---- leaving a job without closing its rendezvous (ftrun._torch.rendezvous_keeping_error) ----

@@ -227,6 +227,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             warm = auto_warm(spec.local_world_size)
         self._warm = WarmPool.start_for(spec, ctx.worker_env, ctx.warm_imports, ctx.sink) \
             if warm else None
+        # A node left on the wait list of a full round would restart every node, every round.
+        _torch.spares_stay_spare(spec.rdzv_handler)
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------
