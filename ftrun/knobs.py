@@ -138,8 +138,9 @@ PERSIST_KEEP = Knob(
 START_FRESH = Knob(
     "FTRUN_START_FRESH", "bool", "0",
     "1: when the persist dir holds steps but none can be restored (all partial or corrupt), "
-    "start from step 0 anyway instead of stopping with an error. An empty or missing persist "
-    "dir always starts fresh.", "any",
+    "or a restart finds nothing after the job had a durable step (a committed one with "
+    "--replicas 1), start from step 0 anyway instead of stopping with an error. An empty or "
+    "missing persist dir always starts fresh.", "any",
 )
 SNAPSHOT_EVERY = Knob(
     "FTRUN_SNAPSHOT_EVERY", "steps|auto", "1",

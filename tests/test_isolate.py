@@ -9,7 +9,9 @@ coordinator) once the test says so; everything from there on is the product's ow
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -159,19 +161,25 @@ ISOLATED_LINE = "was isolated by the job's coordinator: rank 3 hung in all_reduc
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("replicas", ["2", "1"])
 def test_isolated_node_exits_8_and_the_other_goes_on(procs: Procs, state_dir: Path,
-                                                     tmp_path: Path, shm_root: Path) -> None:
+                                                     tmp_path: Path, shm_root: Path,
+                                                     replicas: str) -> None:
     """Node 1 is isolated mid-training: its launcher kills its workers and exits 8 with the
-    reason, and node 0 (which hosts the rendezvous) re-rendezvous alone and finishes: the
-    rendezvous was not closed."""
+    reason, and node 0 (which hosts the rendezvous) re-rendezvous alone: the rendezvous was
+    not closed. With replicas (the default), node 0 resumes its 2 ranks from the 4 ranks'
+    step in memory, node 1's shards from the replicas node 0 holds, and finishes. With
+    ``--replicas 1`` no live memory holds node 1's shards and nothing is persisted: node 0
+    stops with an error that names the committed step and what to do, never going on from
+    step 0 without a word."""
     run_id = f"iso-{uuid.uuid4().hex[:8]}"
     steps_log = tmp_path / "steps.jsonl"
     trigger = tmp_path / "isolate-now"
     port = free_port()
     args = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "3",
-            "--replicas", "1", TRAIN, "--steps", "14", "--step-sleep", "0.3",
-            "--pg-timeout", "900", "--step-log", str(steps_log)]
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts",
+            "3" if replicas == "2" else "1", "--replicas", replicas, TRAIN, "--steps", "14",
+            "--step-sleep", "0.3", "--pg-timeout", "900", "--step-log", str(steps_log)]
     (shm_root / "node0").mkdir()
     (shm_root / "node1").mkdir()
     node0 = procs.ftrun(*args, env={"FTRUN_SHM_DIR": str(shm_root / "node0")}, name="node0")
@@ -184,6 +192,14 @@ def test_isolated_node_exits_8_and_the_other_goes_on(procs: Procs, state_dir: Pa
         lines = steps_log.read_text().splitlines() if steps_log.exists() else []
         return len(lines) >= 3
     wait_for(two_node_steps, 180, "three steps of the two-node job")
+    if replicas == "2":  # a step replicated in full: what a lost host cannot take with it
+        def durable() -> bool:
+            out = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id, "--json"],
+                                 capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "FTRUN_STATE_DIR": str(state_dir)})
+            snaps = (json.loads(out.stdout).get("snapshots") or {}) if out.stdout else {}
+            return (snaps.get("durable_step") or 0) >= 1
+        wait_for(durable, 60, "a durable step", interval_s=0.3)
     trigger.touch()
 
     code = procs.wait(node1, 120)
@@ -193,8 +209,19 @@ def test_isolated_node_exits_8_and_the_other_goes_on(procs: Procs, state_dir: Pa
 
     code = procs.wait(node0, 240)
     out0 = procs.output(node0)
-    assert code == 0, f"node 0 exit {code}:\n{out0[-4000:]}"
-    assert "RendezvousClosedError" not in out0 and "ftrun-example: step=" in out0
+    if replicas == "2":
+        assert code == 0, f"node 0 exit {code}:\n{out0[-4000:]}"
+        assert "RendezvousClosedError" not in out0 and "ftrun-example: step=" in out0
+        resumed = re.findall(r"resumed from step (\d+) .*, from memory, resharded from 4 ranks",
+                             out0)
+        assert resumed and int(resumed[-1]) >= 1, out0[-4000:]
+    else:
+        assert code != 0, out0[-4000:]
+        error = re.search(r"RestoreError: the job had committed step (\d+), but this restore "
+                          r"found no step held in full by the job's live stores \(step \d+ of "
+                          r"4 ranks lacks rank\(s\) 2, 3\)", out0)
+        assert error and int(error[1]) >= 1, out0[-4000:]
+        assert "relaunch with --start-fresh (or set FTRUN_START_FRESH=1)" in out0
 
     events = read_events(state_dir, run_id)
     isolated = [e for e in events if e["type"] == "node_isolated"]

@@ -200,7 +200,9 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "Cap, in MB/s, on the rate this node's store sends replicas at (0: no cap)."),
     ("--start-fresh", knobs.START_FRESH, bool,
      "Start from step 0 when --persist-dir holds steps but none can be restored (all partial "
-     "or corrupt); without it such a job stops with an error that lists each step and why."),
+     "or corrupt), or when a restart finds nothing after the job had a durable step (a "
+     "committed one with --replicas 1); without it such a job stops with an error that says "
+     "what is missing."),
     ("--warm-workers", knobs.WARM_WORKERS, bool,
      "Keep one interpreter per local rank started ahead with torch imported, so that a "
      "replaced or restarted rank skips starting Python and importing torch; a start that "

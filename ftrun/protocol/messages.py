@@ -460,9 +460,16 @@ class CatalogRequest(Body):
 
 
 class CatalogReply(Body):
+    """``committed`` and ``durable``: the newest steps the store knows committed and durable
+    (-1: none yet); ``replicating``: its replication runs. A restore that finds nothing to
+    resume from compares with them (ftrun.rank.restore)."""
+
     KIND = "catalog_reply"
     node_id: Str
     records: L[list[Json], Items]
+    committed: int | UnsetType = UNSET
+    durable: int | UnsetType = UNSET
+    replicating: bool | UnsetType = UNSET
 
 
 class Peer(Item):

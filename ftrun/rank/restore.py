@@ -41,6 +41,9 @@ class Restorer:
     def __init__(self, ctx: RankContext, state: TrainingState) -> None:
         self._ctx = ctx
         self._state = state
+        # What this node's store knows: (newest committed step, newest durable step, whether
+        # it replicates), -1 for none.
+        self._store_steps: tuple[int, int, bool] = (-1, -1, False)
 
     def restore(self) -> tuple[int, str]:
         """Load the newest snapshot complete on every rank (collective); returns its step
@@ -80,6 +83,8 @@ class Restorer:
                 log.warning("no step is complete and verified in the job's memory (%s); "
                             "restored step %d from %s", "none held in full by the live "
                             "stores" if not by_key else "none loaded", restored, source)
+            if restored == 0:
+                self._refuse_lost_progress(held, bool(by_key), distributed)
         self._ctx.start_epoch(restored, distributed, source)
         return restored, source
 
@@ -94,6 +99,9 @@ class Restorer:
             log.warning("the snapshot store did not list this rank's snapshots (%s); memory "
                         "is not used for this restore", e)
             return {}
+        body = reply.body
+        self._store_steps = (int(body.get("committed", -1)), int(body.get("durable", -1)),
+                             bool(body.get("replicating", False)))
         out: dict[int, int] = {}
         for rec in reply.body["records"]:
             buffer, name = int(rec["buffer"]), str(rec["segment"])
@@ -259,6 +267,57 @@ class Restorer:
         # and Stateful objects keep what they are given, and must not alias the buffer.
         return unflatten(doc, lambda _i, entry: tensor_view(data, entry)
                          if entry.key.startswith(MODEL_KEY) else tensor_view(data, entry).clone())
+
+    def _refuse_lost_progress(self, held: list[shards.Holding], any_complete: bool,
+                              distributed: bool) -> None:
+        """Nothing to resume from, after the job had committed steps: raise RestoreError (on
+        every rank) when a step was promised to survive, rather than go on from step 0 and
+        lose it. Promised: the newest durable step where stores replicate (a committed step
+        newer than it can be lost with a host, and is, with a warning); the newest committed
+        step where they do not. ``--start-fresh`` (FTRUN_START_FRESH=1) goes on from step 0."""
+        steps = [self._store_steps]
+        if distributed:
+            import torch.distributed as dist
+
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, self._store_steps)
+            steps = everyone
+        committed = max(int(c) for c, _, _ in steps)
+        durable = max(int(d) for _, d, _ in steps)
+        replicating = any(bool(r) for _, _, r in steps)
+        if committed <= 0:
+            return  # nothing was committed: step 0 is where the job is
+        promised = durable if replicating else committed
+        memory = ("no step held in full by the job's live stores ("
+                  + (shards.describe_gaps(held) if held else "they hold no verified shard")
+                  + ")") if not any_complete else \
+            "the steps held in full could not be loaded and verified on every rank"
+        persist = knobs.PERSIST_DIR.get()
+        disk = (f"and nothing restorable in --persist-dir {persist}" if persist
+                else "and no --persist-dir to fall back on")
+        if promised <= 0 or knobs.START_FRESH.enabled():
+            if self._ctx.rank == 0:
+                why = (f"{knobs.START_FRESH.name} is set" if promised > 0 else
+                       "no step was durable yet (every shard replicated on another host): "
+                       "the lost host's shards of the committed steps had no copy")
+                log.warning("the job had committed step %d, but this restore found %s, %s; "
+                            "%s: training goes on from step 0 (%d committed steps lost)",
+                            committed, memory, disk, why, committed)
+            return
+        from ftrun.errors import RestoreError
+        from ftrun.rank.fallback import record_for_launcher
+
+        kept = (f"durable step {durable} (replicated on another host)" if replicating
+                else f"committed step {committed}")
+        error = RestoreError(
+            f"the job had {kept}, but this restore found {memory}, {disk}. Nothing was "
+            f"loaded, so training does not go on from step 0 (that would lose {promised} "
+            f"steps without a word). The hosts whose memory held the missing shards were lost "
+            f"or are unreachable: bring them back, or relaunch with --persist-dir at a "
+            f"directory holding a persisted step; to train from step 0 anyway, relaunch with "
+            f"--start-fresh (or set {knobs.START_FRESH.name}=1).")
+        record_for_launcher(error)
+        raise error
 
     def _restore_persisted(self, distributed: bool) -> tuple[int, str]:
         """The newest persisted step that is complete and verifies on every rank (collective;

@@ -224,6 +224,10 @@ class CommitMirror:
         if self._durable is None or durable > self._durable:
             self._durable, self._durable_since = durable, now
 
+    def durable_step(self) -> int:
+        """The newest durable step this store knows (-1: none, or no replication)."""
+        return -1 if self._durable is None else self._durable
+
     def _durable_kept(self, need: int) -> bool:
         """Whether a rank whose newest shard is step ``need`` may overwrite its older buffer
         without losing the newest durable step: yes once ``need`` is durable itself. While
