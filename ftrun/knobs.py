@@ -231,14 +231,13 @@ INPLACE_WAIT = Knob(
     "exits with an error.", "worker",
 )
 WARM_WORKERS = Knob(
-    "FTRUN_WARM_WORKERS", "bool|auto", "0",
+    "FTRUN_WARM_WORKERS", "bool|auto", "auto",
     "1: keep one interpreter per local rank started ahead, with torch imported (no CUDA "
     "context, no process group): a worker start (a dead rank replaced, a restart) takes one "
     "instead of starting Python and importing torch. A start whose environment or command "
-    "differs from the interpreters' starts cold, logged. 0 (the default, for now): every "
-    "worker starts cold. auto: on where the launcher has at least 4 usable CPUs per local "
-    "rank (the interpreters' imports then do not compete with the ranks'), off otherwise, "
-    "logged.",
+    "differs from the interpreters' starts cold, logged. 0: every worker starts cold. auto "
+    "(the default): on where the launcher has at least 4 usable CPUs per local rank (the "
+    "interpreters' imports then do not compete with the ranks'), off otherwise, logged.",
 )
 WARM_IMPORTS = Knob(
     "FTRUN_WARM_IMPORTS", "MOD,MOD", "",

@@ -109,12 +109,12 @@ def test_explicit_dests_stop_at_the_script() -> None:
 
 
 @pytest.mark.parametrize("env, argv, expected", [
-    (None, [], False), ("auto", [], None), ("1", [], True), ("off", [], False),
+    (None, [], None), ("auto", [], None), ("1", [], True), ("off", [], False),
     ("0", ["--warm-workers"], True), ("1", ["--no-warm-workers"], False),
 ])
 def test_warm_workers_flag_variable_and_auto(monkeypatch: pytest.MonkeyPatch, env: str | None,
                                              argv: list[str], expected: bool | None) -> None:
-    """Neither flag nor variable: off (for now); FTRUN_WARM_WORKERS=auto: None, decided by the CPUs per
+    """Neither flag nor variable, or FTRUN_WARM_WORKERS=auto: None, decided by the CPUs per
     local rank when the workers start; the flags win over the variable."""
     if env is None:
         monkeypatch.delenv("FTRUN_WARM_WORKERS", raising=False)

@@ -206,9 +206,9 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
     ("--warm-workers", knobs.WARM_WORKERS, bool,
      "Keep one interpreter per local rank started ahead with torch imported, so that a "
      "replaced or restarted rank skips starting Python and importing torch; a start that "
-     "differs from them (environment, command) starts cold, logged. Off by default for now "
-     "(FTRUN_WARM_WORKERS=auto: on where the launcher has at least 4 usable CPUs per local "
-     "rank); --no-warm-workers: every worker starts cold."),
+     "differs from them (environment, command) starts cold, logged. By default on where the "
+     "launcher has at least 4 usable CPUs per local rank (FTRUN_WARM_WORKERS=auto), off "
+     "otherwise; --no-warm-workers: every worker starts cold."),
     ("--warm-imports", knobs.WARM_IMPORTS, str,
      "Modules the warm interpreters import besides torch, comma-separated (only modules "
      "whose import does not depend on the rank)."),
