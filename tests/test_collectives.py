@@ -97,6 +97,9 @@ def test_reports_show_who_waits_for_whom(tmp_path: Path, collector: Collector) -
         assert len(reports) >= 4, (rank, len(reports))  # every 0.5 s over several seconds
         assert {r["world_size"] for r in reports} == {3}
         assert all(r["backend"] == "gloo" and r["interval_s"] > 0 for r in reports)
+        # The last one, sent as the process exits, says the rank leaves (not a hang).
+        assert reports[-1].get("leaving") is True and not any(
+            r.get("leaving") for r in reports[:-1]), (rank, reports[-1])
 
     def world(r: dict[str, Any]) -> dict[str, Any]:
         [g] = [g for g in r["groups"] if g["pg"] == "0"]

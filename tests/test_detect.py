@@ -271,6 +271,36 @@ def test_silent_rank_named_after_silent_s():
     assert found[0].ranks == (2,) and found[0].evidence["reason"] == "silent"
 
 
+@pytest.mark.parametrize("leaving", [False, True])
+def test_ranks_that_left_are_not_silent(leaving: bool) -> None:
+    """The end of a job on a loaded host: ranks 0 and 1 completed the last collective and
+    exited, while ranks 2 and 3, starved of CPU, last reported that op as pending for
+    seconds. Without the leaving mark on the last report of 0 and 1 (what
+    CollectiveMonitor.stop sends), their silence reads as a hang; with it, nothing is named."""
+    job = Job(n=4, per_node=1)
+    for _ in range(10):
+        job.step()
+    s = job.op + 1
+    for r in (0, 1):
+        body = {"node_id": f"n{r}", "host": host_of(r, 1), "rank": r, "world_size": 4,
+                "restart": 0, "pid": 1000 + r, "backend": "gloo", "seq": job.seq[r] + 1,
+                "interval_s": INTERVAL, "groups": [{"pg": "0", "size": 4, "enqueued": s,
+                                                    "completed": s, "waiting_s": None}]}
+        if leaving:
+            body["leaving"] = True
+        job.det.add_report(body, job.now)
+    found: list = []
+    for k in range(1, 16):
+        job.now += 0.5
+        hang_reports(job, {r: (s, s - 1, 0.5 * k) for r in (2, 3)})
+        found += job.det.analyse(job.now)
+    if leaving:
+        assert found == [], found
+    else:
+        assert [(f.kind, f.ranks, f.evidence["reason"]) for f in found] == \
+            [("hang", (0, 1), "silent")]
+
+
 def test_silence_counts_against_the_ranks_own_report_gaps():
     """On an overloaded host a live rank's reports arrive seconds apart (3.1 s seen at a load
     of 20 on 2 CPUs): a silence names it only past twice its longest recent gap."""

@@ -114,7 +114,8 @@ class _Member:
 
 
 class _Rank:
-    __slots__ = ("rank", "node_id", "host", "seen", "seq", "interval_s", "groups", "gaps")
+    __slots__ = ("rank", "node_id", "host", "seen", "seq", "interval_s", "groups", "gaps",
+                 "left")
 
     def __init__(self, rank: int, node_id: str, host: str) -> None:
         self.rank = rank
@@ -125,6 +126,7 @@ class _Rank:
         self.interval_s = 0.02
         self.groups: dict[str, _Member] = {}
         self.gaps: deque[float] = deque(maxlen=SILENT_GAPS)  # between its recent reports
+        self.left = False  # its last report said it leaves: its silence is not a hang
 
     def silent_after(self, floor_s: float) -> float:
         """Silence that names this rank: ``floor_s``, or SILENT_GAP_FACTOR x the longest gap
@@ -231,6 +233,7 @@ class Detector:
         if gap is not None and gap < rank.silent_after(self.config.silent_s):
             rank.gaps.append(gap)  # jitter; not a silence long enough to have named it
         rank.seen = now
+        rank.left = bool(body.get("leaving", False))
         rank.interval_s = interval = body["interval_s"]
         self._host_node[rank.host] = rank.node_id
         keep = self.config.window * self.config.history
@@ -347,15 +350,18 @@ class Detector:
         cfg = self.config
         waiters: dict[int, tuple[int, float]] = {}     # rank -> (op seq, effective wait)
         for r, m in group.members.items():
-            if m.waiting_s is not None:
+            if m.waiting_s is not None and not self._ranks[r].left:
                 waiters[r] = (m.completed + 1, m.waiting_s + (now - m.at))
         group.waiting = bool(waiters)
         if not waiters:
             return []
         found: list[tuple[tuple, Finding]] = []
         threshold = self.hang_threshold(group.name)
-        silent = [r for r in group.members
-                  if now - self._ranks[r].seen >= self._ranks[r].silent_after(cfg.silent_s)]
+        # A rank that said it leaves is not silent: its process exited or its training
+        # function returned (the last ranks of a job to finish would otherwise be named hung
+        # while the others' final waits, last reported a moment before, looked long).
+        silent = [r for r in group.members if not self._ranks[r].left
+                  and now - self._ranks[r].seen >= self._ranks[r].silent_after(cfg.silent_s)]
         live_waits = {r: w for r, w in waiters.items() if r not in silent}
         if silent and any(w >= cfg.silent_s for _, w in live_waits.values()):
             ranks, hosts, nodes = self._who(silent)

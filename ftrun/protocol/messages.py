@@ -694,6 +694,9 @@ class CollReport(Body):
     interval_s: Float
     groups: L[list[CollGroup], Items]
     world: Str | UnsetType = UNSET
+    # The rank's last report: it stops reporting because it leaves (its process exits, or its
+    # training function returned or raised), not because it hangs.
+    leaving: bool | UnsetType = UNSET
 
 
 class Directive(Item):

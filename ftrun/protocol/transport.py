@@ -237,8 +237,13 @@ class Client:
                 self._sock.close(0)
             self._sock = None  # the session and its counter go on
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the connection; ``linger_s`` > 0 gives what is queued that long to go out
+        (a last message before the process exits), else it is dropped."""
         with self._lock:
+            if linger_s > 0 and self._sock is not None and self._pid == os.getpid():
+                self._sock.close(int(linger_s * 1000))
+                self._sock = None
             self._reset()
 
     def retarget(self, address: str, term: int) -> None:

@@ -66,6 +66,7 @@ WARN_EVERY_S = 60.0
 # A full dump holds the GIL for tens of ms: at most one per this many seconds.
 DUMP_EVERY_S = 10.0
 SEND_TIMEOUT_S = 0.05
+LEAVE_LINGER_S = 0.2  # what the last report (leaving) gets to go out as the monitor closes
 DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
                "Short": 2, "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1,
                "Float8_e5m2": 1, "ComplexFloat": 8, "ComplexDouble": 16}
@@ -133,11 +134,24 @@ class CollectiveMonitor:
         self._thread.start()
 
     def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop reporting: one last report, marked ``leaving``, tells the coordinator that this
+        rank's silence from now on is its leaving (its process exits, or its training function
+        returned) rather than a hang; it gets LEAVE_LINGER_S to go out."""
         self._stop.set()
+        started = self._thread is not None
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        self._client.close()
+        if started:
+            try:
+                try:
+                    self.sample(time.monotonic())
+                except Exception:  # noqa: BLE001 - the groups may be gone: report as last read
+                    pass
+                self.report(time.monotonic(), leaving=True)
+            except Exception as e:  # noqa: BLE001 - leaving must never fail the rank
+                log.debug("could not send the leaving report: %s", e)
+        self._client.close(LEAVE_LINGER_S if started else 0.0)
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -266,8 +280,9 @@ class CollectiveMonitor:
                 g.op = (seq, str(e.get("profiling_name", "")), nbytes)
                 return
 
-    def report(self, now: float) -> bool:
-        """Send one ``coll_report``; False when it could not be queued (dropped)."""
+    def report(self, now: float, leaving: bool = False) -> bool:
+        """Send one ``coll_report`` (``leaving``: the last one, see :meth:`stop`); False when
+        it could not be queued (dropped)."""
         groups = []
         for g in self._groups.values():
             pending = g.completed + 1
@@ -287,6 +302,8 @@ class CollectiveMonitor:
             groups.append(entry)
         self._seq += 1
         body = {**self._base, "seq": self._seq, "groups": groups}
+        if leaving:
+            body["leaving"] = True
         sent = self._client.send("coll_report", body) is not None
         if sent:
             self.counters["reports"] += 1
