@@ -9,7 +9,9 @@ runs last.
 from __future__ import annotations
 
 import os
+import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -360,7 +362,9 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
         handler = get_rendezvous_handler(RendezvousParameters(
             backend=etcd_rdzv.BACKEND_NAME, endpoint=cluster.endpoints, run_id=rid,
             min_nodes=1, max_nodes=1, local_addr="127.0.0.1", join_timeout="30",
-            read_timeout="2", keep_alive_interval="1", keep_alive_max_attempt="2"))
+            # Keep-alives expire after 4 s: longer than a loaded host delays a keep-alive, far
+            # shorter than the outage below (asserted at the end).
+            read_timeout="2", keep_alive_interval="2", keep_alive_max_attempt="2"))
         handler.next_rendezvous()
         lost: list[str] = []
         election = etcd.CoordinatorElection(client, rid, "n1/1", "n1", ttl_s=2,
@@ -388,6 +392,7 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
                 joining.next_rendezvous()
             wait_for(lambda: lost, 30, "the holder to lose its role")
             assert not election.acting()
+            time.sleep(3.0)  # an outage well past the keep-alives' expiry (asserted below)
         finally:
             for i in (1, 2):
                 if cluster.procs[i] is None:
@@ -400,8 +405,10 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
 
         with caplog.at_level("WARNING", logger="ftrun._torch"):
             wait_for(reads_again, 30, "the handler to read etcd again", interval_s=0.3)
-        # The outage outlasted the keep-alive expiry (2 s), yet the node is still in its
+        # The outage outlasted the keep-alive expiry (4 s), yet the node is still in its
         # round: its keep-alive was moved past the outage, not found expired.
+        outage = re.search(r"etcd answers again after ([0-9.]+) s", caplog.text)
+        assert outage and float(outage[1]) > 5.0, caplog.text[-3000:]
         me = _torch.rendezvous_node(handler)
         view = _torch.rendezvous_view(handler)
         assert view is not None and me in view[1] and me in view[2], (me, view)
