@@ -210,14 +210,21 @@ def test_fsdp2_shards_restore_bit_identical(procs: Procs, state_dir: Path) -> No
         # after printing it (seen rarely under load) restarts the job once more.
         return [ln for ln in out.splitlines() if ln.startswith("fsdp:")][0], out
 
+    def resumed_from_newest(line: str, out: str) -> None:
+        # The fault hits in step 4: step 3 unless its snapshot had not committed by then (a
+        # loaded host; the ranks skip a snapshot rather than wait, and say so).
+        start = int(line.split("start=")[1].split()[0])
+        assert start == 3 or (start == 2 and "skipped the snapshot of step" in out), \
+            out[-4000:]
+
     clean, out = run("6")
     assert clean.startswith("fsdp: start=0 "), out[-4000:]
     faulted, out = run("6", "4")
-    assert faulted.startswith("fsdp: start=3 "), out[-4000:]
+    resumed_from_newest(faulted, out)
     assert clean.split("hash=")[1] == faulted.split("hash=")[1]
     # In place: rank 0 keeps its process, builds FSDP2 again and restores its shards.
     in_place, out = run("6", "4", "--resilient")
-    assert in_place.startswith("fsdp: start=3 "), out[-4000:]
+    resumed_from_newest(in_place, out)
     assert clean.split("hash=")[1] == in_place.split("hash=")[1]
     assert "workers restarted in place" in out and "new processes for rank(s) [1]" in out, \
         out[-4000:]
