@@ -4,12 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check ftrun tests examples bench
-# FTRUN_TEST_WORKERS=2 runs the suite on two pytest-xdist workers, one test file each at a
-# time, the longest files first (tests/conftest.py): 25 min instead of ~35 on the 2-CPU
-# development machine, but beside each other the tests' processes drew 3 timing failures
-# per run there (false hangs, snapshots skipped under load), so the default stays one
-# process. Timing-sensitive tests (marked serial) always run afterwards, alone.
-WORKERS=${FTRUN_TEST_WORKERS:-0}
+# The suite runs on two pytest-xdist workers (FTRUN_TEST_WORKERS, default 2; 0: one
+# process), one test file each at a time, the longest files first (tests/conftest.py): ~40 min
+# in one process on the 2-CPU CI machine, ~25 with two. Timing-sensitive tests (marked
+# serial: detection latency, a healthy run without findings) always run afterwards, alone.
+WORKERS=${FTRUN_TEST_WORKERS:-2}
 PARALLEL=()
 if [ "$WORKERS" != 0 ]; then
     PARALLEL=(-n "$WORKERS" --dist loadfile)

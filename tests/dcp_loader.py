@@ -50,6 +50,10 @@ def main() -> None:
         print(f"loaded: hash={weights} optim={optim} world={world} lr={lr}", flush=True)
     if distributed:
         del model, optimizer, model_sd, optim_sd
+        # Both ranks done before either tears gloo down: one that destroys its group while
+        # the other still reads from it aborts ("terminate called without an active
+        # exception", seen once in CI on a loaded host).
+        dist.barrier()
         dist.destroy_process_group()
         return
     plain = fresh_model()
