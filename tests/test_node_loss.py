@@ -188,6 +188,13 @@ def test_host_killed_under_min_max_continues_on_fewer_hosts(cluster_factory,
     # which rank lands where after the shrink is the rendezvous' choice.
     assert {(s, src.split(" (from ")[0]) for _, s, src in job.resumes()} == \
         {(step, "memory, resharded from 3 ranks")}, job.resumes()
+    # The survivors restarted in place (examples/train.py runs under @ftrun.resilient): the
+    # world of 2 ranks re-formed in their running processes, no new process on either host.
+    recoveries = [e for e in job.events() if e["type"] == "recovery"]
+    for h in (h for h in range(3) if h != victim):
+        mine = [r for r in recoveries if r["node"].startswith(c.hostname(h) + "/")]
+        assert mine and all((r["how"], r["new_processes"]) == ("in_process", [])
+                            for r in mine), (h, recoveries)
     log.info("shrink: host %d killed at step >= %d, durable %d, resumed from %d on 2 ranks "
              "in %.1f s", victim, KILL_AT, durable, step, job.resumed_after(t_kill))
 

@@ -77,6 +77,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "replica_done": {"rank": 2, "step": 5, "verified": True},
     "replica_verified": {"node_id": "host-b/7", "origin": "host-a/99", "epoch": "e1",
                          "rank": 2, "step": 5},
+    "replica_dropped": {"node_id": "host-b/7", "origin": "host-a/99", "epoch": "e1",
+                        "rank": 2, "step": 3},
     "holdings_request": {},
     "holdings_reply": {"node_id": "h/1", "records": [{"segment": "s", "rank": 2, "step": 3,
                                                       "world_size": 4}]},

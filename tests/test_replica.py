@@ -239,6 +239,53 @@ def test_keeps_the_newest_two_steps_per_origin_and_rank(job: Job) -> None:
     assert seg.header().step == 3
 
 
+def test_the_durable_steps_replica_is_kept_until_a_newer_step_is_durable(job: Job) -> None:
+    """Replication one step behind: the newest durable step (1) is kept while steps 2 and 3
+    arrive, 2 is overwritten by 3 (and the coordinator told: it no longer counts towards step
+    2); once 3 is durable, step 4 overwrites 1. Dropping the durable step's replica for newer
+    steps that never became durable left no step complete when its origin's host was lost."""
+    durable = [1]
+    dropped: list[tuple[str, str, int, int]] = []
+    job.receiver.stop(unlink=True)
+    job.receiver = ReplicaReceiver(job.run_id, HOLDER, os.getpid(), SECRET,
+                                   lambda *a: job.reports.append(a),
+                                   lambda: (EPOCH, durable[0]), lambda *a: dropped.append(a))
+    job.peer = Peer(HOLDER, job.receiver.start("127.0.0.1"))
+    seg = job.stage(step=1)
+    current = [1]
+    sender = job.sender(lambda: (EPOCH, current[0]))
+
+    def send(step: int) -> list[int]:
+        current[0] = step
+        seg.set_state(shm.VERIFIED, step=step)
+        sender.send_step(job.peer, EPOCH, step)
+        return sorted(r.step for r in job.replicas() if r.state == "verified")
+
+    assert send(1) == [1] and send(2) == [1, 2] and dropped == []
+    assert send(3) == [1, 3] and dropped == [(ORIGIN, EPOCH, 0, 2)]
+    durable[0] = 3
+    assert send(4) == [3, 4] and dropped[1:] == [(ORIGIN, EPOCH, 0, 1)]
+
+
+def test_a_dropped_replica_no_longer_counts_towards_a_durable_step() -> None:
+    from ftrun.coordinator.commits import CommitTracker
+
+    t = CommitTracker(final_settle_s=0.0)
+    t.replicas = 2
+    t.handle("snap_epoch", {"node_id": "a", "epoch": EPOCH, "base_step": 0, "world_size": 2})
+    for rank in (0, 1):
+        t.handle("snap_verified", {"node_id": "a", "epoch": EPOCH, "rank": rank, "step": 4,
+                                   "nbytes": 10})
+    ep = t.get(EPOCH)
+    assert ep is not None and ep.committed == 4
+    t.replica_verified(EPOCH, "b", "a", 0, 4)
+    t.replica_dropped(EPOCH, "b", 0, 4)  # b overwrote it before rank 1's replica landed
+    t.replica_verified(EPOCH, "b", "a", 1, 4)
+    assert ep.durable == -1 and t.covered([0, 1]) is None
+    t.replica_verified(EPOCH, "b", "a", 0, 4)  # sent again
+    assert ep.durable == 4
+
+
 # -- the coordinator's side: placement in replies, durable steps --------------------------------
 
 

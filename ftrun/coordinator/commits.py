@@ -230,6 +230,14 @@ class CommitTracker:
         self._check_durable(ep, step)
         return ep
 
+    def replica_dropped(self, epoch: str, holder: str, rank: int, step: int) -> None:
+        """``holder`` no longer holds its replica of ``rank``'s shard at ``step`` (overwritten
+        by a newer one): a step not yet durable does not count it any more."""
+        ep = self._epochs.get(epoch)
+        if ep is None or step <= ep.durable:
+            return
+        ep.replicated.get(step, {}).get(rank, set()).discard(holder)
+
     def needed(self) -> int:
         """Verified replicas every shard needs for durable: m - 1, or fewer when fewer nodes
         take replicas (0: none possible, nothing is ever durable)."""

@@ -50,6 +50,7 @@ class SnapshotControl:
             "persist_request": self._on_commit,
             "store_report": self._on_store_report,
             "replica_verified": self._on_replica_verified,
+            "replica_dropped": self._on_replica_dropped,
             "stores_request": self._on_stores,
         }
 
@@ -125,6 +126,12 @@ class SnapshotControl:
         if durable > before:
             log.debug("step %d is durable (every shard has %d verified replica(s))", durable,
                       self._commits.replicas - 1)
+        return Reply("ack", {"re": msg.id})
+
+    def _on_replica_dropped(self, msg: protocol.Message) -> Reply:
+        b = msg.body
+        with self._lock:
+            self._commits.replica_dropped(b["epoch"], b["node_id"], b["rank"], b["step"])
         return Reply("ack", {"re": msg.id})
 
     def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -561,6 +561,20 @@ class ReplicaVerified(Body):
     step: int
 
 
+class ReplicaDropped(Body):
+    """Receiver store -> coordinator: it overwrote its verified replica of ``origin``'s shard
+    of ``rank`` at ``step`` with a newer one; not counted towards that step's durability
+    any more."""
+
+    KIND = "replica_dropped"
+    REPLIES = ("ack",)
+    node_id: Str
+    origin: Str
+    epoch: Str
+    rank: int
+    step: int
+
+
 class HoldingsRequest(Body):
     """Anyone with the job secret -> a node's shard service (ftrun.store.shards): the
     verified shards the node holds, its own ranks' and replicas (``origin``: the node whose

@@ -21,9 +21,11 @@ process and never on the store's message loop:
   it owns, and marks the replica verified only once every chunk has been checked. A chunk
   that does not match is refused (its ack names it and the tensors in it); ``replica_end``
   then answers with an error naming the chunks, and the replica stays unverified. It keeps
-  the newest two steps per (origin node, rank) and tells the coordinator of each verified
-  replica, which counts a step *durable* once every rank's shard has ``m - 1`` verified
-  replicas (ftrun.coordinator.commits).
+  two steps per (origin node, rank): the newest durable one (as its store knows it) and the
+  newest after it, and tells the coordinator of each verified replica, which counts a step
+  *durable* once every rank's shard has ``m - 1`` verified replicas
+  (ftrun.coordinator.commits), and of each verified replica it overwrites, which no longer
+  counts.
 
 Replica segments are named ``<job prefix minus its dash>.rep-<holder>-<origin>-r<rank>-s<slot>``
 (holder and origin as short hashes of their node ids): nothing that lists a node's own rank
@@ -156,12 +158,18 @@ class ReplicaReceiver:
     """
 
     def __init__(self, run_id: str, node_id: str, owner_pid: int, secret: bytes,
-                 report: Callable[[str, str, int, int], None] | None = None) -> None:
+                 report: Callable[[str, str, int, int], None] | None = None,
+                 durable: Callable[[], tuple[str, int]] | None = None,
+                 dropped: Callable[[str, str, int, int], None] | None = None) -> None:
         self.run_id = run_id
         self.node_id = node_id
         self.owner_pid = owner_pid
         self._secret = secret
         self._report = report
+        # (epoch, newest durable step) as this node's store knows it: that step's replica is
+        # kept; ``dropped(origin, epoch, rank, step)``: a verified replica was overwritten.
+        self._durable = durable
+        self._dropped = dropped
         self._lock = threading.Lock()
         self._slots: dict[tuple[str, int], list[_Slot]] = {}
         self._service = Service(Server("replica receiver", secret, run_id, {
@@ -329,20 +337,31 @@ class ReplicaReceiver:
     # -- handlers (the receiver thread) -------------------------------------------------------
     def _slot_for(self, origin: str, rank: int, step: int, epoch: str) -> tuple[_Slot | None, int]:
         """(a slot already holding this step verified, or None; the slot index to fill: the
-        list's length for a new one)."""
+        list's length for a new one).
+
+        Overwritten first: a slot not holding a verified replica, then one of another epoch,
+        then the older step, but never the replica of the newest durable step (as this store
+        knows it) while the other slot's step is not durable: a step is durable because its
+        replicas exist, and the steps after it need not become durable (replication behind, a
+        replica refused), so dropping it for a newer one could leave no step complete when the
+        origin's host is lost."""
         slots = self._slots.get((origin, rank), [])
         for s in slots:
             if s.verified and s.step == step and s.epoch == epoch:
                 return s, -1
         if len(slots) < KEEP_STEPS:
             return None, len(slots)
-        # Overwrite a slot not holding a verified replica, else the older verified one.
-        order = sorted(range(len(slots)), key=lambda i: (slots[i].verified, slots[i].done_at))
-        return None, order[0]
+        d_epoch, d_step = self._durable() if self._durable is not None else ("", -1)
+
+        def worth(i: int) -> tuple[bool, bool, bool, int]:
+            s = slots[i]
+            return (s.verified, s.epoch == epoch,
+                    s.epoch == d_epoch and s.step == d_step, s.step)
+
+        return None, min(range(len(slots)), key=worth)
 
     def _on_begin(self, msg: protocol.Message) -> m.ReplicaReady:
         b: m.ReplicaBegin = msg.body
-        origin, rank, step, epoch = b.origin, b.rank, b.step, b.epoch
         if len(msg.frames) != 2:
             raise ProtocolError("replica_begin carries the manifest and the chunk hash table "
                                 f"as two frames, got {len(msg.frames)}")
@@ -356,40 +375,56 @@ class ReplicaReceiver:
                                  f"{chunk_size}")
         doc = parse_manifest(manifest)
         with self._lock:
-            have, index = self._slot_for(origin, rank, step, epoch)
-            if have is not None:
-                return m.ReplicaReady(have=True)
-            slots = self._slots.setdefault((origin, rank), [])
-            old = slots[index] if index < len(slots) else None
-            number = old.number if old is not None else min(
-                set(range(KEEP_STEPS)) - {s.number for s in slots})
-            seg = self._segment(old, origin, rank, number, manifest, b.n_tensors, data_len,
-                                chunk_size)
-            if seg is None:
-                assert self.refused is not None
-                allowed, suppressed = self._refusals.allow("room")
-                if allowed:
-                    log.warning("replica of rank %d step %d from %s refused: %s%s", rank, step,
-                                origin, self.refused,
-                                f" ({suppressed} more refused)" if suppressed else "")
-                return m.ReplicaReady(have=False, refused=self.refused)
-            if old is not None and seg is not old.seg:
-                old.seg.close()
-            write_origin(seg, origin)
-            # Torn until every chunk is in and checked.
-            seg.set_state(shm.WRITING, step=step, epoch=epoch, data_len=data_len,
-                          n_tensors=b.n_tensors, manifest_len=0, manifest_xxh3=0,
-                          hashes_xxh3=0, staged_at=0.0)
-            xm = seg.write_manifest(manifest)
-            seg.set_state(shm.WRITING, manifest_len=len(manifest), manifest_xxh3=xm)
-            xh = seg.write_hashes(hashes)
-            slot = _Slot(seg.name, seg, origin, rank, number, step, epoch, False, doc, hashes)
-            slot.seg.set_state(shm.WRITING, hashes_xxh3=xh)
-            if index < len(slots):
-                slots[index] = slot
-            else:
-                slots.append(slot)
-        return m.ReplicaReady(have=False)
+            reply, dropped = self._begin_locked(b, manifest, hashes, doc)
+        if dropped is not None and self._dropped is not None:
+            self._dropped(*dropped)  # after the lock: it asks the coordinator
+        return reply
+
+    def _begin_locked(self, b: m.ReplicaBegin, manifest: bytes, hashes: list[int],
+                      doc: dict[str, Any]) -> tuple[m.ReplicaReady,
+                                                     tuple[str, str, int, int] | None]:
+        """replica_begin under the lock: (the reply, the verified replica its slot held, as
+        (origin, epoch, rank, step), when one was overwritten)."""
+        origin, rank, step, epoch = b.origin, b.rank, b.step, b.epoch
+        data_len, chunk_size = b.data_len, b.chunk_size
+        dropped: tuple[str, str, int, int] | None = None
+        have, index = self._slot_for(origin, rank, step, epoch)
+        if have is not None:
+            return m.ReplicaReady(have=True), None
+        slots = self._slots.setdefault((origin, rank), [])
+        old = slots[index] if index < len(slots) else None
+        if old is not None and old.verified:
+            # The coordinator counted it towards a durable step: no longer held here.
+            dropped = (old.origin, old.epoch, old.rank, old.step)
+        number = old.number if old is not None else min(
+            set(range(KEEP_STEPS)) - {s.number for s in slots})
+        seg = self._segment(old, origin, rank, number, manifest, b.n_tensors, data_len,
+                            chunk_size)
+        if seg is None:
+            assert self.refused is not None
+            allowed, suppressed = self._refusals.allow("room")
+            if allowed:
+                log.warning("replica of rank %d step %d from %s refused: %s%s", rank, step,
+                            origin, self.refused,
+                            f" ({suppressed} more refused)" if suppressed else "")
+            return m.ReplicaReady(have=False, refused=self.refused), None
+        if old is not None and seg is not old.seg:
+            old.seg.close()
+        write_origin(seg, origin)
+        # Torn until every chunk is in and checked.
+        seg.set_state(shm.WRITING, step=step, epoch=epoch, data_len=data_len,
+                      n_tensors=b.n_tensors, manifest_len=0, manifest_xxh3=0,
+                      hashes_xxh3=0, staged_at=0.0)
+        xm = seg.write_manifest(manifest)
+        seg.set_state(shm.WRITING, manifest_len=len(manifest), manifest_xxh3=xm)
+        xh = seg.write_hashes(hashes)
+        slot = _Slot(seg.name, seg, origin, rank, number, step, epoch, False, doc, hashes)
+        slot.seg.set_state(shm.WRITING, hashes_xxh3=xh)
+        if index < len(slots):
+            slots[index] = slot
+        else:
+            slots.append(slot)
+        return m.ReplicaReady(have=False), dropped
 
     def _segment(self, old: _Slot | None, origin: str, rank: int, number: int, manifest: bytes,
                  n_tensors: int, data_len: int, chunk_size: int) -> shm.Segment | None:
@@ -799,12 +834,14 @@ class Replication:
 
     def __init__(self, cfg: ReplicaConfig, run_id: str, node_id: str, owner_pid: int,
                  secret: bytes, committed: Callable[[], tuple[str, int]],
-                 coordinator: str, term: int = 0) -> None:
+                 coordinator: str, term: int = 0,
+                 durable: Callable[[], tuple[str, int]] | None = None) -> None:
         self.cfg = cfg
         self._coord = Client(coordinator, secret, run_id, f"replicas:{node_id}",
                              peer="coordinator", term=term)
         self.node_id = node_id
-        self.receiver = ReplicaReceiver(run_id, node_id, owner_pid, secret, self._report)
+        self.receiver = ReplicaReceiver(run_id, node_id, owner_pid, secret, self._report,
+                                        durable, self._report_dropped)
         self.sender = ReplicaSender(run_id, node_id, owner_pid, secret, committed,
                                     rate_bytes_s=cfg.rate_bytes_s)
         self._off: str | None = None  # why nothing is replicated now (no peer node)
@@ -822,6 +859,15 @@ class Replication:
         except (UnreachableError, FtrunError) as e:
             log.warning("coordinator: replica of rank %d step %d not reported: %s", rank,
                         step, e)
+
+    def _report_dropped(self, origin: str, epoch: str, rank: int, step: int) -> None:
+        try:
+            self._coord.request("replica_dropped", {
+                "node_id": self.node_id, "origin": origin, "epoch": epoch, "rank": rank,
+                "step": step}, "ack", REPORT_TIMEOUT_S)
+        except (UnreachableError, FtrunError) as e:
+            log.warning("coordinator: dropped replica of rank %d step %d not reported: %s",
+                        rank, step, e)
 
     def retarget(self, coordinator: str, term: int) -> None:
         """Report to the coordinator at ``coordinator`` (term ``term``) from now on."""

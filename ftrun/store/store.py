@@ -291,7 +291,8 @@ class SnapshotStore:
                           self.cfg.replica_rate_mb_s * 1e6),
             self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid, self._secret,
             lambda: (self.commits.epoch, self.commits.committed), self.cfg.coordinator,
-            self.cfg.coordinator_term)
+            self.cfg.coordinator_term,
+            durable=lambda: (self.commits.epoch, self.commits.durable_step()))
         try:
             rep.start()
         except Exception:  # noqa: BLE001 - the ranks' snapshots go on without replicas
