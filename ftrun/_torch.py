@@ -427,6 +427,16 @@ def leave_rendezvous(handler: Any, timeout_s: float) -> bool:
 _LONG_EXPIRED = "1970-01-01T00:00:00+00:00"
 
 
+def _own_holder(backend: Any, settings: Any) -> Any:
+    """A state holder of ftrun's own over a handler's backend, never serving from a cache:
+    what it reads is the backend's state, what it writes goes by compare-and-set."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _BackendRendezvousStateHolder,
+    )
+
+    return _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+
+
 def drop_rendezvous_node(handler: Any, node: str, min_silence_s: float,
                          timeout_s: float) -> tuple[str, int | None, float | None]:
     """Remove ``node`` (its name in the rendezvous, :func:`rendezvous_node`) from the c10d
@@ -445,11 +455,7 @@ def drop_rendezvous_node(handler: Any, node: str, min_silence_s: float,
     settings = getattr(handler, "_settings", None)
     if backend is None or settings is None:
         return "unsupported", None, None
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        _BackendRendezvousStateHolder,
-    )
-
-    mine = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+    mine = _own_holder(backend, settings)
     deadline = time.monotonic() + timeout_s
     while True:
         mine.sync()
@@ -530,11 +536,7 @@ def park_waiting_nodes(backend: Any, settings: Any, timeout_s: float = 10.0) -> 
     (compare-and-set, retried on a lost race for up to ``timeout_s``); the names moved."""
     import time
 
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        _BackendRendezvousStateHolder,
-    )
-
-    mine = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+    mine = _own_holder(backend, settings)
     deadline = time.monotonic() + timeout_s
     while True:
         mine.sync()

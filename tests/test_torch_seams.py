@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -312,6 +313,26 @@ def test_rendezvous_state_seen_through_the_c10d_handler() -> None:
         handler.shutdown()
 
 
+def _node_handler(port: int, run_id: str, nodes: int) -> Any:
+    """A real c10d DynamicRendezvousHandler of one node of ``nodes`` (min = max), over the
+    TCPStore server on ``port``. One store client per node, as on real hosts: with one client
+    shared by two handlers, rank 1's blocking get of MASTER_ADDR could hold it while rank 0
+    waited to set the key (seen once in CI under load: a 300 s store timeout)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
+
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    backend, _ = create_backend(RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", run_id, nodes, nodes, is_host="0", timeout="60"))
+    return DynamicRendezvousHandler.from_backend(run_id, client, backend, nodes, nodes)
+
+
 def test_a_lost_node_is_dropped_from_the_rendezvous_as_torch_drops_an_expired_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """drop_rendezvous_node goes through DynamicRendezvousHandler's state holder, backend and
@@ -319,11 +340,8 @@ def test_a_lost_node_is_dropped_from_the_rendezvous_as_torch_drops_an_expired_on
     its keep-alives; the other drops it (refused while its keep-alive is younger than asked),
     and a fresh handler on the same store reads the round without it."""
     import threading
-    from datetime import timedelta
 
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
         _BackendRendezvousStateHolder,
@@ -338,13 +356,7 @@ def test_a_lost_node_is_dropped_from_the_rendezvous_as_torch_drops_an_expired_on
     _server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
 
     def handler() -> DynamicRendezvousHandler:
-        # One store client per node, as on real hosts: with one client shared by both
-        # handlers, rank 1's blocking get of MASTER_ADDR could hold it while rank 0 waited to
-        # set the key (seen once in CI under load: a 300 s store timeout).
-        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        backend, _ = create_backend(RendezvousParameters(
-            "c10d", f"127.0.0.1:{port}", "drop", 2, 2, is_host="0", timeout="30"))
-        return DynamicRendezvousHandler.from_backend("drop", client, backend, 2, 2)
+        return _node_handler(port, "drop", 2)
 
     a, b = handler(), handler()
     assert _torch.drop_rendezvous_node(object(), "x", 0.0, 1.0)[0] == "unsupported"
@@ -383,11 +395,8 @@ def test_a_node_left_waiting_for_a_full_round_is_parked_as_a_spare(
     not counted. Once the round has room again (b dropped), c's own join puts it back on the
     wait list and it is counted."""
     import threading
-    from datetime import timedelta
 
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
         _BackendRendezvousStateHolder,
@@ -398,10 +407,7 @@ def test_a_node_left_waiting_for_a_full_round_is_parked_as_a_spare(
     _server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
 
     def handler() -> DynamicRendezvousHandler:
-        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        backend, _ = create_backend(RendezvousParameters(
-            "c10d", f"127.0.0.1:{port}", "park", 2, 2, is_host="0", timeout="60"))
-        return DynamicRendezvousHandler.from_backend("park", client, backend, 2, 2)
+        return _node_handler(port, "park", 2)
 
     a, b, c = handler(), handler(), handler()
     joined = [threading.Thread(target=h.next_rendezvous) for h in (a, b)]
