@@ -481,7 +481,6 @@ def drop_rendezvous_node(handler: Any, node: str, min_silence_s: float,
             return "timeout", round_, age_s
 
 
-
 # -- a node left waiting for a round that is full (ftrun.launcher.agent) ----------------------
 #
 # In torch's join operation (``_RendezvousJoinOp``) a node that finds a complete round with no
@@ -561,6 +560,7 @@ def spares_stay_spare(handler: Any) -> None:
     if getattr(handler, "_state_holder", None) is None or not hasattr(handler, "_settings"):
         return
     handler.num_nodes_waiting = _WaitingForRoom(handler)
+
 
 # -- the Flight Recorder (ftrun.rank.collectives) ----------------------------------------------
 #
