@@ -338,6 +338,10 @@ def test_member_failover(cluster: EtcdCluster, client: etcd.EtcdClient) -> None:
     election.resign()
 
 
+# Serial (run alone, scripts/test.sh): beside another file's jobs on the 2-CPU CI machine the
+# lone node was once out of its round after the outage although its keep-alives were moved
+# past it (not understood; the test passes alone and in most parallel runs).
+@pytest.mark.serial
 def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A cluster of its own loses 2 of its 3 members: requests fail at once saying the quorum

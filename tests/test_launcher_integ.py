@@ -152,9 +152,13 @@ def test_stopped_rank_is_suspect_in_status_at_once(procs: Procs, state_dir: Path
     mine = [e for e in events if e.get("pid") == fired["pid"]]
     assert any(e["type"] == "rank_suspect" and e["cause"] == "stopped" and e["rank"] == 2
                for e in mine), mine
-    # Continued in time it recovers; otherwise ftrun killed it at 10 s and restarted.
+    # Continued in time it recovers; otherwise ftrun killed it and restarted: its launcher at
+    # 10 s, or before that the coordinator, which names a rank that stopped reporting while
+    # the others wait (seen when the status commands above took seconds on a loaded host).
     assert any(e["type"] == "rank_cleared" for e in mine) or any(
-        e["type"] == "hang_detected" and "stopped" in e["reason"] for e in mine), mine
+        e["type"] == "hang_detected" and "stopped" in e["reason"] for e in mine) or any(
+        str(e.get("why", "")).startswith("coordinator: rank(s) [2]: hang: rank(s) 2 ")
+        and "stopped reporting" in e["why"] for e in mine), mine
 
     # Every command the demo prints at its end works on such an ended job.
     demo = _load_demo()
