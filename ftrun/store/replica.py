@@ -851,23 +851,23 @@ class Replication:
         self.sender.start()
         return address
 
-    def _report(self, origin: str, epoch: str, rank: int, step: int) -> None:
+    def _tell(self, kind: str, what: str, origin: str, epoch: str, rank: int,
+              step: int) -> None:
+        """Tell the coordinator about a replica held here (``kind``: replica_verified or
+        replica_dropped); a failure is logged, never raised."""
         try:
-            self._coord.request("replica_verified", {
+            self._coord.request(kind, {
                 "node_id": self.node_id, "origin": origin, "epoch": epoch, "rank": rank,
                 "step": step}, "ack", REPORT_TIMEOUT_S)
         except (UnreachableError, FtrunError) as e:
-            log.warning("coordinator: replica of rank %d step %d not reported: %s", rank,
-                        step, e)
+            log.warning("coordinator: %sreplica of rank %d step %d not reported: %s", what,
+                        rank, step, e)
+
+    def _report(self, origin: str, epoch: str, rank: int, step: int) -> None:
+        self._tell("replica_verified", "", origin, epoch, rank, step)
 
     def _report_dropped(self, origin: str, epoch: str, rank: int, step: int) -> None:
-        try:
-            self._coord.request("replica_dropped", {
-                "node_id": self.node_id, "origin": origin, "epoch": epoch, "rank": rank,
-                "step": step}, "ack", REPORT_TIMEOUT_S)
-        except (UnreachableError, FtrunError) as e:
-            log.warning("coordinator: dropped replica of rank %d step %d not reported: %s",
-                        rank, step, e)
+        self._tell("replica_dropped", "dropped ", origin, epoch, rank, step)
 
     def retarget(self, coordinator: str, term: int) -> None:
         """Report to the coordinator at ``coordinator`` (term ``term``) from now on."""
