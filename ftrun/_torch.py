@@ -928,16 +928,20 @@ def keep_world_while_unreachable(handler: Any, retry_s: float) -> None:
     handler.num_nodes_waiting = _WaitingWhileUnreachable(handler, retry_s)
 
 
-def discount_keep_alives(state_bits: bytes, outage_s: float) -> bytes:
+def discount_keep_alives(state_bits: bytes, outage_s: float, interval_s: float = 0.0) -> bytes:
     """torch's pickled rendezvous state (``_RendezvousState``) with every node's last
-    keep-alive (``last_heartbeats``) moved ``outage_s`` seconds later, never past now.
+    keep-alive (``last_heartbeats``) moved ``outage_s + interval_s`` seconds later, never past
+    now.
 
     For a backend that was unreachable for ``outage_s``: nobody could write a keep-alive
     meanwhile, so without this the first node to read the state afterwards would find every
     keep-alive expired, drop every node (``_sanitize``, on its own copy) and every agent
     would restart its workers. Moved by the outage, each keep-alive is as old as it was when
-    the outage began: a node that was alive then is alive, one that had stopped before
-    still expires (later by the outage at most)."""
+    the outage began; ``interval_s`` (the keep-alive interval) more covers the keep-alive
+    timer's phase: a node writes one only on a tick when its last is an interval old, so
+    a live node's keep-alive is up to two intervals old between ticks, and after the outage
+    its next tick can come up to one interval later than it would have. A node that had
+    stopped before the outage still expires, later by the outage and an interval at most."""
     import pickle
     from datetime import datetime, timedelta, timezone
 
@@ -945,7 +949,7 @@ def discount_keep_alives(state_bits: bytes, outage_s: float) -> bytes:
     beats = getattr(state, "last_heartbeats", None)
     if not beats:
         return state_bits
-    shift = timedelta(seconds=outage_s)
+    shift = timedelta(seconds=outage_s + interval_s)
     for node, beat in beats.items():
         now = datetime.now(timezone.utc)
         if beat.tzinfo is None:  # torch before 2.6 wrote naive UTC times

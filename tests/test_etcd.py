@@ -9,12 +9,13 @@ runs last.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,6 @@ def test_torch_seams_for_the_etcd_backend() -> None:
 
 def test_keep_alives_are_moved_past_an_outage_never_past_now() -> None:
     """discount_keep_alives on torch's own pickled rendezvous state."""
-    import pickle
-    from datetime import datetime, timezone
-
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         _NodeDesc,
         _RendezvousState,
@@ -120,6 +118,11 @@ def test_keep_alives_are_moved_past_an_outage_never_past_now() -> None:
     assert 40 <= age[str(old)] < 41, age  # as old as when the outage began
     assert 0 <= age[str(recent)] < 1, age  # never in the future
     assert moved.participants == state.participants
+    # One keep-alive interval more for the timer's phase (a tick can come an interval late).
+    moved = pickle.loads(_torch.discount_keep_alives(pickle.dumps(state), 20.0, 5.0))
+    after = datetime.now(timezone.utc)
+    age = {str(n): (after - t).total_seconds() for n, t in moved.last_heartbeats.items()}
+    assert 35 <= age[str(old)] < 36, age
 
 
 # -- against the cluster ------------------------------------------------------------------------
@@ -417,6 +420,11 @@ def test_quorum_lost_reads_as_such_and_the_world_is_kept_until_it_is_back(
         view = _torch.rendezvous_view(handler)
         assert view is not None and me in view[1] and me in view[2], (me, view)
         assert round_before is not None and view[0] == round_before[0], (round_before, view)
+        # Moved in etcd, not only in this node's copy: what any node reads next keeps it too.
+        stored = pickle.loads(client.get(etcd_rdzv.EtcdRendezvousBackend(client, rid).key).value)
+        beats = {str(n): (datetime.now(timezone.utc) - t).total_seconds()
+                 for n, t in stored.last_heartbeats.items()}
+        assert me in {str(n) for n in stored.participants} and beats[me] < 4.0, beats
         # The old holder's key expires with its lease (etcd renews every lease for one TTL
         # when a new leader is elected); a campaign then takes the role with a new term.
         wait_for(lambda: election.campaign() is None, 30, "the role taken again",

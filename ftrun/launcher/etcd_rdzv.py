@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
 DEFAULT_STORE_TIMEOUT_S = 300.0
+DEFAULT_KEEP_ALIVE_INTERVAL_S = 5.0  # torch's default (RendezvousParameters keep_alive_interval)
 _POLL_FIRST_S = 0.005
 _POLL_MAX_S = 0.1
 # While etcd is unreachable (its quorum lost), how often the agent's check for waiting nodes
@@ -66,16 +67,19 @@ def _connection_error(e: EtcdError, what: str) -> Exception:
 class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[misc]
     """The rendezvous state of job ``run_id`` in etcd (see the module)."""
 
-    def __init__(self, client: EtcdClient, run_id: str) -> None:
+    def __init__(self, client: EtcdClient, run_id: str,
+                 keep_alive_interval_s: float = DEFAULT_KEEP_ALIVE_INTERVAL_S) -> None:
         if not run_id:
             raise ValueError("the rendezvous run id must not be empty")
         self.client = client
         self.key = key_prefix(run_id) + "rdzv/state"
         self.ended_key = ended_key(run_id)
-        # When (monotonic) etcd last answered, and whether it has failed since: the state
-        # first read after an outage has its keep-alives moved past it (_after_outage).
+        # When (monotonic) etcd last answered, and whether it has failed since: after an
+        # outage the first state this backend reads or writes has its keep-alives moved past
+        # it, in etcd (_past_outage).
         self._answered_at = time.monotonic()
         self._down = False
+        self._keep_alive_interval_s = keep_alive_interval_s
 
     @property
     def name(self) -> str:
@@ -85,19 +89,26 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
         self._down = True
         return _connection_error(e, what)
 
-    def _after_outage(self, state: bytes) -> bytes:
-        """``state`` as read (or written) once etcd answers: after an outage, every
-        keep-alive moved later by its length, counted from etcd's last answer before it
+    def _past_outage(self, state: bytes) -> tuple[bytes, float]:
+        """``state`` with every keep-alive moved later by the outage this backend saw
+        (counted from etcd's last answer before it) and one keep-alive interval
         (:func:`ftrun._torch.discount_keep_alives`): nobody could renew one while etcd was
-        down, and that is no reason to drop them."""
-        now = time.monotonic()
-        outage_s, self._answered_at = now - self._answered_at, now
-        down, self._down = self._down, False
-        if not down or not state:
-            return state
-        log.warning("etcd answers again after %.1f s: the rendezvous keep-alives are moved "
-                    "past the outage", outage_s)
-        return _torch.discount_keep_alives(state, outage_s)
+        down, and that is no reason to drop them. Unchanged when there was no outage.
+
+        The moved state is what gets written to etcd: moved in a node's own copy only, the
+        next plain read would find the keep-alives expired after all and drop the nodes. Each
+        node moves them once per outage it sees; a node that had stopped before an outage
+        expires later by that much at most."""
+        if not self._down or not state:
+            return state, 0.0
+        outage_s = time.monotonic() - self._answered_at
+        return _torch.discount_keep_alives(state, outage_s, self._keep_alive_interval_s), outage_s
+
+    def _answered(self, outage_s: float) -> None:
+        if outage_s:
+            log.warning("etcd answers again after %.1f s: the rendezvous keep-alives are moved "
+                        "past the outage", outage_s)
+        self._answered_at, self._down = time.monotonic(), False
 
     def get_state(self) -> tuple[bytes, Any] | None:
         try:
@@ -112,8 +123,16 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
                 f"the job under this rendezvous id ended (at {ended.value.decode()} unix "
                 "time) while this launcher was away; its keys are gone from etcd. Start a new "
                 "run of all its launchers to train again")
-        state = self._after_outage(b"" if kv is None else kv.value)
-        return None if kv is None else (state, kv.mod_revision)
+        if kv is None:
+            self._answered(0.0)
+            return None
+        if not self._down:
+            self._answered(0.0)
+            return kv.value, kv.mod_revision
+        # The first read after an outage: write the state back with its keep-alives moved,
+        # unless someone wrote since this read (then theirs stands).
+        moved = self.set_state(kv.value, kv.mod_revision)
+        return None if moved is None else moved[:2]
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         if token is None:
@@ -128,17 +147,19 @@ class EtcdRendezvousBackend(_torch.rendezvous_backend_base()):  # type: ignore[m
                 return None if current is None else (*current, False)
             compare = {"key": b64(self.key), "target": "MOD", "result": "EQUAL",
                        "mod_revision": str(revision)}
+        state, outage_s = self._past_outage(state)
         try:
             ok, revision_after, responses = self.client.txn(
                 [compare], [{"request_put": {"key": b64(self.key), "value": b64(state)}}],
                 [{"request_range": {"key": b64(self.key)}}])
         except EtcdError as e:
             raise self._unreachable(e, "writing the state failed") from e
+        self._answered(outage_s)
         if ok:
             # The transaction's revision is the one its put wrote: the key's mod_revision.
-            return self._after_outage(state), revision_after, True
+            return state, revision_after, True
         kvs = _kvs(responses)
-        return (self._after_outage(kvs[0].value), kvs[0].mod_revision, False) if kvs else None
+        return (kvs[0].value, kvs[0].mod_revision, False) if kvs else None
 
 
 class EtcdStore(dist.Store):
@@ -269,7 +290,8 @@ def create_backend(params: Any) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     client = EtcdClient(params.endpoint, timeout_s=timeout_s,
                         tls=EtcdTLS.from_conf(lambda key: params.get(key)))
     join_s = float(params.get("join_timeout", DEFAULT_STORE_TIMEOUT_S))
-    return (EtcdRendezvousBackend(client, params.run_id),
+    interval_s = float(params.get("keep_alive_interval", DEFAULT_KEEP_ALIVE_INTERVAL_S))
+    return (EtcdRendezvousBackend(client, params.run_id, interval_s),
             EtcdStore(client, params.run_id, timedelta(seconds=join_s)))
 
 
