@@ -212,6 +212,9 @@ def test_a_frozen_holder_steps_down_and_decides_nothing(client: etcd.EtcdClient,
         wait_for(lambda: any(json.loads(ln)["type"] == "coordinator_stepped_down"
                              for ln in events.read_text().splitlines()), 10,
                  "the frozen coordinator's coordinator_stepped_down event")
+        # Each of its events names its term (which coordinator recorded it).
+        terms = {json.loads(ln).get("term") for ln in events.read_text().splitlines()}
+        assert terms == {info["term"]}, terms
         # Its state thread no longer writes: the new holder's value stays.
         assert taker.load("events_seq") == 12345
         frozen_client.close()

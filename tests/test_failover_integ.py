@@ -199,16 +199,90 @@ def test_coordinator_host_killed_under_min_max_the_others_go_on_resharded(
              "after; resumed from %d on 2 ranks", holder, old.term, new.term,
              min(e["ts"] for e in moves) - t_kill, t_end - t_kill, step)
 
-    # The reference: 3 ranks to that step, persisted at the job's end; 2 ranks from there.
+    assert _reference(procs, tmp_path, [(3, step), (2, STEPS)]) == got
+
+
+def _reference(procs: Procs, tmp_path: Path, segments: list[tuple[int, int]]) -> str:
+    """params_xxh3 of plain jobs run one after another on one persist directory: ``(world
+    size, last step)`` each, resuming from the step the one before persisted at its end (as
+    tests/test_node_loss.py's MIN:MAX reference)."""
     ckpt = tmp_path / "reference-ckpt"
     train = ["--batch", "12", "--snapshot-every", "1"]
     env = {"FTRUN_STATE_DIR": str(tmp_path / "ref-state")}
-    first = procs.ftrun("--standalone", "--nproc-per-node", "3", "--persist-dir", str(ckpt),
-                        TRAIN, "--steps", str(step), *train, env=env, name="ref3")
-    assert procs.wait(first, 180) == 0, procs.output(first)[-3000:]
-    second = procs.ftrun("--standalone", "--nproc-per-node", "2", "--persist-dir", str(ckpt),
-                         TRAIN, "--steps", str(STEPS), *train, env=env, name="ref2")
-    assert procs.wait(second, 180) == 0, procs.output(second)[-3000:]
-    out = procs.output(second)
-    assert f"resumed from step {step}" in out, out[-3000:]
-    assert result_line(out).split("params_xxh3=")[1].strip() == got
+    out = ""
+    for i, (world, last) in enumerate(segments):
+        p = procs.ftrun("--standalone", "--nproc-per-node", str(world), "--persist-dir",
+                        str(ckpt), TRAIN, "--steps", str(last), *train, env=env,
+                        name=f"ref{i}-{world}")
+        assert procs.wait(p, 180) == 0, procs.output(p)[-3000:]
+        out = procs.output(p)
+        if i:
+            assert f"resumed from step {segments[i - 1][1]}" in out, out[-3000:]
+    return result_line(out).split("params_xxh3=")[1].strip()
+
+def test_coordinator_host_frozen_steps_down_and_the_job_goes_on(
+        cluster_factory, state_dir: Path, exact_steps: None, procs: Procs,
+        tmp_path: Path) -> None:
+    """``--nnodes 2:3`` on etcd: the host whose launcher holds the coordinator role is frozen
+    (SIGSTOP of its launcher, store and rank: a hung host, its sockets open). Another
+    launcher takes the role (a larger term) and the 2 others go on from memory; the frozen
+    host, resumed, steps down without deciding anything under its old term and joins the
+    job again (there is room: MAX is 3). The job never starts over from step 0, and ends
+    bit-identical to plain jobs run through the same worlds."""
+    require_etcd()
+    c = cluster_factory(3)
+    root_addr = f"{c.subnet}.254"
+    subprocess.run(["ip", "addr", "add", f"{root_addr}/24", "dev", c.bridge], check=True)
+    with EtcdCluster(tmp_path / "etcd", host=root_addr) as cluster:
+        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2)
+        job = Job(c, state_dir, "etcd-frozen")
+        job.start(range(3), "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                  cluster.endpoints)
+        job.wait_step(KILL_AT)
+        old = wait_for(lambda: etcd.read_coordinator(client, job.run_id), 30,
+                       "the coordinator's record")
+        holder = c.namespaces.index(old.host)
+        other = (holder + 1) % 3
+        durable = job.wait_durable(KILL_AT - 2, host=other)["snapshots"]["durable_step"]
+        t_freeze = time.time()
+        c.freeze_host(holder)
+        try:
+            new = wait_for(lambda: (r := etcd.read_coordinator(client, job.run_id)) and
+                           r.term > old.term and r.endpoint and r, 60,
+                           "another launcher to take the coordinator role", interval_s=0.2)
+            t_new = time.time()
+            # The others train on without the frozen host: steps after a restart.
+            try:
+                wait_for(lambda: any(r["time"] > t_new and r["restart"] > 0
+                                     for r in job.steps()),
+                         120, "the others to train on without the frozen host", interval_s=0.2)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{job.output()[-8000:]}") from None
+        finally:
+            t_thaw = time.time()
+            c.thaw_host(holder)
+        got = job.finish(timeout_s=240)
+    events = job.events()
+    result = json.loads(job.result.read_text())
+    resumes = job.resumes()
+    log.info("holder host %d (term %d) frozen: term %d took over in %.1f s; thawed %.1f s "
+             "after the freeze; resumes %s", holder, old.term, new.term, t_new - t_freeze,
+             t_thaw - t_freeze, resumes)
+    assert new.host != old.host, (old, new)
+    # The frozen coordinator, resumed, decided nothing under its old term: its one event
+    # after the freeze is its stepping down.
+    late = [e for e in events if e.get("term") == old.term and e["ts"] > t_freeze]
+    assert [e["type"] for e in late] == ["coordinator_stepped_down"], late
+    assert late[0]["ts"] > t_thaw, late
+    # Never from step 0 or from disk (there is none): every resume from memory, at the
+    # durable step or later.
+    assert resumes and all(s >= durable and src.startswith("memory") for _, s, src in resumes), \
+        resumes
+    # Bit-identical to plain jobs run through the same worlds: 3 ranks to the first resumed
+    # step, then each world (the ranks that resumed at a step) to the next.
+    steps = sorted({s for _, s, _ in resumes})
+    assert steps == sorted(set(result["resumed_from"])), (steps, result)
+    worlds = [len({r for r, s, _ in resumes if s == step}) for step in steps]
+    segments = [(3, steps[0])] + [(w, nxt) for w, nxt in zip(worlds, steps[1:] + [STEPS], strict=True)]
+    assert worlds[-1] == result["world_size"], (worlds, result)
+    assert _reference(procs, tmp_path, segments) == got, segments

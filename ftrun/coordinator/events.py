@@ -28,9 +28,11 @@ WARN_EVERY_S = 10.0
 
 
 class EventLog:
-    """Events numbered from 1, the newest :data:`MAX_EVENTS` kept in memory."""
+    """Events numbered from 1, the newest :data:`MAX_EVENTS` kept in memory. A coordinator
+    that holds the role under a term (failover) marks each of its events with it."""
 
-    def __init__(self, max_events: int = MAX_EVENTS) -> None:
+    def __init__(self, max_events: int = MAX_EVENTS, term: int = 0) -> None:
+        self._term = term
         self._lock = threading.Lock()
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._recoveries: deque[dict[str, Any]] = deque(maxlen=RECOVERIES_KEPT)
@@ -75,6 +77,8 @@ class EventLog:
         with self._lock:
             self._seq += 1
             event = dict(data)
+            if self._term:
+                event.setdefault("term", self._term)
             event.update(seq=self._seq, ts=time.time(), type=type_, node=node)
             self._events.append(event)
             if type_ == "recovery":

@@ -187,7 +187,7 @@ class Coordinator:
                 raise ConfigError(str(e)) from None
         self._groups = Groups(aggregate_group, socket.gethostname())
         self._next_plan = 0.0
-        self._events = EventLog()
+        self._events = EventLog(term=self.term)
         self._directives = DirectiveBook()
         self._snapshots = SnapshotControl(self._membership, self._events,
                                           self._corruption_policy(detection))

@@ -345,6 +345,30 @@ class Cluster:
         self.lost.add(i)
         return killed
 
+    def freeze_host(self, i: int) -> list[int]:
+        """SIGSTOP every process on host ``i`` (a host that hangs: its sockets stay open,
+        nothing answers). Returns the PIDs stopped; :meth:`thaw_host` resumes them."""
+        stopped = []
+        for pid in self.pids(i):
+            if pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        if not stopped:
+            raise AssertionError(f"host {i} had no process to freeze")
+        return stopped
+
+    def thaw_host(self, i: int) -> None:
+        """SIGCONT every process on host ``i``."""
+        for pid in self.pids(i):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def cut_link(self, i: int) -> None:
         """Take host ``i`` off the network: its processes live on, unreachable."""
         _ip("link", "set", self.veths[i], "down")
