@@ -13,6 +13,7 @@ the new coordinator, and every rank reports its collectives to the new detection
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,35 @@ def test_coordinator_host_killed_another_takes_over(cluster_factory, state_dir: 
     assert re.search(r"coordinator failover: job \S+'s coordinator is now", text), text[-3000:]
 
 
+@contextlib.contextmanager
+def _min_max_on_etcd(c: Cluster, state_dir: Path, tmp_path: Path,
+                     name: str) -> Iterator[tuple[etcd.EtcdClient, Job, Any, int]]:
+    """A ``--nnodes 2:3`` job on the 3 hosts of ``c`` and a 3-member etcd on the bridge,
+    trained to step KILL_AT with a durable step: (etcd client, job, the coordinator's
+    record, the durable step)."""
+    require_etcd()
+    root_addr = f"{c.subnet}.254"
+    subprocess.run(["ip", "addr", "add", f"{root_addr}/24", "dev", c.bridge], check=True)
+    with EtcdCluster(tmp_path / "etcd", host=root_addr) as cluster:
+        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2)
+        job = Job(c, state_dir, name)
+        job.start(range(3), "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                  cluster.endpoints)
+        job.wait_step(KILL_AT)
+        old = wait_for(lambda: etcd.read_coordinator(client, job.run_id), 30,
+                       "the coordinator's record")
+        other = (c.namespaces.index(old.host) + 1) % 3
+        durable = job.wait_durable(KILL_AT - 2, host=other)["snapshots"]["durable_step"]
+        yield client, job, old, durable
+
+
+def _next_term(client: etcd.EtcdClient, job: Job, old: Any) -> Any:
+    """The coordinator's record once another launcher holds the role under a larger term."""
+    return wait_for(lambda: (r := etcd.read_coordinator(client, job.run_id)) and
+                    r.term > old.term and r.endpoint and r, 60,
+                    "another launcher to take the coordinator role", interval_s=0.2)
+
+
 def test_coordinator_host_killed_under_min_max_the_others_go_on_resharded(
         cluster_factory, state_dir: Path, exact_steps: None, procs: Procs,
         tmp_path: Path) -> None:
@@ -163,26 +194,12 @@ def test_coordinator_host_killed_under_min_max_the_others_go_on_resharded(
     term); the 2 others go on, resharding the newest durable step from memory onto 2 ranks;
     the final weights equal the reference of tests/test_node_loss.py's MIN:MAX test (3 ranks
     to that step, persisted; 2 ranks from it), run here as two plain jobs."""
-    require_etcd()
     c = cluster_factory(3)
-    root_addr = f"{c.subnet}.254"
-    subprocess.run(["ip", "addr", "add", f"{root_addr}/24", "dev", c.bridge], check=True)
-    with EtcdCluster(tmp_path / "etcd", host=root_addr) as cluster:
-        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2)
-        job = Job(c, state_dir, "etcd-shrink")
-        job.start(range(3), "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint",
-                  cluster.endpoints)
-        job.wait_step(KILL_AT)
-        old = wait_for(lambda: etcd.read_coordinator(client, job.run_id), 30,
-                       "the coordinator's record")
+    with _min_max_on_etcd(c, state_dir, tmp_path, "etcd-shrink") as (client, job, old, durable):
         holder = c.namespaces.index(old.host)
-        other = (holder + 1) % 3
-        durable = job.wait_durable(KILL_AT - 2, host=other)["snapshots"]["durable_step"]
         t_kill = time.time()
         c.kill_host(holder)
-        new = wait_for(lambda: (r := etcd.read_coordinator(client, job.run_id)) and
-                       r.term > old.term and r.endpoint and r, 60,
-                       "another launcher to take the coordinator role", interval_s=0.2)
+        new = _next_term(client, job, old)
         assert new.host != old.host, (old, new)
         got = job.finish()
         t_end = time.time()
@@ -229,27 +246,13 @@ def test_coordinator_host_frozen_steps_down_and_the_job_goes_on(
     host, resumed, steps down without deciding anything under its old term and joins the
     job again (there is room: MAX is 3). The job never starts over from step 0, and ends
     bit-identical to plain jobs run through the same worlds."""
-    require_etcd()
     c = cluster_factory(3)
-    root_addr = f"{c.subnet}.254"
-    subprocess.run(["ip", "addr", "add", f"{root_addr}/24", "dev", c.bridge], check=True)
-    with EtcdCluster(tmp_path / "etcd", host=root_addr) as cluster:
-        client = etcd.EtcdClient(cluster.endpoints, timeout_s=2)
-        job = Job(c, state_dir, "etcd-frozen")
-        job.start(range(3), "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint",
-                  cluster.endpoints)
-        job.wait_step(KILL_AT)
-        old = wait_for(lambda: etcd.read_coordinator(client, job.run_id), 30,
-                       "the coordinator's record")
+    with _min_max_on_etcd(c, state_dir, tmp_path, "etcd-frozen") as (client, job, old, durable):
         holder = c.namespaces.index(old.host)
-        other = (holder + 1) % 3
-        durable = job.wait_durable(KILL_AT - 2, host=other)["snapshots"]["durable_step"]
         t_freeze = time.time()
         c.freeze_host(holder)
         try:
-            new = wait_for(lambda: (r := etcd.read_coordinator(client, job.run_id)) and
-                           r.term > old.term and r.endpoint and r, 60,
-                           "another launcher to take the coordinator role", interval_s=0.2)
+            new = _next_term(client, job, old)
             t_new = time.time()
             # The others train on without the frozen host: steps after a restart.
             try:
