@@ -22,7 +22,9 @@ measured parts, or assumed (with its source); ``--costs FILE`` (JSON: name -> nu
 overrides any of them. The baseline checkpoints at the interval that maximises its own mean
 ETTR over the same draws (searched; Young/Daly's sqrt(2·C·MTBF) is printed beside it); ftrun's
 snapshot interval is searched the same way, and its shipped ``every="auto"`` rule (a snapshot
-may cost 3% of the step time, ftrun/rank/cadence.py) is shown beside it.
+may cost 3% of the step time, and is taken no more often than Young's interval for the job's
+failure rate, at most 60 s apart: ftrun/rank/cadence.py, with FTRUN_GPU_MTBF_HOURS at the
+trace's rate) is shown beside it.
 
 Deterministic under ``--seed``: run i at N GPUs draws from ``random.Random(f"{seed}:{N}:{i}")``.
 """
@@ -137,6 +139,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure("ftrun_auto_target", 0.03, "of step time", "ftrun's rule",
            "ftrun/rank/cadence.py Cadence.TARGET: every='auto' picks the shortest interval "
            "whose snapshot cost stays within 3% of the step time"),
+    Figure("ftrun_auto_max_interval_s", 60.0, "s", "ftrun's rule",
+           "ftrun/rank/cadence.py Cadence.MAX_INTERVAL_S: every='auto' lengthens the interval "
+           "to Young's sqrt(2 * cost * MTBF) for the job's failure rate (FTRUN_GPU_MTBF_HOURS, "
+           "here the trace's), at most this far apart"),
     Figure("ftrun_detect_rank_crash_s", 0.24, "s", MEASURED_CPU,
            "RESULTS.md 'Restart after a worker failure': ftrun detected a SIGKILL after 0.24 s"),
     Figure("ftrun_detect_hang_s", 3.4, "s", MEASURED_CPU,
@@ -748,6 +754,15 @@ def project(trace: Trace, costs: dict[str, float], gpus: int, runs: int, seed: i
     return project_draws(trace.mtbf_s(gpus), costs, gpus, draws, horizon_s)
 
 
+def auto_interval_s(costs: dict[str, float], mtbf_s: float) -> float:
+    """Training time between snapshots under every='auto' (ftrun/rank/cadence.py): the
+    shortest interval whose snapshot costs at most the target share, or Young's interval
+    for a job that fails every ``mtbf_s`` on average, capped, whichever is longer."""
+    block = costs["ftrun_snapshot_block_s"]
+    young = min(costs["ftrun_auto_max_interval_s"], math.sqrt(2.0 * block * mtbf_s))
+    return max(block / costs["ftrun_auto_target"], young)
+
+
 def project_draws(mtbf_s: float, costs: dict[str, float], gpus: int,
                   draws: Sequence[Sequence[Event]], horizon_s: float) -> SizeResult:
     def ftrun_at(x: float) -> Policy:
@@ -758,7 +773,7 @@ def project_draws(mtbf_s: float, costs: dict[str, float], gpus: int,
 
     f_int = best_interval(draws, ftrun_at, horizon_s)
     b_int = best_interval(draws, base_at, horizon_s)
-    auto_int = costs["ftrun_snapshot_block_s"] / costs["ftrun_auto_target"]
+    auto_int = auto_interval_s(costs, mtbf_s)
     c = costs["base_save_block_s"]
     return SizeResult(
         gpus, mtbf_s,

@@ -177,7 +177,7 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'role' -r -d 'User-defined rol
 complete -c ftrun -n '__ftrun_is first launch' -l 'run-path' -l 'run_path' -d 'Run the training script with runpy.run_path in the same interpreter.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'shutdown-timeout' -l 'shutdown_timeout' -r -d 'Time in seconds to wait for graceful shutdown of worker processes before sending SIGKILL.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'signals-to-handle' -l 'signals_to_handle' -r -d 'Comma-separated list of signals to handle and forward to subprocesses.'
-complete -c ftrun -n '__ftrun_is first launch' -l 'snapshot-every' -l 'snapshot_every' -r -d 'Snapshot every K-th step, or \'auto\': as often as keeps the measured slowdown at or below 3%.'
+complete -c ftrun -n '__ftrun_is first launch' -l 'snapshot-every' -l 'snapshot_every' -r -d 'Snapshot every K-th step, or \'auto\': as often as keeps the measured slowdown at or below 3%, and...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'snapshot-wait' -l 'snapshot_wait' -r -d 'Seconds optimizer.step() may wait for the store to release a snapshot buffer...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'standalone' -d 'Start a local standalone rendezvous backend that is represented by a C10d TCP store on a free port.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'start-fresh' -l 'start_fresh' -d 'Start from step 0 when --persist-dir holds steps but none can be restored...'

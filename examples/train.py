@@ -40,7 +40,8 @@ digest of the raw float32 bytes of every parameter in ``named_parameters()`` ord
 Under ftrun the job restarts in place (``@ftrun.resilient`` on ``run``): after a fault the
 surviving ranks run ``run`` again in their own processes, in the new world; only a dead rank
 gets a new process. The script snapshots its state with ``ftrun.Snapshotter``, by default
-with ``--snapshot-every auto``: as often as keeps the measured slowdown at or below 3%. Tests
+with ``--snapshot-every auto``: as often as keeps the measured slowdown at or below 3% (and
+at most 60 s apart, fewer when the job's failure rate makes more not worth it). Tests
 that count on a snapshot of every step pass ``--snapshot-every 1``.
 
 Fault injection fires once per job: the failing rank first creates a marker file
@@ -482,7 +483,8 @@ def parse_args(argv: list[str] | None, world_size: int) -> argparse.Namespace:
         default="auto",
         metavar="K",
         help="snapshot the training state with ftrun.Snapshotter every K steps, or 'auto': as "
-        "often as keeps the measured slowdown at or below 3%% (default), or 'launcher': as "
+        "often as keeps the measured slowdown at or below 3%% and the failure rate makes worth it "
+        "(default), or 'launcher': as "
         "ftrun's --snapshot-every says; 0 turns snapshots off (outside ftrun they are off "
         "anyway)",
     )

@@ -166,3 +166,21 @@ def test_a_trace_file_replayed_and_costs_overridden(tmp_path, capsys):
     assert size["baseline"]["ettr_mean"] < size["ftrun"]["ettr_mean"] < 1
     restart = next(c for c in out["costs"] if c["name"] == "base_cold_restart_s")
     assert (restart["value"], restart["default"]) == (300, 12.08)
+
+
+@pytest.mark.parametrize("world, mtbf_gpu_h", [(16384, 50700.0), (1024, 50700.0), (8, 50700.0),
+                                               (16384, 0.0)])
+def test_auto_interval_is_the_cadences_rule(world: int, mtbf_gpu_h: float):
+    """The simulator's every='auto' interval is what ftrun/rank/cadence.py picks for the same
+    snapshot cost and failure rate, to within one step."""
+    from ftrun.rank.cadence import Cadence
+
+    costs = {f.name: float(f.value) for f in ettr.FIGURES} | {"ftrun_snapshot_block_s": 0.114}
+    mtbf_s = mtbf_gpu_h * 3600 / world if mtbf_gpu_h else math.inf
+    plain = 0.5
+    cadence = Cadence("auto", gpu_mtbf_h=mtbf_gpu_h)
+    for step in range(1, 13):
+        cadence.observe(plain + (0.114 if cadence._last_due else 0.0))
+        cadence.mark(cadence.due(step))
+    expected = ettr.auto_interval_s(costs, mtbf_s) if mtbf_gpu_h else 0.114 / 0.03
+    assert abs(cadence.wanted(world) * plain - expected) <= plain, (cadence.wanted(world), expected)

@@ -29,7 +29,7 @@ def feed(c: Cadence, steps: int, plain_s: float, copy_s: float) -> None:
 
 
 def test_auto_warms_up_then_keeps_the_slowdown_under_three_percent() -> None:
-    c = Cadence("auto")
+    c = Cadence("auto", gpu_mtbf_h=0)  # the failure rate ignored: the cost target alone
     assert c.auto and c.k == Cadence.WARMUP_K and c.cost() is None
     feed(c, 12, plain_s=0.100, copy_s=0.015)  # a snapshot costs 15% of a step
     cost, plain = c.cost()
@@ -66,6 +66,32 @@ def test_auto_backs_off_where_snapshots_were_given_up_and_stays_there() -> None:
     c.skipped()
     c.agree(128)
     assert c.k == 8
+
+
+def test_auto_snapshots_no_more_often_than_the_failure_rate_makes_worth_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Young's interval: at 16,384 ranks failing at Llama 3's rate (the default), a snapshot
+    that costs 0.114 s (an H100's 3.2 GB) is worth taking every ~50 s, not every 8 steps of
+    0.5 s as the 3% target alone would; a small job's interval is capped at 60 s."""
+    from ftrun.rank.cadence import young_interval_s
+
+    c = Cadence("auto")
+    assert c.gpu_mtbf_h == 50700
+    feed(c, 12, plain_s=0.5, copy_s=0.114)
+    mtbf_s = 50700 * 3600 / 16384
+    assert young_interval_s(0.114, 16384, 50700, 60) == pytest.approx((2 * 0.114 * mtbf_s) ** 0.5)
+    assert c.wanted(16384) == 100  # floor(50.4 s / 0.5 s)
+    target_alone = Cadence("auto", gpu_mtbf_h=0)
+    feed(target_alone, 12, plain_s=0.5, copy_s=0.114)
+    assert target_alone.wanted(16384) == 8  # ceil(0.114 / (3% of 0.5 s))
+    assert c.wanted(1) == 120  # Young's 4,270 s capped at 60 s
+    # A copy that costs nothing: every step, whatever the failure rate.
+    free = Cadence("auto")
+    feed(free, 12, plain_s=0.5, copy_s=0.0)
+    assert free.wanted(16384) == 1
+    monkeypatch.setenv("FTRUN_GPU_MTBF_HOURS", "often")
+    with pytest.raises(ConfigError, match="FTRUN_GPU_MTBF_HOURS must be a number of hours"):
+        Cadence("auto")
 
 
 def test_auto_caps_the_interval() -> None:

@@ -175,7 +175,8 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "removed."),
     ("--snapshot-every", knobs.SNAPSHOT_EVERY, str,
      "Snapshot every K-th step, or 'auto': as often as keeps the measured slowdown at or "
-     "below 3%. Snapshotter(every=...) in the script overrides it."),
+     "below 3%, and no more often than the job's failure rate makes worth it (at most 60 s "
+     "apart; FTRUN_GPU_MTBF_HOURS). Snapshotter(every=...) in the script overrides it."),
     ("--snapshot-wait", knobs.SNAPSHOT_WAIT, float,
      "Seconds optimizer.step() may wait for the store to release a snapshot buffer (the "
      "previous snapshot not yet committed) before that snapshot is skipped; 0 (the default): "

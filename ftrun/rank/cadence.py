@@ -28,13 +28,42 @@ def seconds(knob: knobs.Knob) -> float:
     return value
 
 
+def gpu_mtbf_hours() -> float:
+    """``FTRUN_GPU_MTBF_HOURS``: expected hours between interruptions per rank (0: off)."""
+    knob = knobs.GPU_MTBF_HOURS
+    raw = knob.get()
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"{knob.name} must be a number of hours >= 0 (0: ignore the failure "
+                          f"rate), got {raw!r}")
+    return value
+
+
+def young_interval_s(cost_s: float, world_size: int, gpu_mtbf_h: float,
+                     cap_s: float) -> float:
+    """Young's optimal time between snapshots, ``sqrt(2 * cost * MTBF)``, for a snapshot that
+    costs ``cost_s`` of training in a job whose ``world_size`` ranks each fail every
+    ``gpu_mtbf_h`` hours on average; at most ``cap_s``. 0 when either is unknown (0)."""
+    if cost_s <= 0 or gpu_mtbf_h <= 0:
+        return 0.0
+    mtbf_s = gpu_mtbf_h * 3600.0 / max(1, world_size)
+    return min(cap_s, math.sqrt(2.0 * cost_s * mtbf_s))
+
+
 class Cadence:
     """Which steps get a snapshot: every K-th step, K fixed, or chosen online ("auto").
 
     Under "auto" each rank times its steps (from one save() call to the next) and keeps the
     durations of steps that overlapped a snapshot's copy apart from the others. A snapshot
     costs the difference of their medians; K is the smallest interval whose cost stays at
-    or below ``TARGET`` of the step time. Every ``AGREE_EVERY`` steps the ranks agree on the
+    or below ``TARGET`` of the step time, and no shorter than Young's interval
+    (:func:`young_interval_s`: where a longer interval would cost more in steps recomputed
+    after a failure than it saves in snapshots) for the job's failure rate
+    (``FTRUN_GPU_MTBF_HOURS`` over the world size), capped at ``MAX_INTERVAL_S`` of training
+    so that a fault never loses more than that. Every ``AGREE_EVERY`` steps the ranks agree on the
     largest K any of them wants (a one-integer all_reduce), so all snapshot the same steps.
     Until both kinds of step have been seen, K is ``WARMUP_K``.
 
@@ -46,13 +75,15 @@ class Cadence:
     """
 
     TARGET = 0.03
+    MAX_INTERVAL_S = 60.0
     AGREE_EVERY = 32
     WARMUP_K = 2
     MAX_K = 10_000
     WINDOW = 32
 
-    def __init__(self, every: int | str) -> None:
+    def __init__(self, every: int | str, gpu_mtbf_h: float | None = None) -> None:
         text = str(every).strip().lower()
+        self.gpu_mtbf_h = gpu_mtbf_hours() if gpu_mtbf_h is None else gpu_mtbf_h
         self.auto = text == "auto"
         if self.auto:
             self.k = self.WARMUP_K
@@ -92,8 +123,8 @@ class Cadence:
         plain = statistics.median(self._plain)
         return max(0.0, statistics.median(self._with_copy) - plain), plain
 
-    def wanted(self) -> int:
-        """The interval this rank would pick."""
+    def wanted(self, world_size: int = 1) -> int:
+        """The interval this rank would pick in a job of ``world_size`` ranks."""
         if self._skips:
             self.floor = min(self.MAX_K, max(self.floor, 2 * self.k))
         known = self.cost()
@@ -104,14 +135,17 @@ class Cadence:
         else:
             cost, plain = known
             want = math.ceil(cost / (self.TARGET * plain))
+            young = young_interval_s(cost, world_size, self.gpu_mtbf_h, self.MAX_INTERVAL_S)
+            want = max(want, math.floor(young / plain))
         return max(self.floor, min(self.MAX_K, want))
 
     def agree(self, step: int) -> None:
         import torch.distributed as dist
 
-        want = self.wanted()
+        distributed = dist.is_available() and dist.is_initialized()
+        want = self.wanted(dist.get_world_size() if distributed else 1)
         skips, self._skips = self._skips, 0
-        if dist.is_available() and dist.is_initialized():
+        if distributed:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if dist.get_backend() == "nccl" else torch.device("cpu"))
             t = torch.tensor([want], dtype=torch.int64, device=device)
