@@ -16,30 +16,24 @@ from ftrun.errors import ConfigError
 log = logging.getLogger("ftrun.rank.snapshotter")
 
 
-def seconds(knob: knobs.Knob) -> float:
+def _non_negative(knob: knobs.Knob, what: str) -> float:
     raw = knob.get()
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not (value >= 0 and math.isfinite(value)):
-        raise ConfigError(f"{knob.name} must be a number of seconds >= 0 (0: never wait), "
-                          f"got {raw!r}")
+        raise ConfigError(f"{knob.name} must be a number of {what}, got {raw!r}")
     return value
+
+
+def seconds(knob: knobs.Knob) -> float:
+    return _non_negative(knob, "seconds >= 0 (0: never wait)")
 
 
 def gpu_mtbf_hours() -> float:
     """``FTRUN_GPU_MTBF_HOURS``: expected hours between interruptions per rank (0: off)."""
-    knob = knobs.GPU_MTBF_HOURS
-    raw = knob.get()
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 and math.isfinite(value)):
-        raise ConfigError(f"{knob.name} must be a number of hours >= 0 (0: ignore the failure "
-                          f"rate), got {raw!r}")
-    return value
+    return _non_negative(knobs.GPU_MTBF_HOURS, "hours >= 0 (0: ignore the failure rate)")
 
 
 def young_interval_s(cost_s: float, world_size: int, gpu_mtbf_h: float,
