@@ -69,7 +69,7 @@ def test_auto_backs_off_where_snapshots_were_given_up_and_stays_there() -> None:
 
 
 def test_auto_snapshots_no_more_often_than_the_failure_rate_makes_worth_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Young's interval: at 16,384 ranks failing at Llama 3's rate (the default), a snapshot
     that costs 0.114 s (an H100's 3.2 GB) is worth taking every ~50 s, not every 8 steps of
     0.5 s as the 3% target alone would; a small job's interval is capped at 60 s."""
@@ -85,6 +85,9 @@ def test_auto_snapshots_no_more_often_than_the_failure_rate_makes_worth_it(
     feed(target_alone, 12, plain_s=0.5, copy_s=0.114)
     assert target_alone.wanted(16384) == 8  # ceil(0.114 / (3% of 0.5 s))
     assert c.wanted(1) == 120  # Young's 4,270 s capped at 60 s
+    with caplog.at_level("INFO", logger="ftrun.rank.snapshotter"):
+        c.agree(32)  # not distributed: a world of 1
+    assert c.k == 120 and "Young's interval, at most 60 s" in caplog.text, caplog.text
     # A copy that costs nothing: every step, whatever the failure rate.
     free = Cadence("auto")
     feed(free, 12, plain_s=0.5, copy_s=0.0)

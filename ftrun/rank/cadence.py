@@ -95,6 +95,7 @@ class Cadence:
         self._last_due = False
         self._skips = 0  # snapshots given up since the last agreement
         self.floor = 1  # from skips: the smallest K that may keep up
+        self.why = ""  # what set the last wanted() interval, when not the cost target
 
     def due(self, step: int) -> bool:
         return step % self.k == 0
@@ -130,13 +131,19 @@ class Cadence:
             cost, plain = known
             want = math.ceil(cost / (self.TARGET * plain))
             young = young_interval_s(cost, world_size, self.gpu_mtbf_h, self.MAX_INTERVAL_S)
-            want = max(want, math.floor(young / plain))
+            if math.floor(young / plain) > want:
+                want = math.floor(young / plain)
+                self.why = (f"; a snapshot costs {cost * 1e3:.1f} ms and the job's {world_size} "
+                            f"rank(s) fail every {self.gpu_mtbf_h * 3600 / world_size:.0f} s "
+                            f"on average: worth one every {young:.1f} s (Young's interval, "
+                            f"at most {self.MAX_INTERVAL_S:g} s)")
         return max(self.floor, min(self.MAX_K, want))
 
     def agree(self, step: int) -> None:
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
+        self.why = ""
         want = self.wanted(dist.get_world_size() if distributed else 1)
         skips, self._skips = self._skips, 0
         if distributed:
@@ -147,7 +154,7 @@ class Cadence:
             want = int(t.item())
         if want != self.k:
             why = (f"; {skips} snapshot(s) given up since the last change: the store had not "
-                   f"released a buffer" if skips else "")
+                   f"released a buffer" if skips else self.why)
             log.info("snapshot interval: every %d step(s) from step %d (was %d%s)", want, step,
                      self.k, why)
         self.k = want
