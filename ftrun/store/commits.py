@@ -216,9 +216,20 @@ class CommitMirror:
                             sorted(ranks))
 
     def _note_durable(self, durable: int | None) -> None:
-        """Follow the newest durable step (None: no replication running, nothing to keep)."""
+        """Follow the newest durable step (None: no replication running, nothing to keep).
+
+        A reply without one while this store sends replicas to a peer is the coordinator's
+        passing view (a store whose report it has not had for a while does not count as a
+        replica member; a new coordinator after a failover has no picture yet): the durable
+        step known is kept, and its buffers with it, so that a host lost meanwhile still
+        restores from memory (DURABLE_KEEP_S bounds the wait as ever)."""
         now = time.monotonic()
         if durable is None:
+            if self.replication is not None and self.replication.sender.peers:
+                return
+            if self._durable is not None and self._durable >= 0:
+                log.info("no durable step reported any more (replication off): the ranks' "
+                         "older snapshots are no longer kept for step %d", self._durable)
             self._durable = None
             return
         if self._durable is None or durable > self._durable:

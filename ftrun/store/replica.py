@@ -585,6 +585,11 @@ class ReplicaSender:
         self.last_outcome = ""
 
     # -- control ------------------------------------------------------------------------------
+    @property
+    def peers(self) -> tuple[Peer, ...]:
+        """The nodes this store sends replicas to (empty: replication is off here)."""
+        return self._peers
+
     def set_peers(self, peers: Sequence[Peer]) -> None:
         new = tuple(peers)
         if new != self._peers:
