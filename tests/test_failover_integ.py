@@ -258,6 +258,7 @@ def _reference(procs: Procs, tmp_path: Path, segments: list[tuple[int, int]]) ->
             assert f"resumed from step {segments[i - 1][1]}" in out, out[-3000:]
     return result_line(out).split("params_xxh3=")[1].strip()
 
+
 def test_coordinator_host_frozen_steps_down_and_the_job_goes_on(
         cluster_factory, state_dir: Path, exact_steps: None, procs: Procs,
         tmp_path: Path) -> None:
