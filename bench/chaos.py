@@ -511,9 +511,13 @@ class ChaosRun:
         nxt = job.wait(lambda: job.first_step_after(t_started),
                        f"the first step after the restart for {f.kind}")
         for e in job.events(t0):
-            if e["type"] in ("worker_failure", "hang_detected") and e.get("pid") == info["pid"]:
+            # (A stopped rank is killed by its launcher's own check, hang_detected, or on
+            # the coordinator's order, stopped_rank_killed: whichever sees it first.)
+            if e["type"] in ("worker_failure", "hang_detected", "stopped_rank_killed") \
+                    and e.get("pid") == info["pid"]:
                 f.detected_s = e["ts"] - t0
                 f.detail = f"{e['type']}" + (f" ({e['reason']})" if e.get("reason") else
+                                             f" ({e['why']})" if e.get("why") else
                                              f" (exit {e.get('exitcode')}, "
                                              f"signal {e.get('signal')})")
                 break
