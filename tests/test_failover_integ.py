@@ -162,13 +162,15 @@ def _finish_with_a_late_joiner(c: Cluster, job: Job, late: int) -> str:
     near its end: either in time (it then finishes with the others, and if it joined as
     they finished, the new world runs the training function once more from the last step,
     printing the same result again) or after the job ended, when its launcher exits saying
-    so. Every other launcher must succeed."""
+    so (the job's keys gone from etcd, or its round closed). Every other launcher must
+    succeed."""
     outputs = []
     for p in job.live():
         code = c.wait(p, 240)
         out = c.output(p)
         if p.host == late and code != 0:  # type: ignore[attr-defined]
-            assert "ended" in out and "while this launcher was away" in out, out[-4000:]
+            # Its rendezvous finds the job's keys gone, or the round closed by the others.
+            assert "while this launcher was away" in out, out[-4000:]
             continue
         assert code == 0, f"host {p.host} exited {code}:\n{out[-4000:]}"  # type: ignore[attr-defined]
         outputs.append(out)

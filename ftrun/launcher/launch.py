@@ -846,7 +846,12 @@ class NodeServices:
             log.warning("stopped by %s", signal.Signals(e.sigval).name)
             self.exitcode, self.final = 128 + int(e.sigval), NodeState.STOPPED
         except RendezvousError as e:
-            log.error("rendezvous failed: %s: %s", type(e).__name__, e)
+            why = str(e) or (
+                "the job's rendezvous is closed: its other nodes finished or shut the job down "
+                "while this launcher was away (frozen, cut off, or starting late); start a new "
+                "run (a new --rdzv-id) to train again"
+                if type(e).__name__ == "RendezvousClosedError" else "(no detail given)")
+            log.error("rendezvous failed: %s: %s", type(e).__name__, why)
         return self.exitcode
 
     # -- closing -----------------------------------------------------------------------------
