@@ -62,8 +62,12 @@ class EtcdCluster:
         # certificate signed by the test CA (peers still talk plain http among themselves).
         self.tls = tls
         self.names = [f"m{i}" for i in range(members)]
-        self.client_ports = [free_port() for _ in self.names]
-        self.peer_ports = [free_port() for _ in self.names]
+        # Ports outside the kernel's ephemeral range: a member stopped and started again
+        # binds its port anew, which an outgoing connection may take meanwhile otherwise
+        # (seen in CI: "bind: address already in use" on a member's restart).
+        taken: set[int] = set()
+        self.client_ports = [_stable_port(host, taken) for _ in self.names]
+        self.peer_ports = [_stable_port(host, taken) for _ in self.names]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
         self._token = f"ftrun-test-{uuid.uuid4().hex[:12]}"
 
@@ -171,6 +175,30 @@ class EtcdCluster:
                 text = (self.base / f"{name}.log").read_text(errors="replace")
                 parts.append(f"--- etcd {name} ---\n{text[-1500:]}")
         return "\n".join(parts)
+
+
+def _stable_port(host: str, taken: set[int]) -> int:
+    """A port free on ``host`` below the ephemeral range (so no outgoing connection takes it
+    while its member is stopped); falls back to one the OS hands out."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, low))
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    return free_port()
 
 
 @dataclass(frozen=True)
