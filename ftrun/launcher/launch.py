@@ -850,7 +850,7 @@ class NodeServices:
                 "the job's rendezvous is closed: its other nodes finished or shut the job down "
                 "while this launcher was away (frozen, cut off, or starting late); start a new "
                 "run (a new --rdzv-id) to train again"
-                if type(e).__name__ == "RendezvousClosedError" else "(no detail given)")
+                if isinstance(e, _torch.rendezvous_closed_error()) else "(no detail given)")
             log.error("rendezvous failed: %s: %s", type(e).__name__, why)
         return self.exitcode
 

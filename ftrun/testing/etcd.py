@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import urllib.request
@@ -180,9 +182,6 @@ class EtcdCluster:
 def _stable_port(host: str, taken: set[int]) -> int:
     """A port free on ``host`` below the ephemeral range (so no outgoing connection takes it
     while its member is stopped); falls back to one the OS hands out."""
-    import random
-    import socket
-
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
