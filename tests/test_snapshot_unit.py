@@ -57,6 +57,37 @@ def test_segment_is_private_and_round_trips(run_id: str) -> None:
     seg.close()
 
 
+def test_a_header_read_while_another_process_writes_it_is_whole(run_id: str) -> None:
+    """The store and the rank write a segment's header while others read it: a reader never
+    sees a half-written one (the GPU bench once read 'corrupt header (chunk size 0 ...)')."""
+    seg = stage_segment(run_id, 0, 0, {"w": torch.zeros(64)}, step=1)
+    writer = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from ftrun.snapshot import segment as shm
+seg = shm.Segment.open({str(seg.path)!r})
+h = seg.header()
+print("ready", flush=True)
+end = time.monotonic() + 1.5
+step = 1
+while time.monotonic() < end:
+    step += 1
+    h.step, h.state = step, (shm.STAGED, shm.VERIFIED)[step % 2]
+    seg.write_header(h)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        reads = 0
+        while writer.poll() is None:
+            h = seg.header()  # raised IntegrityError before write_header copied in one go
+            assert h.chunk_size == shm.CHUNK_BYTES and h.data_len == seg.header().data_len
+            reads += 1
+        assert writer.returncode == 0 and reads > 100
+    finally:
+        writer.kill()
+        writer.wait(timeout=10)
+        seg.close()
+
+
 def test_flipped_byte_is_detected(run_id: str) -> None:
     seg = stage_segment(run_id, 0, 0, {"model": {"w": torch.ones(1000)}}, step=3)
     h = seg.header()

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,8 @@ STATE_NAMES = {EMPTY: SegmentState.EMPTY, WRITING: SegmentState.WRITING, STAGED:
 # data_off, data_len, capacity, manifest_xxh3, hashes_xxh3, owner_pid, owner_start, staged_at,
 # chunk_size, hash_slots
 _HEADER = struct.Struct("<8sIIq16sQQQQQQQQQQQdQQ")
+TORN_READ_RETRIES = 3  # a header that fails its checks is read again this often (see header())
+TORN_READ_PAUSE_S = 0.001
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -240,6 +243,17 @@ class Segment:
 
     # -- header -------------------------------------------------------------------------
     def header(self) -> Header:
+        # Another process may be writing the header as it is read. A write lands in one copy
+        # (write_header), so a read between its bytes is short-lived: read again before
+        # calling the header corrupt.
+        for _ in range(TORN_READ_RETRIES):
+            try:
+                return self._read_header()
+            except IntegrityError:
+                time.sleep(TORN_READ_PAUSE_S)
+        return self._read_header()
+
+    def _read_header(self) -> Header:
         raw = _HEADER.unpack_from(self.mm, 0)
         if raw[0] != MAGIC:
             raise IntegrityError(f"{self.path}: bad magic {raw[0]!r}; not an ftrun snapshot")
@@ -253,8 +267,11 @@ class Segment:
         return h
 
     def write_header(self, h: Header) -> None:
-        _HEADER.pack_into(
-            self.mm, 0, MAGIC, VERSION, h.state, h.step, h.epoch.encode()[:16].ljust(16, b"\0"),
+        # Packed apart, then copied in one go: struct's pack_into clears the whole record
+        # before filling it field by field, so a reader in another process (the store, a
+        # restore, inspect) could find a header half zeros.
+        self.mm[:_HEADER.size] = _HEADER.pack(
+            MAGIC, VERSION, h.state, h.step, h.epoch.encode()[:16].ljust(16, b"\0"),
             h.manifest_len, h.manifest_cap, h.n_tensors, h.hash_off, h.data_off, h.data_len,
             h.capacity, h.manifest_xxh3, h.hashes_xxh3, h.owner_pid, h.owner_start, h.staged_at,
             h.chunk_size, h.hash_slots,
