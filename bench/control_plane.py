@@ -68,6 +68,8 @@ from ftrun.protocol.transport import Client  # noqa: E402
 from ftrun.testing import free_port  # noqa: E402
 
 WORKERS = 8
+COLL_SUMMARY_S = 0.25  # ftrun.coordinator.collsum.SUMMARY_S (urgent; 1 s otherwise)
+CULPRIT = 5  # the rank that hangs (--hang)
 
 
 def worker_state(node: int, step: int, interval_s: float = 1.0) -> dict[str, Any]:
@@ -111,10 +113,11 @@ def paced(n: int, t0: float, seconds: float, interval_s: float, clients: list[Cl
 
 def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
              seconds: float, interval_s: float, full_every_s: float,
-             group: int = 0) -> dict[str, Any]:
+             group: int = 0, coll: bool = False, hang_wall: float = 0.0,
+             hang_kind: str = "elsewhere") -> dict[str, Any]:
     if group > 1:
         return generate_aggregated(endpoint, secret, job, first, count, seconds, interval_s,
-                                   full_every_s, group)
+                                   full_every_s, group, coll, hang_wall, hang_kind)
     ctx: zmq.Context[Any] = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, count + 64)
     asked: set[int] = set()
@@ -161,15 +164,62 @@ def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
     return stats
 
 
+def coll_summary(g0: int, members: list[int], r: int, hang_wall: float, hang_kind: str,
+                 seq: int) -> dict[str, Any]:
+    """What a group's aggregator sends the detection service (every second; every 0.25 s
+    once ranks have waited 0.5 s): its members' 8 ranks each summarised
+    (ftrun.coordinator.collsum). Healthy: most ranks between two
+    collectives, a few waiting a moment in the next; each op takes 4 ms. From ``hang_wall``
+    on, global rank CULPRIT (node 0) never enters the next op: it waits in a side group
+    (``elsewhere``) or falls silent (``silent``), and every other rank waits in the op."""
+    ranks = [i * WORKERS + k for i in members for k in range(WORKERS)]
+    now = time.time()
+    hung = hang_wall and now >= hang_wall
+    e = int(hang_wall * 4) if hung else int(now * 4)  # one op per round
+    body: dict[str, Any] = {"node_id": f"sim-{g0:05d}/1",
+                            "nodes": [f"sim-{i:05d}/1" for i in members], "restart": 0,
+                            "interval_s": 0.02, "seq": seq, "world": "sim:29500"}
+    if not hung:
+        classes = [{"enqueued": e, "completed": e, "count": len(ranks) - 16,
+                    "ranks": ranks[:8], "waiting": 0},
+                   {"enqueued": e + 1, "completed": e, "count": 16, "ranks": ranks[-16:-8],
+                    "waiting": 16, "waiting_min_s": 0.001, "waiting_max_s": 0.003,
+                    "op": "gloo:all_reduce"}]
+    else:
+        wait = round(now - hang_wall, 4)
+        others = [x for x in ranks if x != CULPRIT]
+        classes = [{"enqueued": e + 1, "completed": e, "count": len(others),
+                    "ranks": others[:8], "waiting": len(others), "waiting_min_s": wait,
+                    "waiting_max_s": wait, "op": "gloo:all_reduce"}]
+        if CULPRIT in ranks:
+            c: dict[str, Any] = {"enqueued": e, "completed": e, "count": 1,
+                                 "ranks": [CULPRIT], "waiting": 0}
+            if hang_kind == "elsewhere":
+                c["elsewhere"] = [[CULPRIT, "side", 3, wait]]
+            elif wait >= 1.5:
+                body["silent"] = [[CULPRIT, wait]]
+            classes.append(c)
+    body["groups"] = [{"pg": "0", "size": 1 << 30, "members": len(ranks), "classes": classes,
+                       "ops": [[e - 1, 0.004]]}]
+    if seq % 20 == 1:
+        body["roster"] = [[x, f"sim-{x // WORKERS:05d}/1", f"sim-{x // WORKERS:05d}"]
+                          for x in ranks]
+    return body
+
+
 def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, count: int,
                         seconds: float, interval_s: float, full_every_s: float,
-                        group: int) -> dict[str, Any]:
+                        group: int, coll: bool = False, hang_wall: float = 0.0,
+                        hang_kind: str = "elsewhere") -> dict[str, Any]:
     """``count`` nodes from ``first`` as groups of ``group``: one connection and one
-    ``aggregate`` a second per group, each holding every member's own report."""
+    ``aggregate`` a second per group, each holding every member's own report; with ``coll``,
+    also one collective summary every 0.25 s per group to the detection service, on a
+    connection of its own."""
     ctx: zmq.Context[Any] = zmq.Context()
-    ctx.set(zmq.MAX_SOCKETS, count // group + 64)
+    ctx.set(zmq.MAX_SOCKETS, 2 * (count // group) + 64)
     plans: dict[int, int] = {}  # node -> the plan it follows
     want_full: set[int] = set()
+    detect: list[str] = []  # the detection endpoint, from the answer to hello
     groups = []
     for g0 in range(first, first + count, group):
         members = list(range(g0, min(g0 + group, first + count)))
@@ -177,6 +227,8 @@ def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, coun
                      for i in members}
 
         def on_reply(msg: Any) -> None:
+            if msg.kind == "ack" and msg.body.get("detect") and not detect:
+                detect.append(msg.body["detect"])
             if msg.kind != "aggregate_reply":
                 return
             for entry in msg.body["members"]:
@@ -191,15 +243,29 @@ def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, coun
                                     on_reply=on_reply, sndhwm=100)
         groups.append((g0, members, composers, client))
     stats = {"sent": 0, "dropped": 0, "full": 0, "keepalive": 0, "asked_full": 0,
-             "late_max_s": 0.0, "reports": 0}
+             "late_max_s": 0.0, "reports": 0, "summaries": 0, "summaries_dropped": 0}
     t0 = time.monotonic()
     for _, members, _, client in groups:
         for i in members:
             client.send("hello", {"node_id": f"sim-{i:05d}/1", "host": f"sim-{i:05d}",
                                   "pid": 1})
-    for r, j, now in paced(len(groups), t0, seconds, interval_s,
+    detect_clients: dict[int, Client] = {}
+    per_beat = max(1, round(interval_s / COLL_SUMMARY_S)) if coll else 1
+    for r, j, now in paced(len(groups), t0, seconds, interval_s / per_beat,
                            [client for *_, client in groups], stats):
         g0, members, composers, client = groups[j]
+        urgent = hang_wall and time.time() >= hang_wall + 0.5  # waits past URGENT_WAIT_S
+        if coll and detect and (r % per_beat == 0 or urgent):
+            dc = detect_clients.get(g0)
+            if dc is None:
+                dc = detect_clients[g0] = Client(detect[0], secret, job, f"sim-{g0:05d}/1",
+                                                 peer="detection", send_timeout_s=0.0,
+                                                 sndhwm=16, context=ctx)
+            ok = dc.send("coll_summary", coll_summary(g0, members, r, hang_wall, hang_kind,
+                                                      r + 1)) is not None
+            stats["summaries" if ok else "summaries_dropped"] += 1
+        if r % per_beat:
+            continue
         heartbeats, keepalives = [], []
         for i in members:
             composer = composers[i]
@@ -228,6 +294,8 @@ def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, coun
                 c.poll(0)
     for *_, client in groups:
         client.close()
+    for dc in detect_clients.values():
+        dc.close()
     ctx.term()
     return stats
 
@@ -310,6 +378,11 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
                 time.sleep(0.1)
         secret = jobs.load_secret(run_id, state, create=False)
         total = args.warmup + args.seconds
+        coll = args.coll and group > 1
+        # The hang starts halfway through the window: the first half measures the steady
+        # state, the second the hang's (summaries four times a second while ranks wait).
+        hang_wall = time.time() + 1.0 + args.warmup + args.seconds / 2 \
+            if coll and args.hang != "none" else 0.0
         per = -(-n_nodes // args.generators)
         if group > 1:  # whole groups per generator
             per = -(-per // group) * group
@@ -322,7 +395,8 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
                  "--secret-hex", secret.hex(), "--job", run_id, "--first", str(first),
                  "--count", str(count), "--seconds", str(total),
                  "--interval", str(args.interval), "--full-every", str(args.full_every),
-                 "--group", str(group)],
+                 "--group", str(group), "--hang-wall", repr(hang_wall), "--hang-kind",
+                 args.hang] + (["--coll"] if coll else []),
                 env=env, stdout=subprocess.PIPE, text=True))
         client = coordinator_client(endpoint, secret, run_id, "bench-probe")
         t_start = time.monotonic()
@@ -334,7 +408,10 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
         latencies: list[float] = []
         status_lat: list[float] = []
         next_status = t0
+        at_hang: tuple[float, float] | None = None  # (CPU, monotonic) when the hang began
         while time.monotonic() < t_start + total - 0.5:
+            if hang_wall and at_hang is None and time.time() >= hang_wall:
+                at_hang = (proc_cpu_s(coord.pid), time.monotonic())
             t = time.perf_counter()
             client.request("hello", {"node_id": "bench-probe/1", "host": "bench-probe",
                                      "pid": os.getpid()}, "ack", 30.0)
@@ -382,6 +459,7 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
         final = page
         rss, hwm = proc_mem_mib(coord.pid)
         lost_events = 0
+        detections: list[dict[str, Any]] = []
         since = 0
         while True:
             reply = client.request("events_request", {"since": since}, "events_reply", 30.0)
@@ -389,12 +467,25 @@ def run_one(n_nodes: int, mode: str, args: argparse.Namespace,
             lost_events += sum(1 for e in events if e["type"] == "node_lost"
                                and e["ts"] <= t1_wall
                                and str(e.get("node", "")).startswith("sim-"))
+            detections += [e for e in events if e["type"] == "detection"]
             if not reply.body.get("more") or not events:
                 break
             since = events[-1]["seq"]
         client.close()
         msgs = msgs1 - msgs0
+        named = [e for e in detections if hang_wall and e.get("time", 0) >= hang_wall]
+        first = min(named, key=lambda e: e["time"]) if named else None
+        steady, during = (None, None) if at_hang is None else (
+            (at_hang[0] - cpu0) / (at_hang[1] - t0), (cpu1 - at_hang[0]) / (t1 - at_hang[1]))
         return {
+            "coll": coll, "hang": args.hang if coll else "none",
+            "cpu_load_before_hang": round(steady, 3) if steady is not None else None,
+            "cpu_load_after_hang": round(during, 3) if during is not None else None,
+            "summaries_per_s": round(sum(g.get("summaries", 0) for g in gen_stats) / total, 1),
+            "hang_named_s": round(first["time"] - hang_wall, 2) if first else None,
+            "hang_ranks": first["ranks"] if first else None,
+            "false_findings": sum(1 for e in detections if not hang_wall
+                                  or e.get("time", 0) < hang_wall),
             "mode": mode, "group": group or 1,
             "nodes": n_nodes, "ranks": n_nodes * WORKERS, "full_every_s": args.full_every,
             "window_s": round(t1 - t0, 2), "messages": msgs,
@@ -454,6 +545,10 @@ COLUMNS = [
     ("full_status_s", "full --json s"), ("full_status_pages", "pages"),
     ("largest_reply_bytes", "largest reply B"), ("peak_rss_mib", "peak RSS MiB"),
     ("lost", "lost (false)"), ("gen_late_max_s", "generator late s"),
+    ("summaries_per_s", "coll summaries/s"), ("cpu_load_before_hang", "CPU before hang"),
+    ("cpu_load_after_hang", "CPU after hang"), ("hang", "hang"),
+    ("hang_named_s", "hang named after s"), ("hang_ranks", "named"),
+    ("false_findings", "false findings"),
 ]
 
 
@@ -478,6 +573,9 @@ def main() -> int:
     g.add_argument("--interval", type=float, default=1.0)
     g.add_argument("--full-every", type=float, default=FULL_EVERY_S)
     g.add_argument("--group", type=int, default=0)
+    g.add_argument("--coll", action="store_true")
+    g.add_argument("--hang-wall", type=float, default=0.0)
+    g.add_argument("--hang-kind", default="elsewhere")
     parser.add_argument("--nodes", default="1024,2048,4096")
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
     parser.add_argument("--warmup", type=float, default=10.0)
@@ -492,12 +590,22 @@ def main() -> int:
     parser.add_argument("--group", type=int, default=16,
                         help="launchers per aggregation group in the aggregated mode")
     parser.add_argument("--node-timeout", type=float, default=10.0)
+    parser.add_argument("--coll", action="store_true",
+                        help="aggregated mode: each group's aggregator also sends its ranks' "
+                             "collective reports summarised to the detection service every "
+                             "second, every 0.25 s once a wait passes 0.5 s "
+                             "(ftrun.coordinator.collsum)")
+    parser.add_argument("--hang", default="elsewhere", choices=("elsewhere", "silent", "none"),
+                        help="with --coll: a third into the window rank 5 hangs, waiting in "
+                             "a side group (elsewhere) or silent, while every other rank "
+                             "waits for it; reports how long until it is named")
     parser.add_argument("--output", type=Path, default=None,
                         help="append the results as a section of this Markdown file")
     args = parser.parse_args()
     if args.cmd == "_generate":
         stats = generate(args.endpoint, bytes.fromhex(args.secret_hex), args.job, args.first,
-                         args.count, args.seconds, args.interval, args.full_every, args.group)
+                         args.count, args.seconds, args.interval, args.full_every, args.group,
+                         args.coll, args.hang_wall, args.hang_kind)
         print(json.dumps(stats), flush=True)
         return 0
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -29,6 +29,15 @@ class Knob:
         return self.get(environ).strip().lower() in ("1", "true", "yes", "on")
 
 
+def whole_number(text: str) -> int | None:
+    """``text`` as a whole number >= 0; None when it is not one (the caller says why)."""
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
 STATE_DIR = Knob(
     "FTRUN_STATE_DIR", "path", "~/.ftrun",
     "Where job files (endpoint, secret, event log) live; `ftrun status` looks here.", "any",
@@ -202,8 +211,17 @@ SHM_DIR = Knob(
 )
 DETECT = Knob(
     "FTRUN_DETECT", "HOST:PORT", "",
-    "The coordinator's detection endpoint, where each rank's collective monitor reports "
-    "(set for the ranks by the launcher; empty: no monitor).", "worker",
+    "Where each rank's collective monitor reports: its launcher's relay, which passes the "
+    "reports on to the coordinator's detection endpoint (set for the ranks by the launcher; "
+    "empty: no monitor).", "worker",
+)
+COLL_SUMMARY_RANKS = Knob(
+    "FTRUN_COLL_SUMMARY_RANKS", "int", "1024",
+    "From this world size on, a launcher sends the coordinator a summary of its ranks' "
+    "collective reports every 0.25 s (through its aggregation group's aggregator, which "
+    "merges its group's) instead of every report: the hang analysis at scale. Smaller jobs "
+    "send every report (slow ranks and slow links are found from them too). 0: always "
+    "summarise.",
 )
 COLL_INTERVAL = Knob(
     "FTRUN_COLL_INTERVAL", "seconds", "0.02",

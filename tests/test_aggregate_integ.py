@@ -1,5 +1,8 @@
 """Reports aggregated on the way, on network namespaces (ftrun.coordinator.aggregation): a hang
-acted on through an aggregator, then the aggregator's host killed, with no false "lost".
+named from the ranks' collective reports summarised by their launchers and merged by their
+group's aggregator (ftrun.coordinator.collsum, FTRUN_COLL_SUMMARY_RANKS=0: as a job past the
+summary size would) and acted on through the aggregator, then the aggregator's host killed,
+with no false "lost".
 
 Groups of 2 launchers (FTRUN_AGGREGATE_GROUP=2): of the three training hosts, node ranks 0
 and 1 form a group, aggregated by the one that is not host 0 (host 0 runs the coordinator,
@@ -35,6 +38,7 @@ def test_hang_acted_on_through_an_aggregator_and_its_host_killed_without_a_false
         cluster_factory, state_dir: Path, exact_steps: None, reference_3: str,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FTRUN_AGGREGATE_GROUP", "2")
+    monkeypatch.setenv("FTRUN_COLL_SUMMARY_RANKS", "0")
     c = cluster_factory(4)
     job = Job(c, state_dir, "aggr")
     schedule = tmp_path / "faults.json"
@@ -61,6 +65,13 @@ def test_hang_acted_on_through_an_aggregator_and_its_host_killed_without_a_false
     hang = wait_for(lambda: [e for e in job.events() if e["type"] == "detection"
                              and e["kind"] == "hang"], 90, "the hang named", interval_s=0.2)
     assert hang[0]["ranks"] == [0] and hang[0]["action"] == "restart", hang
+    # Named from summaries: rank 0 never entered the op the other two wait in, and waits in
+    # the side group instead (so the short threshold applies).
+    ev = hang[0]["evidence"]
+    assert ev["summarised"] and ev["reason"] == "behind" and ev["waiting_ranks"] == 2, ev
+    assert list(ev["waiting_elsewhere"]) == ["0"], ev
+    counters = job.status()["detection"]["counters"]
+    assert counters["summaries"] > 0 and counters["reports"] == 0, counters
     host0 = node_of(0)
     wait_for(lambda: [e for e in job.events() if e["type"] == "directive_acked"
                       and e.get("action") == "restart" and e["node"] == host0], 30,

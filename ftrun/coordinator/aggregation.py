@@ -46,6 +46,7 @@ from typing import Any
 
 from ftrun.coordinator.api import Action
 from ftrun.coordinator.membership import NodeRecord
+from ftrun.knobs import whole_number
 
 DEFAULT_GROUP_SIZE = 16
 
@@ -70,11 +71,8 @@ class Plan:
 def parse_group_size(text: str, source: str) -> int:
     """The group size from ``text`` (``FTRUN_AGGREGATE_GROUP`` or a flag); ConfigError-like
     ValueError naming ``source`` when it is not a whole number >= 0."""
-    try:
-        size = int(text)
-    except ValueError:
-        size = -1
-    if size < 0:
+    size = whole_number(text)
+    if size is None:
         raise ValueError(f"{source}={text!r} is not a group size: give a whole number of "
                          "launchers per aggregation group (0 or 1: every launcher reports "
                          f"directly; default {DEFAULT_GROUP_SIZE})")

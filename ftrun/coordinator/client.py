@@ -26,8 +26,8 @@ import zmq
 from ftrun import protocol
 from ftrun.coordinator.api import Action
 from ftrun.coordinator.directives import REPORT_ACTION
-from ftrun.coordinator.relay import GroupRelay, UpstreamLink, local_address
-from ftrun.errors import AuthError, ProtocolError
+from ftrun.coordinator.relay import CollRelay, GroupRelay, UpstreamLink, local_address
+from ftrun.errors import AuthError, ConfigError, ProtocolError
 from ftrun.protocol import messages as m
 from ftrun.protocol.transport import Client
 
@@ -43,6 +43,20 @@ RECONNECT_S = (0.2, 2.0)
 AUTH_WARN_EVERY_S = 30.0
 HINT = ("is the job running? (check the endpoint, firewalls, and that the job's launchers "
         "are alive)")
+
+
+def _summary_ranks() -> int:
+    """``FTRUN_COLL_SUMMARY_RANKS``: the world size from which collective reports go on
+    summarised (ftrun.coordinator.collsum)."""
+    from ftrun import knobs
+
+    raw = knobs.COLL_SUMMARY_RANKS.get()
+    value = knobs.whole_number(raw)
+    if value is None:
+        raise ConfigError(f"{knobs.COLL_SUMMARY_RANKS.name}={raw!r} is not a world size: give "
+                          "a whole number of ranks >= 0 (0: always summarise; default "
+                          f"{knobs.COLL_SUMMARY_RANKS.default})")
+    return value
 
 
 def coordinator_client(endpoint: str, secret: bytes, job: str, sender: str, *,
@@ -217,6 +231,7 @@ class NodeReporter:
         on_directive: Callable[[dict[str, Any]], None] | None = None,
         on_hello: Callable[[dict[str, Any]], None] | None = None,
         term: int = 0,
+        coll_summary_ranks: int | None = None,
     ) -> None:
         protocol.split_endpoint(endpoint)  # fail early on a malformed endpoint
         self.endpoint = endpoint
@@ -251,6 +266,14 @@ class NodeReporter:
         self.upstream: UpstreamLink | None = None
         self._ctx: zmq.Context[Any] | None = None
         self._bind_host: str | None = None
+        # The relay of this node's ranks' collective reports (ftrun.coordinator.collsum),
+        # made by the reporter thread as it starts: ``coll_ready`` is set once it is made
+        # (``coll`` stays None when it could not listen).
+        if coll_summary_ranks is None:
+            coll_summary_ranks = _summary_ranks()
+        self._coll_summary_ranks = coll_summary_ranks
+        self.coll: CollRelay | None = None
+        self.coll_ready = threading.Event()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -300,6 +323,13 @@ class NodeReporter:
     def _run(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
         self._ctx = ctx
+        try:
+            self.coll = CollRelay(self._secret, self.job, self.node_id, ctx,
+                                  self._coll_summary_ranks)
+        except zmq.ZMQError as e:
+            log.error("cannot listen for this node's ranks' collective reports (%s): they "
+                      "report to the coordinator directly", e)
+        self.coll_ready.set()
         acked: set[str] = set()
         client = coordinator_client(self.endpoint, self._secret, self.job, self.node_id,
                                     sndhwm=100, context=ctx,
@@ -317,6 +347,7 @@ class NodeReporter:
                         next_hb = time.monotonic()
                     self._take_plan()
                     self._serve_group()
+                    self._pump_coll()
                     self._drain_queue(pending)
                     bye_id = self._flush(client, pending) or bye_id
                     if not self._stop.is_set() and time.monotonic() >= next_hb:
@@ -337,6 +368,8 @@ class NodeReporter:
                     time.sleep(REPORTER_POLL_S)
         finally:
             self._set_part(None, None)
+            if self.coll is not None:
+                self.coll.close()
             client.close()
             ctx.term()
 
@@ -360,6 +393,9 @@ class NodeReporter:
     def _on_reply(self, msg: protocol.Message, acked: set[str]) -> None:
         if msg.kind == "ack" and msg.re is not None:
             acked.add(msg.re)
+            if msg.body.get("detect") and self.coll is not None:
+                # Every hello's answer (a new coordinator's too) says where reports go.
+                self.coll.set_detect(str(msg.body["detect"]))
             if "detect" in msg.body and not self._hello_answered.is_set():
                 if self._on_hello is not None:
                     try:
@@ -405,8 +441,10 @@ class NodeReporter:
             if self.relay is None and self._ctx is not None:
                 host = self._bind_host or local_address(self.endpoint)
                 try:
-                    self.relay = GroupRelay(self._secret, self.job, self.node_id, host,
-                                            self._ctx, self.interval_s)
+                    self.relay = GroupRelay(
+                        self._secret, self.job, self.node_id, host, self._ctx,
+                        self.interval_s, on_summary=(self.coll.add_member_summary
+                                                     if self.coll is not None else None))
                 except zmq.ZMQError as e:
                     log.error("cannot listen for this group's reports on %s (%s): reporting "
                               "directly", host, e)
@@ -437,6 +475,16 @@ class NodeReporter:
                 self.upstream.poll()
         except Exception as e:  # noqa: BLE001 - the reporter's own beats come first
             self._warn("group", 10.0, "aggregation: %s: %s", type(e).__name__, e)
+
+    def _pump_coll(self) -> None:
+        """Pass this node's ranks' collective reports on (as they came, or summarised);
+        a failure here is logged and never stops the node's own heartbeats."""
+        if self.coll is None:
+            return
+        try:
+            self.coll.pump(time.monotonic(), self.relay is not None, self.upstream)
+        except Exception as e:  # noqa: BLE001 - the reporter's own beats come first
+            self._warn("coll", 10.0, "collective reports: %s: %s", type(e).__name__, e)
 
     def _send_report(self, client: Client, kind: str, body: dict[str, Any]) -> str | None:
         """Send one heartbeat or keep-alive the way the plan says; the message id (or

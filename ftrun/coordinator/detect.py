@@ -23,6 +23,8 @@ KINDS: tuple[FindingKind, ...] = tuple(FindingKind)
 SILENT_GAPS = 16  # report gaps per rank that set how long a silence must last to count
 SILENT_GAP_FACTOR = 2.0
 MAX_RETIRED = 16  # earlier worlds remembered (their late reports are ignored)
+SUMMARY_STALE_S = 2.5  # a sender's summary older than this is out of the analysis (they
+# come every second at least: ftrun.coordinator.collsum.QUIET_SUMMARY_S)
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class _Rank:
 
 class _Group:
     __slots__ = ("name", "size", "members", "ops", "dirty", "waiting", "slow_seen",
-                 "baseline", "interval_s", "start", "newest")
+                 "baseline", "interval_s", "start", "newest", "sources")
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
@@ -153,6 +155,8 @@ class _Group:
         # Ops from ``start`` on are fully observed: every member reported since before them.
         self.start = 0
         self.newest = -1             # highest completed seq any member reported
+        # Summarised (ftrun.coordinator.collsum): sender -> (received at, its group entry).
+        self.sources: dict[str, tuple[float, dict]] = {}
 
 
 def _mad(values: list[float], centre: float) -> float:
@@ -186,12 +190,23 @@ class Detector:
         self._probes_dirty = False
         self._planned: set[tuple[str, str]] = set()
         self._plan: dict[str, list[dict]] = {}
+        # Summaries (ftrun.coordinator.collsum): when each launcher was last covered by one,
+        # its ranks (roster), and each sender's silent and leaving ranks.
+        self._node_seen: dict[str, float] = {}
+        self._node_ranks: dict[str, list[int]] = {}
+        self._src_silent: dict[str, tuple[float, list[list]]] = {}
+        self._src_left: dict[str, set[int]] = {}
+        self.summaries = 0
 
     # ------------------------------------------------------------------ input
     def reset(self, restart: int | None = None) -> None:
         """Forget every rank and group (a new restart round); the probe matrix stays."""
         self._ranks.clear()
         self._groups.clear()
+        self._node_seen.clear()
+        self._node_ranks.clear()
+        self._src_silent.clear()
+        self._src_left.clear()
         for key in [k for k in self._active if k[0] not in ("slow_host", "slow_link")]:
             del self._active[key]
         probe_keys = self._keys.get(("probe", ""))
@@ -205,21 +220,8 @@ class Detector:
 
     def add_report(self, body: dict, now: float) -> None:
         """One validated ``coll_report`` body. Cost: O(groups in the report + done entries)."""
-        world = body.get("world")
-        if world is not None:
-            if world in self._retired:
-                return                               # a report of an earlier world
-            if world != self.world:
-                if self.world is not None:
-                    self._retired = [*self._retired[-(MAX_RETIRED - 1):], self.world]
-                self.world = world
-                self.reset(self.generation + 1)
-        else:
-            restart = body["restart"]
-            if restart < self.generation:
-                return
-            if restart > self.generation:
-                self.reset(restart)
+        if not self._enter_world(body):
+            return                                   # a report of an earlier world
         rank_id = body["rank"]
         rank = self._ranks.get(rank_id)
         if rank is None:
@@ -276,6 +278,67 @@ class Detector:
                 for seq in sorted(ops)[:len(ops) - keep]:
                     del ops[seq]
 
+    def _enter_world(self, body: dict) -> bool:
+        """Follow the world a report or summary names; False: it is of an earlier one."""
+        world = body.get("world")
+        if world is not None:
+            if world in self._retired:
+                return False
+            if world != self.world:
+                if self.world is not None:
+                    self._retired = [*self._retired[-(MAX_RETIRED - 1):], self.world]
+                self.world = world
+                self.reset(self.generation + 1)
+            return True
+        restart = body["restart"]
+        if restart < self.generation:
+            return False
+        if restart > self.generation:
+            self.reset(restart)
+        return True
+
+    def add_summary(self, body: dict, now: float) -> None:
+        """One ``coll_summary`` (ftrun.coordinator.collsum): a launcher's or a group's ranks,
+        reduced. Cost: O(process groups x classes), plus the roster when it comes."""
+        if not self._enter_world(body):
+            return
+        self.summaries += 1
+        src = body["node_id"]
+        for node in body["nodes"]:
+            self._node_seen[node] = now
+        roster = body.get("roster")
+        if roster:
+            by_node: dict[str, list[int]] = {}
+            for rank_id, node, host in roster:
+                rank = self._ranks.get(rank_id)
+                if rank is None:
+                    rank = self._ranks[rank_id] = _Rank(rank_id, node, host)
+                rank.node_id, rank.host, rank.seen = node, host, now
+                self._host_node[host] = node
+                by_node.setdefault(node, []).append(rank_id)
+            self._node_ranks.update(by_node)
+        self._src_silent[src] = (now, body.get("silent") or [])
+        self._src_left[src] = set(body.get("left") or ())
+        for g in body["groups"]:
+            name = g["pg"]
+            group = self._groups.get(name)
+            if group is None:
+                group = self._groups[name] = _Group(name, g["size"])
+            group.size = max(group.size, g["size"])
+            group.sources[src] = (now, g)
+            group.interval_s = body["interval_s"]
+            group.dirty = True
+            for seq, duration in g.get("ops") or ():
+                if isinstance(seq, int) and isinstance(duration, (int, float)) \
+                        and math.isfinite(duration) and duration >= 0:
+                    group.ops[seq] = {-1: float(duration)}
+            keep = self.config.window * self.config.history
+            if len(group.ops) > keep + self.config.window:
+                for seq in sorted(group.ops)[:len(group.ops) - keep]:
+                    del group.ops[seq]
+            if any(c.get("waiting") for c in g["classes"]):
+                group.waiting = True
+
     def add_probe_result(self, body: dict, now: float) -> None:
         """One ``probe_result``: a row of the host x host bandwidth/latency matrix."""
         src = body["host"]
@@ -295,6 +358,12 @@ class Detector:
         """Findings whose condition is new since the last call (a cleared one returning is new)."""
         new: list[Finding] = []
         for group in self._groups.values():
+            if group.sources:
+                if group.dirty or group.waiting:
+                    self._replace(("hang", group.name), self._summary_hang_pass(group, now),
+                                  new)
+                group.dirty = False
+                continue
             if group.dirty or group.waiting:
                 self._replace(("hang", group.name), self._hang_pass(group, now), new)
             if group.dirty:
@@ -430,6 +499,101 @@ class Detector:
             f"comm_hang: all {len(ranks)} ranks of group {group.name} entered op {s} and "
             f"none finished it in {shortest:.1f} s; hosts {_fmt(hosts)}")))
         return found
+
+    def _summary_hang_pass(self, group: _Group, now: float) -> list[tuple[tuple, Finding]]:
+        """:meth:`_hang_pass`'s rules on a summarised group's classes (ranks in the same
+        state counted together; ftrun.coordinator.collsum). A tie between the waiting ranks
+        and those behind names nobody here (the per-rank pass looks at side groups)."""
+        cfg = self.config
+        classes: list[tuple[dict, float]] = []  # (class, its summary's age)
+        members = 0
+        left: set[int] = set()
+        for src, (at, g) in list(group.sources.items()):
+            age = now - at
+            if age > SUMMARY_STALE_S:
+                continue  # its launchers' ranks count as silent once their silence is long
+            members += g["members"]
+            left |= self._src_left.get(src, set())
+            classes += [(c, age) for c in g["classes"]]
+        silent: dict[int, float] = {}
+        for at, listed in self._src_silent.values():
+            if now - at <= SUMMARY_STALE_S:
+                for r, quiet in listed:
+                    if quiet + now - at >= cfg.silent_s and r not in left:
+                        silent[r] = quiet + now - at
+        for node, seen in self._node_seen.items():
+            if now - seen >= cfg.silent_s:
+                for r in self._node_ranks.get(node, ()):
+                    silent.setdefault(r, now - seen)
+        waiters = [(c, age) for c, age in classes if c.get("waiting")]
+        group.waiting = bool(waiters)
+        if not waiters:
+            return []
+        waiting = sum(c["waiting"] for c, _ in waiters)
+        longest = max(c["waiting_max_s"] + age for c, age in waiters)
+        if silent and longest >= cfg.silent_s:
+            ranks, hosts, nodes = self._who(list(silent))
+            ev = {"pg": group.name, "reason": "silent", "waiting_ranks": waiting,
+                  "longest_wait_s": round(longest, 3), "summarised": True,
+                  "silent_s": {str(r): round(q, 3) for r, q in sorted(silent.items())[:64]}}
+            return [(("hang", group.name, "silent", ranks), Finding(
+                FindingKind.HANG, ranks, hosts, nodes, ev,
+                f"hang: rank(s) {_fmt(ranks[:16])}{' ...' if len(ranks) > 16 else ''} on "
+                f"{_fmt(hosts[:8])}{' ...' if len(hosts) > 8 else ''} stopped reporting while "
+                f"{waiting} rank(s) of group {group.name} wait ({longest:.1f} s)"))]
+        threshold = self.hang_threshold(group.name)
+        long = [(c, age) for c, age in waiters if c["waiting_max_s"] + age >= threshold]
+        if not long:
+            return []
+        s = min(c["completed"] + 1 for c, _ in long)
+        at_s = [(c, age) for c, age in long if c["completed"] + 1 == s]
+        n_at = sum(c["waiting"] for c, _ in at_s)
+        longest = max(c["waiting_max_s"] + age for c, age in at_s)
+        behind = [c for c, _ in classes if c["enqueued"] < s]
+        if behind:
+            n_behind = sum(c["count"] for c in behind)
+            if n_behind >= n_at:
+                return []
+            culprits = sorted(r for c in behind for r in c["ranks"])
+            elsewhere = {str(e[0]): {"pg": e[1], "seq": e[2], "waiting_s": e[3]}
+                         for c in behind for e in c.get("elsewhere") or () if e[1] != group.name}
+            if len(elsewhere) < n_behind:
+                threshold = max(threshold, cfg.busy_hang_s)
+                if longest < threshold:
+                    return []
+            ranks, hosts, nodes = self._who(culprits)
+            op = next((c.get("op") for c, _ in at_s if c.get("op")), None)
+            ev = {"pg": group.name, "seq": s, "op": op, "reason": "behind",
+                  "waiting_ranks": n_at, "longest_wait_s": round(longest, 3),
+                  "threshold_s": round(threshold, 3), "behind_ranks": n_behind,
+                  "enqueued": {str(r): c["enqueued"] for c in behind for r in c["ranks"]},
+                  "waiting_elsewhere": elsewhere, "summarised": True}
+            more = f" (+{n_behind - len(culprits)} more)" if n_behind > len(culprits) else ""
+            return [(("hang", group.name, s, ranks), Finding(
+                FindingKind.HANG, ranks, hosts, nodes, ev,
+                f"hang: rank(s) {_fmt(ranks)}{more} on {_fmt(hosts)} never entered op {s} "
+                f"of group {group.name} that {n_at} rank(s) wait in ({longest:.1f} s)"))]
+        if members < group.size or group.size < 2:
+            return []
+        if any(c["completed"] >= s for c, _ in classes):
+            return []
+        if any(c["completed"] + 1 != s or c.get("waiting", 0) < c["count"]
+               or c["waiting_min_s"] + age < threshold for c, age in classes):
+            return []
+        shortest = min(c["waiting_min_s"] + age for c, age in classes)
+        hosts = tuple(sorted({self._ranks[r].host for rs in self._node_ranks.values()
+                              for r in rs if r in self._ranks}))
+        nodes = tuple(sorted({n for n in self._node_ranks}))
+        listed = sorted(r for c, _ in classes for r in c["ranks"])
+        op = next((c.get("op") for c, _ in classes if c.get("op")), None)
+        ev = {"pg": group.name, "seq": s, "op": op, "shortest_wait_s": round(shortest, 3),
+              "threshold_s": round(threshold, 3), "hosts": list(hosts[:64]),
+              "members": members, "summarised": True}
+        return [(("comm_hang", group.name, s), Finding(
+            FindingKind.COMM_HANG, tuple(listed), hosts, nodes, ev,
+            f"comm_hang: all {members} ranks of group {group.name} entered op {s} and none "
+            f"finished it in {shortest:.1f} s; hosts {_fmt(hosts[:8])}"
+            f"{' ...' if len(hosts) > 8 else ''}"))]
 
     def _minority(self, group: _Group, waiting: list[int], behind: list[int]) -> list[int]:
         if len(behind) < len(waiting):
@@ -639,6 +803,7 @@ class Detector:
             "world": self.world,
             "ranks": len(self._ranks),
             "groups": len(self._groups),
+            "summaries": self.summaries,
             "suspects": [f.to_dict() for f in self._active.values()],
             "probes": [{"src": a, "dst": b, "mb_s": c["mb_s"], "rtt_s": c["rtt_s"],
                         "error": c["error"]} for (a, b), c in sorted(self._probes.items())],

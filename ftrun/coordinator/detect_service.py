@@ -122,8 +122,8 @@ class DetectService:
         self._service: Service | None = None
         self._next_tick = 0.0
         self.endpoint: str | None = None
-        self.counters = {"reports": 0, "probe_results": 0, "findings": 0, "followups": 0,
-                         "directives": 0}
+        self.counters = {"reports": 0, "summaries": 0, "probe_results": 0, "findings": 0,
+                         "followups": 0, "directives": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -133,7 +133,8 @@ class DetectService:
             assert self.endpoint is not None
             return self.endpoint
         server = Server("detection service", self._secret, self.run_id,
-                        {"coll_report": self._on_report, "probe_result": self._on_probe},
+                        {"coll_report": self._on_report, "coll_summary": self._on_summary,
+                         "probe_result": self._on_probe},
                         sender="coordinator", typed={"probe_result"})
         service = Service(server, poll_s=POLL_S, max_messages=MAX_MESSAGES_PER_POLL,
                           after=self._after, own_context=True, thread_name="ftrun-detect")
@@ -167,6 +168,11 @@ class DetectService:
         with self._lock:
             self.counters["reports"] += 1
             self.detector.add_report(body, time.monotonic())
+
+    def _on_summary(self, msg: Any) -> None:
+        with self._lock:
+            self.counters["summaries"] += 1
+            self.detector.add_summary(msg.body, time.monotonic())
 
     def _on_probe(self, msg: Any) -> m.Ack:
         b: m.ProbeResult = msg.body

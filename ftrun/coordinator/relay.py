@@ -74,10 +74,13 @@ class GroupRelay:
     """An aggregator's relay: takes its members' reports, sends them on together."""
 
     def __init__(self, secret: bytes, job: str, node_id: str, host: str,
-                 context: zmq.Context[Any], interval_s: float) -> None:
+                 context: zmq.Context[Any], interval_s: float,
+                 on_summary: Any = None) -> None:
         self.node_id = node_id
+        self._on_summary_fn = on_summary  # (body dict, now): a member's collective summary
         self._server = Server("aggregator", secret, job,
-                              {"heartbeat": self._on_heartbeat, "keepalive": self._on_keepalive},
+                              {"heartbeat": self._on_heartbeat, "keepalive": self._on_keepalive,
+                               "coll_summary": self._on_summary},
                               sender=node_id, typed=True)
         self.address = self._server.bind_tcp(host, context)
         self._silent_s = UPSTREAM_FACTOR * silent_after(interval_s)
@@ -112,6 +115,10 @@ class GroupRelay:
             if d["action"] not in (Action.AGGREGATE, Action.REPORT):
                 log.info("directive %s (%s) handed on to %s", d["id"], d["action"], node_id)
         return m.Directives(directives=held)
+
+    def _on_summary(self, msg: protocol.Message) -> None:
+        if self._on_summary_fn is not None:
+            self._on_summary_fn(msgspec.to_builtins(msg.body), time.monotonic())
 
     def _on_heartbeat(self, msg: protocol.Message) -> m.Directives | None:
         b: m.Heartbeat = msg.body
@@ -239,8 +246,132 @@ class UpstreamLink:
             self._unanswered_since = now
         return True
 
+    def forward(self, kind: str, body: Any) -> bool:
+        """Send a message that the aggregator does not answer (a collective summary); False
+        when it could not be queued."""
+        return self._client.send(kind, body) is not None
+
     def _fall_back(self, now: float) -> None:
         self.down_until = now + RETRY_S
         self._unanswered_since = None
         self.confirmed = False
         self._client.close()  # a fresh connection when tried again
+
+
+class CollRelay:
+    """A launcher's relay for its ranks' collective reports (``FTRUN_DETECT`` points the
+    ranks here; see :mod:`ftrun.coordinator.collsum`).
+
+    Below ``summary_ranks`` ranks in the world, each report goes on to the detection service
+    as it came. From there on, the launcher sends a summary of its ranks' reports instead
+    (every second; four times a second while a rank waits long or falls silent): to its group's aggregator when it
+    has one that answers, else to the detection service; an aggregator merges its members'
+    summaries (held in :meth:`add_member_summary`) with its own into one. Used from the
+    node reporter's thread only; never blocks (a send that cannot be queued is dropped and
+    counted)."""
+
+    def __init__(self, secret: bytes, job: str, node_id: str, context: zmq.Context[Any],
+                 summary_ranks: int) -> None:
+        from ftrun.coordinator.collsum import Collector
+
+        self.node_id = node_id
+        self._secret, self._job, self._ctx = secret, job, context
+        self._server = Server("collective relay", secret, job,
+                              {"coll_report": self._on_report}, sender=node_id)
+        self.address = self._server.bind_tcp("127.0.0.1", context)
+        self._collector = Collector(node_id)
+        self.summary_ranks = summary_ranks
+        self._world_size = 0
+        self._pending: list[dict[str, Any]] = []  # reports to pass on as they came
+        # Aggregator: each member's latest summary: (received at, body, not yet sent on).
+        self._members: dict[str, tuple[float, dict[str, Any], bool]] = {}
+        self._detect: Client | None = None
+        self.detect_endpoint = ""
+        self._last_summary = float("-inf")
+        self._seq = 0
+        self.counters = {"reports": 0, "forwarded": 0, "summaries": 0, "via_aggregator": 0,
+                         "member_summaries": 0, "dropped": 0}
+
+    def close(self) -> None:
+        self._server.close()
+        if self._detect is not None:
+            self._detect.close()
+
+    @property
+    def summarising(self) -> bool:
+        return self._world_size >= self.summary_ranks
+
+    def set_detect(self, endpoint: str) -> None:
+        """Pass reports and summaries on to the detection service at ``endpoint``."""
+        if not endpoint or endpoint == self.detect_endpoint:
+            return
+        if self._detect is not None:
+            self._detect.close()
+        self.detect_endpoint = endpoint
+        self._detect = Client(endpoint, self._secret, self._job, self.node_id,
+                              peer="coordinator's detection endpoint", send_timeout_s=0.0,
+                              sndhwm=256, context=self._ctx)
+
+    def _on_report(self, msg: protocol.Message) -> None:
+        body = msg.body
+        self.counters["reports"] += 1
+        self._world_size = int(body.get("world_size", 0))  # the newest world's
+        self._collector.add_report(body, time.monotonic())
+        if not self.summarising:
+            self._pending.append(body)
+
+    def add_member_summary(self, body: dict[str, Any], now: float) -> None:
+        """A member launcher's summary (this launcher aggregates its group)."""
+        self.counters["member_summaries"] += 1
+        self._members[str(body["node_id"])] = (now, body, True)
+
+    def _to_detect(self, kind: str, body: Any) -> None:
+        if self._detect is None or self._detect.send(kind, body) is None:
+            self.counters["dropped"] += 1
+        else:
+            self.counters["forwarded" if kind == "coll_report" else "summaries"] += 1
+
+    def pump(self, now: float, aggregating: bool, upstream: UpstreamLink | None) -> None:
+        """Take the ranks' reports and pass on what is due (the reporter's every turn)."""
+        from ftrun.coordinator import collsum
+
+        self._server.serve_once(0.0, MAX_MESSAGES_PER_POLL)
+        if not self.summarising:
+            pending, self._pending = self._pending, []
+            for body in pending:
+                self._to_detect("coll_report", body)
+            self._members.clear()
+            return
+        self._pending.clear()
+        since = now - self._last_summary
+        if since < collsum.SUMMARY_S:
+            return
+        if since < collsum.QUIET_SUMMARY_S and not self._collector.urgent(now) and not (
+                aggregating and any(fresh and collsum.urgent(body)
+                                    for _, body, fresh in self._members.values())):
+            return
+        self._last_summary = now
+        own = self._collector.summary(now)
+        if aggregating:
+            parts = [own] if own is not None else []
+            for node, (at, body, fresh) in list(self._members.items()):
+                if now - at > collsum.STALE_S:
+                    del self._members[node]  # gone quiet: its ranks' silence shows
+                    continue
+                # Its latest until stale, but it speaks for its launcher (``nodes``: seen
+                # now) only when it came since the last summary.
+                part = collsum.age(body, now - at)
+                parts.append(part if fresh else {**part, "nodes": []})
+                self._members[node] = (at, body, False)
+            self._seq += 1
+            merged = collsum.merge(self.node_id, self._seq, parts)
+            if merged is not None:
+                self._to_detect("coll_summary", merged)
+            return
+        if own is None:
+            return
+        if upstream is not None and upstream.confirmed and upstream.usable(now) \
+                and upstream.forward("coll_summary", own):
+            self.counters["via_aggregator"] += 1
+            return
+        self._to_detect("coll_summary", own)

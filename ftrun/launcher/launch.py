@@ -86,6 +86,7 @@ FINAL_START_GRACE_S = 10.0
 # With --coordinator: how long the launcher waits for the coordinator's answer to its hello
 # (where the ranks report their collectives) before it starts the workers without it.
 HELLO_WAIT_S = 10.0
+COLL_RELAY_WAIT_S = 5.0  # for the reporter thread to make its collective relay
 
 
 @dataclass
@@ -378,16 +379,16 @@ def _detection_config(opts: FtrunOptions) -> Any:
                         busy_hang_s=opts.busy_hang_s)
 
 
-def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str, endpoint: str) -> Any:
+def _probe_runner(ctx: AgentContext, secret: bytes, run_id: str, endpoint: str,
+                  detect: Callable[[], str]) -> Any:
     """Start each probe directive on a thread of its own: probes take seconds, and the agent's
-    thread watches the workers. Results go where the ranks report their collectives."""
+    thread watches the workers. Results go to the coordinator's detection endpoint
+    (``detect()``: the current one)."""
     def run_probe(directive: dict[str, Any]) -> None:
         def probe() -> None:
             try:
                 probe_and_report(directive, node_id=ctx.node_id, host=ctx.host, secret=secret,
-                                 run_id=run_id,
-                                 detect_endpoint=ctx.worker_env.get(knobs.DETECT.name)
-                                 or endpoint)
+                                 run_id=run_id, detect_endpoint=detect() or endpoint)
             except Exception:  # noqa: BLE001 - logged; the agent goes on
                 log.exception("probe directive %s failed", directive.get("id"))
 
@@ -621,11 +622,14 @@ class NodeServices:
                     old_holder, old_term)
         worker_env = self.ctx.worker_env
         worker_env[knobs.COORDINATOR.name] = record.endpoint
-        worker_env[knobs.DETECT.name] = record.detect_endpoint
+        if self._coll_relay() is None:
+            worker_env[knobs.DETECT.name] = record.detect_endpoint
+        # else the ranks keep reporting to this launcher's relay, which follows the new
+        # coordinator once it answers the reporter's hello
         if self.reporter is not None:
             self.reporter.retarget(record.endpoint, record.term)
             self.ctx.run_probe = _probe_runner(self.ctx, self.secret, self.run_id,
-                                               record.endpoint)
+                                               record.endpoint, lambda: self.detect_endpoint)
             self.reporter.event("coordinator_failover", old_term=old_term,
                                 new_term=record.term, old_holder=old_holder,
                                 new_holder=record.node_id, endpoint=record.endpoint)
@@ -758,7 +762,13 @@ class NodeServices:
         reporter.start()
         self._on_close("node reporter", self._stop_reporter)
         ctx.sink = reporter
-        ctx.run_probe = _probe_runner(ctx, self.secret, self.run_id, endpoint)
+        ctx.run_probe = _probe_runner(ctx, self.secret, self.run_id, endpoint,
+                                      lambda: self.detect_endpoint)
+        reporter.coll_ready.wait(COLL_RELAY_WAIT_S)
+        relay = self._coll_relay()
+        if relay is not None and ctx.worker_env.get(knobs.DETECT.name):
+            # The ranks report their collectives to this launcher, which passes them on.
+            ctx.worker_env[knobs.DETECT.name] = relay
         if self.opts.coordinator is not None and not reporter.wait_hello(HELLO_WAIT_S):
             log.warning("the coordinator at %s did not answer within %.0f s; this node's ranks "
                         "report their collectives only from their first start after it does",
@@ -789,10 +799,19 @@ class NodeServices:
                                     on_corruption=opts.on_corruption,
                                     coordinator_on_corruption=body.get("on_corruption"))
         worker_env = self.ctx.worker_env
-        if not worker_env.get(knobs.DETECT.name) and body.get("detect"):
+        if body.get("detect"):
             protocol.split_endpoint(body["detect"])  # validate
-            # Ranks started from now on report their collectives there.
-            worker_env[knobs.DETECT.name] = body["detect"]
+            if not self.detect_endpoint:
+                self.detect_endpoint = body["detect"]
+        if not worker_env.get(knobs.DETECT.name) and body.get("detect"):
+            # Ranks started from now on report their collectives there (through this
+            # launcher's relay when it has one).
+            worker_env[knobs.DETECT.name] = self._coll_relay() or body["detect"]
+
+    def _coll_relay(self) -> str | None:
+        """The address of this launcher's relay for its ranks' collective reports, if any."""
+        coll = getattr(self.reporter, "coll", None) if self.reporter is not None else None
+        return coll.address if coll is not None else None
 
     def _start_store(self) -> None:
         ctx, opts = self.ctx, self.opts

@@ -713,6 +713,59 @@ class CollReport(Body):
     leaving: bool | UnsetType = UNSET
 
 
+class CollClass(Item):
+    """Ranks of one process group in the same state, counted together (a ``coll_summary``):
+    the same last sequence numbers ``enqueued``/``completed``. ``ranks``: the lowest
+    :data:`ftrun.coordinator.collsum.CLASS_RANKS` of the ``count``; ``waiting_min_s``/
+    ``waiting_max_s``: the shortest and longest wait of those waiting (null: none waits),
+    as of the summary; ``waiting``: how many wait; ``op``: the pending op, when known;
+    ``elsewhere``: listed ranks waiting in another group, as [rank, pg, seq, waiting_s]."""
+
+    enqueued: int
+    completed: int
+    count: Annotated[int, msgspec.Meta(ge=1)]
+    ranks: L[list[int], Items]
+    waiting: int = 0
+    waiting_min_s: Float | None = None
+    waiting_max_s: Float | None = None
+    op: Str | UnsetType = UNSET
+    elsewhere: L[list[list[Any]], Items] | UnsetType = UNSET
+
+
+class CollGroupSummary(Item):
+    """One process group in a ``coll_summary``: its ``size``, how many of its ranks the
+    summary covers (``members``), their classes, and the longest duration of each op that
+    took at least one interval on some rank, as [seq, seconds] (``ops``)."""
+
+    pg: Str
+    size: int
+    members: int
+    classes: L[list[CollClass], Items]
+    ops: L[list[list[Any]], Items] | UnsetType = UNSET
+
+
+class CollSummary(Body):
+    """Detection at scale (ftrun.coordinator.collsum): the ranks' ``coll_report``s of one
+    launcher, or of a group of launchers, reduced on the way to the coordinator's detect
+    endpoint. ``node_id``: the sender; ``nodes``: the launchers whose ranks it covers;
+    ``world``/``restart``/``interval_s`` as in ``coll_report``; ``seq``: the sender's summary
+    number. ``roster``: every covered rank as [rank, node_id, host] (sent when it changed and
+    every few summaries); ``silent``: covered ranks that have not reported for a while, as
+    [rank, seconds]; ``left``: covered ranks whose last report said they leave."""
+
+    KIND = "coll_summary"
+    node_id: Str
+    nodes: L[list[Str], Items]
+    restart: int
+    interval_s: Float
+    seq: int
+    groups: L[list[CollGroupSummary], Items]
+    world: Str | UnsetType = UNSET
+    roster: L[list[list[Any]], Items] | UnsetType = UNSET
+    silent: L[list[list[Any]], Items] | UnsetType = UNSET
+    left: L[list[int], Items] | UnsetType = UNSET
+
+
 class Directive(Item):
     id: Str
     action: Str
