@@ -110,6 +110,16 @@ def test_a_silent_launcher_is_named_once_others_wait() -> None:
 
 
 def test_ranks_that_left_are_not_silent_and_an_all_waiting_group_is_a_comm_hang() -> None:
+    # The end of a job: launcher n3's ranks leave and it stops; the others still wait in
+    # their last collective. Nobody is named.
+    det = Detector(DetectConfig())
+    end = [report(r, 41, 40, 0.5, leaving=r >= 12) for r in range(16)]
+    for s in summaries(end, 100.0):
+        det.add_summary(s, 100.0)
+    later = [report(r, 41, 40, 5.0, seq=2) for r in range(12)]
+    for s in summaries(later, 105.0):
+        det.add_summary(s, 105.0)
+    assert det.analyse(105.0) == []
     reports = [report(r, 41, 40, 5.0) for r in range(16)]
     plain, summed = both(reports)
     assert [f.kind for f in plain] == ["comm_hang"]

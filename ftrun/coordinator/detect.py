@@ -195,7 +195,7 @@ class Detector:
         self._node_seen: dict[str, float] = {}
         self._node_ranks: dict[str, list[int]] = {}
         self._src_silent: dict[str, tuple[float, list[list]]] = {}
-        self._src_left: dict[str, set[int]] = {}
+        self._left: set[int] = set()  # ranks whose last report said they leave (this world)
         self.summaries = 0
 
     # ------------------------------------------------------------------ input
@@ -206,7 +206,7 @@ class Detector:
         self._node_seen.clear()
         self._node_ranks.clear()
         self._src_silent.clear()
-        self._src_left.clear()
+        self._left.clear()
         for key in [k for k in self._active if k[0] not in ("slow_host", "slow_link")]:
             del self._active[key]
         probe_keys = self._keys.get(("probe", ""))
@@ -318,7 +318,7 @@ class Detector:
                 by_node.setdefault(node, []).append(rank_id)
             self._node_ranks.update(by_node)
         self._src_silent[src] = (now, body.get("silent") or [])
-        self._src_left[src] = set(body.get("left") or ())
+        self._left.update(body.get("left") or ())
         for g in body["groups"]:
             name = g["pg"]
             group = self._groups.get(name)
@@ -507,13 +507,14 @@ class Detector:
         cfg = self.config
         classes: list[tuple[dict, float]] = []  # (class, its summary's age)
         members = 0
-        left: set[int] = set()
-        for src, (at, g) in list(group.sources.items()):
+        # A rank that said it leaves is not silent: its process exited or its training
+        # function returned (at the end of a job, launchers stop one after the other).
+        left = self._left
+        for at, g in group.sources.values():
             age = now - at
             if age > SUMMARY_STALE_S:
                 continue  # its launchers' ranks count as silent once their silence is long
             members += g["members"]
-            left |= self._src_left.get(src, set())
             classes += [(c, age) for c in g["classes"]]
         silent: dict[int, float] = {}
         for at, listed in self._src_silent.values():
@@ -524,7 +525,8 @@ class Detector:
         for node, seen in self._node_seen.items():
             if now - seen >= cfg.silent_s:
                 for r in self._node_ranks.get(node, ()):
-                    silent.setdefault(r, now - seen)
+                    if r not in left:
+                        silent.setdefault(r, now - seen)
         waiters = [(c, age) for c, age in classes if c.get("waiting")]
         group.waiting = bool(waiters)
         if not waiters:
