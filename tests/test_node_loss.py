@@ -241,15 +241,28 @@ def test_link_cut_with_spare_no_split_brain(cluster_factory, state_dir: Path,
              "still waiting" if cut.poll() is None else f"exited {cut.returncode}")
 
 
-def test_link_cut_under_min_max_survivors_go_on_without_it(cluster_factory, state_dir: Path,
-                                                          exact_steps: None) -> None:
+def test_link_cut_under_min_max_survivors_go_on_without_it(
+        cluster_factory, state_dir: Path, exact_steps: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``--nnodes 2:3``, no spare: a training host's link is cut. Nothing fails on the
     survivors: their ranks wait in a collective for the cut host (for the process-group
     timeout, 300 s here). Their launchers see the rendezvous drop it for missed keep-alives
-    and restart the workers without it within seconds; the job completes on 2 hosts."""
+    and restart the workers without it within seconds; the job completes on 2 hosts.
+
+    Reports go as in a large job (groups of 2 launchers, collective reports summarised:
+    ftrun.coordinator.aggregation, ftrun.coordinator.collsum), and the cut host is its
+    group's aggregator: the other member reports directly once its aggregator stops
+    answering, and no host but the cut one is ever called lost."""
+    monkeypatch.setenv("FTRUN_AGGREGATE_GROUP", "2")
+    monkeypatch.setenv("FTRUN_COLL_SUMMARY_RANKS", "0")
     c, job, doc = _running(cluster_factory, state_dir, "cutmin", 3, "2:3",
                            train_args=("--pg-timeout", "300"))
-    victim = _victim(job, doc)
+    agg = wait_for(lambda: (a := job.status()["coordinator"]["aggregation"])["groups"] == 1
+                   and a["members_via_aggregator"] == 1 and a, 60, "the group's plan",
+                   interval_s=0.3)
+    [aggregator] = agg["aggregators"]
+    victim = c.namespaces.index(aggregator.split("/")[0])
+    assert victim != 0, aggregator  # host 0 runs the coordinator: it aggregates only alone
     t_cut = time.time()
     c.cut_link(victim)
     survivors = [p for p in job.nodes if p.host != victim]  # type: ignore[attr-defined]
@@ -263,6 +276,8 @@ def test_link_cut_under_min_max_survivors_go_on_without_it(cluster_factory, stat
     # A survivor acts on it (the other may see its workers fail first, from that restart).
     assert {e["node"].split("/")[0] for e in dropped} <= \
         {c.hostname(p.host) for p in survivors}  # type: ignore[attr-defined]
+    lost = {e["node"] for e in job.events() if e["type"] == "node_lost"}
+    assert lost <= {aggregator}, f"lost: {lost} (only the aggregator {aggregator} was cut)"
     log.info("cut under MIN:MAX: host %d cut, dropped after %.1f s, training resumed in %.1f s",
              victim, min(e["ts"] for e in dropped) - t_cut, job.resumed_after(t_cut))
 
