@@ -252,3 +252,16 @@ def test_a_summary_size_that_is_not_a_number_of_ranks_is_refused(
             _summary_ranks()
     monkeypatch.setenv("FTRUN_COLL_SUMMARY_RANKS", "0")
     assert _summary_ranks() == 0
+
+
+def test_malformed_lists_in_a_summary_are_skipped_not_fatal() -> None:
+    reports = [report(r, 41, 40, 70.0) if r != 5 else report(r, 40, 40, None)
+               for r in range(16)]
+    det = Detector(DetectConfig())
+    for s in summaries(reports, 100.0):
+        s["roster"] = [*s.get("roster", []), [1, 2], ["x", "n", "h"]]
+        s["silent"] = [[3], ["r", 1.0]]
+        for c in s["groups"][0]["classes"]:
+            c["elsewhere"] = [[5, "1"]]
+        det.add_summary(s, 100.0)
+    assert [(f.kind, f.ranks) for f in det.analyse(100.0)] == [("hang", (5,))]

@@ -191,7 +191,7 @@ class Detector:
         self._planned: set[tuple[str, str]] = set()
         self._plan: dict[str, list[dict]] = {}
         # Summaries (ftrun.coordinator.collsum): when each launcher was last covered by one,
-        # its ranks (roster), and each sender's silent and leaving ranks.
+        # its ranks (roster), each sender's silent ranks, and the ranks that left.
         self._node_seen: dict[str, float] = {}
         self._node_ranks: dict[str, list[int]] = {}
         self._src_silent: dict[str, tuple[float, list[list]]] = {}
@@ -309,7 +309,11 @@ class Detector:
         roster = body.get("roster")
         if roster:
             by_node: dict[str, list[int]] = {}
-            for rank_id, node, host in roster:
+            for entry in roster:
+                if len(entry) != 3 or not isinstance(entry[0], int) \
+                        or not all(isinstance(x, str) for x in entry[1:]):
+                    continue  # not [rank, node_id, host]
+                rank_id, node, host = entry
                 rank = self._ranks.get(rank_id)
                 if rank is None:
                     rank = self._ranks[rank_id] = _Rank(rank_id, node, host)
@@ -317,7 +321,10 @@ class Detector:
                 self._host_node[host] = node
                 by_node.setdefault(node, []).append(rank_id)
             self._node_ranks.update(by_node)
-        self._src_silent[src] = (now, body.get("silent") or [])
+        self._src_silent[src] = (now, [e for e in body.get("silent") or ()
+                                       if len(e) == 2 and isinstance(e[0], int)
+                                       and isinstance(e[1], (int, float))
+                                       and math.isfinite(e[1])])
         self._left.update(body.get("left") or ())
         for g in body["groups"]:
             name = g["pg"]
@@ -331,7 +338,8 @@ class Detector:
             for seq, duration in g.get("ops") or ():
                 if isinstance(seq, int) and isinstance(duration, (int, float)) \
                         and math.isfinite(duration) and duration >= 0:
-                    group.ops[seq] = {-1: float(duration)}
+                    longest = max(float(duration), group.ops.get(seq, {}).get(-1, 0.0))
+                    group.ops[seq] = {-1: longest}
             keep = self.config.window * self.config.history
             if len(group.ops) > keep + self.config.window:
                 for seq in sorted(group.ops)[:len(group.ops) - keep]:
@@ -558,7 +566,8 @@ class Detector:
                 return []
             culprits = sorted(r for c in behind for r in c["ranks"])
             elsewhere = {str(e[0]): {"pg": e[1], "seq": e[2], "waiting_s": e[3]}
-                         for c in behind for e in c.get("elsewhere") or () if e[1] != group.name}
+                         for c in behind for e in c.get("elsewhere") or ()
+                         if len(e) == 4 and e[1] != group.name}
             if len(elsewhere) < n_behind:
                 threshold = max(threshold, cfg.busy_hang_s)
                 if longest < threshold:

@@ -264,11 +264,11 @@ class CollRelay:
 
     Below ``summary_ranks`` ranks in the world, each report goes on to the detection service
     as it came. From there on, the launcher sends a summary of its ranks' reports instead
-    (every second; four times a second while a rank waits long or falls silent): to its group's aggregator when it
-    has one that answers, else to the detection service; an aggregator merges its members'
-    summaries (held in :meth:`add_member_summary`) with its own into one. Used from the
-    node reporter's thread only; never blocks (a send that cannot be queued is dropped and
-    counted)."""
+    (every second; four times a second while a rank waits long or falls silent): to its
+    group's aggregator when it has one that answers, else to the detection service; an
+    aggregator merges its members' summaries (held in :meth:`add_member_summary`) with its
+    own into one. Used from the node reporter's thread only; never blocks (a send that
+    cannot be queued is dropped and counted)."""
 
     def __init__(self, secret: bytes, job: str, node_id: str, context: zmq.Context[Any],
                  summary_ranks: int) -> None:
