@@ -265,3 +265,16 @@ def test_malformed_lists_in_a_summary_are_skipped_not_fatal() -> None:
             c["elsewhere"] = [[5, "1"]]
         det.add_summary(s, 100.0)
     assert [(f.kind, f.ranks) for f in det.analyse(100.0)] == [("hang", (5,))]
+
+
+def test_a_merge_while_a_new_world_forms_keeps_the_senders_world() -> None:
+    old = [report(r, 9, 9, None, world="h:9000") for r in range(4, 8)]
+    new = [report(r, 1, 1, None, world="h:10000") for r in range(4)]
+    mine, theirs = Collector("n0"), Collector("n1")
+    for r in new:
+        mine.add_report(r, 1.0)
+    for r in old:
+        theirs.add_report(r, 1.0)
+    merged = merge("n0", 1, [s for s in (mine.summary(1.0), theirs.summary(1.0)) if s])
+    assert merged is not None and merged["world"] == "h:10000"
+    assert merged["nodes"] == ["n0"] and merged["groups"][0]["members"] == 4

@@ -218,14 +218,18 @@ def age(summary: dict[str, Any], seconds: float) -> dict[str, Any]:
 
 
 def merge(node_id: str, seq: int, summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One summary of several launchers' (already aged to now; see :func:`age`), sent by
-    ``node_id``: classes of the same process group and state add up; the rosters that came
-    go on. Summaries of another world than the newest restart's are left out."""
+    """One summary of several launchers' (already aged to now; see :func:`age`; the
+    sender's own first), sent by ``node_id``: classes of the same process group and state
+    add up; the rosters that came go on. Summaries of another world than the newest
+    restart's are left out."""
     if not summaries:
         return None
     newest = max(s["restart"] for s in summaries)
-    worlds = {s.get("world") for s in summaries if s["restart"] == newest}
-    world = sorted(w for w in worlds if w is not None)[-1] if worlds - {None} else None
+    worlds = [s.get("world") for s in summaries if s["restart"] == newest]
+    # While a new world forms, launchers' summaries name either: the sender's own (the first
+    # summary) wins, else the one most of them name (world names have no order).
+    world = worlds[0] if summaries[0]["restart"] == newest else \
+        max(set(worlds), key=worlds.count)
     keep = [s for s in summaries if s["restart"] == newest and s.get("world") == world]
     groups: dict[str, dict[str, Any]] = {}
     nodes: list[str] = []
