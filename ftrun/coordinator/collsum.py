@@ -102,7 +102,7 @@ class Collector:
                             ops[seq] = float(duration)
         return True
 
-    def summary(self, now: float, nodes: list[str] | None = None) -> dict[str, Any] | None:
+    def summary(self, now: float) -> dict[str, Any] | None:
         """The ``coll_summary`` body of what arrived (None: no report of this world yet);
         the ops gathered so far go with it and are not sent again."""
         if not self._latest:
@@ -154,7 +154,7 @@ class Collector:
             out_groups.append(entry)
         self._ops.clear()
         self._seq += 1
-        body = {"node_id": self.node_id, "nodes": nodes or [self.node_id],
+        body = {"node_id": self.node_id, "nodes": [self.node_id],
                 "restart": self.restart, "interval_s": self.interval_s, "seq": self._seq,
                 "groups": out_groups}
         if self.world is not None:
@@ -168,9 +168,6 @@ class Collector:
         if left:
             body["left"] = left
         return body
-
-    def forget_rank(self, rank: int) -> None:
-        self._latest.pop(rank, None)
 
     def urgent(self, now: float) -> bool:
         """Whether a rank waits :data:`URGENT_WAIT_S` in a collective or has gone quiet."""
