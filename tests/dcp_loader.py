@@ -49,13 +49,14 @@ def main() -> None:
         lr = optimizer.param_groups[0]["lr"]
         print(f"loaded: hash={weights} optim={optim} world={world} lr={lr}", flush=True)
     if distributed:
-        del model, optimizer, model_sd, optim_sd
-        # Both ranks done before either tears gloo down: one that destroys its group while
-        # the other still reads from it aborts ("terminate called without an active
-        # exception", seen once in CI on a loaded host).
+        # Both ranks done, then out without tearing gloo down: its teardown at exit aborted
+        # the process ("terminate called without an active exception", SIGABRT) twice in CI
+        # on a loaded host, once after destroy_process_group behind a barrier. Nothing is
+        # left to write: the output is flushed.
         dist.barrier()
-        dist.destroy_process_group()
-        return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     plain = fresh_model()
     state = {"model": plain.state_dict(), "ftrun": {"step": -1}}
     dcp.load(state, checkpoint_id=step_dir)
