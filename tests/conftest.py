@@ -68,7 +68,7 @@ LONGEST_FILES = {  # seconds, one process, CI machine (2026-11-27)
     "test_node_loss.py": 491, "test_launcher_integ.py": 230, "test_snapshot_integ.py": 148,
     "test_hf.py": 139, "test_user_ddp.py": 136, "test_chaos.py": 132,
     "test_memload_integ.py": 125, "test_lightning.py": 122, "test_inprocess.py": 116,
-    "test_failover_integ.py": 215, "test_slurm_examples.py": 93, "test_persist_integ.py": 90,
+    "test_failover_integ.py": 155, "test_slurm_examples.py": 93, "test_persist_integ.py": 90,
     "test_etcd_integ.py": 71, "test_isolate.py": 45, "test_data_position.py": 39,
     "test_reshard_integ.py": 33, "test_warm.py": 32, "test_replica_integ.py": 32,
     "test_collectives.py": 31,
