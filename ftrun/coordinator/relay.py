@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from ftrun import protocol
+from ftrun.coordinator import collsum
 from ftrun.coordinator.api import Action
 from ftrun.errors import ProtocolError
 from ftrun.protocol import messages as m
@@ -272,14 +273,12 @@ class CollRelay:
 
     def __init__(self, secret: bytes, job: str, node_id: str, context: zmq.Context[Any],
                  summary_ranks: int) -> None:
-        from ftrun.coordinator.collsum import Collector
-
         self.node_id = node_id
         self._secret, self._job, self._ctx = secret, job, context
         self._server = Server("collective relay", secret, job,
                               {"coll_report": self._on_report}, sender=node_id)
         self.address = self._server.bind_tcp("127.0.0.1", context)
-        self._collector = Collector(node_id)
+        self._collector = collsum.Collector(node_id)
         self.summary_ranks = summary_ranks
         self._world_size = 0
         self._pending: list[dict[str, Any]] = []  # reports to pass on as they came
@@ -333,8 +332,6 @@ class CollRelay:
 
     def pump(self, now: float, aggregating: bool, upstream: UpstreamLink | None) -> None:
         """Take the ranks' reports and pass on what is due (the reporter's every turn)."""
-        from ftrun.coordinator import collsum
-
         self._server.serve_once(0.0, MAX_MESSAGES_PER_POLL)
         if not self.summarising:
             pending, self._pending = self._pending, []
