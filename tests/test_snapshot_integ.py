@@ -82,6 +82,11 @@ def test_crash_resumes_from_memory_bit_identical(
         # Silent past --hang-timeout/2, the rank read suspect before it was killed.
         assert any(e["type"] == "rank_suspect" and e["pid"] == hung["pid"]
                    and e["cause"] == "no_progress" and e["seq"] < hung["seq"] for e in events)
+        # Turning suspect, it wrote where it hangs: faulthandler's dump, down to the loop
+        # of the hang mode in examples/train.py.
+        out = procs.output(proc)
+        assert "its threads' Python stacks follow in its output" in out, out[-4000:]
+        assert "(most recent call first)" in out and "in _fire_fault" in out, out[-4000:]
 
 
 def test_corrupted_snapshot_is_refused_and_an_older_one_used(

@@ -49,14 +49,14 @@ from torch.distributed.elastic.agent.server.api import (
 )
 
 from ftrun import _torch, knobs
-from ftrun.coordinator.api import NodeState
+from ftrun.coordinator.api import NodeState, SuspectCause
 from ftrun.errors import FtrunError
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
 from ftrun.launcher.warm import WarmPool, auto_warm
 from ftrun.pdeath import tie_entrypoint
 from ftrun.rank import resilient
-from ftrun.rank.progress import create_progress_file, read_progress
+from ftrun.rank.progress import Progress, create_progress_file, read_progress, request_stacks
 
 log = logging.getLogger(__name__)
 
@@ -1016,7 +1016,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             p = read_progress(path)
             watch = self._watches.setdefault(w.local_rank, RankWatch(self._rule))
             verdict = watch.observe(p, state, now_ns)
-            self._note_verdict(w.global_rank, w.local_rank, pid, verdict)
+            self._note_verdict(w.global_rank, w.local_rank, pid, verdict, p)
             verdicts[w.local_rank] = verdict
             reason = None
             if verdict.stopped_s is not None:
@@ -1046,14 +1046,19 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                 pass
         self._verdicts = verdicts
 
-    def _note_verdict(self, rank: int, local_rank: int, pid: int, verdict: Verdict) -> None:
-        """Log and record a rank turning suspect, changing cause, or recovering."""
+    def _note_verdict(self, rank: int, local_rank: int, pid: int, verdict: Verdict,
+                      progress: Progress | None = None) -> None:
+        """Log and record a rank turning suspect, changing cause, or recovering. A rank that
+        stopped progressing writes its threads' stacks to its output (where it hangs)."""
         before = self._verdicts.get(local_rank, NOT_WATCHED)
         if verdict.cause == before.cause:
             return
         if verdict.suspect:
-            log.warning("rank %d (local %d, pid %d) is suspect: %s", rank, local_rank, pid,
-                        verdict.reason)
+            stacks = (verdict.cause is SuspectCause.NO_PROGRESS
+                      and request_stacks(pid, progress))
+            log.warning("rank %d (local %d, pid %d) is suspect: %s%s", rank, local_rank, pid,
+                        verdict.reason,
+                        "; its threads' Python stacks follow in its output" if stacks else "")
             self._ctx.sink.event(
                 "rank_suspect", rank=rank, local_rank=local_rank, pid=pid,
                 cause=str(verdict.cause), reason=verdict.reason, step=verdict.step,

@@ -4,15 +4,24 @@ Each rank gets a tiny file (``FTRUN_PROGRESS_FILE``) that it maps and overwrites
 ``(step, CLOCK_MONOTONIC ns)`` whenever it calls :func:`progress`. The launcher reads the same
 file (``read_progress``) and restarts the workers when a rank that reported before goes
 silent for longer than ``--hang-timeout``. CLOCK_MONOTONIC is one clock for the whole host, so
-launcher and rank compare the same timeline. Writing is a 16-byte store into shared pages: no
+launcher and rank compare the same timeline. Writing is a 24-byte store into shared pages: no
 system call on the training path.
+
+The first call also arms :data:`STACKS_SIGNAL` (``faulthandler``) and says so in the flags
+(``STACKS``): a launcher that finds the rank stuck sends it that signal, and the rank writes
+the Python stack of every thread to its stderr, where the step it hangs in can be read
+(``faulthandler`` writes it from the signal handler, without the GIL: a thread stuck in C
+code holding the GIL does not stop it).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import mmap
 import os
+import signal
 import struct
+import sys
 import time
 from dataclasses import dataclass
 
@@ -20,7 +29,12 @@ from ftrun import knobs
 
 _LAYOUT = struct.Struct("<qqq")  # step, monotonic ns, flags
 DONE = 1
+STACKS = 2  # STACKS_SIGNAL makes this rank write its threads' stacks to stderr
 SIZE = _LAYOUT.size
+# A real-time signal (no default handler a user relies on), not the in-process restart's.
+STACKS_SIGNAL = signal.SIGRTMIN + 5
+
+_stacks = 0
 
 _map: mmap.mmap | None = None
 _path: str | None = None
@@ -41,7 +55,7 @@ def progress(step: int, *, done: bool = False) -> None:
     ``done=True`` says training is over: the launcher stops watching this rank for hangs
     while it writes results and exits.
     """
-    global _map, _path
+    global _map, _path, _stacks
     path = knobs.PROGRESS_FILE.get()
     if not path:
         return
@@ -53,7 +67,9 @@ def progress(step: int, *, done: bool = False) -> None:
             finally:
                 os.close(fd)
             _path = path
-        _map[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns(), DONE if done else 0)
+            _stacks = _arm_stacks()
+        _map[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns(),
+                                   (DONE if done else 0) | _stacks)
     except (OSError, ValueError):
         # The launcher owns the file; if it vanished, the launcher is gone or restarting us.
         _map = None
@@ -75,6 +91,28 @@ class Progress:
 
     def age_s(self, now_ns: int | None = None) -> float:
         return ((now_ns or time.monotonic_ns()) - self.monotonic_ns) / 1e9
+
+
+def _arm_stacks() -> int:
+    """Register the stack dump on :data:`STACKS_SIGNAL`; ``STACKS``, or 0 where it cannot
+    be (no usable stderr)."""
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return 0
+    return STACKS
+
+
+def request_stacks(pid: int, progress: Progress | None) -> bool:
+    """Launcher: make rank ``pid`` write its threads' Python stacks to its stderr, when its
+    progress file says it armed the signal. True if asked."""
+    if progress is None or not progress.flags & STACKS:
+        return False
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+    except OSError:
+        return False
+    return True
 
 
 def read_progress(path: str) -> Progress | None:
