@@ -278,3 +278,20 @@ def test_a_merge_while_a_new_world_forms_keeps_the_senders_world() -> None:
     merged = merge("n0", 1, [s for s in (mine.summary(1.0), theirs.summary(1.0)) if s])
     assert merged is not None and merged["world"] == "h:10000"
     assert merged["nodes"] == ["n0"] and merged["groups"][0]["members"] == 4
+
+
+def test_a_summary_with_list_entries_of_the_wrong_shape_is_refused_on_receipt() -> None:
+    """roster, silent and elsewhere entries have fixed shapes: a message with one of another
+    shape is refused by the codec (naming the field), so neither the aggregator's ageing nor
+    the detector ever unpacks it."""
+    from ftrun.errors import ProtocolError
+
+    reports = [report(r, 41, 40, 70.0) for r in range(8)]
+    good = summaries(reports, 100.0)[0]
+    m.validate("coll_summary", collsum.age(good, 1.0))
+    for field, bad in (("roster", [[1, "n1"]]), ("silent", [[3]]), ("silent", [["r", 1.0]])):
+        with pytest.raises(ProtocolError, match=field):
+            m.validate("coll_summary", {**good, field: bad})
+    classes = [{**c, "elsewhere": [[5, "1"]]} for c in good["groups"][0]["classes"]]
+    with pytest.raises(ProtocolError, match="elsewhere"):
+        m.validate("coll_summary", {**good, "groups": [{**good["groups"][0], "classes": classes}]})

@@ -729,7 +729,7 @@ class CollClass(Item):
     waiting_min_s: Float | None = None
     waiting_max_s: Float | None = None
     op: Str | UnsetType = UNSET
-    elsewhere: L[list[list[Any]], Items] | UnsetType = UNSET
+    elsewhere: L[list[tuple[int, Str, int, Float]], Items] | UnsetType = UNSET
 
 
 class CollGroupSummary(Item):
@@ -761,8 +761,8 @@ class CollSummary(Body):
     seq: int
     groups: L[list[CollGroupSummary], Items]
     world: Str | UnsetType = UNSET
-    roster: L[list[list[Any]], Items] | UnsetType = UNSET
-    silent: L[list[list[Any]], Items] | UnsetType = UNSET
+    roster: L[list[tuple[int, Str, Str]], Items] | UnsetType = UNSET
+    silent: L[list[tuple[int, Float]], Items] | UnsetType = UNSET
     left: L[list[int], Items] | UnsetType = UNSET
 
 
@@ -945,7 +945,7 @@ def explain(obj: Any, cls: type[Body], where: str) -> None:
     _walk(obj, mi.type_info(cls), where, 0)
 
 
-_NAMES = {mi.NoneType: "null", mi.DictType: "object", mi.ListType: "list",
+_NAMES = {mi.NoneType: "null", mi.DictType: "object", mi.ListType: "list", mi.TupleType: "list",
           mi.StrType: "string", mi.IntType: "int", mi.FloatType: "number", mi.BoolType: "bool"}
 
 
@@ -966,8 +966,8 @@ def _is(value: Any, t: mi.Type) -> bool:
         return value is None
     if isinstance(t, (mi.DictType, mi.StructType)):
         return isinstance(value, dict)
-    if isinstance(t, mi.ListType):
-        return isinstance(value, list)
+    if isinstance(t, (mi.ListType, mi.TupleType)):
+        return isinstance(value, (list, tuple))
     return isinstance(t, mi.AnyType)
 
 
@@ -996,13 +996,20 @@ def _walk(value: Any, t: mi.Type, where: str, depth: int) -> None:
         for i, item in enumerate(value):
             _walk(item, t.item_type, f"{where}[{i}]", depth + 1)
         return
+    if isinstance(t, mi.TupleType):  # a fixed shape: [rank, node, host] and the like
+        if not isinstance(value, (list, tuple)) or len(value) != len(t.item_types):
+            raise ProtocolError(f"{where} must be a list of {len(t.item_types)} items, got "
+                                f"{_short(value)}")
+        for i, (item, item_type) in enumerate(zip(value, t.item_types, strict=True)):
+            _walk(item, item_type, f"{where}[{i}]", depth + 1)
+        return
     members = _members(t)
     match = next((m for m in members if _is(value, m)), None)
     if match is None:
         names = " or ".join(_NAMES.get(type(m), "object") for m in members)
         raise ProtocolError(f"{where} must be {names}, got {type(value).__name__} "
                             f"{_short(value)}")
-    if isinstance(match, (mi.StructType, mi.ListType)) and len(members) > 1:
+    if isinstance(match, (mi.StructType, mi.ListType, mi.TupleType)) and len(members) > 1:
         _walk(value, match, where, depth)
         return
     _check_json_value(value, where, depth)
