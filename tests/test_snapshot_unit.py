@@ -218,3 +218,39 @@ def test_a_growing_manifest_keeps_its_buffers_until_it_outgrows_them(
             if seg is not None:
                 seg.close()
         ctx.close()
+
+
+def test_a_claim_given_up_while_the_store_is_gone_ends_after_one_attempt(
+        run_id: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A store that is down (killed, restarting) answers no claim. The training thread gives
+    the save up at its next optimizer step; the copy thread must then stop asking within one
+    attempt, or it stays busy (and an in-process restart waits for it) for the whole
+    unreachable window."""
+    from ftrun.rank import save
+    from ftrun.rank.context import RankContext
+    from ftrun.rank.save import SaveJob, Saver
+
+    monkeypatch.setenv("FTRUN_RUN_ID", run_id)
+    monkeypatch.setenv("FTRUN_STORE", f"ipc://{tmp_path}/nobody.sock")  # nothing listens
+    monkeypatch.setattr(save, "CLAIM_ATTEMPT_S", 0.05)
+    ctx = RankContext()
+    ctx.connect()
+    saver = Saver(ctx, None, None, async_copy=True, wait_s=0.0)  # type: ignore[arg-type]
+    assert ctx.chan is not None
+    sent = []
+    encode = ctx.chan._encode
+
+    def counting(*args: object, **kwargs: object) -> object:
+        sent.append(args[0])
+        job.give_up()  # the training thread moves on while this attempt waits
+        return encode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ctx.chan, "_encode", counting)
+    job = SaveJob(8)
+    try:
+        assert saver.claim(job, 1, 7) is None
+        assert sent == ["snap_claim"], sent
+        assert job.given_up and not job.started.is_set()
+    finally:
+        saver.close()
+        ctx.close()

@@ -207,18 +207,26 @@ class Saver:
             return target if job.start() else None
         deadline = time.monotonic() + CLAIM_TIMEOUT_S
         delay = 0.001
+        silent_since: float | None = None
         while not job.given_up:
             try:
-                # Short attempts: a store killed and restarted by its launcher answers a
-                # resent claim at once, instead of after one long timeout.
+                # Short attempts, one per request: a store killed and restarted by its
+                # launcher answers a resent claim at once, and a save given up meanwhile
+                # (the training thread moved on) ends this loop within one attempt, so the
+                # copy thread is free for the next save and for an in-process restart.
                 reply = self._ctx.chan.request("snap_claim", {
                     "rank": self._ctx.rank, "buffer": target, "epoch": self._ctx.epoch,
                     "need_committed": need, "base": self._ctx.epoch_base}, "snap_claim_reply",
-                    CLAIM_ATTEMPT_S,
-                    attempts=int(3 * STORE_TIMEOUT_S / CLAIM_ATTEMPT_S))
+                    CLAIM_ATTEMPT_S)
             except UnreachableError as e:
-                log.warning("store unreachable (%s); keeping older snapshot", e)
-                return None
+                now = time.monotonic()
+                silent_since = now if silent_since is None else silent_since
+                if now - silent_since >= 3 * STORE_TIMEOUT_S:
+                    log.warning("store unreachable for %.0f s (%s); keeping older snapshot",
+                                now - silent_since, e)
+                    return None
+                continue
+            silent_since = None
             self._ctx.committed = max(self._ctx.committed, reply.body["committed"])
             if reply.body["ok"]:
                 buffer = reply.body.get("buffer", target)
