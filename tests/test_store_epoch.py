@@ -71,3 +71,71 @@ def test_a_store_restarted_after_a_restore_follows_the_ranks_epoch(run_id: str) 
     for rank in (0, 1):
         assert stage(second, run_id, rank, 1, 2, "e2", 1)["ok"]
     assert second.commits.committed == 2  # and what follows commits
+
+
+def test_a_restarted_store_reports_again_what_its_predecessor_verified(run_id: str) -> None:
+    """The store is killed between marking a rank's shard VERIFIED and its report reaching the
+    coordinator (which outlives it). Its successor adopts the shard: unless it reports it
+    again, the step never commits and every later claim of the job's ranks is refused."""
+    first = new_store(run_id)
+    for rank in (0, 1):
+        send(first, run_id, "snap_restored", rank=rank, epoch="e1", step=0, world_size=2)
+    for rank in (0, 1):
+        assert stage(first, run_id, rank, 0, 1, "e1", 0)["ok"]
+    assert stage(first, run_id, 0, 1, 2, "e1", 0)["ok"]
+    # Rank 1's step 2: staged and verified by the first store, which died before reporting.
+    shm.SHM_DIR.joinpath(shm.segment_name(run_id, 1, 1)).unlink(missing_ok=True)
+    seg = stage_segment(run_id, 1, 1, {"w": torch.full((8,), 2.0)}, step=2, world_size=2,
+                        final_state=shm.VERIFIED)
+    seg.set_state(shm.VERIFIED, epoch="e1")
+    seg.close()
+    coordinator = first.commits._local  # the job's commit tracker, which outlives the store
+    assert coordinator is not None and coordinator.get("e1").committed == 1
+    del first
+
+    second = new_store(run_id)
+    second.commits._local = coordinator
+    second.adopt()
+    assert coordinator.get("e1").committed == 2
+    reply = send(second, run_id, "snap_claim", rank=0, buffer=0, epoch="e1", need_committed=2,
+                 base=0)
+    assert reply["ok"] and reply["committed"] == 2, reply
+
+
+def test_a_verified_report_the_coordinator_left_unanswered_is_sent_again(
+        run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the coordinator answers nothing (two requests unanswered: the store asks it
+    nothing for a while), a rank's shard is verified. Its report goes once the coordinator
+    is asked again; dropped, the step would never commit and every later claim be refused."""
+    from conftest import wait_for
+
+    from ftrun.coordinator.server import Coordinator
+    from ftrun.store import commits as store_commits
+
+    monkeypatch.setattr(store_commits, "COORDINATOR_QUIET_S", 0.3)
+    secret = b"s" * 32
+    coordinator = Coordinator(run_id, secret, bind_host="127.0.0.1")
+    coordinator.start()
+    try:
+        store = SnapshotStore(StoreConfig(run_id=run_id, url="ipc:///nonexistent",
+                                          coordinator=coordinator.endpoint, node_id="host/1",
+                                          owner_pid=os.getpid()), secret)
+        for rank in (0, 1):
+            send(store, run_id, "snap_restored", rank=rank, epoch="e1", step=0, world_size=2)
+        for rank in (0, 1):
+            assert stage(store, run_id, rank, 0, 1, "e1", 0)["ok"]
+        assert store.commits.committed == 1
+        assert stage(store, run_id, 0, 1, 2, "e1", 0)["ok"]
+        for _ in range(store_commits.COORDINATOR_QUIET_AFTER):
+            store.commits.coordinator_unanswered()
+        assert store.commits.coordinator_quiet()
+        assert stage(store, run_id, 1, 1, 2, "e1", 0)["ok"]  # verified, its report not sent
+        assert store.commits.committed == 1
+        wait_for(lambda: not store.commits.coordinator_quiet(), 10, "the quiet spell to end")
+        store._poll()  # the store's loop, a second later
+        assert store.commits.committed == 2
+        reply = send(store, run_id, "snap_claim", rank=0, buffer=0, epoch="e1",
+                     need_committed=2, base=0)
+        assert reply["ok"], reply
+    finally:
+        coordinator.stop()

@@ -32,6 +32,7 @@ COORDINATOR_TIMEOUT_S = 2.0
 # the store too busy to answer its ranks or to hear where the coordinator went. (One slow
 # answer on a loaded host does not silence it.)
 COORDINATOR_QUIET_S = 5.0
+MAX_UNREPORTED = 64  # verified reports kept for resending while the coordinator is silent
 COORDINATOR_QUIET_AFTER = 2
 # How long ranks skip snapshots to keep the newest durable step while replication is behind.
 DURABLE_KEEP_S = 60.0
@@ -65,6 +66,8 @@ class CommitMirror:
         self._quiet: tuple[int, str] | None = None
         self._quiet_until = 0.0
         self._unanswered = 0  # requests in a row the coordinator did not answer
+        self._unreported: list[dict[str, Any]] = []  # snap_verified bodies not answered yet
+        self.answered = True  # whether the last ask() was answered (an error reply too)
 
     def ask(self, kind: str, body: dict[str, Any]) -> dict[str, Any] | None:
         if self._local is not None:
@@ -79,6 +82,7 @@ class CommitMirror:
             self._local.sdc.found.clear()
             return reply
         assert self._coord is not None
+        self.answered = False
         if self.coordinator_quiet():
             return None  # it did not answer a moment ago: no commit info, as if asked
         try:
@@ -103,6 +107,7 @@ class CommitMirror:
 
     def coordinator_answered(self) -> None:
         self._unanswered = 0
+        self.answered = True
 
     def coordinator_unanswered(self) -> None:
         """The coordinator did not answer a request: after COORDINATOR_QUIET_AFTER in a row,
@@ -188,7 +193,26 @@ class CommitMirror:
                                 "step": step, "nbytes": nbytes}
         if replicas:
             body["replicas"] = replicas
-        self.ask_epoch("snap_verified", body, epoch)
+        self._unreported.append(body)
+        self.resend_unreported()
+
+    def resend_unreported(self) -> None:
+        """Report the verified shards the coordinator has not acknowledged, oldest first
+        (called again from the store's loop). A step that the coordinator never hears of
+        from every rank never commits, and every later claim of the job's ranks is refused:
+        a report lost to an unanswered request (a coordinator overloaded, failing over, or
+        asked nothing for a while) would stop the job's snapshots until its next restart."""
+        while self._unreported:
+            body = self._unreported[0]
+            if body["epoch"] == self.epoch and \
+                    self.ask_epoch("snap_verified", body, body["epoch"]) is None \
+                    and not self.answered:
+                if len(self._unreported) > MAX_UNREPORTED:
+                    dropped = self._unreported.pop(0)
+                    log.warning("coordinator unanswered: dropped the report of rank %d step %d",
+                                dropped["rank"], dropped["step"])
+                return
+            self._unreported.pop(0)
 
     def refresh(self) -> None:
         """Ask for the epoch's commit state now (before a restore reads this store)."""

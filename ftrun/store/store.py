@@ -55,7 +55,7 @@ from ftrun.sigrelay import SignalRelay
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot.manifest import parse_manifest
 from ftrun.store.api import StoreConfig
-from ftrun.store.catalog import Catalog, rank_of
+from ftrun.store.catalog import Catalog, buffer_of, rank_of
 from ftrun.store.commits import COORDINATOR_TIMEOUT_S, CommitMirror
 from ftrun.store.handlers import StoreHandlers
 from ftrun.store.persist_writer import PersistWriter
@@ -145,6 +145,7 @@ class SnapshotStore:
             log.info("removed %d segment(s) of jobs that are gone: %s", len(removed),
                      ", ".join(removed[:5]))
         commits = self.commits
+        todo: list[tuple[int, int, str, str]] = []  # (step, state, name, epoch)
         for name in self.catalog.names():
             seg = self.catalog.open(name)
             if seg is None:
@@ -152,13 +153,22 @@ class SnapshotStore:
             h = seg.header()
             if h.epoch and not commits.epoch:
                 commits.epoch = h.epoch
-            if h.state == shm.STAGED:
-                self.verifier.verify_staged(name)
-            elif h.state == shm.VERIFIED and not commits.world_size:
+            if h.state == shm.STAGED or (h.state == shm.VERIFIED and buffer_of(name)):
+                todo.append((h.step, h.state, name, h.epoch))
+            if h.state == shm.VERIFIED and not commits.world_size:
                 try:
                     commits.world_size = int(parse_manifest(seg.manifest_bytes(h))["world_size"])
                 except (IntegrityError, KeyError, ValueError):
                     pass
+        # Oldest first, as they were verified (a rank's newer shard reported before its older
+        # one would make the older step look passed over). Staged ones are verified now; the
+        # ranks' verified ones are reported again, since the previous store may have died
+        # before its report of them reached the coordinator.
+        for _, state, name, epoch in sorted(todo):
+            if state == shm.STAGED:
+                self.verifier.verify_staged(name)
+            elif epoch == commits.epoch:
+                self.verifier.report_again(name)
         if self.catalog.names():
             log.info("adopted %d segment(s) of job %s", len(self.catalog.names()),
                      self.cfg.run_id)
@@ -201,8 +211,10 @@ class SnapshotStore:
                 log.debug("store report: %s", e)
 
     def _poll(self) -> None:
-        """Learn targets while the ranks are quiet (no verify replies to carry them)."""
+        """Report again what the coordinator left unanswered; learn targets while the ranks
+        are quiet (no verify replies to carry them)."""
         epoch = self.commits.epoch
+        self.commits.resend_unreported()
         if self.cfg.persist.dir and epoch and self._coord is not None:
             self.commits.ask_epoch("commit_query", {"epoch": epoch}, epoch)
 

@@ -81,6 +81,29 @@ class Verifier:
         self._commits.report_verified(h.epoch, rank, h.step, h.data_len, digests)
         return True, "", h.step
 
+    def report_again(self, name: str) -> bool:
+        """Report a shard that a previous store of this node verified: it may have died
+        between marking it VERIFIED and its report reaching the coordinator, and a step the
+        coordinator never hears of from every rank never commits (every later claim of the
+        job's ranks would then be refused). Reporting a shard twice changes nothing.
+        Returns whether it was reported."""
+        seg = self.catalog.open(name)
+        if seg is None:
+            return False
+        h = seg.header()
+        if h.state != shm.VERIFIED or not h.epoch:
+            return False
+        try:
+            doc = parse_manifest(seg.manifest_bytes(h))
+            digests = block_digests(doc, seg.hashes(h), h.chunk_size)
+        except IntegrityError as e:
+            log.warning("%s (step %d): not reported again: %s", name, h.step, e)
+            return False
+        if not self._commits.world_size:
+            self._commits.world_size = int(doc["world_size"])
+        self._commits.report_verified(h.epoch, rank_of(name)[0], h.step, h.data_len, digests)
+        return True
+
     def verify_rank(self, rank: int) -> None:
         for buffer in (0, 1):
             self._verify_if_staged(self.catalog.buffer_name(rank, buffer))
