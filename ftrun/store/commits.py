@@ -193,15 +193,19 @@ class CommitMirror:
                                 "step": step, "nbytes": nbytes}
         if replicas:
             body["replicas"] = replicas
-        self._unreported.append(body)
-        self.resend_unreported()
+        if self._unreported:  # after the older ones, in order
+            self._unreported.append(body)
+            self.resend_unreported()
+        elif self.ask_epoch("snap_verified", body, epoch) is None and not self.answered:
+            self._unreported.append(body)
 
     def resend_unreported(self) -> None:
-        """Report the verified shards the coordinator has not acknowledged, oldest first
-        (called again from the store's loop). A step that the coordinator never hears of
-        from every rank never commits, and every later claim of the job's ranks is refused:
-        a report lost to an unanswered request (a coordinator overloaded, failing over, or
-        asked nothing for a while) would stop the job's snapshots until its next restart."""
+        """Report again the verified shards whose report the coordinator did not answer,
+        oldest first (from the store's loop, every second). A step that the coordinator
+        does not hear of from every rank never commits, and every later claim of the job's
+        ranks is refused: a report lost to an unanswered request (a coordinator overloaded,
+        failing over, or asked nothing for a while) would stop the job's snapshots until its
+        next restart. Reports of an epoch that is over are dropped."""
         while self._unreported:
             body = self._unreported[0]
             if body["epoch"] == self.epoch and \
