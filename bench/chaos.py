@@ -521,16 +521,25 @@ class ChaosRun:
                                              f" (exit {e.get('exitcode')}, "
                                              f"signal {e.get('signal')})")
                 break
-        if f.detected_s is None and f.kind == "hang":
-            # All ranks stall behind a hung one, and the launcher's progress check may kill
-            # those it sees first: the in-place restart then aborts the hung rank, which
-            # leaves its function and keeps its process (no failure of its pid to report).
+        if f.detected_s is None:
+            # The faulty rank's own failure may be seen second. All ranks stall behind a hung
+            # one, and the launcher's progress check may kill those it sees first: the
+            # in-place restart then aborts the hung rank, which leaves its function and keeps
+            # its process. A rank on its way out (corrupt, raise) may lose the race to a peer
+            # that saw its connections close: the in-place restart started for the peer
+            # replaces it. Either way there is no failure of its pid to report, but the
+            # restart that recovered from it names the rank.
             for e in job.events(t0):
-                if e["type"] == "recovery" and e.get("how") == "in_process" and \
-                        info["rank"] in e.get("kept", []):
-                    f.detected_s = e["ts"] - t0
+                if e["type"] != "recovery" or e.get("how") != "in_process":
+                    continue
+                if f.kind == "hang" and info["rank"] in e.get("kept", []):
                     f.detail = f"aborted in place, kept its process ({e.get('why')})"
-                    break
+                elif info["rank"] in e.get("new_processes", []):
+                    f.detail = f"replaced by the in-place restart ({e.get('why')})"
+                else:
+                    continue
+                f.detected_s = e["ts"] - t0
+                break
         if f.detected_s is None:
             f.problems.append(f"ftrun never reported the failure of pid {info['pid']}")
         self._recovered(f, nxt, expected_resume(f, job.bases[-1], corrupted))
