@@ -57,6 +57,7 @@ class CommitMirror:
         self._durable_since = 0.0
         self.source = ""  # where the epoch's ranks restored from
         self._durable_warned = False
+        self._durable_silent = False  # said that replies no longer name a durable step
         self.world_size = 0
         # Without a coordinator this node is the whole job: the same commit and target rules
         # run here (nothing to wait for at the end: every rank reports to this store).
@@ -244,24 +245,28 @@ class CommitMirror:
                             sorted(ranks))
 
     def _note_durable(self, durable: int | None) -> None:
-        """Follow the newest durable step (None: no replication running, nothing to keep).
+        """Follow the newest durable step (None: the reply says nothing of it).
 
-        A reply without one while this store sends replicas to a peer is the coordinator's
-        passing view (a store whose report it has not had for a while does not count as a
-        replica member; a new coordinator after a failover has no picture yet): the durable
-        step known is kept, and its buffers with it, so that a host lost meanwhile still
-        restores from memory (DURABLE_KEEP_S bounds the wait as ever)."""
-        now = time.monotonic()
+        A reply without one never lowers the durable step known for the epoch, whatever the
+        reason: the coordinator leaves it out whenever it counts fewer than two stores taking
+        replicas, which is also its passing view (a store whose report it has not had for a
+        while; a new coordinator after a failover, which first hears of this store alone and
+        sends it a replica plan without peers before the others report). The copies of that
+        step are kept until a newer step is durable (DURABLE_KEEP_S bounds the wait as ever):
+        a host lost meanwhile, the coordinator's host among them, still restores from memory.
+        Forgetting it there let a rank overwrite its shard of the durable step whose only
+        other copy was on the host being lost. Only a new epoch starts without one."""
         if durable is None:
-            if self.replication is not None and self.replication.sender.peers:
-                return
-            if self._durable is not None and self._durable >= 0:
-                log.info("no durable step reported any more (replication off): the ranks' "
-                         "older snapshots are no longer kept for step %d", self._durable)
-            self._durable = None
+            if self._durable is not None and self._durable >= 0 and not self._durable_silent:
+                self._durable_silent = True
+                log.info("the coordinator reports no durable step (replication off, or its "
+                         "picture not rebuilt yet): the ranks' snapshots of step %d are kept "
+                         "until a newer step is durable (at most %g s)", self._durable,
+                         DURABLE_KEEP_S)
             return
+        self._durable_silent = False
         if self._durable is None or durable > self._durable:
-            self._durable, self._durable_since = durable, now
+            self._durable, self._durable_since = durable, time.monotonic()
 
     def durable_step(self) -> int:
         """The newest durable step this store knows (-1: none, or no replication)."""
@@ -318,7 +323,7 @@ class CommitMirror:
 
     def begin_epoch(self, epoch: str, base: int, restarted: bool) -> None:
         self.epoch, self.committed, self.base = epoch, base, base
-        self._durable, self._durable_warned = None, False
+        self._durable, self._durable_warned, self._durable_silent = None, False, False
         self.dead = set()
         self._discarded: set[int] = set()  # steps whose replicas disagreed, discarded here
         self._persist.new_epoch(restarted)
