@@ -188,7 +188,8 @@ def build_schedule(form: Form, seed: int) -> tuple[list[Fault], int]:
     return faults, steps
 
 
-def expected_resume(f: Fault, base: int, marker_corrupted: int | None = None) -> list[int]:
+def expected_resume(f: Fault, base: int, marker_corrupted: int | None = None,
+                    store_killed_after: int | None = None) -> list[int]:
     """The steps ftrun may resume from after rank fault ``f``, in an incarnation that began at
     step ``base`` (what it resumed from; 0 for the first).
 
@@ -200,12 +201,21 @@ def expected_resume(f: Fault, base: int, marker_corrupted: int | None = None) ->
     ``--replicas 2``), else uses the step before it; the corrupt bytes are never loaded (the
     final weights say so). Steps not taken in this incarnation are only on disk: then the
     restore falls back to ``base``.
+
+    After a store kill (``store_killed_after``: the step rank 0 had completed), until the next
+    restart, a rank may keep its older buffer, and skip snapshots meanwhile, while the newest
+    durable step is behind: replication to the restarted store resumes only once it serves,
+    and a rank never overwrites its copy of the durable step for a newer snapshot whose
+    replica is not placed yet. So the first fault after it may resume from any step since the
+    one committed when the store died.
     """
     if f.kind == "corrupt":
         assert marker_corrupted is not None
         candidates = [marker_corrupted, marker_corrupted - 1]
     else:
         candidates = [f.step - 1, f.step - 2]
+    if store_killed_after is not None:
+        candidates += list(range(min(candidates) - 1, store_killed_after - 3, -1))
     inside = [s for s in candidates if s > base]
     return inside or [base]
 
@@ -446,6 +456,7 @@ class ChaosRun:
         self.faults = faults
         self.rng = rng
         self.slot_end = 0.0  # when the job had recovered from the previous fault
+        self.store_killed_after: int | None = None  # a store kill since the last restart
 
     def run(self) -> None:
         job = self.job
@@ -466,6 +477,7 @@ class ChaosRun:
                     riders.append(self.faults[i])
                     self.faults[i].incarnation = f.incarnation
                 self.sigterm(f, riders)
+                self.store_killed_after = None  # a new invocation, new stores
             for done in (f, *(self.faults[j] for j in range(f.index, i + 1))):
                 print(f"[chaos] {line_of(done)}", file=sys.stderr, flush=True)
             i += 1
@@ -542,7 +554,9 @@ class ChaosRun:
                 break
         if f.detected_s is None:
             f.problems.append(f"ftrun never reported the failure of pid {info['pid']}")
-        self._recovered(f, nxt, expected_resume(f, job.bases[-1], corrupted))
+        self._recovered(f, nxt, expected_resume(f, job.bases[-1], corrupted,
+                                                self.store_killed_after))
+        self.store_killed_after = None  # the restart began a new epoch
 
     # -- harness faults ----------------------------------------------------------------------
     def store_kill(self, f: Fault) -> None:
@@ -564,6 +578,7 @@ class ChaosRun:
         f.fault_ts = time.time()
         os.kill(pid, signal.SIGKILL)
         f.fired = True
+        self.store_killed_after = f.step
         f.evidence = f"SIGKILL to store pid {pid} (child of launcher {launcher})"
         t0 = f.fault_ts
         job.wait(lambda: None if pid_alive(pid) else True, f"store pid {pid} to die", 30)
