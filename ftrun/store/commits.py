@@ -286,10 +286,13 @@ class CommitMirror:
             return False
         if not self._durable_warned:
             self._durable_warned = True
+            peerless = self.replication is not None and not self.replication.sender.peers
             log.warning("replication is %.0f s behind (durable step %d, committed %d): "
                         "snapshots no longer wait for it; a lost host restores from an older "
-                        "durable step or from disk. Raise --replica-rate or lower "
-                        "--snapshot-every", behind, self._durable, self.committed)
+                        "durable step or from disk. %s", behind, self._durable, self.committed,
+                        "No peer node takes this node's replicas now (the others gone, or "
+                        "the coordinator has not heard from them)" if peerless else
+                        "Raise --replica-rate or lower --snapshot-every")
         return True
 
     def claim(self, epoch: str, need: int) -> ClaimAnswer | None:
