@@ -30,12 +30,15 @@ from ftrun.store.replica import ReplicaConfig, Replication
 SECRET = b"d" * 32
 EPOCH = "e1"
 HERE, PEER = "n0/1", "n1/2"  # this store's node, and the other node (rank 1's)
+# A store whose report the coordinator has not had for its node timeout does not count as
+# taking replicas: far longer than any of these tests, however loaded the host.
+NO_TIMEOUT_S = 600.0
 
 
 def test_a_new_coordinator_without_a_picture_does_not_release_the_durable_step() -> None:
     run_id = f"dur-{uuid.uuid4().hex[:8]}"
-    old = Coordinator(run_id, SECRET, bind_host="127.0.0.1")
-    new = Coordinator(run_id, SECRET, bind_host="127.0.0.1")
+    old = Coordinator(run_id, SECRET, bind_host="127.0.0.1", node_timeout_s=NO_TIMEOUT_S)
+    new = Coordinator(run_id, SECRET, bind_host="127.0.0.1", node_timeout_s=NO_TIMEOUT_S)
     old.start()
     new.start()
     cfg = StoreConfig(run_id=run_id, url="ipc://unused", coordinator=old.endpoint,
