@@ -82,11 +82,12 @@ def test_crash_resumes_from_memory_bit_identical(
         # Silent past --hang-timeout/2, the rank read suspect before it was killed.
         assert any(e["type"] == "rank_suspect" and e["pid"] == hung["pid"]
                    and e["cause"] == "no_progress" and e["seq"] < hung["seq"] for e in events)
-        # Turning suspect, it wrote where it hangs: faulthandler's dump, down to the loop
-        # of the hang mode in examples/train.py.
+        # Turning suspect, it wrote where it hangs (faulthandler's dump, down to the loop of
+        # the hang mode in examples/train.py), and its launcher logged that as one block.
         out = procs.output(proc)
-        assert "its threads' Python stacks follow in its output" in out, out[-4000:]
-        assert "(most recent call first)" in out and "in _fire_fault" in out, out[-4000:]
+        assert "its threads' Python stacks follow" in out, out[-4000:]
+        block = out[out.index("its threads' Python stacks:\n"):]
+        assert "(most recent call first)" in block and "in _fire_fault" in block, out[-4000:]
 
 
 def test_corrupted_snapshot_is_refused_and_an_older_one_used(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import signal
@@ -56,13 +57,20 @@ from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
 from ftrun.launcher.warm import WarmPool, auto_warm
 from ftrun.pdeath import tie_entrypoint
 from ftrun.rank import resilient
-from ftrun.rank.progress import Progress, create_progress_file, read_progress, request_stacks
+from ftrun.rank.progress import (
+    Progress,
+    create_progress_file,
+    read_progress,
+    read_stacks,
+    request_stacks,
+)
 
 log = logging.getLogger(__name__)
 
 # A rank frozen by SIGSTOP blocks every collective; with --hang-timeout off it is still
 # killed after this long.
 STOPPED_LIMIT_S = 10.0
+STACKS_WAIT_S = 0.5  # from asking a suspect rank for its stacks to logging them
 # A member of the round missing from the rendezvous state for this long was dropped for
 # missed keep-alives: a node that restarts leaves the round and enters the wait list in
 # consecutive syncs, well within it.
@@ -200,6 +208,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._rule = SuspectRule(hang_timeout_s=ctx.hang_timeout_s)
         self._watches: dict[int, RankWatch] = {}  # by local rank; new at every (re)start
         self._verdicts: dict[int, Verdict] = {}  # replaced whole by the agent thread
+        # local rank -> (when to read, progress path, offset, rank, pid): stack dumps asked for
+        self._stacks_due: dict[int, tuple[float, str, int, int, int]] = {}
         self._lock = threading.Lock()
         self._round: tuple[int, frozenset[str]] | None = None  # rendezvous round, members
         self._missing_since: dict[str, float] = {}
@@ -1005,6 +1015,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         timeout_s = self._ctx.hang_timeout_s
         stopped_limit_s = max(1.0, timeout_s / 3) if timeout_s > 0 else STOPPED_LIMIT_S
         now_ns = time.monotonic_ns()
+        self._log_stacks(now_ns / 1e9)
         pids = self.worker_pids()
         verdicts: dict[int, Verdict] = {}
         for w in worker_group.workers:
@@ -1016,7 +1027,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             p = read_progress(path)
             watch = self._watches.setdefault(w.local_rank, RankWatch(self._rule))
             verdict = watch.observe(p, state, now_ns)
-            self._note_verdict(w.global_rank, w.local_rank, pid, verdict, p)
+            self._note_verdict(w.global_rank, w.local_rank, pid, verdict, p, path)
             verdicts[w.local_rank] = verdict
             reason = None
             if verdict.stopped_s is not None:
@@ -1040,25 +1051,44 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                 "hang_detected", rank=w.global_rank, local_rank=w.local_rank, pid=pid,
                 reason=reason, hang_timeout_s=timeout_s,
             )
+            self._log_stacks(math.inf)  # whatever the dump holds, before the process goes
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self._verdicts = verdicts
 
+    def _log_stacks(self, now: float) -> None:
+        """Log, as one block each, the stack dumps asked for at least STACKS_WAIT_S ago."""
+        for local_rank, (due, path, offset, rank, pid) in list(self._stacks_due.items()):
+            if now < due:
+                continue
+            del self._stacks_due[local_rank]
+            text = read_stacks(path, offset).rstrip()
+            if text:
+                log.warning("rank %d (local %d, pid %d): its threads' Python stacks:\n%s", rank,
+                            local_rank, pid, text)
+            else:
+                log.warning("rank %d (local %d, pid %d) wrote no stacks (its process may be "
+                            "stuck in a system call that blocks signals)", rank, local_rank, pid)
+
     def _note_verdict(self, rank: int, local_rank: int, pid: int, verdict: Verdict,
-                      progress: Progress | None = None) -> None:
+                      progress: Progress | None = None, path: str = "") -> None:
         """Log and record a rank turning suspect, changing cause, or recovering. A rank that
-        stopped progressing writes its threads' stacks to its output (where it hangs)."""
+        stopped progressing writes its threads' stacks, logged a moment later: where it
+        hangs."""
         before = self._verdicts.get(local_rank, NOT_WATCHED)
         if verdict.cause == before.cause:
             return
         if verdict.suspect:
-            stacks = (verdict.cause is SuspectCause.NO_PROGRESS
-                      and request_stacks(pid, progress))
+            offset = (request_stacks(pid, path, progress)
+                      if verdict.cause is SuspectCause.NO_PROGRESS and path else None)
+            if offset is not None:
+                self._stacks_due[local_rank] = (time.monotonic() + STACKS_WAIT_S, path, offset,
+                                                rank, pid)
             log.warning("rank %d (local %d, pid %d) is suspect: %s%s", rank, local_rank, pid,
                         verdict.reason,
-                        "; its threads' Python stacks follow in its output" if stacks else "")
+                        "; its threads' Python stacks follow" if offset is not None else "")
             self._ctx.sink.event(
                 "rank_suspect", rank=rank, local_rank=local_rank, pid=pid,
                 cause=str(verdict.cause), reason=verdict.reason, step=verdict.step,

@@ -9,9 +9,11 @@ system call on the training path.
 
 The first call also arms :data:`STACKS_SIGNAL` (``faulthandler``) and says so in the flags
 (``STACKS``): a launcher that finds the rank stuck sends it that signal, and the rank writes
-the Python stack of every thread to its stderr, where the step it hangs in can be read
-(``faulthandler`` writes it from the signal handler, without the GIL: a thread stuck in C
-code holding the GIL does not stop it).
+the Python stack of every thread to its stack file (the progress file's path plus
+``.stacks``), which the launcher then logs as one block: where the rank hangs. (``faulthandler``
+writes from the signal handler, without the GIL: a thread stuck in C code holding the GIL
+does not stop it; to a file of its own, since ranks that stall together would otherwise
+interleave their dumps on the stderr they share.)
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import mmap
 import os
 import signal
 import struct
-import sys
 import time
 from dataclasses import dataclass
+from typing import IO
 
 from ftrun import knobs
 
@@ -35,6 +37,7 @@ SIZE = _LAYOUT.size
 STACKS_SIGNAL = signal.SIGRTMIN + 5
 
 _stacks = 0
+_stacks_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
 
 _map: mmap.mmap | None = None
 _path: str | None = None
@@ -67,7 +70,7 @@ def progress(step: int, *, done: bool = False) -> None:
             finally:
                 os.close(fd)
             _path = path
-            _stacks = _arm_stacks()
+            _stacks = _arm_stacks(path)
         _map[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns(),
                                    (DONE if done else 0) | _stacks)
     except (OSError, ValueError):
@@ -93,26 +96,51 @@ class Progress:
         return ((now_ns or time.monotonic_ns()) - self.monotonic_ns) / 1e9
 
 
-def _arm_stacks() -> int:
-    """Register the stack dump on :data:`STACKS_SIGNAL`; ``STACKS``, or 0 where it cannot
-    be (no usable stderr)."""
+def stacks_path(progress_path: str) -> str:
+    return progress_path + ".stacks"
+
+
+def _arm_stacks(progress_path: str) -> int:
+    """Register the stack dump on :data:`STACKS_SIGNAL`, into the rank's stack file;
+    ``STACKS``, or 0 where it cannot be."""
+    global _stacks_file
     try:
-        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
-    except (AttributeError, OSError, RuntimeError, ValueError):
+        f = open(stacks_path(progress_path), "a", encoding="utf-8")  # noqa: SIM115 - kept
+    except OSError:
         return 0
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=f, all_threads=True)
+    except (OSError, RuntimeError, ValueError):
+        f.close()
+        return 0
+    if _stacks_file is not None:
+        _stacks_file.close()
+    _stacks_file = f
     return STACKS
 
 
-def request_stacks(pid: int, progress: Progress | None) -> bool:
-    """Launcher: make rank ``pid`` write its threads' Python stacks to its stderr, when its
-    progress file says it armed the signal. True if asked."""
+def request_stacks(pid: int, progress_path: str, progress: Progress | None) -> int | None:
+    """Launcher: make rank ``pid`` write its threads' Python stacks to its stack file, when
+    its progress file says it armed the signal. Returns where in that file the dump begins
+    (for :func:`read_stacks`), or None when the rank was not asked."""
     if progress is None or not progress.flags & STACKS:
-        return False
+        return None
     try:
+        offset = os.path.getsize(stacks_path(progress_path))
         os.kill(pid, STACKS_SIGNAL)
     except OSError:
-        return False
-    return True
+        return None
+    return offset
+
+
+def read_stacks(progress_path: str, offset: int, limit: int = 1 << 16) -> str:
+    """What the rank wrote to its stack file from ``offset`` (at most ``limit`` bytes)."""
+    try:
+        with open(stacks_path(progress_path), "rb") as f:
+            f.seek(offset)
+            return f.read(limit).decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def read_progress(path: str) -> Progress | None:
