@@ -31,7 +31,7 @@ from ftrun import knobs
 
 _LAYOUT = struct.Struct("<qqq")  # step, monotonic ns, flags
 DONE = 1
-STACKS = 2  # STACKS_SIGNAL makes this rank write its threads' stacks to stderr
+STACKS = 2  # STACKS_SIGNAL makes this rank write its threads' stacks to its stack file
 SIZE = _LAYOUT.size
 # A real-time signal (no default handler a user relies on), not the in-process restart's.
 STACKS_SIGNAL = signal.SIGRTMIN + 5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import segment as shm
@@ -75,10 +76,7 @@ class Verifier:
         seg.set_state(shm.VERIFIED, hashes_xxh3=hx)
         log.debug("verified %s step %d (%d bytes) in %.1f ms", name, h.step, h.data_len,
                   (time.perf_counter() - t0) * 1e3)
-        if not self._commits.world_size:
-            self._commits.world_size = int(doc["world_size"])
-        rank, _ = rank_of(name)
-        self._commits.report_verified(h.epoch, rank, h.step, h.data_len, digests)
+        self._report(name, h, doc, digests)
         return True, "", h.step
 
     def report_again(self, name: str) -> bool:
@@ -99,10 +97,15 @@ class Verifier:
         except IntegrityError as e:
             log.warning("%s (step %d): not reported again: %s", name, h.step, e)
             return False
+        self._report(name, h, doc, digests)
+        return True
+
+    def _report(self, name: str, h: shm.Header, doc: dict[str, Any],
+                digests: list[dict[str, Any]]) -> None:
+        """Tell the commit mirror (and through it the coordinator) the shard is verified."""
         if not self._commits.world_size:
             self._commits.world_size = int(doc["world_size"])
         self._commits.report_verified(h.epoch, rank_of(name)[0], h.step, h.data_len, digests)
-        return True
 
     def verify_rank(self, rank: int) -> None:
         for buffer in (0, 1):
