@@ -177,8 +177,10 @@ AGENT_HOOKS = {
     "restart_workers": "_restart_workers",
     "stop_workers": "_stop_workers",
     "shutdown": "_shutdown",
+    "exit_barrier": "_exit_barrier",
 }
-AGENT_ACCESSORS = ("remaining_restarts", "worker_pids")
+AGENT_ACCESSORS = ("remaining_restarts", "worker_pids", "rendezvous_store",
+                   "exit_barrier_timeout", "mark_exit_barrier")
 
 
 def torchrun_parser() -> Any:
@@ -256,11 +258,13 @@ def agent_class() -> type:
     """torch's ``LocalElasticAgent`` with its private extension points under public names.
 
     A subclass overrides ``rendezvous``, ``set_local_rank_env``, ``start_workers``,
-    ``monitor_workers``, ``restart_workers``, ``stop_workers`` and ``shutdown`` (each with
-    the arguments of the
-    torch method of the same name with a leading underscore) and calls ``super()`` for
-    torch's own behaviour. ``remaining_restarts()`` and ``worker_pids()`` read the agent's
-    private state. Built on first call, so that importing this module imports no torch.
+    ``monitor_workers``, ``restart_workers``, ``stop_workers``, ``shutdown`` and
+    ``exit_barrier`` (each with the arguments of the torch method of the same name with a
+    leading underscore) and calls ``super()`` for torch's own behaviour.
+    ``remaining_restarts()``, ``worker_pids()``, ``rendezvous_store()`` (the round's store)
+    and ``exit_barrier_timeout()`` read the agent's private state; ``mark_exit_barrier(flag)``
+    sets what torch sets while it waits in its exit barrier (its health check then reports
+    progress). Built on first call, so that importing this module imports no torch.
     """
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -288,6 +292,9 @@ def agent_class() -> type:
         def shutdown(self, death_sig: signal.Signals, timeout: int) -> None:
             call_shutdown(super()._shutdown, death_sig, timeout)
 
+        def exit_barrier(self) -> None:
+            super()._exit_barrier()
+
         # ---- the agent's private state -----------------------------------------------
         def remaining_restarts(self) -> int:
             return int(self._remaining_restarts)
@@ -301,6 +308,17 @@ def agent_class() -> type:
                 return dict(pcontext.pids())
             except Exception:  # the agent thread is tearing the context down
                 return {}
+
+        def rendezvous_store(self) -> Any:
+            """The store of the current rendezvous round (torch's exit barrier uses it)."""
+            return self._store
+
+        def exit_barrier_timeout(self) -> float:
+            return float(self._exit_barrier_timeout)
+
+        def mark_exit_barrier(self, waiting: bool) -> None:
+            if hasattr(self, "_in_exit_barrier"):  # (not in every torch version)
+                self._in_exit_barrier = waiting
 
         # ---- torch calls these ---------------------------------------------------------
         def _rendezvous(self, worker_group: Any) -> None:
@@ -324,6 +342,9 @@ def agent_class() -> type:
 
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
             self.shutdown(death_sig, timeout)
+
+        def _exit_barrier(self) -> None:
+            self.exit_barrier()
 
     return ElasticAgent
 

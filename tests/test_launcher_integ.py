@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TRAIN, Procs, free_port, pid_alive, read_events, result_line, wait_for
 
+from ftrun.testing.procs import request_launcher_stacks
+
 # These tests check exact steps (resumed from, persisted): no snapshot may be skipped.
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
@@ -216,6 +218,11 @@ def test_live_job_status_secret_signals_and_lost_launcher(procs: Procs, state_di
     other = next(n for n in nodes if n is not host_node)
     os.kill(other.pid, signal.SIGUSR1)
     wait_for(lambda: "received SIGUSR1" in procs.output(other), 30, "the workers to report SIGUSR1")
+    # SIGRTMIN+5 makes a launcher print its threads' stacks, and only that.
+    assert request_launcher_stacks(host_node.pid)
+    wait_for(lambda: "ftrun/launcher/agent.py" in procs.output(host_node).partition(
+        "most recent call first")[2], 30, "the launcher's stacks")
+    assert host_node.poll() is None
 
     # kill -9 the non-host launcher: its workers must die with it, and the survivor,
     # allowed to run alone by --nnodes 1:2, finishes the job.
@@ -233,6 +240,63 @@ def test_live_job_status_secret_signals_and_lost_launcher(procs: Procs, state_di
     events = read_events(state_dir, run_id)
     assert any(e["type"] == "node_lost" and e["node"] == victim_node for e in events) or any(
         e["type"] == "rendezvous" and e["group_world_size"] == 1 for e in events)
+
+
+EXIT_THEN_LOSE_HOST = """\
+import json, os, signal
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+host = json.loads(open(os.environ["JOB_JSON"]).read())["pid"]  # the store's launcher
+launcher = int(os.environ["FTRUN_LAUNCHER_PID"])
+mine = torch.tensor([launcher, int(launcher == host)])
+every = [torch.zeros(2, dtype=torch.long) for _ in range(dist.get_world_size())]
+dist.all_gather(every, mine)
+dist.destroy_process_group()
+# The training is done everywhere. The highest rank not on the store's launcher takes its
+# own launcher down before that launcher reaches the exit barrier.
+victim = max(r for r, t in enumerate(every) if not t[1])
+if int(os.environ["RANK"]) == victim:
+    open(os.environ["VICTIM_FILE"], "w").write(str(launcher))
+    os.kill(launcher, signal.SIGKILL)
+"""
+
+
+def test_a_node_lost_after_its_workers_finished_is_not_waited_for_at_exit(
+        procs: Procs, state_dir: Path, tmp_path: Path) -> None:
+    """3 launchers, one rank each; every rank finishes, then one launcher is SIGKILLed before
+    it reaches the exit barrier. The coordinator declares it lost, the survivors drop it from
+    the rendezvous and leave the exit barrier without it (torch's barrier waits 300 s for it)
+    and exit 0."""
+    run_id = f"exitlost-{uuid.uuid4().hex[:8]}"
+    script = tmp_path / "exit_then_lose_host.py"
+    script.write_text(EXIT_THEN_LOSE_HOST)
+    victim_file = tmp_path / "victim"
+    env = {"JOB_JSON": str(state_dir / "jobs" / run_id / "job.json"),
+           "VICTIM_FILE": str(victim_file)}
+    port = free_port()
+    nodes = [procs.ftrun("--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                         "--node-timeout", "6", str(script), env=env, name=f"node{i}")
+             for i in range(3)]
+    wait_for(victim_file.exists, 120, "the victim rank to kill its launcher")
+    victim_pid = int(victim_file.read_text())
+    [victim] = [n for n in nodes if n.pid == victim_pid]
+    survivors = [n for n in nodes if n is not victim]
+    victim.wait(timeout=30)
+    assert victim.returncode == -signal.SIGKILL
+    for node in survivors:  # well within torch's 300 s exit barrier
+        assert procs.wait(node, 150) == 0, procs.output(node)[-4000:]
+    events = read_events(state_dir, run_id)
+    victim_node = next(e["node"] for e in events
+                       if e["type"] == "node_joined" and e["node"].endswith(f"/{victim_pid}"))
+    assert any(e["type"] == "node_lost" and e["node"] == victim_node for e in events), events
+    left = [e for e in events if e["type"] == "exit_barrier_left"]
+    assert len(left) == 2 and all(len(e["lost"]) == 1 and e["lost"][0].endswith(
+        f"_{victim_pid}_0") and e["finished"] == 2 for e in left), left  # its rdzv name
+    assert "which the coordinator declared lost: not waiting for it" in \
+        "".join(procs.output(n) for n in survivors)
 
 
 def test_sigterm_stops_the_job_gracefully_and_persists(procs: Procs, state_dir: Path,

@@ -166,6 +166,7 @@ AGENT_METHODS = {
     "_monitor_workers": ["self", "worker_group"],
     "_restart_workers": ["self", "worker_group"],
     "_stop_workers": ["self", "worker_group"],
+    "_exit_barrier": ["self"],
 }
 
 
@@ -265,6 +266,14 @@ def test_torch_calls_the_agent_hooks_and_the_accessors_read_its_state(tmp_path: 
             calls.append("shutdown")
             super().shutdown(death_sig, timeout)
 
+        def exit_barrier(self):  # noqa: ANN202
+            calls.append("exit_barrier")
+            seen["barrier"] = (self.rendezvous_store(), self.exit_barrier_timeout())
+            self.mark_exit_barrier(True)
+            seen["marked"] = getattr(self, "_in_exit_barrier", True)
+            self.mark_exit_barrier(False)
+            super().exit_barrier()
+
     agent = Recording(spec=_worker_spec(script, max_restarts=1),
                       logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
     assert agent.worker_pids() == {} and agent.remaining_restarts() == 1
@@ -275,6 +284,11 @@ def test_torch_calls_the_agent_hooks_and_the_accessors_read_its_state(tmp_path: 
     assert calls.count("set_local_rank_env") == 4, calls  # two workers, two starts
     assert calls.index("monitor_workers") < calls.index("restart_workers"), calls
     assert seen["remaining_before_restart"] == 0  # torch counts the restart down first
+    assert calls.count("exit_barrier") == 1 and calls[-2:] == ["exit_barrier", "shutdown"], \
+        calls  # once the workers succeeded, before the last shutdown
+    store, timeout_s = seen["barrier"]
+    assert hasattr(store, "add") and hasattr(store, "check") and timeout_s > 0, seen
+    assert seen["marked"] is True
     for started, from_accessor in seen["pids"]:
         assert started == from_accessor and sorted(started) == [0, 1]
 

@@ -31,6 +31,8 @@ Order of business on every node:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import hashlib
 import logging
 import os
@@ -58,6 +60,7 @@ from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftru
 from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.pdeath import LAUNCHER_PID_ENV
+from ftrun.rank.progress import STACKS_SIGNAL
 from ftrun.sigrelay import SignalRelay
 from ftrun.store.api import StoreConfig
 
@@ -367,6 +370,10 @@ def _install_signal_forwarding(ctx: AgentContext) -> SignalRelay:
             ctx.agent.on_interrupt()  # raises HostIsolated in a rendezvous wait
 
     signal.signal(signal.SIGUSR2, interrupt)
+    # As a rank does (ftrun.rank.progress), the launcher writes its threads' Python stacks on
+    # STACKS_SIGNAL (kill -s RTMIN+5 PID), here to its stderr: where a launcher waits.
+    with contextlib.suppress(OSError, RuntimeError, ValueError):
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
     return SignalRelay(forward, signal.SIGUSR1, name="ftrun-forward-signals").start()
 
 

@@ -158,6 +158,23 @@ def kill_sessions(procs: Iterable[subprocess.Popen[Any]], token: bytes | None = 
     return found
 
 
+def request_launcher_stacks(*roots: int, settle_s: float = 1.0) -> bool:
+    """Make the ``ftrun`` launchers in the process trees of ``roots`` write their threads'
+    stacks to their output (they arm ftrun.rank.progress.STACKS_SIGNAL), then give them
+    ``settle_s`` to; True if the first root's was asked."""
+    from ftrun.rank.progress import STACKS_SIGNAL
+
+    launchers = [pid for root in roots for pid in tree_pids(root)
+                 if cmdline(pid)[1:3] == ["-m", "ftrun"]]
+    first = bool(roots) and any(pid in launchers for pid in tree_pids(roots[0]))
+    for pid in launchers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, STACKS_SIGNAL)
+    if launchers:
+        time.sleep(settle_s)
+    return first
+
+
 def _die_with_parent() -> None:
     """preexec_fn: SIGKILL this child when the thread that started it exits."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -189,11 +206,22 @@ class Procs:
         return Path(proc.log_path).read_text()  # type: ignore[attr-defined]
 
     def wait(self, proc: subprocess.Popen[str], timeout_s: float) -> int:
+        """``proc``'s exit code; AssertionError after ``timeout_s`` with its output, ending
+        in its launcher's threads' stacks, and the ends of the other running launchers'
+        outputs (with their stacks too)."""
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            # (netns.Cluster shares this method; its procs are (host, proc) pairs.)
+            running = [p for p in (q[1] if isinstance(q, tuple) else q for q in self.procs)
+                       if p is not proc and p.poll() is None]
+            dumped = request_launcher_stacks(proc.pid, *(p.pid for p in running))
+            others = "".join(f"\n--- another running launcher (pid {p.pid}) ---\n"
+                             f"{self.output(p)[-6000:]}" for p in running)
             raise AssertionError(
-                f"ftrun did not finish in {timeout_s} s; output:\n{self.output(proc)[-4000:]}"
+                f"ftrun did not finish in {timeout_s} s; output"
+                f"{' (ending in its stacks)' if dumped else ''}:\n"
+                f"{self.output(proc)[-12000 if dumped else -4000:]}{others}"
             ) from None
 
     def cleanup(self) -> None:
