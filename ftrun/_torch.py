@@ -577,10 +577,88 @@ def park_waiting_nodes(backend: Any, settings: Any, timeout_s: float = 10.0) -> 
 def spares_stay_spare(handler: Any) -> None:
     """Have ``handler.num_nodes_waiting()`` (what torch's agent asks on every monitor tick
     while its workers are healthy) park the nodes waiting for a complete round that has no
-    room as spares and not count them; a c10d/etcd ``DynamicRendezvousHandler`` only."""
+    room as spares and not count them, and have this node, while a spare, leave the places
+    of a new round to the previous round's live members (:class:`_SpareDefers`); a
+    c10d/etcd ``DynamicRendezvousHandler`` only."""
     if getattr(handler, "_state_holder", None) is None or not hasattr(handler, "_settings"):
         return
     handler.num_nodes_waiting = _WaitingForRoom(handler)
+    executor = getattr(handler, "_op_executor", None)
+    if executor is not None and not isinstance(executor, _SparesDeferExecutor):
+        handler._op_executor = _SparesDeferExecutor(executor)
+
+
+# -- a spare does not take a restarting survivor's place ------------------------------------
+#
+# When the nodes of a round restart (an in-place restart: every process lives on), they leave
+# the round one by one and join the next; torch's join lets a spare take a place in the new
+# round as soon as it opens, on equal terms. With N places and N survivors, whichever survivor
+# joins last finds the round full: its workers, alive and ready, are stopped and it becomes a
+# spare, while the spare starts new processes (seen in CI, a survivor that was also its
+# group's aggregator lost its place). A spare (a node that was on the redundancy list during
+# this join) therefore takes a place in an open round only while the previous round's members
+# that are still alive (a keep-alive in the state) and have not joined yet leave room for it,
+# and in any case once a keep-alive window (interval x max attempts) has passed: a lost member
+# stops counting when its keep-alive expires or the coordinator has it dropped.
+
+
+class _SparesDeferExecutor:
+    """A handler's rendezvous operation executor whose join operations are
+    :class:`_SpareDefers`; everything else goes to torch's executor."""
+
+    def __init__(self, executor: Any) -> None:
+        self._executor = executor
+
+    def run(self, state_handler: Any, deadline: float, update_deadline: Any = None) -> None:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+        if isinstance(state_handler, dr._RendezvousJoinOp):
+            state_handler = _SpareDefers(state_handler)
+        self._executor.run(state_handler, deadline, update_deadline)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._executor, name)
+
+
+class _SpareDefers:
+    """torch's join operation, deferring a spare's ADD_TO_PARTICIPANTS (see above)."""
+
+    def __init__(self, join: Any) -> None:
+        self._join = join
+        self._spare = False
+        self._members: dict[int, set[Any]] = {}  # round -> every node seen a participant
+        self._since: float | None = None
+
+    def __call__(self, ctx: Any, deadline: float) -> Any:
+        import time
+
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+        state = ctx.state
+        self._spare = self._spare or ctx.node in state.redundancy_list
+        if state.complete:
+            self._members.setdefault(int(state.round), set()).update(state.participants)
+        action = self._join(ctx, deadline)
+        if action != dr._Action.ADD_TO_PARTICIPANTS or not self._spare:
+            return action
+        expected = [n for n in self._members.get(int(state.round) - 1, ())
+                    if n in state.last_heartbeats and n not in state.participants
+                    and n != ctx.node]
+        if len(state.participants) + len(expected) < ctx.settings.max_nodes:
+            return action  # room for this spare once every live member is back
+        now = time.monotonic()
+        self._since = now if self._since is None else self._since
+        window = (ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt)
+        if now - self._since >= window.total_seconds():
+            log.info("spare %s joins rendezvous round %d: %d live member(s) of the previous "
+                     "round did not join within %.0f s", ctx.node, int(state.round),
+                     len(expected), window.total_seconds())
+            return action
+        if self._since == now:
+            log.info("spare %s leaves the places of rendezvous round %d to the previous "
+                     "round's %d live member(s) still joining", ctx.node, int(state.round),
+                     len(expected))
+        return dr._Action.KEEP_ALIVE if dr._should_keep_alive(ctx) else dr._Action.SYNC
 
 
 # -- the Flight Recorder (ftrun.rank.collectives) ----------------------------------------------

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -474,6 +475,85 @@ def test_a_node_left_waiting_for_a_full_round_is_parked_as_a_spare(
         waiting.join(30)
         a.shutdown()
     assert not waiting.is_alive() and ended, "c did not leave the closed rendezvous"
+
+
+def test_a_spare_leaves_the_new_round_to_a_live_member_still_joining(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """spares_stay_spare, the join side: a round of 2 (a, b) and a spare c, every handler
+    wrapped as a launcher wraps its own. The round restarts: a has left it and waits (on the
+    wait list, alive) but is slow to join the next round; b leaves last, which opens the next
+    round, and joins at once. torch's join gives the open place to whoever asks first: c,
+    polling once a second, took it from a (a survivor's live processes stopped, a spare's
+    started). With ftrun's wrapper c waits while a, alive, has not joined; the new round is
+    a and b, and c is a spare again."""
+    import threading
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _BackendRendezvousStateHolder,
+    )
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    port = free_port()
+    _server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    a, b, c = (_node_handler(port, "defer", 2) for _ in range(3))
+    for h in (a, b, c):
+        _torch.spares_stay_spare(h)
+    ended: dict[str, BaseException | None] = {}
+
+    def join(name: str, h: Any) -> threading.Thread:
+        def run() -> None:
+            try:
+                h.next_rendezvous()
+                ended[name] = None
+            except BaseException as e:  # noqa: BLE001  (the rendezvous closed at the end)
+                ended[name] = e
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    first = [join("a", a), join("b", b)]
+    for t in first:
+        t.join(60)
+    assert ended == {"a": None, "b": None}, ended
+    ended.clear()
+    spare = join("c", c)
+    holder = _BackendRendezvousStateHolder(a._state_holder._backend, a._settings, 0)
+    threads: list[threading.Thread] = []
+    try:
+        name_a, name_c = _torch.rendezvous_node(a), wait_for(lambda: _torch.rendezvous_node(c),
+                                                             30, "c's name")
+
+        def listed(name: str, where: str) -> bool:
+            holder.sync()
+            return any(str(n) == name for n in getattr(holder.state, where))
+
+        wait_for(lambda: listed(name_c, "redundancy_list"), 30, "c parked as a spare")
+        round_ = int(holder.state.round)
+        # a leaves the complete round and waits for the next, as torch's exit and join do
+        # (its keep-alive timer keeps it alive meanwhile).
+        desc = next(n for n in holder.state.participants if str(n) == name_a)
+        del holder.state.participants[desc]
+        holder.state.wait_list.add(desc)
+        holder.mark_dirty()
+        assert holder.sync()
+        threads.append(join("b", b))  # b leaves last: round + 1 opens, b joins it
+        wait_for(lambda: listed(_torch.rendezvous_node(b), "participants")
+                 and int(holder.state.round) == round_ + 1, 30, "b in the next round")
+        time.sleep(3.0)  # c polls the open round (once a second) while a has not joined
+        threads.append(join("a", a))
+        for t in threads:
+            t.join(30)
+        assert ended.get("a", "pending") is None and ended.get("b", "pending") is None, ended
+        holder.sync()
+        assert {str(n) for n in holder.state.participants} == \
+            {name_a, _torch.rendezvous_node(b)}, holder.state.participants
+        assert spare.is_alive()  # c waits on, a spare
+    finally:
+        a.set_closed()
+        spare.join(30)
+        for h in (a, b, c):
+            h.shutdown()
 
 
 # ---- leaving a job without closing its rendezvous (ftrun._torch.rendezvous_keeping_error) ----
