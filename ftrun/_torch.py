@@ -627,7 +627,7 @@ class _SpareDefers:
         self._join = join
         self._spare = False
         self._members: dict[int, set[Any]] = {}  # round -> every node seen a participant
-        self._since: float | None = None
+        self._since: tuple[int, float] | None = None  # (round, when it began deferring)
 
     def __call__(self, ctx: Any, deadline: float) -> Any:
         import time
@@ -636,8 +636,10 @@ class _SpareDefers:
 
         state = ctx.state
         self._spare = self._spare or ctx.node in state.redundancy_list
-        if state.complete:
+        if state.complete:  # (a spare can wait through many rounds: keep the last two)
             self._members.setdefault(int(state.round), set()).update(state.participants)
+            for old in [r for r in self._members if r < int(state.round) - 1]:
+                del self._members[old]
         action = self._join(ctx, deadline)
         if action != dr._Action.ADD_TO_PARTICIPANTS or not self._spare:
             return action
@@ -647,14 +649,15 @@ class _SpareDefers:
         if len(state.participants) + len(expected) < ctx.settings.max_nodes:
             return action  # room for this spare once every live member is back
         now = time.monotonic()
-        self._since = now if self._since is None else self._since
+        if self._since is None or self._since[0] != int(state.round):
+            self._since = (int(state.round), now)
         window = (ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt)
-        if now - self._since >= window.total_seconds():
+        if now - self._since[1] >= window.total_seconds():
             log.info("spare %s joins rendezvous round %d: %d live member(s) of the previous "
                      "round did not join within %.0f s", ctx.node, int(state.round),
                      len(expected), window.total_seconds())
             return action
-        if self._since == now:
+        if self._since[1] == now:
             log.info("spare %s leaves the places of rendezvous round %d to the previous "
                      "round's %d live member(s) still joining", ctx.node, int(state.round),
                      len(expected))
