@@ -293,8 +293,10 @@ def test_a_node_lost_after_its_workers_finished_is_not_waited_for_at_exit(
                        if e["type"] == "node_joined" and e["node"].endswith(f"/{victim_pid}"))
     assert any(e["type"] == "node_lost" and e["node"] == victim_node for e in events), events
     left = [e for e in events if e["type"] == "exit_barrier_left"]
-    assert len(left) == 2 and all(len(e["lost"]) == 1 and e["lost"][0].endswith(
-        f"_{victim_pid}_0") and e["finished"] == 2 for e in left), left  # its rdzv name
+    # (Both survivors usually say so; one that learns of the loss after the store's launcher
+    # left finds the store gone and exits too.)
+    assert left and all(len(e["lost"]) == 1 and e["lost"][0].endswith(f"_{victim_pid}_0")
+                        and e["finished"] == 2 for e in left), left  # its rdzv name
     assert "which the coordinator declared lost: not waiting for it" in \
         "".join(procs.output(n) for n in survivors)
 
