@@ -258,7 +258,8 @@ def test_link_cut_under_min_max_survivors_go_on_without_it(
     # 120 steps (not 24): the plan below can take many seconds to settle on a loaded
     # machine, and a cut after the training ended only leaves the survivors in torch's exit
     # barrier, waiting for the cut host (seen in CI).
-    c, job, doc = _running(cluster_factory, state_dir, "cutmin", 3, "2:3", steps=120,
+    steps = 120
+    c, job, doc = _running(cluster_factory, state_dir, "cutmin", 3, "2:3", steps=steps,
                            train_args=("--pg-timeout", "300"))
     agg = wait_for(lambda: (a := job.status()["coordinator"]["aggregation"])["groups"] == 1
                    and a["members_via_aggregator"] == 1 and a, 60, "the group's plan",
@@ -269,7 +270,7 @@ def test_link_cut_under_min_max_survivors_go_on_without_it(
     t_cut = time.time()
     c.cut_link(victim)
     done = max(r["step"] for r in job.steps())
-    assert done < 120, f"the training ended (step {done}) before the cut: nothing to test"
+    assert done < steps, f"the training ended (step {done}) before the cut: nothing to test"
     survivors = [p for p in job.nodes if p.host != victim]  # type: ignore[attr-defined]
     for p in survivors:
         code = c.wait(p, 200)

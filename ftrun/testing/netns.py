@@ -309,6 +309,9 @@ class Cluster:
     output = staticmethod(Procs.output)
     wait = Procs.wait
 
+    def started(self) -> list[subprocess.Popen[str]]:
+        return [proc for _, proc in self.procs]
+
     def succeed(self, procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> str:
         """Wait for every one of ``procs`` (each up to ``timeout_s``); each must exit 0.
         Returns their outputs, joined."""

@@ -205,6 +205,10 @@ class Procs:
     def output(proc: subprocess.Popen[str]) -> str:
         return Path(proc.log_path).read_text()  # type: ignore[attr-defined]
 
+    def started(self) -> list[subprocess.Popen[str]]:
+        """Every process started here (what :meth:`wait` looks at besides the one awaited)."""
+        return list(self.procs)
+
     def wait(self, proc: subprocess.Popen[str], timeout_s: float) -> int:
         """``proc``'s exit code; AssertionError after ``timeout_s`` with its output, ending
         in its launcher's threads' stacks, and the ends of the other running launchers'
@@ -212,9 +216,7 @@ class Procs:
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            # (netns.Cluster shares this method; its procs are (host, proc) pairs.)
-            running = [p for p in (q[1] if isinstance(q, tuple) else q for q in self.procs)
-                       if p is not proc and p.poll() is None]
+            running = [p for p in self.started() if p is not proc and p.poll() is None]
             dumped = request_launcher_stacks(proc.pid, *(p.pid for p in running))
             others = "".join(f"\n--- another running launcher (pid {p.pid}) ---\n"
                              f"{self.output(p)[-6000:]}" for p in running)
