@@ -166,8 +166,10 @@ class Groups:
         self._plans.pop(node_id, None)
 
     def summary(self) -> dict[str, Any]:
-        """The ``aggregation`` part of the status document."""
-        members = sum(1 for p in self._plans.values() if p.via and p.addr)
+        """The ``aggregation`` part of the status document. Callable from any thread, as
+        the document is (membership's records are copied under its lock): the plans are
+        copied first, in one step, while the coordinator's thread may be replanning."""
+        members = sum(1 for p in list(self._plans.values()) if p.via and p.addr)
         return {"group_size": self.group_size, "groups": len(self._aggregators),
                 "aggregators": sorted(self._aggregators.values())[:16],
                 "members_via_aggregator": members, "handovers": self.handovers}
