@@ -265,7 +265,7 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
         cmd += ["--pg-timeout", str(cfg.stop_pg_timeout)]
     if v.fail_mode:
         cmd += ["--fail-mode", v.fail_mode, "--kill-at-step", str(cfg.fail_at_step),
-                "--kill-rank", str(cfg.fail_rank)]
+                "--kill-rank", str(cfg.fail_rank), "--fault-at", cfg.fault_at]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
            "FTRUN_STATE_DIR": str(job / "state"), **v.env}
     t0 = time.monotonic()
@@ -329,8 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: NCCL, one rank per GPU (--nproc at most the GPUs)")
-    p.add_argument("--fail-mode", choices=("kill", "raise", "stop"),
-                   help="every variant fails this way (default: each variant's own)")
+    p.add_argument("--fail-mode", choices=("kill", "raise", "stop", "hang"),
+                   help="every variant fails this way (default: each variant's own; hang: "
+                        "ftrun's variants only, torchrun has no hang detection)")
+    p.add_argument("--fault-at", choices=("start", "forward", "backward", "optimizer",
+                                          "after-step"), default="after-step",
+                   help="where in the step the fault lands (examples/user_ddp.py --fault-at; "
+                        "start: after the previous save(), before the batch is fetched)")
     p.add_argument("--stop", action="store_true",
                    help="add the SIGSTOP case: ftrun in place, ftrun process restart, and "
                         "torchrun with the script's --pg-timeout")
@@ -362,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.fail_mode:
         named: dict[str, Variant] = {}
         for v in VARIANTS:
+            if cfg.fail_mode == "hang" and v.launcher == "torchrun":
+                continue
             name = v.name.rpartition(", ")[0] + f", {cfg.fail_mode}"
             named.setdefault(name, Variant(name, v.launcher, cfg.fail_mode, v.env))
         variants = list(named.values())
@@ -393,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--batch-size 8 --hidden 64` ({'NCCL, GPU' if cfg.device == 'cuda' else 'gloo, CPU'}), "
         f"1 launcher x {cfg.nproc} ranks, c10d "
         f"rendezvous, `--max-restarts 1`; rank {cfg.fail_rank} fails in step "
-        f"{cfg.fail_at_step}; {cfg.repeats} repeat(s), variants interleaved. \"fault -> next "
+        f"{cfg.fail_at_step} (`--fault-at {cfg.fault_at}`); {cfg.repeats} repeat(s), variants interleaved. \"fault -> next "
         "step\": from the fault marker (written just before the kill or raise) until every "
         "rank logged a step after it. Fault-free run: "
         f"{base.wall_s:.1f} s, params_xxh3 {base.digest}." + (

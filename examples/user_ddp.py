@@ -23,6 +23,8 @@ Run it::
 At the end rank 0 prints ``user-ddp: step=N params_xxh3=HEX``. ``--kill-at-step S --kill-rank
 R`` SIGKILLs rank R in step S once per job, after its optimizer step and before its snapshot
 (the snapshot of step S-1 is then staged on every rank, so the job resumes from S-1);
+``--fault-at start|forward|backward|optimizer`` moves it elsewhere in the step (``start``: after
+the previous ``save()``, before the batch is fetched, where data-loading errors land);
 ``--fail-mode raise|stop|hang`` raises, freezes it (SIGSTOP) or hangs it in Python code outside any
 collective (alive, never progressing) instead, and ``--fail-mode bitflip`` flips one
 bit of one of its parameters in place (silent data corruption: the rank goes on, its replica
@@ -94,8 +96,12 @@ def once(args: argparse.Namespace, name: str) -> bool:
     return fire_once(os.path.join(directory, name))
 
 
-def maybe_kill(args: argparse.Namespace, rank: int, step: int, model: nn.Module) -> None:
-    if step != args.kill_at_step or rank != args.kill_rank:
+FAULT_POINTS = ("start", "forward", "backward", "optimizer", "after-step")
+
+
+def maybe_kill(args: argparse.Namespace, rank: int, step: int, model: nn.Module,
+               point: str = "after-step") -> None:
+    if step != args.kill_at_step or rank != args.kill_rank or point != args.fault_at:
         return
     if args.fail_mode == "copy":
         return  # armed in train(): the snapshot's copy thread fires it
@@ -177,6 +183,12 @@ def main() -> int:
                    help="SIGKILL, raise an exception, SIGSTOP (frozen) the rank, hang it in "
                         "Python outside collectives, flip a bit of one of its parameters, or "
                         "SIGKILL it while its snapshot of the step is half copied")
+    p.add_argument("--fault-at", choices=FAULT_POINTS, default="after-step",
+                   help="where in step --kill-at-step the fault lands: start (after the "
+                        "previous save(), before the batch is fetched: a data-loading error), "
+                        "forward, backward (after the loss, before backward()), optimizer "
+                        "(before optimizer.step()) or after-step (after the optimizer step, "
+                        "before save(): the default)")
     p.add_argument("--stuck-rank", type=int, default=-1,
                    help="in step --kill-at-step, this rank blocks in a C call for 600 s")
     p.add_argument("--kill-after-restore-rank", type=int, default=-1,
@@ -189,7 +201,11 @@ def main() -> int:
     p.add_argument("--pid-log")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per rank (LOCAL_RANK), NCCL")
-    train(p.parse_args())
+    p.add_argument("--plain", action="store_true",
+                   help="call the training function without @ftrun.resilient (the Snapshotter "
+                        "alone: a fault restarts every rank as a new process)")
+    args = p.parse_args()
+    (train.__wrapped__ if args.plain else train)(args)
     return 0
 
 
@@ -249,13 +265,21 @@ def train(args: argparse.Namespace) -> None:
             # A plain DataLoader starts the epoch over: skip what was trained already.
             batches = itertools.islice(batches, step - epoch * steps_per_epoch, None)
         model.train()
-        for x, y in batches:
+        while True:
+            maybe_kill(args, rank, step + 1, model.module, "start")  # the data pipeline's turn
+            batch = next(batches, None)
+            if batch is None:
+                break
+            x, y = batch
             step += 1
             x, y = x.to(device), y.to(device)
+            maybe_kill(args, rank, step, model.module, "forward")
             loss = loss_fn(model(x), y)
             optimizer.zero_grad()
+            maybe_kill(args, rank, step, model.module, "backward")
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            maybe_kill(args, rank, step, model.module, "optimizer")
             optimizer.step()
             scheduler.step()
             maybe_kill(args, rank, step, model.module)

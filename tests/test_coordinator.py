@@ -202,7 +202,8 @@ def test_node_lost_after_timeout_and_rejoin(make_coordinator: Callable[..., Coor
     lost = [e for e in c.events() if e["type"] == "node_lost"]
     assert len(lost) == 1 and lost[0]["node"] == "host-b/7"
     heartbeat = {**workers_state(), "node_id": "host-b/7", "host": "host-b", "pid": 7}
-    frames = protocol.encode("heartbeat", heartbeat, secret=SECRET, job=JOB, sender="t")
+    frames = protocol.encode("heartbeat", heartbeat, secret=SECRET, job=JOB, sender="t",
+                             term=c.incarnation)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -760,6 +761,9 @@ def test_keepalives_keep_the_workers_and_a_stale_one_asks_for_a_full_heartbeat(
         kind, body = composer.compose({**workers_state(), "last_error": None}, 1.0)
         assert kind == "keepalive" and body == {"node_id": "host-k/1", "same": 1}
         client.send(kind, body)
+        # Both were signed for no term: the coordinator's refusals name its incarnation,
+        # and the client sends them again under it as it reads them.
+        client.poll(1.0)
         wait_for(lambda: coordinator.status_document()["nodes"], what="the node")
         node = coordinator.status_document()["nodes"][0]
         assert node["ranks"] == [0, 1] and not node["workers_stale"]
@@ -774,3 +778,51 @@ def test_keepalives_keep_the_workers_and_a_stale_one_asks_for_a_full_heartbeat(
         assert coordinator.status_document()["nodes"][0]["workers_stale"] is True
     finally:
         client.close()
+
+
+def test_a_message_captured_before_a_restart_is_refused_after_it(
+        make_coordinator: Callable[..., Coordinator], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A coordinator without failover (standalone, or hosted by the c10d store's launcher)
+    signs for an incarnation of its own, new at each start. A heartbeat captured on the wire
+    (here: one saying the node failed) is taken once by the coordinator it was sent to, and
+    refused by the next one on the same endpoint (stale term, logged with the peer); a
+    launcher's reporter that ran through the restart follows the new incarnation, and the
+    event it queued while the coordinator was down is delivered, not lost."""
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    first = make_coordinator(port=port)
+    reporter = NodeReporter(endpoint, SECRET, JOB, "host-r/1", "host-r", workers_state,
+                            interval_s=0.05)
+    reporter.start()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{endpoint}")
+    try:
+        wait_for(lambda: first.status_document()["nodes"], what="the reporter's node")
+        captured = [bytes(f) for f in protocol.encode(
+            "heartbeat", {**workers_state(), "state": "failed", "node_id": "host-x/9",
+                          "host": "host-x", "pid": 9, "last_error": "captured"},
+            secret=SECRET, job=JOB, sender="launcher:host-x/9", term=first.incarnation)]
+        raw.send_multipart(captured)
+        wait_for(lambda: any(n["node_id"] == "host-x/9" for n in
+                             first.status_document()["nodes"]), what="the original taken")
+        first.stop(timeout_s=2)
+        reporter.event("while_down", note="queued while the coordinator was down")
+        second = make_coordinator(port=port, events_file=tmp_path / "events2.jsonl")
+        assert second.incarnation != first.incarnation
+        with caplog.at_level(logging.WARNING, logger=transport.__name__):
+            raw.send_multipart(captured)
+            wait_for(lambda: second.counters["stale_terms"] >= 1, what="the replay refused")
+            wait_for(lambda: [n for n in second.status_document()["nodes"]
+                              if n["node_id"] == "host-r/1" and n["workers"]],
+                     timeout_s=10, what="the reporter's node on the restarted coordinator")
+            wait_for(lambda: "while_down" in (tmp_path / "events2.jsonl").read_text(),
+                     timeout_s=10, what="the event queued while it was down")
+        assert not [n for n in second.status_document()["nodes"] if n["node_id"] == "host-x/9"]
+        refused = [r.getMessage() for r in caplog.records if "stale term" in r.getMessage()]
+        assert refused and "signed for coordinator term" in refused[0] \
+            and "127.0.0.1" in refused[0], refused
+    finally:
+        raw.close(0)
+        reporter.stop("stopped", 1, timeout_s=2)

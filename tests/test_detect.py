@@ -247,6 +247,42 @@ def test_busy_rank_is_a_hang_only_past_the_longer_floor():
     assert found[0].evidence["threshold_s"] == 4.5 and 0.5 * k >= 4.5
 
 
+@pytest.mark.parametrize("idle_before_s, named", [
+    (1.0, True),    # idle all along: hung (a sleep, a lock, an input queue nobody fills)
+    (None, False),  # computing or writing: busy, only past busy_hang_s (60 s)
+    (-4.0, False),  # idle only for the last moments of the wait: not idle all along
+])
+def test_idle_rank_outside_collectives_is_named_at_the_short_floor(idle_before_s, named):
+    # Rank 0 never enters op s and is in no collective; the others wait in it. Its
+    # reports say how long it has been idle (ftrun.rank.collectives.Activity).
+    job = Job(n=4, per_node=1)
+    for _ in range(10):
+        job.step()
+    s = job.op + 1
+    found: list = []
+    for k in range(1, 12):
+        job.now += 0.5
+        hang_reports(job, {r: (s, s - 1, 0.5 * k) for r in range(1, 4)})
+        job.seq[0] += 1
+        body = {"node_id": "n0", "host": host_of(0, 1), "rank": 0, "world_size": 4,
+                "restart": 0, "pid": 1000, "backend": "gloo", "seq": job.seq[0],
+                "interval_s": INTERVAL, "groups": [{"pg": "0", "size": 4, "enqueued": s - 1,
+                                                     "completed": s - 1, "waiting_s": None}]}
+        if idle_before_s is not None and 0.5 * k + idle_before_s > 0:
+            body["idle_s"] = 0.5 * k + idle_before_s
+        job.det.add_report(body, job.now)
+        found += job.det.analyse(job.now)
+        if found:
+            break
+    if not named:
+        assert found == []
+        return
+    assert [(f.kind, f.ranks) for f in found] == [("hang", (0,))]
+    ev = found[0].evidence
+    assert ev["threshold_s"] == 3.0 and 3.0 <= ev["longest_wait_s"] < 4.0, ev
+    assert ev["idle_s"]["0"] >= 3.0, ev
+
+
 def test_hang_names_the_rank_that_never_entered():
     job = Job(n=8, config=DetectConfig(busy_hang_s=3.0))
     # Rank 6 computes forever; the others wait in op s.

@@ -93,7 +93,9 @@ class Ranks:
         self.n, self.per_node, self.nodes_per_host = n, per_node, nodes_per_host
         self.world = world
         self.rng = random.Random(1)
-        self.now = 1000.0
+        # The service's clock: note_restart() stamps its holds with time.monotonic(), which
+        # a fixed start (1000.0) passed by only on machines up for longer than that.
+        self.now = time.monotonic()
         self.seq = dict.fromkeys(range(n), 0)
         self.op = 0
 

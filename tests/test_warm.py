@@ -135,10 +135,11 @@ def test_a_process_restart_starts_warm_and_a_killed_launcher_leaves_nothing(
                     str(tmp_path), env=env, name="launcher")
     ups = wait_for(lambda: (lambda u: u if len(u) == 2 else None)(
         sorted(tmp_path.glob("up-1-*"))), 120, "both ranks up after the restart")
-    out = procs.output(p)
-    for up in ups:
-        local_rank, pid = up.name.split("-")[2:]
-        assert f"local rank {local_rank} runs in warm interpreter {pid} (ready" in out, out
+    # The launcher logs each hand-over after it (a rank may be up before its line is written).
+    lines = [f"local rank {lr} runs in warm interpreter {pid} (ready"
+             for lr, pid in (up.name.split("-")[2:] for up in ups)]
+    out = wait_for(lambda: (lambda o: o if all(ln in o for ln in lines) else None)(
+        procs.output(p)), 30, f"the launcher's lines {lines}")
     assert "starts cold" not in out, out
     # The launcher's pool has refilled: two idle interpreters besides the two ranks.
     warm = wait_for(lambda: (lambda w: w if len(w) == 4 else None)(

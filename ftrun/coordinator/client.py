@@ -338,6 +338,7 @@ class NodeReporter:
         pending: deque[tuple[str, dict[str, Any]]] = deque()
         pending.append(("hello", {"node_id": self.node_id, "host": self.host,
                                   "pid": os.getpid()}))
+        seen_term = client.term
         next_hb = time.monotonic()
         bye_id: str | None = None
         try:
@@ -358,6 +359,15 @@ class NodeReporter:
                     except AuthError as e:
                         self._warn("auth", AUTH_WARN_EVERY_S, "%s", e)
                         time.sleep(REPORTER_POLL_S)
+                    if client.term != seen_term:
+                        # The coordinator restarted (a new incarnation refused a message of
+                        # the old one, and the client follows it): it knows nothing of us.
+                        if seen_term:
+                            log.warning("the coordinator at %s restarted; saying hello again",
+                                        self.endpoint)
+                        seen_term = client.term
+                        self._start_over(pending)
+                        next_hb = time.monotonic()
                     if bye_id is not None and bye_id in acked:
                         break
                     if self._stop.is_set() and time.monotonic() >= self._bye_deadline:
@@ -382,13 +392,18 @@ class NodeReporter:
             return False
         self.endpoint, self.term = moved
         client.retarget(*moved)
+        self._start_over(pending)
+        return True
+
+    def _start_over(self, pending: deque[tuple[str, dict[str, Any]]]) -> None:
+        """A new coordinator (failover, or a restart): hello first, then a full heartbeat."""
         self._acks.clear()  # the old coordinator's directives: nothing to ack to the new one
         self._set_part(None, None)  # the new coordinator plans the groups again
         self.plan, self._plan_next = 0, None
-        pending.appendleft(("hello", {"node_id": self.node_id, "host": self.host,
-                                      "pid": os.getpid()}))
+        if not pending or pending[0][0] != "hello":
+            pending.appendleft(("hello", {"node_id": self.node_id, "host": self.host,
+                                          "pid": os.getpid()}))
         self._composer.want_full()
-        return True
 
     def _on_reply(self, msg: protocol.Message, acked: set[str]) -> None:
         if msg.kind == "ack" and msg.re is not None:

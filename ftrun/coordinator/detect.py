@@ -117,7 +117,7 @@ class _Member:
 
 class _Rank:
     __slots__ = ("rank", "node_id", "host", "seen", "seq", "interval_s", "groups", "gaps",
-                 "left")
+                 "left", "idle_s")
 
     def __init__(self, rank: int, node_id: str, host: str) -> None:
         self.rank = rank
@@ -129,6 +129,11 @@ class _Rank:
         self.groups: dict[str, _Member] = {}
         self.gaps: deque[float] = deque(maxlen=SILENT_GAPS)  # between its recent reports
         self.left = False  # its last report said it leaves: its silence is not a hang
+        self.idle_s: float | None = None  # idle for this long as of its last report (seen)
+
+    def idle_for(self, now: float) -> float:
+        """Seconds this rank has been idle as of ``now`` (0: busy at its last report)."""
+        return 0.0 if self.idle_s is None else self.idle_s + (now - self.seen)
 
     def silent_after(self, floor_s: float) -> float:
         """Silence that names this rank: ``floor_s``, or SILENT_GAP_FACTOR x the longest gap
@@ -236,6 +241,8 @@ class Detector:
             rank.gaps.append(gap)  # jitter; not a silence long enough to have named it
         rank.seen = now
         rank.left = bool(body.get("leaving", False))
+        idle = body.get("idle_s")
+        rank.idle_s = float(idle) if isinstance(idle, (int, float)) and idle >= 0 else None
         rank.interval_s = interval = body["interval_s"]
         self._host_node[rank.host] = rank.node_id
         keep = self.config.window * self.config.history
@@ -470,9 +477,13 @@ class Detector:
                                                  "op": m.op,
                                                  "waiting_s": round(m.waiting_s + now - m.at, 3)}
                 longest = max(long_waits[r][1] for r in at_s)
-                if len(elsewhere) < len(culprits):
-                    # A culprit alive and in no collective may be saving or evaluating while
-                    # the others wait at a barrier: only a much longer wait is a hang.
+                free = [r for r in culprits if str(r) not in elsewhere]
+                idle = {str(r): round(self._ranks[r].idle_for(now), 3) for r in free}
+                if free and min(idle.values()) < threshold:
+                    # A culprit alive and in no collective that computes or writes may be
+                    # saving or evaluating while the others wait at a barrier: only a much
+                    # longer wait is a hang. One idle all along (a sleep, a lock, an empty
+                    # queue) is hung: named from the others' wait, like one stuck elsewhere.
                     threshold = max(threshold, cfg.busy_hang_s)
                     if longest < threshold:
                         return found
@@ -481,6 +492,8 @@ class Detector:
                       "longest_wait_s": round(longest, 3), "threshold_s": round(threshold, 3),
                       "enqueued": {str(r): group.members[r].enqueued for r in culprits},
                       "waiting_elsewhere": elsewhere}
+                if free:
+                    ev["idle_s"] = idle
                 found.append((("hang", group.name, s, ranks), Finding(
                     FindingKind.HANG, ranks, hosts, nodes, ev,
                     f"hang: rank(s) {_fmt(ranks)} on {_fmt(hosts)} never entered op {s} of "

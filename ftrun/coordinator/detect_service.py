@@ -284,7 +284,8 @@ class DetectService:
         for node, ranks in sorted(by_node.items()):
             # The world named: a launcher that has restarted since drops the order.
             self._send(node, Action.RESTART, {"ranks": sorted(set(ranks)), "reason": f.summary,
-                                              "world": world})
+                                              "world": world,
+                                              "evidence_age_s": _evidence_age(f)})
 
     def isolate(self, host: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
         """Put ``host`` on the exclude list, order its launchers out, run the hook."""
@@ -462,3 +463,12 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
         return None
     return value
+
+
+def _evidence_age(f: Finding) -> float:
+    """How long before the finding its first evidence appeared: the longest wait it names
+    (or the longest silence), for the launcher's ``recovery.detect_s``."""
+    ev = f.evidence or {}
+    ages = [ev.get("longest_wait_s"), ev.get("shortest_wait_s"),
+            *(ev.get("silent_s") or {}).values()]
+    return round(max((float(a) for a in ages if isinstance(a, (int, float))), default=0.0), 3)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -169,6 +170,11 @@ class Coordinator:
         # one), its term (0: none), and why it stepped down (None: it did not).
         self._role = role
         self.term = role.term if role is not None else 0
+        # What messages must be signed for: the role's term, or (no failover) an incarnation
+        # of its own, new each time a coordinator starts: a message captured before a restart
+        # is refused after it (stale_term), and the launchers and stores follow the new one
+        # (ftrun.protocol.transport.Client follows a term it was not given).
+        self.incarnation = self.term or secrets.randbits(62) + 1
         self.stepped_down: str | None = None
         self._state_thread: threading.Thread | None = None
         self._state_stop = threading.Event()
@@ -305,7 +311,7 @@ class Coordinator:
         bind_host = self._bind_host or default_bind_host(self._advertise_host)
         server = Server("coordinator", self._secret, self.run_id, self._handlers,
                         sender="coordinator", on_reject=self._rejected, typed=self._typed,
-                        term=self.term, term_free=TERM_FREE)
+                        term=self.incarnation, term_free=TERM_FREE)
         service = Service(server, poll_s=POLL_INTERVAL_S, max_messages=MAX_MESSAGES_PER_TICK,
                           after=self._after, batch_s=BATCH_INTERVAL_S, own_context=True,
                           thread_name=f"ftrun-coordinator-{self.run_id}")

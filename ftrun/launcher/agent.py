@@ -70,6 +70,9 @@ log = logging.getLogger(__name__)
 # A rank frozen by SIGSTOP blocks every collective; with --hang-timeout off it is still
 # killed after this long.
 STOPPED_LIMIT_S = 10.0
+# --hang-timeout: a rank blocked in a collective (its monitor says since when) is a victim
+# waiting for a peer; it is killed only once its wait passes this many hang timeouts.
+VICTIM_FACTOR = 2.0
 STACKS_WAIT_S = 0.5  # from asking a suspect rank for its stacks to logging them
 # A member of the round missing from the rendezvous state for this long was dropped for
 # missed keep-alives: a node that restarts leaves the round and enters the wait list in
@@ -177,11 +180,21 @@ def proc_state(pid: int) -> str | None:
     return rest[0] if rest else None
 
 
-def _not_restartable(worker: Any, alive: bool, state: dict[str, Any] | None) -> str | None:
-    """Why a local rank cannot restart in place (None: it can): dead, not registered by
-    ``@ftrun.resilient``, or in a state it cannot restart from."""
+def _not_restartable(worker: Any, alive: bool, state: dict[str, Any] | None,
+                     exitcode: int | None = None) -> str | None:
+    """Why a local rank cannot restart in place (None: it can): its process has exited
+    (``exitcode``, when known), it is not registered by ``@ftrun.resilient``, or it is in a
+    state it cannot restart from."""
     if not alive:
-        return f"local rank {worker.local_rank} (rank {worker.global_rank}) is dead"
+        who = f"local rank {worker.local_rank} (rank {worker.global_rank})"
+        if exitcode == 0:
+            return f"{who} has finished (exit code 0)"
+        sig = _signal_name(exitcode)
+        if sig is not None:
+            return f"{who} has died ({sig})"
+        if exitcode is not None:
+            return f"{who} has exited (exit code {exitcode})"
+        return f"{who} has no process"
     if state is None:
         return (f"local rank {worker.local_rank} does not restart in place (its script does "
                 "not use ftrun.resilient, or has not reached it yet)")
@@ -231,8 +244,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             self._inplace_timeout_s = float(knobs.INPLACE_TIMEOUT.default)
         self._generation = 0
         self._restart_why: str | None = None
+        # Why the last dead rank could not be replaced alone (torch's path took over).
+        self._not_in_place: str | None = None
         self._detected_at: float | None = None
         self._inplace_request: str | None = None
+        self._inplace_evidence_s = 0.0  # how old the coordinator's evidence was
+        # Local ranks this launcher killed as hung: (why, its first evidence's wall time).
+        self._hung_killed: dict[int, tuple[str, float]] = {}
         self._replace: set[int] = set()  # dead local ranks the next restart gives new processes
         # Every worker start (first, restart, replacement) tries a warm interpreter first.
         self._told_to_exit: set[int] = set()  # local ranks sent rank_exit (reset per start)
@@ -341,6 +359,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
         self._verdicts = {}
         self._told_to_exit = set()
+        self._hung_killed = {}
         pids = super().start_workers(worker_group)
         self._phase = NodeState.HEALTHY
         self._ctx.sink.event(
@@ -354,7 +373,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
     def monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._carry_out_directives(worker_group, running=True)
         if self._inplace_request is not None:
-            self._note_restart(self._inplace_request)
+            self._note_restart(self._inplace_request, self._inplace_evidence_s)
             self._inplace_request = None
             return RunResult(state=WorkerState.UNHEALTHY)
         result = self._poll_workers(worker_group)
@@ -394,6 +413,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._restart_why, self._detected_at = None, None
         t0 = time.monotonic()
         cannot = self._cannot_restart_in_place(worker_group)
+        if cannot is not None and self._not_in_place is not None:
+            cannot = self._not_in_place
+        self._not_in_place = None
         if cannot is None:
             try:
                 self._restart_in_place(worker_group, why, detected, t0)
@@ -426,9 +448,13 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
     def _control_base(self, local_rank: int) -> str:
         return str(self._ctx.node_dir / f"rank-{local_rank}")
 
-    def _note_restart(self, why: str) -> None:
+    def _note_restart(self, why: str, evidence_age_s: float = 0.0) -> None:
+        """Remember why the workers restart and when the fault's first evidence appeared
+        (``evidence_age_s`` before now: a rank's exit or failure report, the wait or the
+        silence that named it), which ``recovery.detect_s`` counts from."""
         if self._restart_why is None:
-            self._restart_why, self._detected_at = why, time.monotonic()
+            self._restart_why = why
+            self._detected_at = time.monotonic() - max(0.0, evidence_age_s)
 
     def _rank_states(self, worker_group: WorkerGroup) -> dict[int, dict[str, Any] | None]:
         """Local rank -> its resilient wrapper's state, None where the running process has
@@ -472,10 +498,12 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             self._tell_to_exit(faulted)
             return RunResult(state=WorkerState.HEALTHY)  # torch sees them exit
         if dead:
-            if self.remaining_restarts() > 0 and self._replaceable(
-                    worker_group, dead, codes, states) is None:
+            cannot = self._replaceable(worker_group, dead, codes, states)
+            if self.remaining_restarts() > 0 and cannot is None:
                 self._on_dead_ranks(worker_group, dead, codes, states)
                 return RunResult(state=WorkerState.UNHEALTHY)
+            # torch's failure path stops every worker: say why, not that they are stopped.
+            self._not_in_place = cannot
             if any(codes[lr] is None for lr in dead):
                 return RunResult(state=WorkerState.HEALTHY)  # torch sees it exit next tick
             return super().monitor_workers(worker_group)
@@ -517,7 +545,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         for w in worker_group.workers:
             if w.local_rank not in dead:
                 why = _not_restartable(w, codes.get(w.local_rank) is None,
-                                       states.get(w.local_rank))
+                                       states.get(w.local_rank), codes.get(w.local_rank))
                 if why is not None:
                     return why
         return None
@@ -530,22 +558,39 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         by_local = {w.local_rank: w for w in worker_group.workers}
         pids = self.worker_pids()
         first: str | None = None
+        now = time.time()
+        evidence = now
         for lr in sorted(dead, key=lambda lr: (states.get(lr) or {}).get("ts") or 0):
             what = self._record_failure(by_local[lr].global_rank, lr, pids.get(lr),
                                         codes.get(lr), states.get(lr))
             first = first or what
+            evidence = min(evidence, self._evidence_time(lr, states.get(lr), now))
         assert first is not None
         self._last_error = first[:1024]
-        self._note_restart(first[:300])
+        self._note_restart(first[:300], now - evidence)
         self._replace = set(dead) if replace else set()
         self._phase = NodeState.RESTARTING
+
+    def _evidence_time(self, lr: int, doc: dict[str, Any] | None, now: float) -> float:
+        """When (wall clock) the fault of dead local rank ``lr`` first showed: its failure
+        report, the last progress of a rank killed as hung, else now (its exit, seen)."""
+        hung = self._hung_killed.get(lr)
+        if hung is not None:
+            return min(now, hung[1])
+        ts = (doc or {}).get("ts")
+        if (doc or {}).get("state") in ("failed", "faulted") and isinstance(ts, (int, float)):
+            return min(now, float(ts))
+        return now
 
     def _record_failure(self, rank: int, lr: int, pid: int | None, code: int | None,
                         doc: dict[str, Any] | None) -> str:
         """Record a dead rank (its exit code, event ``worker_failure``); returns what
         happened to it in words."""
         sig = _signal_name(code)
-        if doc is not None and doc.get("state") in ("failed", "faulted"):
+        hung = self._hung_killed.get(lr)
+        if hung is not None:
+            what = f"rank {rank} hung ({hung[0]}): killed"
+        elif doc is not None and doc.get("state") in ("failed", "faulted"):
             what = f"rank {rank} failed: {doc.get('error')}"
         elif sig is not None:
             what = f"rank {rank} died ({sig})"
@@ -581,12 +626,15 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         if _torch.worker_processes(self._pcontext) is None and self._replace:
             return "torch's process context cannot replace one worker (see the log)"
         states = self._rank_states(worker_group)
+        procs = _torch.worker_processes(self._pcontext) or {}
         for w in worker_group.workers:
             if w.local_rank in self._replace:
                 continue  # dead: it gets a new process
             pid = pids.get(w.local_rank)
+            proc = procs.get(w.local_rank)
             why = _not_restartable(w, pid is not None and proc_state(pid) not in
-                                   (None, "Z", "X"), states.get(w.local_rank))
+                                   (None, "Z", "X"), states.get(w.local_rank),
+                                   proc.poll() if proc is not None else None)
             if why is not None:
                 return why
         return None
@@ -633,8 +681,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("local rank %d (pid %d) did not exit within %.1f s; killing it",
-                            lr, proc.pid, timeout_s)
+                if timeout_s > 0:  # 0: the caller said why it kills them
+                    log.warning("local rank %d (pid %d) did not exit within %.1f s; killing "
+                                "it", lr, proc.pid, timeout_s)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)  # torch starts it in its own session
                 proc.wait(RANK_REQUEST_TIMEOUT_S)
@@ -731,6 +780,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._rendezvous_done_for_fallback = False
         t_world = time.monotonic()
         self._exitcodes.clear()
+        self._hung_killed = {}
         self._watches = {w.local_rank: RankWatch(self._rule) for w in worker_group.workers}
         self._verdicts = {}
         worker_group.state = WorkerState.HEALTHY
@@ -870,7 +920,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                                          reason=str(data.get("reason") or ""))
                 elif running and worker_group is not None:
                     self._kill_ranks(worker_group, data.get("ranks") or [],
-                                     str(data.get("reason") or "no reason given"), did)
+                                     str(data.get("reason") or "no reason given"), did, data)
                 else:
                     log.info("directive %s: restart of ranks %s while no workers run; nothing "
                              "to kill", did, data.get("ranks"))
@@ -929,7 +979,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                      round_)
 
     def _kill_ranks(self, worker_group: WorkerGroup, ranks: list[Any], reason: str,
-                    did: Any) -> None:
+                    did: Any, directive_data: dict[str, Any] | None = None) -> None:
         pids = self.worker_pids()
         wanted = {r for r in ranks if isinstance(r, int)}
         mine = [w.global_rank for w in worker_group.workers if w.global_rank in wanted]
@@ -942,6 +992,9 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                       "place", mine, reason)
             self._last_error = f"rank(s) {', '.join(map(str, mine))} restarted: {reason}"[:1024]
             self._inplace_request = f"coordinator: rank(s) {mine}: {reason}"[:300]
+            age = (directive_data or {}).get("evidence_age_s")
+            self._inplace_evidence_s = float(age) if isinstance(age, (int, float)) \
+                and 0 <= age < 86400 else 0.0
             self._ctx.sink.event("directive_restart", id=did, ranks=sorted(wanted), killed=[],
                                  in_place=True, reason=reason)
             return
@@ -1059,6 +1112,10 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
             )
         if first is not None:
             self._last_error = first[1][:1024]
+            # torch's failure record carries the first failure's time (its error file's, or
+            # when torch saw the exit): the first evidence, for recovery.detect_s.
+            age = time.time() - first[0] if first[0] else 0.0
+            self._note_restart(first[1][:300], age if 0 <= age < 3600 else 0.0)
         self._phase = NodeState.FAILED if self.remaining_restarts() == 0 else NodeState.RESTARTING
 
     def _watch_workers(self, worker_group: WorkerGroup) -> None:
@@ -1088,7 +1145,16 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                     reason = f"stopped (SIGSTOP) for {verdict.stopped_s:.1f} s"
             elif (timeout_s > 0 and p is not None and p.reported and not p.done
                     and p.age_s() >= timeout_s):
+                waited = p.collective_wait_s(now_ns)
+                if waited is not None and waited < VICTIM_FACTOR * timeout_s:
+                    # Blocked in a collective: it waits for a peer (the culprit, which
+                    # stopped outside any collective, here or on another node, is killed
+                    # and the restart releases this one). Only a wait that outlasts the
+                    # culprit's limit too (a hang inside the collective) is its own.
+                    continue
                 reason = f"no progress for {p.age_s():.1f} s after step {p.step}"
+                if waited is not None:
+                    reason += f", blocked in a collective for {waited:.1f} s"
                 create_progress_file(path)
             if reason is None:
                 continue
@@ -1098,6 +1164,8 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
                 w.global_rank, w.local_rank, pid, reason, timeout_s,
             )
             self._last_error = f"rank {w.global_rank} hung: {reason}"
+            age = p.age_s(now_ns) if p is not None and p.reported else 0.0
+            self._hung_killed[w.local_rank] = (reason, time.time() - age)
             self._ctx.sink.event(
                 "hang_detected", rank=w.global_rank, local_rank=w.local_rank, pid=pid,
                 reason=reason, hang_timeout_s=timeout_s,

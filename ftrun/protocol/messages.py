@@ -711,6 +711,10 @@ class CollReport(Body):
     # The rank's last report: it stops reporting because it leaves (its process exits, or its
     # training function returned or raised), not because it hangs.
     leaving: bool | UnsetType = UNSET
+    # How long the process has been idle (under a tenth of a core, next to no I/O: see
+    # ftrun.rank.collectives.Activity), as of this report; absent while it is busy. A rank
+    # outside any collective that is idle while its peers wait for it is hung.
+    idle_s: Annotated[float, msgspec.Meta(ge=0, le=_FMAX)] | UnsetType = UNSET
 
 
 class CollClass(Item):

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 # Ids of messages sent without waiting whose replies are still welcome (to ``on_reply``).
 SENT_IDS_KEPT = 4096
+# Messages sent without waiting kept to be sent again when a restarted server refuses them as
+# stale (Client._follow): those ZeroMQ may have queued while it was down.
+RESENDABLE_KEPT = 1024
 WARN_EVERY_S = 10.0
 MAX_AUTH_REFUSALS_PER_S = 5
 # Refused messages logged and reported (on_reject) per WARN_EVERY_S, all peers together, and
@@ -175,6 +178,15 @@ class Client:
         self.address = address
         # The coordinator term messages are bound to, and replies must carry (0: none).
         self.term = term
+        # A client made without a term follows the one its server names when it refuses a
+        # message as stale: a coordinator without failover takes a new term (an incarnation)
+        # each time it starts, so messages captured before a restart are refused after it,
+        # while its clients move to the new one with their next message (see _follow).
+        self._follows = term == 0
+        # Messages sent without waiting and without data frames, while following: resent under
+        # the new term when the restarted server refuses them as stale (a launcher's events,
+        # queued by ZeroMQ while the server was down, are not lost to its restart).
+        self._resendable: OrderedDict[str, tuple[str, Mapping[str, Any], int]] = OrderedDict()
         self.url = _url(address)
         self.peer = peer
         self._hint = hint
@@ -246,6 +258,28 @@ class Client:
                 self._sock = None
             self._reset()
 
+    def _follow(self, msg: Message, want: str | None) -> bool:
+        """Take the term a server names in its refusal of one of our messages as stale (its
+        reply is signed and answers a message of ours: not a replay), and send again, under
+        it, a message sent without waiting that it refused. True when it was taken care of
+        here (nothing to deliver)."""
+        if (not self._follows or msg.kind != "error" or not msg.term
+                or msg.body.get("error") != "StaleTermError"
+                or (msg.re != want and msg.re not in self._sent_set)):
+            return False
+        if msg.term != self.term:
+            (log.info if self.term else log.debug)(
+                "%s runs under term %d%s", self, msg.term,
+                f" (it restarted: was {self.term}); following it" if self.term else "")
+            self.term = msg.term
+        again = self._resendable.pop(msg.re, None) if msg.re is not None else None
+        if again is None or again[2] == self.term:
+            return False
+        kind, body, _ = again
+        self._sent_set.discard(msg.re)
+        self._send_locked(kind, body, ())
+        return True
+
     def retarget(self, address: str, term: int) -> None:
         """Talk to ``address`` under coordinator ``term`` from now on (the coordinator failed
         over). The session and its numbers go on; replies of another term are dropped."""
@@ -253,6 +287,7 @@ class Client:
         with self._lock:
             self._reset()
             self.address, self.url, self.term = address, url, term
+            self._follows = False  # told the term: it comes from the role's holder
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -273,17 +308,25 @@ class Client:
         Returns the message id, or None when the message could not be queued within the send
         timeout (nobody connected, or the peer not reading).
         """
-        msg_id = codec.new_id()
         with self._lock:
-            out = self._encode(kind, body, msg_id, frames)
-            try:
-                self._socket().send_multipart(out, copy=False)
-            except zmq.Again:
-                return None
-            if len(self._sent) == self._sent.maxlen:
-                self._sent_set.discard(self._sent[0])
-            self._sent.append(msg_id)
-            self._sent_set.add(msg_id)
+            return self._send_locked(kind, body, frames)
+
+    def _send_locked(self, kind: str, body: Mapping[str, Any],
+                     frames: Sequence[Buffer]) -> str | None:
+        msg_id = codec.new_id()
+        out = self._encode(kind, body, msg_id, frames)
+        try:
+            self._socket().send_multipart(out, copy=False)
+        except zmq.Again:
+            return None
+        if len(self._sent) == self._sent.maxlen:
+            self._sent_set.discard(self._sent[0])
+        self._sent.append(msg_id)
+        self._sent_set.add(msg_id)
+        if self._follows and not frames:
+            self._resendable[msg_id] = (kind, body, self.term)
+            while len(self._resendable) > RESENDABLE_KEPT:
+                self._resendable.popitem(last=False)
         return msg_id
 
     def request(self, kind: str, body: Mapping[str, Any], expect: str | None,
@@ -299,20 +342,30 @@ class Client:
         """
         msg_id = codec.new_id()
         with self._lock:
-            for attempt in range(attempts):
+            moved = False
+            attempt = 0
+            while attempt < attempts:
                 # Each attempt under a new number (the server refuses one it has seen), with
                 # the same id (a late reply to an earlier attempt answers this request too).
+                attempt += 1
                 out = self._encode(kind, body, msg_id, frames)
                 try:
                     self._socket().send_multipart(out, copy=False)
                 except zmq.Again:  # not even queued within the send timeout
                     self._reset()
                     continue
+                term = self.term
                 reply = self._read(msg_id, time.monotonic() + timeout_s)
+                if reply is not None and self.term != term and not moved:
+                    # Refused as stale by a server that restarted: sent again, once, under
+                    # the term it named (not counted as an attempt).
+                    moved = True
+                    attempt -= 1
+                    continue
                 if reply is not None:
                     break
                 log.debug("%s to %s: no reply after %.1f s (attempt %d of %d)", kind, self,
-                          timeout_s, attempt + 1, attempts)
+                          timeout_s, attempt, attempts)
                 self._reset()
             else:
                 tries = f"{attempts} x {timeout_s:g} s" if attempts > 1 else f"{timeout_s:g} s"
@@ -356,6 +409,8 @@ class Client:
             msg = self._decode(frames, want)
             if msg is None:
                 continue
+            if self._follow(msg, want):
+                continue
             if self.term and msg.term != self.term and msg.kind != "error":
                 # A coordinator of an earlier (or later) term: whatever it says, a directive
                 # above all, is not this term's.
@@ -366,6 +421,7 @@ class Client:
                 return msg
             if msg.re is not None and msg.re in self._sent_set:
                 self._sent_set.discard(msg.re)  # one reply each: a replayed one is dropped
+                self._resendable.pop(msg.re, None)
                 self._deliver(msg)
                 if stop_after is not None:
                     stop_after[0] += 1
@@ -619,8 +675,13 @@ class Server:
             why = (f"{msg.kind} signed for coordinator term {msg.term or 'none'}; this "
                    f"{self.name} is term {self.term}"
                    + (": it was replaced (failover)" if msg.term > self.term
-                      else ": refused (sent before a failover, or a replay)"))
-            self._reject("stale_term", first, identity, why)
+                      else ": refused (sent to an earlier coordinator, or a replay)"))
+            if msg.term:
+                self._reject("stale_term", first, identity, why)
+            else:
+                # A client that has not learnt the term yet (its first message after this
+                # server started): the answer below tells it; nothing to warn about.
+                log.debug("%s: %s", self.name, why)
             self._reply(identity, msg.id, Reply("error", {"message": why,
                                                           "error": "StaleTermError"}))
             return

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun import _torch, knobs
+from ftrun.rank import progress
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ WARN_EVERY_S = 60.0
 # A full dump holds the GIL for tens of ms: at most one per this many seconds.
 DUMP_EVERY_S = 10.0
 SEND_TIMEOUT_S = 0.05
+IDLE_CPU = 0.1  # cores: below this (and IDLE_IO_BPS) the process is idle (see Activity)
+IDLE_IO_BPS = 256 << 10  # bytes a second read and written through system calls
 LEAVE_LINGER_S = 0.2  # what the last report (leaving) gets to go out as the monitor closes
 DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
                "Short": 2, "Char": 1, "Byte": 1, "Bool": 1, "Float8_e4m3fn": 1,
@@ -118,6 +121,8 @@ class CollectiveMonitor:
         # When a collective last lasted LONG_S; fine reads for IDLE_AFTER_S from the start.
         self._last_long = time.monotonic()
         self._pending = False  # the last read found a collective pending
+        self._wait_since = 0.0  # what the progress file says: the oldest pending wait's start
+        self._activity = Activity()
         self.counters = {"samples": 0, "reports": 0, "dropped": 0, "dumps": 0, "errors": 0}
 
     def start(self) -> None:
@@ -142,6 +147,9 @@ class CollectiveMonitor:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        if self._wait_since:
+            self._wait_since = 0.0
+            progress.collective_wait(0)
         if started:
             try:
                 try:
@@ -196,6 +204,7 @@ class CollectiveMonitor:
         self.counters["samples"] += 1
         urgent = False
         self._pending = False
+        oldest = 0.0
         for name, st in status.items():
             enq = int(st.get("last_enqueued_collective", -1))
             started = int(st.get("last_started_collective", -1))
@@ -230,6 +239,8 @@ class CollectiveMonitor:
             if g.enqueued >= pending:
                 self._pending = True
                 t0 = g.since.get(pending)
+                if t0 is not None and (not oldest or t0 < oldest):
+                    oldest = t0
                 # Pending since a read LONG_S ago (a completed one's duration only bounds
                 # its own from above: it may have ended just after the previous read).
                 if t0 is not None and now - t0 >= LONG_S - 1e-6:  # 1 µs: float rounding
@@ -238,6 +249,10 @@ class CollectiveMonitor:
                     g.urgent_sent = pending
                     self._look_up(g, pending)
                     urgent = True
+        if oldest != self._wait_since:
+            # For the launcher's hang check: a rank blocked in a collective waits for a peer.
+            self._wait_since = oldest
+            progress.collective_wait(int(oldest * 1e9))
         return urgent
 
     def _describe(self, g: _Group) -> None:
@@ -302,6 +317,9 @@ class CollectiveMonitor:
             groups.append(entry)
         self._seq += 1
         body = {**self._base, "seq": self._seq, "groups": groups}
+        idle = self._activity.idle_s(now)
+        if idle is not None:
+            body["idle_s"] = round(idle, 3)
         if leaving:
             body["leaving"] = True
         sent = self._client.send("coll_report", body) is not None
@@ -314,6 +332,48 @@ class CollectiveMonitor:
             self._warn("dropped", "the coordinator's detection endpoint %s is not taking "
                        "reports; dropping them (training goes on)", self.endpoint)
         return sent
+
+
+class Activity:
+    """How long this process has been idle: using under IDLE_CPU of a core and moving under
+    IDLE_IO_BPS through its file and socket calls (``/proc/self/io``), as sampled at each
+    report. A rank outside any collective that is idle while its peers wait for it is hung
+    (a sleep, a lock, a queue nobody fills); one that computes or writes (an evaluation, a
+    checkpoint) is busy, and the coordinator gives it ``busy_hang_s``."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float, int | None] | None = None  # (now, cpu s, io bytes)
+        self._idle_since: float | None = None
+
+    def idle_s(self, now: float) -> float | None:
+        """Seconds idle as of ``now`` (None: busy, or not known yet)."""
+        cpu, io = time.process_time(), _io_bytes()
+        last, self._last = self._last, (now, cpu, io)
+        if last is None or now - last[0] <= 0:
+            return None
+        span = now - last[0]
+        busy = (cpu - last[1]) / span >= IDLE_CPU or io is None or last[2] is None \
+            or (io - last[2]) / span >= IDLE_IO_BPS
+        if busy:
+            self._idle_since = None
+            return None
+        if self._idle_since is None:
+            self._idle_since = last[0]
+        return now - self._idle_since
+
+
+def _io_bytes() -> int | None:
+    """Bytes this process read and wrote through system calls (None: not readable)."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    total = 0
+    for line in text.splitlines():
+        if line.startswith((b"rchar:", b"wchar:")):
+            total += int(line.split()[1])
+    return total
 
 
 _monitor: CollectiveMonitor | None = None

@@ -23,6 +23,7 @@ import mmap
 import os
 import signal
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import IO
@@ -30,9 +31,15 @@ from typing import IO
 from ftrun import knobs
 
 _LAYOUT = struct.Struct("<qqq")  # step, monotonic ns, flags
+# Then, written by the collective monitor's thread (ftrun.rank.collectives): since when (the
+# rank's monotonic ns) its oldest pending collective waits; 0 while none is pending. The
+# launcher tells a rank blocked in a collective (waiting for a peer: a victim) from one that
+# stopped outside any (the culprit).
+_WAIT = struct.Struct("<q")
 DONE = 1
 STACKS = 2  # STACKS_SIGNAL makes this rank write its threads' stacks to its stack file
 SIZE = _LAYOUT.size
+FILE_SIZE = SIZE + _WAIT.size
 # A real-time signal (no default handler a user relies on), not the in-process restart's.
 STACKS_SIGNAL = signal.SIGRTMIN + 5
 
@@ -41,13 +48,14 @@ _stacks_file: IO[str] | None = None  # kept open: faulthandler writes to its des
 
 _map: mmap.mmap | None = None
 _path: str | None = None
+_map_lock = threading.Lock()
 
 
 def create_progress_file(path: str) -> None:
     """Create (or reset) a rank's progress file; called by the launcher before each start."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, _LAYOUT.pack(-1, 0, 0))
+        os.write(fd, _LAYOUT.pack(-1, 0, 0) + _WAIT.pack(0))
     finally:
         os.close(fd)
 
@@ -58,23 +66,50 @@ def progress(step: int, *, done: bool = False) -> None:
     ``done=True`` says training is over: the launcher stops watching this rank for hangs
     while it writes results and exits.
     """
+    try:
+        m = _mapping()
+        if m is not None:
+            m[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns(),
+                                    (DONE if done else 0) | _stacks)
+    except (OSError, ValueError):
+        # The launcher owns the file; if it vanished, the launcher is gone or restarting us.
+        _forget()
+
+
+def collective_wait(since_ns: int) -> None:
+    """Collective monitor: this rank's oldest pending collective waits since ``since_ns``
+    (monotonic; 0: none pending). A no-op outside ftrun; never raises."""
+    try:
+        m = _mapping()
+        if m is not None and len(m) >= FILE_SIZE:
+            m[SIZE:FILE_SIZE] = _WAIT.pack(int(since_ns))
+    except (OSError, ValueError):
+        _forget()
+
+
+def _mapping() -> mmap.mmap | None:
+    """The progress file, mapped (again when FTRUN_PROGRESS_FILE changed); None outside
+    ftrun. Called from the training thread and the collective monitor's."""
     global _map, _path, _stacks
     path = knobs.PROGRESS_FILE.get()
     if not path:
-        return
-    try:
+        return None
+    with _map_lock:
         if _map is None or _path != path:
             fd = os.open(path, os.O_RDWR)
             try:
-                _map = mmap.mmap(fd, SIZE)
+                size = os.fstat(fd).st_size
+                _map = mmap.mmap(fd, FILE_SIZE if size >= FILE_SIZE else SIZE)
             finally:
                 os.close(fd)
             _path = path
             _stacks = _arm_stacks(path)
-        _map[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns(),
-                                   (DONE if done else 0) | _stacks)
-    except (OSError, ValueError):
-        # The launcher owns the file; if it vanished, the launcher is gone or restarting us.
+        return _map
+
+
+def _forget() -> None:
+    global _map
+    with _map_lock:
         _map = None
 
 
@@ -83,6 +118,7 @@ class Progress:
     step: int
     monotonic_ns: int
     flags: int = 0
+    coll_since_ns: int = 0  # since when its oldest pending collective waits (0: none)
 
     @property
     def reported(self) -> bool:
@@ -94,6 +130,13 @@ class Progress:
 
     def age_s(self, now_ns: int | None = None) -> float:
         return ((now_ns or time.monotonic_ns()) - self.monotonic_ns) / 1e9
+
+    def collective_wait_s(self, now_ns: int | None = None) -> float | None:
+        """How long the rank has waited in a collective (None: it waits in none, or its
+        collective monitor does not run)."""
+        if self.coll_since_ns <= 0:
+            return None
+        return max(0.0, ((now_ns or time.monotonic_ns()) - self.coll_since_ns) / 1e9)
 
 
 def stacks_path(progress_path: str) -> str:
@@ -146,9 +189,10 @@ def read_stacks(progress_path: str, offset: int, limit: int = 1 << 16) -> str:
 def read_progress(path: str) -> Progress | None:
     try:
         with open(path, "rb") as f:
-            data = f.read(SIZE)
+            data = f.read(FILE_SIZE)
     except OSError:
         return None
-    if len(data) != SIZE:
+    if len(data) < SIZE:
         return None
-    return Progress(*_LAYOUT.unpack(data))
+    since = _WAIT.unpack(data[SIZE:FILE_SIZE])[0] if len(data) >= FILE_SIZE else 0
+    return Progress(*_LAYOUT.unpack(data[:SIZE]), coll_since_ns=since)

@@ -524,6 +524,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                     control.failed(_summary(e))
                     log.error("the training function failed (%s); this process exits and "
                               "its launcher starts a new one for this rank", _summary(e))
+                    _abandon_snapshots()  # no snapshot wait may hold the exit
                     _stop_monitor()
                     raise
                 # Drop every frame's locals (the model, DDP, the groups they hold), once

@@ -9,7 +9,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 import torch
@@ -32,11 +33,59 @@ RNG_TIMEOUT_S = 600.0
 CLAIM_ATTEMPT_S = 0.5
 RNG_KEY = "/rng/"
 SKIP_LOG_INTERVAL_S = 30.0
+CLOSE_JOIN_S = 60.0  # close(): the copy was waited for already; this bounds a stuck device copy
+ABANDON_JOIN_S = 2.0  # abandon(): the copy thread's waits are released; one chunk's copy at most
 COPY_GROUP_BYTES = 64 << 20  # GPU: one event per group; its chunks are hashed once it lands
 
 # Fault injection (ftrun.faults.kill_in_snapshot_copy installs it): called from the copy
 # thread with the step once the first group of a snapshot's tensors is copied.
 copy_fault: Callable[[int], None] | None = None
+
+
+class CopyThread:
+    """One daemon thread that runs the snapshot copies in order.
+
+    Not a ``ThreadPoolExecutor``: the interpreter joins its threads at exit, so a rank whose
+    script raised would wait there for a copy still waiting for its RNG states (the next
+    forward pass, which never comes). A rank that is leaving never waits for this thread;
+    :meth:`Saver.abandon` releases its waits first.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] \
+            = SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(e)
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Stop once the queued copies ran; False when the thread is still busy after
+        ``timeout_s`` (it is a daemon: it never holds the process)."""
+        if self._thread is None:
+            return True
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 class SaveJob:
@@ -98,12 +147,13 @@ class Saver:
         self._async = async_copy
         self._wait_s = wait_s
         self._rng_due: dict[str, Any] | None = None  # the in-flight snapshot's RNG tensors
-        self._rng_taken = threading.Event()
+        self._rng_taken = threading.Event()  # set by take_rng(), or by abandon() (leaving)
+        self._leaving = threading.Event()  # abandon(): every wait of the copy thread ends
         self._copied = threading.Event()
         self._pending: SaveJob | None = None
         self._latest: SaveJob | None = None  # the newest job submitted (wait() keeps it)
         self._skip_logged = -SKIP_LOG_INTERVAL_S
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrun-snap")
+        self._pool = CopyThread("ftrun-snap")
         self._copy_stream: Any = None
         self._registered: set[int] = set()
         self.skipped_saves = 0
@@ -208,7 +258,7 @@ class Saver:
         deadline = time.monotonic() + CLAIM_TIMEOUT_S
         delay = 0.001
         silent_since: float | None = None
-        while not job.given_up:
+        while not job.given_up and not self._leaving.is_set():
             try:
                 # Short attempts, one per request: a store killed and restarted by its
                 # launcher answers a resent claim at once, and a save given up meanwhile
@@ -325,12 +375,16 @@ class Saver:
                     events[-1].record(self._copy_stream)
             for group, event in zip(groups, events, strict=True):
                 event.synchronize()
+                if self._leaving.is_set():
+                    return
                 for i in group:
                     hasher.copied(i)
                 if copy_fault is not None:
                     copy_fault(step)
         else:
             for group in groups:
+                if self._leaving.is_set():
+                    return
                 for i in group:
                     copy(i)
                     hasher.copied(i)
@@ -341,6 +395,8 @@ class Saver:
             self.skipped(step, f"no forward pass and no wait() within {RNG_TIMEOUT_S:.0f} s "
                                "to take its RNG states")
             return
+        if self._leaving.is_set():
+            return  # the rank is leaving (an exception, an abort, the interpreter's exit)
         late = [i for i, e in enumerate(flat.tensors) if e.key.startswith(RNG_KEY)]
         for i in late:
             copy(i)
@@ -369,16 +425,24 @@ class Saver:
         self._registered.add(view.data_ptr())
 
     def abandon(self) -> None:
-        """The training function was aborted: give up a snapshot still waiting for its
-        buffer (its claim loop ends at its next attempt), then :meth:`close`."""
+        """The rank is leaving (the training function raised or was aborted, or the
+        interpreter exits): every wait of the copy thread ends now (a snapshot still waiting
+        for its buffer or for its RNG states is dropped, never staged), then :meth:`close`."""
+        self._leaving.set()
+        self._rng_taken.set()
+        self._copied.set()
         job = self._latest
         if job is not None:
             job.give_up()
-        self.close()
+        self.close(ABANDON_JOIN_S)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_JOIN_S) -> None:
         """Stop the copy thread and unpin the buffers' pages (before their mappings go)."""
-        self._pool.shutdown(wait=True)
+        if not self._pool.shutdown(timeout_s):
+            log.warning("the snapshot copy thread is still busy after %.1f s; leaving it (its "
+                        "snapshot is not staged)", timeout_s)
+            self._leaving.set()
+            return  # its pages stay pinned and mapped: it may still be writing into them
         self._ctx.hasher.shutdown(wait=True)
         for ptr in self._registered:  # unpin before the mappings go away
             torch.cuda.cudart().cudaHostUnregister(ptr)

@@ -28,6 +28,7 @@ Under plain ``torchrun`` or ``python`` (no ftrun store), both calls log once and
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 import weakref
@@ -63,6 +64,11 @@ def abandon_all() -> None:
             snap._release(abandon=True)
         except Exception as e:  # noqa: BLE001 - never in the way of a restart
             log.warning("could not release a snapshotter: %s: %s", type(e).__name__, e)
+
+
+# The interpreter's exit (a script that raised, or ended without close()) releases the copy
+# threads' waits and unpins their buffers: no thread of ftrun's holds a rank that is leaving.
+atexit.register(abandon_all)
 
 
 class Snapshotter:
