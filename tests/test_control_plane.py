@@ -43,9 +43,10 @@ def node_state(i: int, step: int = 0) -> dict[str, Any]:
 
 
 class SimNodes:
-    """``n`` simulated node launchers on one ZeroMQ context."""
+    """``n`` simulated node launchers on one ZeroMQ context. They only send: they are given
+    the coordinator's incarnation (a real reporter learns it from its first refusal)."""
 
-    def __init__(self, endpoint: str, secret: bytes, n: int) -> None:
+    def __init__(self, endpoint: str, secret: bytes, n: int, term: int) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, n + 64)
         self.nodes = []
@@ -53,7 +54,7 @@ class SimNodes:
             node_id = f"sim-{i:05d}/1"
             self.nodes.append((i, node_id, HeartbeatComposer(node_id, f"sim-{i:05d}", 1),
                                coordinator_client(endpoint, secret, JOB, node_id,
-                                                  context=self.ctx)))
+                                                  context=self.ctx, term=term)))
 
     def join(self) -> None:
         for i, node_id, _, client in self.nodes:
@@ -108,7 +109,7 @@ def test_status_of_thousands_of_nodes_pages_below_the_cap(
         capsys: pytest.CaptureFixture[str]) -> None:
     coordinator = make_coordinator(600.0)
     n = 2048
-    sim = SimNodes(coordinator.endpoint, _secret(coordinator), n)
+    sim = SimNodes(coordinator.endpoint, _secret(coordinator), n, coordinator.incarnation)
     try:
         sim.join()
         wait_for(lambda: _joined(coordinator, n), timeout_s=60, what=f"{n} nodes to join")
@@ -171,7 +172,7 @@ def test_no_false_lost_while_the_coordinator_is_behind(
     batch to read: none of the nodes whose heartbeat is still queued is declared lost."""
     coordinator = make_coordinator(1.0)
     n = 2 * server_mod.MAX_MESSAGES_PER_TICK + 100
-    sim = SimNodes(coordinator.endpoint, _secret(coordinator), n)
+    sim = SimNodes(coordinator.endpoint, _secret(coordinator), n, coordinator.incarnation)
     try:
         sim.join()
         wait_for(lambda: _joined(coordinator, n), timeout_s=60, what=f"{n} nodes to join")
@@ -210,7 +211,7 @@ def test_heartbeats_unaffected_by_a_flood_of_status_requests(
     nodes heartbeat: every node's heartbeats keep being read and nobody is lost."""
     coordinator = make_coordinator(5.0)
     n = 1000
-    sim = SimNodes(coordinator.endpoint, _secret(coordinator), n)
+    sim = SimNodes(coordinator.endpoint, _secret(coordinator), n, coordinator.incarnation)
     stop = threading.Event()
     answered = [0]
     errors: list[BaseException] = []

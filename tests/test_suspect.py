@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -137,3 +138,44 @@ def test_states_are_plain_strings_on_the_wire() -> None:
     assert JobHealth.DEGRADED == "degraded" and "degraded" in {JobHealth.DEGRADED}
     assert json.dumps({"health": JobHealth.DEGRADED}) == '{"health": "degraded"}'
     assert f"{RankHealth.SUSPECT}" == "suspect" and str(SuspectCause.NO_PROGRESS) == "no_progress"
+
+
+def test_the_collective_wait_travels_in_the_progress_file(tmp_path, monkeypatch):
+    """The collective monitor's thread writes since when the rank waits in a collective next
+    to the training thread's step; the launcher reads both (--hang-timeout spares a rank
+    blocked in a collective: it waits for a peer)."""
+    from ftrun.rank import progress as prog
+
+    path = tmp_path / "progress-0"
+    prog.create_progress_file(str(path))
+    monkeypatch.setenv("FTRUN_PROGRESS_FILE", str(path))
+    monkeypatch.setattr(prog, "_map", None)
+    prog.progress(7)
+    p = prog.read_progress(str(path))
+    assert p is not None and p.step == 7 and p.collective_wait_s() is None
+    since = time.monotonic_ns() - 3 * S
+    prog.collective_wait(since)
+    p = prog.read_progress(str(path))
+    assert p is not None and p.step == 7 and 3.0 <= p.collective_wait_s() < 10.0
+    prog.progress(8)  # a step does not touch the wait, nor the wait the step
+    p = prog.read_progress(str(path))
+    assert p is not None and p.step == 8 and p.coll_since_ns == since
+    prog.collective_wait(0)
+    assert prog.read_progress(str(path)).collective_wait_s() is None
+    prog._forget()
+
+
+def test_activity_tells_an_idle_process_from_a_busy_one():
+    from ftrun.rank.collectives import Activity
+
+    a = Activity()
+    t = time.monotonic()
+    assert a.idle_s(t) is None  # no basis yet
+    time.sleep(0.3)
+    t1 = time.monotonic()
+    idle = a.idle_s(t1)
+    assert idle is not None and idle >= 0.25  # slept: idle since the first reading
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # a busy loop: a core's worth of CPU
+        pass
+    assert a.idle_s(time.monotonic()) is None

@@ -287,7 +287,7 @@ class Client:
         with self._lock:
             self._reset()
             self.address, self.url, self.term = address, url, term
-            self._follows = False  # told the term: it comes from the role's holder
+            self._follows = term == 0  # told a term: it comes from the role's holder
 
     # -- sending -----------------------------------------------------------------------------
 
