@@ -17,6 +17,8 @@ Variants:
   place (the event log's ``recovery`` says how);
 - ``ftrun in place + warm workers, kill``: the same with ``FTRUN_WARM_WORKERS=1``: the dead
   rank's new process is an interpreter started ahead with torch imported;
+- ``ftrun in place + parked workers, kill``: the same with ``FTRUN_PARKED_WORKERS=1``: the
+  new process is an interpreter that ran the script up to ``@ftrun.resilient`` ahead;
 - ``ftrun process restart, kill``: ``FTRUN_INPLACE_TIMEOUT=0`` (every rank a new process,
   resumed from the snapshot);
 - ``torchrun, kill``: ``torchrun`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (new
@@ -79,6 +81,8 @@ VARIANTS = [
     Variant("ftrun in place, raise", "ftrun", "raise", {"FTRUN_INPLACE_TIMEOUT": "5"}),
     Variant("ftrun in place + warm workers, kill", "ftrun", "kill",
             {"FTRUN_INPLACE_TIMEOUT": "5", "FTRUN_WARM_WORKERS": "1"}),
+    Variant("ftrun in place + parked workers, kill", "ftrun", "kill",
+            {"FTRUN_INPLACE_TIMEOUT": "5", "FTRUN_PARKED_WORKERS": "1"}),
     Variant("ftrun process restart (FTRUN_INPLACE_TIMEOUT=0), kill", "ftrun", "kill",
             {"FTRUN_INPLACE_TIMEOUT": "0"}),
     Variant("torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, kill", "torchrun", "kill",

@@ -266,6 +266,15 @@ WARM_WORKERS = Knob(
     "(the default): on where the launcher has at least 4 usable CPUs per local rank (the "
     "interpreters' imports then do not compete with the ranks'), off otherwise, logged.",
 )
+PARKED_WORKERS = Knob(
+    "FTRUN_PARKED_WORKERS", "bool", "0",
+    "1: each warm interpreter also runs the script up to its ``@ftrun.resilient`` function "
+    "(module-level code, imports, argument parsing) and waits there for a rank; a dead rank's "
+    "replacement then starts where a survivor restarts. Implies warm workers. The code before "
+    "the decorated call runs without a rank identity: reading RANK, LOCAL_RANK, WORLD_SIZE, "
+    "MASTER_ADDR, ... there ends that interpreter (logged) and turns parking off for the job; "
+    "it must have no side effects a second run would repeat (it runs once per interpreter).",
+)
 WARM_IMPORTS = Knob(
     "FTRUN_WARM_IMPORTS", "MOD,MOD", "",
     "Modules the warm interpreters import besides torch (comma-separated), e.g. the "

@@ -36,15 +36,17 @@ NOT_LEAVING = ("did not leave the training function", "did not exit within",
                "did not acknowledge")
 
 
-def run_job(procs: Procs, tmp: Path, *args: str, launcher: tuple[str, ...] = ()
+def run_job(procs: Procs, tmp: Path, *args: str, launcher: tuple[str, ...] = (),
+            script: str = SCRIPT, env: dict[str, str] | None = None
             ) -> tuple[str, list[dict[str, Any]], str]:
     """One launcher x three ranks; returns (params_xxh3, events, output)."""
     run_id = f"fp-{uuid.uuid4().hex[:8]}"
     proc: subprocess.Popen[str] = procs.ftrun(
         "--nnodes", "1", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
-        "--max-restarts", "2", *launcher, SCRIPT, *ARGS, "--fault-dir", str(tmp),
-        "--pid-log", str(tmp), *args, env={"FTRUN_STATE_DIR": str(tmp / "state")})
+        "--max-restarts", "2", *launcher, script, *ARGS, "--fault-dir", str(tmp),
+        "--pid-log", str(tmp), *args, env={"FTRUN_STATE_DIR": str(tmp / "state"),
+                                           **(env or {})})
     code = procs.wait(proc, 240)
     out = procs.output(proc)
     assert code == 0, f"exit code {code}\n{out[-6000:]}"
@@ -154,4 +156,50 @@ def test_hang_timeout_kills_the_culprit_not_the_ranks_waiting_for_it(
     assert rec[0]["why"].startswith("rank 1 hung (no progress"), rec
     assert rec[0]["detect_s"] >= 4, rec
     assert [len(p) for p in pids(tmp_path).values()] == [1, 2, 1], pids(tmp_path)
+    assert digest == fault_free
+
+
+def test_a_killed_rank_is_replaced_by_a_parked_interpreter(
+        procs: Procs, tmp_path: Path, fault_free: str) -> None:
+    """FTRUN_PARKED_WORKERS=1: warm interpreters run the script up to its @ftrun.resilient
+    function (imports, argument parsing) and wait there. Rank 1, SIGKILLed at the start of
+    step 14, is replaced by one of them: it starts where a survivor restarts; the weights
+    are bit-identical to the fault-free run (cold starts)."""
+    digest, events, out = run_job(procs, tmp_path, "--fail-mode", "kill", "--fault-at",
+                                  "start", "--kill-at-step", str(STEP), "--kill-rank", "1",
+                                  env={"FTRUN_PARKED_WORKERS": "1"})
+    check_resumed(out, tmp_path, "fault")
+    assert [len(p) for p in pids(tmp_path).values()] == [1, 2, 1], pids(tmp_path)
+    new_pid = sorted(pids(tmp_path)[1] - {min(pids(tmp_path)[1], key=int)}, key=int)
+    starts = [e for e in events if e["type"] == "worker_warm_start" and e["local_rank"] == 1
+              and str(e["pid"]) in new_pid]
+    assert starts and starts[-1]["parked"] is True, [
+        e for e in events if e["type"].startswith(("worker_", "warm", "parked"))]
+    assert not [e for e in events if e["type"] == "parked_off"], events
+    assert digest == fault_free
+
+
+IDENTITY_FIRST = """
+import os, runpy, sys
+LOCAL = int(os.environ.get("LOCAL_RANK", "0"))  # the rank's identity, before the decorator
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_a_script_that_reads_its_rank_before_the_decorator_is_not_parked(
+        procs: Procs, tmp_path: Path, fault_free: str) -> None:
+    """A parked interpreter has no rank yet: a script that reads LOCAL_RANK at module level
+    ends it (the read raises), the launcher says why and stops parking; the job runs from
+    warm (not parked) interpreters and ends bit-identical."""
+    script = tmp_path / "identity_first.py"
+    script.write_text(IDENTITY_FIRST.format(script=SCRIPT))
+    digest, events, out = run_job(procs, tmp_path, "--fail-mode", "kill", "--fault-at",
+                                  "start", "--kill-at-step", str(STEP), "--kill-rank", "1",
+                                  script=str(script), env={"FTRUN_PARKED_WORKERS": "1"})
+    check_resumed(out, tmp_path, "fault")
+    assert "the script reads LOCAL_RANK before its @ftrun.resilient function runs" in out, \
+        out[-6000:]
+    assert "parked workers off" in out and [e for e in events if e["type"] == "parked_off"]
+    assert not [e for e in events if e["type"] == "worker_warm_start" and e["parked"]]
     assert digest == fault_free

@@ -256,7 +256,7 @@ class FtrunAgent(_torch.agent_class()):  # type: ignore[misc]
         self._told_to_exit: set[int] = set()  # local ranks sent rank_exit (reset per start)
         warm = ctx.warm_workers
         if warm is None:
-            warm = auto_warm(spec.local_world_size)
+            warm = knobs.PARKED_WORKERS.enabled() or auto_warm(spec.local_world_size)
         self._warm = WarmPool.start_for(spec, ctx.worker_env, ctx.warm_imports, ctx.sink) \
             if warm else None
         # A node left on the wait list of a full round would restart every node, every round.

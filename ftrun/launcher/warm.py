@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from ftrun import _torch
+from ftrun import _torch, knobs
 from ftrun.launcher import warm_boot
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,14 @@ def env_difference(have: Mapping[str, str], want: Mapping[str, str]) -> str | No
     return f"the environment differs from the warm interpreters' in {shown}"
 
 
+def _drain(sock: socket.socket) -> None:
+    """Read what the interpreter sent and nobody read (closing a Unix socket with unread
+    data resets the connection: the peer would lose the request just sent)."""
+    with contextlib.suppress(OSError):
+        while sock.recv(64, socket.MSG_DONTWAIT):
+            pass
+
+
 class _Warm:
     """One started interpreter and the launcher's end of its request socket."""
 
@@ -151,9 +159,11 @@ class _Warm:
         self.cwd = cwd
         self.started = time.monotonic()
         self.ready = False
+        # The script arguments it runs parked with (FTRUN_PARKED_WORKERS), once sent.
+        self.parked: tuple[str, ...] | None = None
 
     def poll_ready(self) -> bool:
-        if not self.ready:
+        if not self.ready and self.parked is None:
             try:
                 self.ready = self.sock.recv(1, socket.MSG_DONTWAIT) == b"R"
             except (BlockingIOError, InterruptedError):
@@ -180,8 +190,13 @@ class WarmPool:
     that started them ends."""
 
     def __init__(self, command: WarmCommand, env: Mapping[str, str], size: int,
-                 imports: Sequence[str] = (), sink: EventSink | None = None) -> None:
+                 imports: Sequence[str] = (), sink: EventSink | None = None,
+                 park_args: Sequence[str] | None = None) -> None:
         self.command = command
+        # FTRUN_PARKED_WORKERS: the script arguments ready interpreters run the script with,
+        # up to its @ftrun.resilient function (None: not parked; see warm_boot).
+        self.park_args = None if park_args is None else tuple(park_args)
+        self._park_off: str | None = None
         self.size = size
         self.imports = tuple(imports)
         self._sink = sink
@@ -214,7 +229,11 @@ class WarmPool:
         if isinstance(parsed, str):
             log.info("warm workers off: %s; workers start cold", parsed)
             return None
-        return cls(parsed[0], env, size, imports, sink)
+        park = parsed[1] if knobs.PARKED_WORKERS.enabled() else None
+        if park is not None:
+            log.info("parked workers on: each warm interpreter runs %s up to its "
+                     "@ftrun.resilient function and waits there for a rank", parsed[0].target)
+        return cls(parsed[0], env, size, imports, sink, park)
 
     @classmethod
     def start_for(cls, spec: Any, worker_env: Mapping[str, str], imports: Sequence[str],
@@ -298,7 +317,7 @@ class WarmPool:
                 self._env, self._cwd = want, cwd  # the pool's next interpreters match
                 self._cond.notify_all()
                 return self._cold(local_rank, f"{why}; the pool restarts its interpreters")
-            warm = self._pick()
+            warm = self._pick(script_args)
             self._cond.notify_all()
         if warm is None:
             return self._cold(local_rank, "no warm interpreter left (they are being started)")
@@ -308,21 +327,25 @@ class WarmPool:
             warm.kill()
             return self._cold(local_rank, f"warm interpreter {warm.proc.pid} did not take the "
                                           f"request ({e})")
+        how = ("parked" if warm.parked is not None else "ready" if warm.ready
+               else "still importing")
         log.info("local rank %d runs in warm interpreter %d (%s, started %.1f s ago)",
-                 local_rank, warm.proc.pid, "ready" if warm.ready else "still importing",
-                 time.monotonic() - warm.started)
+                 local_rank, warm.proc.pid, how, time.monotonic() - warm.started)
         self._event("worker_warm_start", local_rank=local_rank, pid=warm.proc.pid,
-                    ready=warm.ready, age_s=round(time.monotonic() - warm.started, 3))
+                    ready=warm.ready, parked=warm.parked is not None,
+                    age_s=round(time.monotonic() - warm.started, 3))
         return warm.proc
 
     # -- inside take -----------------------------------------------------------------------
 
-    def _pick(self) -> _Warm | None:
-        """An idle interpreter that still runs, the ready ones first (under the lock)."""
-        live = [w for w in self._idle if w.proc.poll() is None]
+    def _pick(self, script_args: tuple[str, ...]) -> _Warm | None:
+        """An idle interpreter that still runs (under the lock): parked with these script
+        arguments first, then the ready ones; one parked with others cannot serve."""
+        live = [w for w in self._idle if w.proc.poll() is None
+                and (w.parked is None or w.parked == script_args)]
         if not live:
             return None
-        warm = max(live, key=lambda w: (w.poll_ready(), -w.started))
+        warm = max(live, key=lambda w: (w.parked is not None, w.poll_ready(), -w.started))
         self._idle.remove(warm)
         return warm
 
@@ -336,6 +359,7 @@ class WarmPool:
         try:
             socket.send_fds(warm.sock, [json.dumps(request).encode()], fds)
         finally:
+            _drain(warm.sock)  # a parked one's "P": unread, closing would reset the request
             warm.sock.close()
 
     def _cold(self, local_rank: int, why: str) -> None:
@@ -371,17 +395,27 @@ class WarmPool:
             if self._closed:
                 return False
             stale = [w for w in self._idle if w.env != self._env or w.cwd != self._cwd
-                     or w.proc.poll() is not None]
+                     or w.proc.poll() is not None
+                     or (w.parked is not None and w.parked != self.park_args)]
             for w in stale:
                 self._idle.remove(w)
             missing = 0 if self._off else self.size - len(self._idle)
             env, cwd = self._env, self._cwd
+            to_park = [w for w in self._idle if w.parked is None and w.poll_ready()] \
+                if self.park_args is not None and self._park_off is None else []
+            for w in to_park:  # under the lock: take() sends the rank's request after it
+                w.parked = self.park_args
+                self._park(w, env, cwd)
         for w in stale:
             self._reap(w)
         if missing <= 0:
             with self._cond:
                 if not self._closed:
-                    self._cond.wait(1.0)  # woken by take() and close()
+                    # Woken by take() and close(); sooner while an interpreter may become
+                    # ready to park.
+                    parking = self.park_args is not None and self._park_off is None and any(
+                        w.parked is None for w in self._idle)
+                    self._cond.wait(0.1 if parking else 1.0)
             return True
         try:
             warm = self._spawn(env, cwd)
@@ -414,11 +448,38 @@ class WarmPool:
             theirs.close()
         return _Warm(proc, ours, env, cwd)
 
+    def _park(self, warm: _Warm, env: dict[str, str], cwd: str) -> None:
+        """Send a ready interpreter the script's arguments and the job's environment without
+        the rank's identity: it runs the script up to its @ftrun.resilient function."""
+        assert warm.parked is not None
+        flags = ["-u", *(["-m"] if self.command.mode == "module" else [])]
+        request = {"park": True, "env": env, "cwd": cwd, "argv": list(warm.parked),
+                   "orig_argv": [self.command.python, *flags, self.command.target,
+                                 *warm.parked],
+                   "hidden": sorted(PER_START)}
+        try:
+            warm.sock.sendall(json.dumps(request).encode())
+        except OSError as e:
+            log.warning("warm interpreter %d did not take its parking request (%s)",
+                        warm.proc.pid, e)
+            return
+        self._event("warm_parked", pid=warm.proc.pid)
+
     def _reap(self, warm: _Warm) -> None:
         """An idle interpreter that died, or one started with an old environment."""
         code = warm.proc.poll()
         if code is None:
             warm.kill()
+            return
+        if warm.parked is not None:
+            warm.sock.close()
+            why = (f"parked interpreter {warm.proc.pid} ended before a rank came (exit code "
+                   f"{code}; see its output above)")
+            log.error("parked workers off: %s; warm interpreters wait with torch imported "
+                      "only", why)
+            self._event("parked_off", pid=warm.proc.pid, exitcode=code)
+            with self._cond:
+                self._park_off = why
             return
         ready = warm.poll_ready()
         warm.sock.close()

@@ -20,6 +20,16 @@ interpreter must hold nothing the rank's own ``python -u script.py`` would not.
    ``python -u script`` would: ``SystemExit`` as is, an uncaught exception printed by
    ``sys.excepthook`` without the bootstrap's frames and exit code 1, an uncaught
    ``KeyboardInterrupt`` ending the process by SIGINT.
+
+Parked (``FTRUN_PARKED_WORKERS``): the first request says ``park`` and carries the job's
+environment without the rank's identity (no output descriptors). The interpreter runs the
+script right away, with ``os.environ`` guarded so that reading an identity variable (the
+request's ``hidden`` names) raises, until the script calls its ``@ftrun.resilient`` function:
+:func:`ftrun.rank.resilient.run` then calls the ``unpark`` of module ``_ftrun_parked``, which
+says ``P`` on FD and blocks for the second request (the rank's environment and streams, as in
+step 3) and makes the process that rank (step 4's environment, directory and streams). An
+exception before that (an identity read, a crash) is printed to the launcher's streams and
+ends the interpreter with :data:`PARK_REFUSED`; the pool then stops parking.
 """
 
 import atexit
@@ -30,12 +40,61 @@ import os
 import signal
 import socket
 import sys
+import types
+from collections.abc import MutableMapping
 
 STUB = ("import sys; g = {'__name__': 'ftrun_warm_boot', '__file__': sys.argv[1]}; "
         "exec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'), g); g['main'](sys.argv[2:])")
 # The request: JSON up to this size (an environment is rarely over 100 KiB).
 MAX_REQUEST = 4 << 20
 _PR_SET_PDEATHSIG = 1
+PARK_REFUSED = 3  # exit code: a parked interpreter that failed before its rank came
+
+
+class IdentityRead(RuntimeError):
+    """A parked interpreter's script read the rank's identity before @ftrun.resilient."""
+
+
+class _GuardedEnviron(MutableMapping):
+    """``os.environ`` while parked: the identity variables raise :class:`IdentityRead`."""
+
+    def __init__(self, real, hidden):
+        self._real = real
+        self._hidden = frozenset(hidden)
+
+    def _check(self, key):
+        if key in self._hidden:
+            raise IdentityRead(
+                f"ftrun parked worker: the script reads {key} before its @ftrun.resilient "
+                "function runs, where a parked interpreter has no rank yet; parked workers "
+                "are off for this job (FTRUN_PARKED_WORKERS): read it inside that function")
+
+    def __getitem__(self, key):
+        self._check(key)
+        return self._real[key]
+
+    def __contains__(self, key):
+        self._check(key)
+        return key in self._real
+
+    def get(self, key, default=None):
+        self._check(key)
+        return self._real.get(key, default)
+
+    def __setitem__(self, key, value):
+        self._real[key] = value
+
+    def __delitem__(self, key):
+        del self._real[key]
+
+    def __iter__(self):
+        return iter(self._real)
+
+    def __len__(self):
+        return len(self._real)
+
+    def copy(self):
+        return dict(self._real)
 
 
 def _tie_to_launcher(launcher_pid: int) -> None:
@@ -145,13 +204,11 @@ def main(argv: list[str]) -> None:
     except BaseException:
         _release_output(held, [held[0][1], held[1][1]])  # the launcher's log shows why
         raise
-    _release_output(held, fds)
-    sock.close()
-    for fd in fds:
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
+    parked = bool(request.get("park"))
+    if parked:
+        _park(sock, held, request)
+    else:
+        _become_rank(sock, held, request, fds)
     skip = {"<string>", __file__}  # the stub's frame and this file's
     args = request["argv"]
     sys.orig_argv = list(request["orig_argv"])
@@ -164,7 +221,9 @@ def main(argv: list[str]) -> None:
         try:
             exec(code, namespace)
         except BaseException as e:
+            _park_failed(e, skip)
             _exit_like_python(e, skip)
+        _park_failed(None, skip)
     else:
         import runpy
 
@@ -173,4 +232,71 @@ def main(argv: list[str]) -> None:
         try:
             runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` calls
         except BaseException as e:
+            _park_failed(e, skip)
             _exit_like_python(e, skip)
+        _park_failed(None, skip)
+
+
+def _become_rank(sock: socket.socket, held: list, request: dict, fds: list) -> None:
+    """Step 4's setting up: the rank's streams, environment and working directory."""
+    _release_output(held, fds)
+    sock.close()
+    for fd in fds:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+
+
+_parking: dict = {}  # while parked: the socket, held output and real environment
+
+
+def _park(sock: socket.socket, held: list, request: dict) -> None:
+    """Run the script without a rank: the identity guarded, ``_ftrun_parked.unpark`` ready."""
+    real = os.environ
+    real.clear()
+    real.update(request["env"])
+    os.chdir(request["cwd"])
+    os.environ = _GuardedEnviron(real, request.get("hidden") or ())  # noqa: B003 - a guard
+    _parking.update(sock=sock, held=held, real=real)
+    module = types.ModuleType("_ftrun_parked")
+    module.unpark = _unpark
+    sys.modules["_ftrun_parked"] = module
+
+
+def _unpark() -> None:
+    """Called by ``@ftrun.resilient`` on entry: wait for the rank, then become it."""
+    sys.modules.pop("_ftrun_parked", None)
+    sock, held, real = _parking.pop("sock"), _parking.pop("held"), _parking.pop("real")
+    os.environ = real  # noqa: B003 - the guard goes: the same environment again
+    try:
+        sock.sendall(b"P")
+    except OSError:
+        pass  # the request may be waiting already
+    try:
+        request, fds = _receive(sock)
+    except BaseException:
+        _release_output(held, [held[0][1], held[1][1]])  # the launcher's log shows why
+        raise
+    _become_rank(sock, held, request, fds)
+    sys.orig_argv = list(request["orig_argv"])
+
+
+def _park_failed(exc, skip: set) -> None:
+    """The script ended (``exc``: raised) while still parked: say why on the launcher's
+    streams and exit with PARK_REFUSED."""
+    if "held" not in _parking:
+        return
+    held = _parking.pop("held")
+    os.environ = _parking.pop("real")  # noqa: B003 - the guard goes
+    _parking.clear()
+    _release_output(held, [held[0][1], held[1][1]])
+    if exc is not None and not isinstance(exc, SystemExit):
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in skip:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc, tb)
+    else:
+        print("ftrun parked worker: the script ended without calling its @ftrun.resilient "
+              "function; parked workers are off for this job", file=sys.stderr, flush=True)
+    raise SystemExit(PARK_REFUSED)

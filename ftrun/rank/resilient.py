@@ -476,10 +476,20 @@ def _wait_s() -> float:
         return float(knobs.INPLACE_WAIT.default)
 
 
+def _unpark() -> None:
+    """In a parked warm interpreter (FTRUN_PARKED_WORKERS: it ran the script up to here
+    without a rank; ftrun.launcher.warm_boot), wait for the rank it becomes: its environment
+    and streams. A no-op anywhere else."""
+    parked = sys.modules.get("_ftrun_parked")
+    if parked is not None:
+        parked.unpark()
+
+
 def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call ``fn(*args, **kwargs)``; under a launcher that restarts in place, call it again
     after each fault of the job, in the new world, until it returns (see the module's
     docstring). Returns what ``fn`` returns; raises its error when the launcher says exit."""
+    _unpark()
     control = _control_from_env()
     if control is None:
         return fn(*args, **kwargs)
