@@ -179,3 +179,23 @@ def test_activity_tells_an_idle_process_from_a_busy_one():
     while time.monotonic() < end:  # a busy loop: a core's worth of CPU
         pass
     assert a.idle_s(time.monotonic()) is None
+
+
+def test_activity_counts_the_child_processes(tmp_path):
+    """A data loader's workers busy fetching a batch make the rank busy, not idle."""
+    import subprocess
+    import sys
+
+    from ftrun.rank.collectives import Activity
+
+    a = Activity()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 60\n"
+                              "while time.time() < t: pass"])
+    try:
+        time.sleep(0.3)  # the child is there before the first reading
+        a.idle_s(time.monotonic())
+        time.sleep(0.5)  # this process sleeps; its child computes
+        assert a.idle_s(time.monotonic()) is None
+    finally:
+        child.kill()
+        child.wait(10)

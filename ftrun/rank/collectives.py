@@ -335,26 +335,34 @@ class CollectiveMonitor:
 
 
 class Activity:
-    """How long this process has been idle: using under IDLE_CPU of a core and moving under
-    IDLE_IO_BPS through its file and socket calls (``/proc/self/io``), as sampled at each
-    report. A rank outside any collective that is idle while its peers wait for it is hung
-    (a sleep, a lock, a queue nobody fills); one that computes or writes (an evaluation, a
-    checkpoint) is busy, and the coordinator gives it ``busy_hang_s``."""
+    """How long this process has been idle: it and its child processes (a data loader's
+    workers) together using under IDLE_CPU of a core and moving under IDLE_IO_BPS through
+    their file and socket calls (``/proc/<pid>/io``), as sampled at each report. A rank
+    outside any collective that is idle while its peers wait for it is hung (a sleep, a lock,
+    a queue nobody fills); one that computes, reads or writes (an evaluation, a checkpoint,
+    data loader workers fetching a slow batch) is busy, and the coordinator gives it
+    ``busy_hang_s``."""
 
     def __init__(self) -> None:
-        self._last: tuple[float, float, int | None] | None = None  # (now, cpu s, io bytes)
+        self._last: tuple[float, dict[int, tuple[float, int]]] | None = None
         self._idle_since: float | None = None
 
     def idle_s(self, now: float) -> float | None:
         """Seconds idle as of ``now`` (None: busy, or not known yet)."""
-        cpu, io = time.process_time(), _io_bytes()
-        last, self._last = self._last, (now, cpu, io)
-        if last is None or now - last[0] <= 0:
+        sample = _activity()
+        last, self._last = self._last, (now, sample)
+        if last is None or now - last[0] <= 0 or not sample:
             return None
         span = now - last[0]
-        busy = (cpu - last[1]) / span >= IDLE_CPU or io is None or last[2] is None \
-            or (io - last[2]) / span >= IDLE_IO_BPS
-        if busy:
+        cpu = io = 0.0
+        for pid, (c, b) in sample.items():
+            before = last[1].get(pid)
+            if before is None:  # a new child (a worker started): activity
+                self._idle_since = None
+                return None
+            cpu += c - before[0]
+            io += b - before[1]
+        if cpu / span >= IDLE_CPU or io / span >= IDLE_IO_BPS:
             self._idle_since = None
             return None
         if self._idle_since is None:
@@ -362,18 +370,34 @@ class Activity:
         return now - self._idle_since
 
 
-def _io_bytes() -> int | None:
-    """Bytes this process read and wrote through system calls (None: not readable)."""
+_TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+def _activity() -> dict[int, tuple[float, int]]:
+    """pid -> (CPU seconds, bytes read and written through system calls) of this process and
+    its children (empty where /proc cannot be read)."""
+    me = os.getpid()
+    pids = [me]
     try:
-        with open("/proc/self/io", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    total = 0
-    for line in text.splitlines():
-        if line.startswith((b"rchar:", b"wchar:")):
-            total += int(line.split()[1])
-    return total
+        for task in os.listdir(f"/proc/{me}/task"):
+            with open(f"/proc/{me}/task/{task}/children", "rb") as f:
+                pids += [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+            with open(f"/proc/{pid}/io", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue  # a child that just ended
+        cpu = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+        io = sum(int(line.split()[1]) for line in text.splitlines()
+                 if line.startswith((b"rchar:", b"wchar:")))
+        out[pid] = (cpu, io)
+    return out
 
 
 _monitor: CollectiveMonitor | None = None
