@@ -112,7 +112,9 @@ def test_reports_show_who_waits_for_whom(tmp_path: Path, collector: Collector) -
     for rank in (0, 2):
         done = {int(s): d for r in by_rank[rank] for s, d in world(r).get("done", [])}
         long = sorted(d for d in done.values() if d >= 0.2)
-        assert len(long) >= 4 and long[-1] >= 1.0, (rank, done)
+        # Four late all-reduces; on a loaded machine the monitor's first read can come after
+        # most of the first one's wait (seen in CI: 0.08 s of its 0.3 s): three suffice.
+        assert len(long) >= 3 and long[-1] >= 1.0, (rank, done)
         waits = [world(r)["waiting_s"] for r in by_rank[rank] if world(r)["waiting_s"]]
         assert max(waits) >= 1.0, waits
         stuck = [world(r) for r in by_rank[rank] if world(r).get("op")]

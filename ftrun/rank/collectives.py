@@ -317,7 +317,9 @@ class CollectiveMonitor:
             groups.append(entry)
         self._seq += 1
         body = {**self._base, "seq": self._seq, "groups": groups}
-        idle = self._activity.idle_s(now)
+        # Idleness matters for a culprit, which waits in no collective: a rank waiting in
+        # one is not idle (and its reading of /proc is skipped).
+        idle = self._activity.idle_s(now) if not self._pending else self._activity.reset()
         if idle is not None:
             body["idle_s"] = round(idle, 3)
         if leaving:
@@ -346,6 +348,11 @@ class Activity:
     def __init__(self) -> None:
         self._last: tuple[float, dict[int, tuple[float, int]]] | None = None
         self._idle_since: float | None = None
+
+    def reset(self) -> None:
+        """Busy now (it waits in a collective): the next reading starts afresh."""
+        self._last = None
+        self._idle_since = None
 
     def idle_s(self, now: float) -> float | None:
         """Seconds idle as of ``now`` (None: busy, or not known yet)."""
@@ -378,10 +385,9 @@ def _activity() -> dict[int, tuple[float, int]]:
     its children (empty where /proc cannot be read)."""
     me = os.getpid()
     pids = [me]
-    try:
-        for task in os.listdir(f"/proc/{me}/task"):
-            with open(f"/proc/{me}/task/{task}/children", "rb") as f:
-                pids += [int(p) for p in f.read().split()]
+    try:  # the main thread's children: a data loader's workers are started from it
+        with open(f"/proc/{me}/task/{me}/children", "rb") as f:
+            pids += [int(p) for p in f.read().split()]
     except (OSError, ValueError):
         pass
     out = {}
