@@ -753,7 +753,7 @@ def test_keepalives_keep_the_workers_and_a_stale_one_asks_for_a_full_heartbeat(
     from ftrun.coordinator.directives import REPORT_ACTION
 
     composer = HeartbeatComposer("host-k/1", "host-k", 1)
-    client = transport.Client(coordinator.endpoint, SECRET, JOB, "host-k/1")
+    client = transport.Client(coordinator.endpoint, SECRET, JOB, "host-k/1", resend_stale=True)
     try:
         kind, body = composer.compose(workers_state(), 0.0)
         assert kind == "heartbeat" and body["serial"] == 1
@@ -761,8 +761,8 @@ def test_keepalives_keep_the_workers_and_a_stale_one_asks_for_a_full_heartbeat(
         kind, body = composer.compose({**workers_state(), "last_error": None}, 1.0)
         assert kind == "keepalive" and body == {"node_id": "host-k/1", "same": 1}
         client.send(kind, body)
-        # Both were signed for no term: the coordinator's refusals name its incarnation,
-        # and the client sends them again under it as it reads them.
+        # Both were signed for no term: the coordinator's refusals name its incarnation, and
+        # the client (resend_stale, as the coordinator's clients are) sends them again.
         client.poll(1.0)
         wait_for(lambda: coordinator.status_document()["nodes"], what="the node")
         node = coordinator.status_document()["nodes"][0]

@@ -69,7 +69,7 @@ def coordinator_client(endpoint: str, secret: bytes, job: str, sender: str, *,
     return Client(endpoint, secret, job, sender, peer="coordinator", hint=HINT,
                   on_reply=on_reply, send_timeout_s=0.0, sndhwm=sndhwm,
                   reconnect_s=RECONNECT_S, max_frame_bytes=protocol.MAX_MESSAGE_BYTES,
-                  context=context, term=term)
+                  context=context, term=term, resend_stale=True)
 
 
 def request(

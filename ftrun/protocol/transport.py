@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 SENT_IDS_KEPT = 4096
 # Messages sent without waiting kept to be sent again when a restarted server refuses them as
 # stale (Client._follow): those ZeroMQ may have queued while it was down.
-RESENDABLE_KEPT = 1024
+RESENDABLE_KEPT = 256  # more than a coordinator client's send queue (sndhwm)
 WARN_EVERY_S = 10.0
 MAX_AUTH_REFUSALS_PER_S = 5
 # Refused messages logged and reported (on_reject) per WARN_EVERY_S, all peers together, and
@@ -174,6 +174,7 @@ class Client:
         max_message_bytes: int | None = None,
         context: zmq.Context[Any] | None = None,
         term: int = 0,
+        resend_stale: bool = False,
     ) -> None:
         self.address = address
         # The coordinator term messages are bound to, and replies must carry (0: none).
@@ -183,9 +184,11 @@ class Client:
         # each time it starts, so messages captured before a restart are refused after it,
         # while its clients move to the new one with their next message (see _follow).
         self._follows = term == 0
-        # Messages sent without waiting and without data frames, while following: resent under
-        # the new term when the restarted server refuses them as stale (a launcher's events,
-        # queued by ZeroMQ while the server was down, are not lost to its restart).
+        # With ``resend_stale`` (a coordinator's clients): messages sent without waiting and
+        # without data frames, while following, are sent again under the new term when the
+        # restarted server refuses them as stale (a launcher's events, queued by ZeroMQ while
+        # the server was down, are not lost to its restart); the newest RESENDABLE_KEPT.
+        self._resend_stale = resend_stale
         self._resendable: OrderedDict[str, tuple[str, Mapping[str, Any], int]] = OrderedDict()
         self.url = _url(address)
         self.peer = peer
@@ -323,7 +326,7 @@ class Client:
             self._sent_set.discard(self._sent[0])
         self._sent.append(msg_id)
         self._sent_set.add(msg_id)
-        if self._follows and not frames:
+        if self._resend_stale and self._follows and not frames:
             self._resendable[msg_id] = (kind, body, self.term)
             while len(self._resendable) > RESENDABLE_KEPT:
                 self._resendable.popitem(last=False)
