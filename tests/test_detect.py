@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -33,12 +34,13 @@ class Job:
         self.restart = 0
         self.findings: list = []
 
-    def report(self, rank: int, groups: list[dict], now: float | None = None) -> None:
+    def report(self, rank: int, groups: list[dict], now: float | None = None,
+               **extra: Any) -> None:
         self.seq[rank] += 1
         body = {"node_id": f"n{rank // self.per_node}", "host": host_of(rank, self.per_node),
                 "rank": rank, "world_size": self.n, "restart": self.restart, "pid": 1000 + rank,
                 "backend": "gloo", "seq": self.seq[rank], "interval_s": INTERVAL,
-                "groups": groups}
+                "groups": groups, **extra}
         self.det.add_report(json.loads(json.dumps(body)), self.now if now is None else now)
 
     def step(self, compute: dict[int, float] | None = None, comm: float = 0.005,
@@ -214,23 +216,26 @@ def test_slow_comm_not_raised_by_slow_rank():
 
 # ----------------------------------------------------------------- hangs
 def hang_reports(job: Job, waiting: dict[int, tuple[int, int, float | None]], pg: str = "0",
-                 size: int | None = None) -> None:
-    """rank -> (enqueued, completed, waiting_s) on group pg."""
+                 size: int | None = None, idle: dict[int, float] | None = None) -> None:
+    """rank -> (enqueued, completed, waiting_s) on group pg; ``idle``: rank -> the idle_s
+    its report says."""
     for r, (enq, comp, wait) in waiting.items():
+        extra = {"idle_s": idle[r]} if idle and r in idle else {}
         job.report(r, [{"pg": pg, "size": size or job.n, "enqueued": enq, "completed": comp,
-                        "waiting_s": wait, "op": "gloo:all_reduce"}])
+                        "waiting_s": wait, "op": "gloo:all_reduce"}], **extra)
 
 
-def stall(job: Job, state, stop: bool = True) -> tuple[list, int, int]:
+def stall(job: Job, state, stop: bool = True, idle=None) -> tuple[list, int, int]:
     """10 healthy steps, then reports every 0.5 s of state(k, s) -> hang_reports' dict for
-    the k-th report of op s. Returns (findings, k at the end, s)."""
+    the k-th report of op s (and idle(k) -> its ``idle``). Returns (findings, k at the end,
+    s)."""
     for _ in range(10):
         job.step()
     s = job.op + 1
     found: list = []
     for k in range(1, 12):
         job.now += 0.5
-        hang_reports(job, state(k, s))
+        hang_reports(job, state(k, s), idle=idle(k) if idle is not None else None)
         found += job.det.analyse(job.now)
         if found and stop:
             break
@@ -256,24 +261,14 @@ def test_idle_rank_outside_collectives_is_named_at_the_short_floor(idle_before_s
     # Rank 0 never enters op s and is in no collective; the others wait in it. Its
     # reports say how long it has been idle (ftrun.rank.collectives.Activity).
     job = Job(n=4, per_node=1)
-    for _ in range(10):
-        job.step()
-    s = job.op + 1
-    found: list = []
-    for k in range(1, 12):
-        job.now += 0.5
-        hang_reports(job, {r: (s, s - 1, 0.5 * k) for r in range(1, 4)})
-        job.seq[0] += 1
-        body = {"node_id": "n0", "host": host_of(0, 1), "rank": 0, "world_size": 4,
-                "restart": 0, "pid": 1000, "backend": "gloo", "seq": job.seq[0],
-                "interval_s": INTERVAL, "groups": [{"pg": "0", "size": 4, "enqueued": s - 1,
-                                                     "completed": s - 1, "waiting_s": None}]}
-        if idle_before_s is not None and 0.5 * k + idle_before_s > 0:
-            body["idle_s"] = 0.5 * k + idle_before_s
-        job.det.add_report(body, job.now)
-        found += job.det.analyse(job.now)
-        if found:
-            break
+
+    def idle(k: int) -> dict[int, float]:
+        if idle_before_s is None or 0.5 * k + idle_before_s <= 0:
+            return {}
+        return {0: 0.5 * k + idle_before_s}
+
+    found, _, _ = stall(job, lambda k, s: {r: (s, s - 1, 0.5 * k) for r in range(1, 4)}
+                        | {0: (s - 1, s - 1, None)}, idle=idle)
     if not named:
         assert found == []
         return

@@ -319,9 +319,12 @@ class CollectiveMonitor:
         body = {**self._base, "seq": self._seq, "groups": groups}
         # Idleness matters for a culprit, which waits in no collective: a rank waiting in
         # one is not idle (and its reading of /proc is skipped).
-        idle = self._activity.idle_s(now) if not self._pending else self._activity.reset()
-        if idle is not None:
-            body["idle_s"] = round(idle, 3)
+        if self._pending:
+            self._activity.reset()
+        else:
+            idle = self._activity.idle_s(now)
+            if idle is not None:
+                body["idle_s"] = round(idle, 3)
         if leaving:
             body["leaving"] = True
         sent = self._client.send("coll_report", body) is not None
