@@ -26,6 +26,15 @@ snapshot of S); the marker file lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``)
 ``--hold-at-step S`` (for tests that take a whole host away at a step of their choosing) has
 every rank wait after its snapshot of step S, once per job, until the file
 ``accelerate-ddp-release`` exists there; each writes ``accelerate-ddp-held-rank<R>`` first.
+``--fail-mode raise`` raises in that step instead of the SIGKILL; ``--pid-log DIR`` has each
+rank append ``step pid time`` to ``DIR/pids-rank<R>.log`` after every step.
+
+``--resilient`` runs the training function ``train`` under ``@ftrun.resilient``, as a user
+would decorate theirs: after a fault the surviving ranks run it again in their own processes
+(a new ``Accelerator``, ``prepare``, ``restore()``), and only the failed rank gets a new
+process::
+
+    ftrun --nproc-per-node 3 examples/accelerate_ddp.py --resilient --kill-at-step 7 --kill-rank 1
 """
 
 from __future__ import annotations
@@ -42,7 +51,14 @@ from torch.utils.data import DataLoader
 
 # The model, data, schedule and digest of examples/user_ddp.py (this script's directory is
 # on sys.path when it runs).
-from user_ddp import make_dataset, make_model, params_xxh3, warmup_cosine
+from user_ddp import (
+    add_framework_fault_args,
+    log_pid,
+    make_dataset,
+    make_model,
+    params_xxh3,
+    warmup_cosine,
+)
 
 import ftrun
 from ftrun.faults import fire_once, kill_once
@@ -66,7 +82,17 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--hold-at-step", type=int, default=0)
     p.add_argument("--fault-dir")
+    add_framework_fault_args(p)
     args = p.parse_args()
+    (train if args.resilient else train.__wrapped__)(args)
+    return 0
+
+
+@ftrun.resilient
+def train(args: argparse.Namespace) -> None:
+    """The whole run, from the Accelerator to the last step: under ``--resilient`` ftrun runs
+    it again in this process after a fault (ftrun.integrations.accelerate resets accelerate's
+    process-wide state first, so that ``Accelerator()`` joins the new world)."""
     torch.set_num_threads(1)
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
@@ -114,8 +140,10 @@ def main() -> int:
             optimizer.zero_grad()
             step += 1
             if step == args.kill_at_step and rank == args.kill_rank:
-                kill_once("accelerate-ddp", rank, step, args.fault_dir)
+                fail_once(args, rank, step)
             snap.save(step)
+            if args.pid_log:
+                log_pid(args.pid_log, rank, step)
             if step == args.hold_at_step and fire_once(
                     os.path.join(hold_dir, f"accelerate-ddp-held-rank{rank}")):
                 wait_for(lambda: os.path.exists(release), 600, release)
@@ -130,7 +158,19 @@ def main() -> int:
               f"params_xxh3={params_xxh3(accelerator.unwrap_model(model))} "
               f"scheduler_steps={scheduler.scheduler.last_epoch}", flush=True)
     accelerator.end_training()
-    return 0
+
+
+def fail_once(args: argparse.Namespace, rank: int, step: int) -> None:
+    """The injected fault, once per job (its marker file says it fired): SIGKILL, or an
+    exception out of the training step."""
+    if args.fail_mode == "kill":
+        kill_once("accelerate-ddp", rank, step, args.fault_dir)
+        return
+    directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR", ".")
+    if fire_once(os.path.join(directory, f"accelerate-ddp-fault-rank{rank}-step{step}")):
+        print(f"accelerate-ddp: raising in rank {rank} in step {step}", file=sys.stderr,
+              flush=True)
+        raise RuntimeError(f"accelerate-ddp: injected fault in rank {rank} at step {step}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,16 @@ snapshot of S), so the job resumes from the snapshot of S-1; the marker file tha
 once lives in ``$FTRUN_JOB_DIR`` (or ``--fault-dir``). ``--hold-at-step S`` (for tests that take
 a whole host away at a step of their choosing) has every rank wait after its optimizer step S,
 once per job, until the file ``hf-trainer-release`` exists there; each writes
-``hf-trainer-held-rank<R>`` first.
+``hf-trainer-held-rank<R>`` first. ``--fail-mode raise`` raises there instead of the
+SIGKILL; ``--pid-log DIR`` has each rank append ``step pid time`` to ``DIR/pids-rank<R>.log``
+after every optimizer step.
+
+``--resilient`` runs the training function ``train`` under ``@ftrun.resilient``, as a user
+would decorate theirs: after a fault the surviving ranks run it again in their own processes
+(new ``TrainingArguments`` and ``Trainer``, which resumes from the snapshot), and only the
+failed rank gets a new process::
+
+    ftrun --nproc-per-node 3 examples/hf_trainer.py --resilient --kill-at-step 7 --kill-rank 1
 """
 
 from __future__ import annotations
@@ -41,8 +50,11 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
-from user_ddp import params_xxh3  # examples/user_ddp.py (this directory is on sys.path)
 
+# examples/user_ddp.py (this directory is on sys.path)
+from user_ddp import add_framework_fault_args, log_pid, params_xxh3
+
+import ftrun
 from ftrun.faults import fire_once, kill_once
 from ftrun.integrations.transformers import add_snapshots
 from ftrun.testing import wait_for
@@ -80,14 +92,34 @@ class ReportStart(TrainerCallback):
 
 class KillOnce(TrainerCallback):
     """Fault injection for the tests: SIGKILL rank ``rank`` after its optimizer step
-    ``step``, once per job (ftrun.faults.kill_once)."""
+    ``step``, once per job (ftrun.faults.kill_once), or raise there (``raise_=True``)."""
 
-    def __init__(self, step: int, rank: int, directory: str | None) -> None:
-        self.step, self.rank, self.directory = step, rank, directory
+    def __init__(self, step: int, rank: int, directory: str | None, raise_: bool = False) -> None:
+        self.step, self.rank, self.directory, self.raise_ = step, rank, directory, raise_
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
-        if state.global_step == self.step and args.process_index == self.rank:
+        if state.global_step != self.step or args.process_index != self.rank:
+            return
+        if not self.raise_:
             kill_once("hf-trainer", self.rank, self.step, self.directory)
+            return
+        directory = self.directory or os.environ.get("FTRUN_JOB_DIR", ".")
+        if fire_once(os.path.join(directory, f"hf-trainer-fault-rank{self.rank}-step{self.step}")):
+            print(f"hf-trainer: raising in rank {self.rank} in step {self.step}",
+                  file=sys.stderr, flush=True)
+            raise RuntimeError(f"hf-trainer: injected fault in rank {self.rank} at step "
+                               f"{self.step}")
+
+
+class PidLog(TrainerCallback):
+    """Each rank appends ``step pid time`` to ``<directory>/pids-rank<R>.log`` after every
+    optimizer step: which process trained which step, and when."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        log_pid(self.directory, args.process_index, state.global_step)
 
 
 class HoldOnce(TrainerCallback):
@@ -120,7 +152,18 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--hold-at-step", type=int, default=0)
     p.add_argument("--fault-dir")
+    add_framework_fault_args(p)
     args = p.parse_args()
+    (train if args.resilient else train.__wrapped__)(args)
+    return 0
+
+
+@ftrun.resilient
+def train(args: argparse.Namespace) -> None:
+    """The whole run, from the model to ``trainer.train()``: under ``--resilient`` ftrun runs
+    it again in this process after a fault (ftrun.integrations.transformers resets
+    accelerate's process-wide state first, so that the new ``TrainingArguments`` and
+    ``Trainer`` join the new world)."""
     torch.set_num_threads(1)
 
     set_seed(0)
@@ -152,7 +195,10 @@ def main() -> int:
                               else args.every)
     trainer.add_callback(ReportStart())
     if args.kill_at_step:
-        trainer.add_callback(KillOnce(args.kill_at_step, args.kill_rank, args.fault_dir))
+        trainer.add_callback(KillOnce(args.kill_at_step, args.kill_rank, args.fault_dir,
+                                      raise_=args.fail_mode == "raise"))
+    if args.pid_log:
+        trainer.add_callback(PidLog(args.pid_log))
     if args.hold_at_step:
         trainer.add_callback(HoldOnce(args.hold_at_step,
                                       args.fault_dir or os.environ.get("FTRUN_JOB_DIR", ".")))
@@ -169,7 +215,6 @@ def main() -> int:
               f"train_loss={result.training_loss!r}", flush=True)
         logged = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
         print(f"hf-trainer: logged (step, loss) {logged}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

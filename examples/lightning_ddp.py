@@ -31,7 +31,16 @@ its optimizer step; the snapshot of S is under way). The marker file lives in
 ``$FTRUN_JOB_DIR`` (or ``--fault-dir``). ``--hold-at-step S`` (for tests that take a whole
 host away at a step of their choosing) has every rank wait at the end of step S, once per
 job, until the file ``lightning-release`` exists there; each writes
-``lightning-held-rank<R>`` first.
+``lightning-held-rank<R>`` first. ``--fail-mode raise`` raises at the end of step S instead
+of the SIGKILL; ``--pid-log DIR`` has each rank append ``step pid time`` to
+``DIR/pids-rank<R>.log`` after every training batch.
+
+``--resilient`` runs the training function ``train`` under ``@ftrun.resilient``, as a user
+would decorate theirs: after a fault the surviving ranks run it again in their own processes
+(a new ``Trainer`` sets up the new world's process group, ``FtrunSnapshots`` restores the
+snapshot), and only the failed rank gets a new process::
+
+    ftrun --nproc-per-node 3 examples/lightning_ddp.py --resilient --kill-at-step 7 --kill-rank 1
 """
 
 from __future__ import annotations
@@ -44,10 +53,13 @@ import sys
 
 import lightning as L
 import torch
-import xxhash
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+# examples/user_ddp.py (this directory is on sys.path)
+from user_ddp import add_framework_fault_args, log_pid, params_xxh3
+
+import ftrun
 from ftrun.faults import fire_once
 from ftrun.integrations.lightning import FtrunSnapshots
 from ftrun.testing import wait_for
@@ -90,6 +102,8 @@ class Classifier(L.LightningModule):
         self.loss = nn.CrossEntropyLoss()
         self.kill: tuple[int, int, str] | None = None  # (step, rank, marker directory)
         self.hold: tuple[int, str] | None = None  # (step, marker directory)
+        self.raise_ = False  # the fault raises instead of SIGKILL
+        self.pid_log: str | None = None  # directory of the pids-rank<R>.log files
         self.started = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +143,8 @@ class Classifier(L.LightningModule):
                   f"batch_idx={batch_idx}", file=sys.stderr, flush=True)
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.pid_log is not None:
+            log_pid(self.pid_log, self.global_rank, self.global_step)
         if self.hold is not None and self.global_step == self.hold[0]:
             release = os.path.join(self.hold[1], "lightning-release")
             if fire_once(os.path.join(self.hold[1], f"lightning-held-rank{self.global_rank}")):
@@ -138,20 +154,14 @@ class Classifier(L.LightningModule):
         step, rank, directory = self.kill
         if self.global_step != step or self.global_rank != rank:
             return
-        marker = os.path.join(directory, f"lightning-fault-rank{rank}-step{step}")
-        try:
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        except FileExistsError:
-            return  # fired already in this job
+        if not fire_once(os.path.join(directory, f"lightning-fault-rank{rank}-step{step}")):
+            return  # fired already in this job (the marker holds its time)
+        if self.raise_:
+            print(f"lightning-ddp: raising in rank {rank} in step {step}", file=sys.stderr,
+                  flush=True)
+            raise RuntimeError(f"lightning-ddp: injected fault in rank {rank} at step {step}")
         print(f"lightning-ddp: killing rank {rank} in step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def params_xxh3(model: nn.Module) -> str:
-    h = xxhash.xxh3_64()
-    for _, p in model.named_parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> int:
@@ -172,8 +182,17 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--hold-at-step", type=int, default=0)
     p.add_argument("--fault-dir")
+    add_framework_fault_args(p)
     args = p.parse_args()
+    (train if args.resilient else train.__wrapped__)(args)
+    return 0
 
+
+@ftrun.resilient
+def train(args: argparse.Namespace) -> None:
+    """The whole run, from the model to ``trainer.fit()``: under ``--resilient`` ftrun runs it
+    again in this process after a fault, and a new ``Trainer`` sets up the new world's process
+    group (``FtrunSnapshots`` restores the snapshot into it)."""
     torch.set_num_threads(1)
     L.seed_everything(0)
     # Under a launcher (ftrun, torchrun) the processes exist already: match its world. (So
@@ -185,6 +204,8 @@ def main() -> int:
     if args.kill_at_step:
         directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."
         model.kill = (args.kill_at_step, args.kill_rank, directory)
+        model.raise_ = args.fail_mode == "raise"
+    model.pid_log = args.pid_log
     if args.hold_at_step:
         model.hold = (args.hold_at_step, args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or ".")
     every = int(args.every) if args.every and args.every.isdigit() else args.every
@@ -201,7 +222,6 @@ def main() -> int:
     if trainer.is_global_zero:
         print(f"lightning-ddp: step={trainer.global_step} world={trainer.world_size} "
               f"params_xxh3={params_xxh3(model)}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -90,6 +90,26 @@ def params_xxh3(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def add_framework_fault_args(p: argparse.ArgumentParser) -> None:
+    """The flags the framework examples (lightning_ddp.py, hf_trainer.py, accelerate_ddp.py)
+    share for in-place restart: how their injected fault fails, a log of the process that
+    trained each step, and running the training function under ``@ftrun.resilient``."""
+    p.add_argument("--fail-mode", choices=("kill", "raise"), default="kill",
+                   help="SIGKILL rank --kill-rank in step --kill-at-step, or raise there")
+    p.add_argument("--pid-log", metavar="DIR",
+                   help="each rank appends 'step pid time' after every step to "
+                        "DIR/pids-rank<R>.log")
+    p.add_argument("--resilient", action="store_true",
+                   help="run the training function under @ftrun.resilient: after a fault the "
+                        "surviving ranks run it again in their own processes")
+
+
+def log_pid(directory: str, rank: int, step: int) -> None:
+    """Append ``step pid time`` to ``directory/pids-rank<rank>.log`` (--pid-log)."""
+    with open(os.path.join(directory, f"pids-rank{rank}.log"), "a", encoding="utf-8") as f:
+        f.write(f"{step} {os.getpid()} {time.time():.6f}\n")
+
+
 def once(args: argparse.Namespace, name: str) -> bool:
     """True the first time in the job that fault ``name`` fires (a marker file)."""
     directory = args.fault_dir or os.environ.get("FTRUN_JOB_DIR") or "."

@@ -268,6 +268,45 @@ def test_hf_private_seams() -> None:
     assert "synchronized_generator" in inspect.signature(DataLoaderShard).parameters
 
 
+def test_accelerate_state_is_reset_before_an_in_place_rerun() -> None:
+    """accelerate's singletons (``_reset_state``, a private static method on each) are what
+    the integrations clear before ``@ftrun.resilient`` runs the function again: a
+    ``PartialState`` set up in the old world is forgotten, and the next one sets up anew.
+    Importing either integration registers the reset; a reset that fails stops the re-run
+    with an FtrunError naming it."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    import ftrun.integrations.accelerate  # noqa: F401  (registers the reset)
+    import ftrun.integrations.transformers  # noqa: F401  (the same reset, once)
+    from ftrun.errors import FtrunError
+    from ftrun.integrations import _hf
+    from ftrun.rank import resilient
+
+    assert list(inspect.signature(AcceleratorState._reset_state).parameters) == \
+        ["reset_partial_state"]
+    for cls in (PartialState, GradientState):
+        assert list(inspect.signature(cls._reset_state).parameters) == [], cls
+    assert list(resilient._RERUN_HOOKS.items()) == \
+        [("accelerate's state", _hf.reset_accelerate_state)]
+
+    assert PartialState(cpu=True).initialized and GradientState().initialized
+    resilient._run_rerun_hooks()
+    assert PartialState._shared_state == {} and AcceleratorState._shared_state == {}
+    assert GradientState._shared_state == {}
+    assert PartialState(cpu=True).initialized  # sets up again, in the world of os.environ
+
+    def broken() -> None:
+        raise RuntimeError("no such state")
+
+    resilient.before_rerun("a broken framework", broken)
+    try:
+        with pytest.raises(FtrunError, match="reset of a broken framework failed: "
+                                             "RuntimeError: no such state"):
+            resilient._run_rerun_hooks()
+    finally:
+        del resilient._RERUN_HOOKS["a broken framework"]
+
+
 def test_accelerator_snapshotter_refuses_what_it_cannot_snapshot() -> None:
     """A model the accelerator did not prepare, or two models: a ConfigError that says so."""
     import torch

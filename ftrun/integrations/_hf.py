@@ -12,6 +12,7 @@ Checked against transformers 5.23 and accelerate 1.15.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,10 @@ LOOP_ATTRS = ("_tr_loss", "_total_loss_scalar", "_globalstep_last_logged", "curr
 # What ``Accelerator.save_state`` saves, held in these lists by ``Accelerator.prepare`` and
 # ``register_for_checkpointing``; accelerate has no public accessor for them.
 ACCELERATOR_LISTS = ("_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects")
+# accelerate's process-wide singletons (Borg classes over a class-level ``_shared_state``
+# dict), each reset by its static ``_reset_state()``: what ``TrainingArguments`` itself calls
+# before it sets up its state, and accelerate's tests between runs.
+ACCELERATE_SINGLETONS = ("AcceleratorState", "PartialState", "GradientState")
 
 
 class ResumeMarker(str):
@@ -139,6 +144,28 @@ def set_loop_state(trainer: Any, state: dict[str, Any]) -> None:
     trainer._total_loss_scalar = state["total_loss_scalar"]
     trainer._globalstep_last_logged = state["globalstep_last_logged"]
     trainer.current_flos = state["current_flos"]
+
+
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide state, for a training function that runs again in
+    this process (``@ftrun.resilient``): ``PartialState`` initialises the process group once
+    per process and keeps its rank, world size and device; after an in-place restart the
+    group is gone and the world may differ, and ``Accelerator()`` would build on the old one
+    (``prepare`` fails: no default process group). ``GradientState`` holds the old run's
+    dataloaders and accumulation settings. Nothing is done when accelerate was never
+    imported."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    missing = [n for n in ACCELERATE_SINGLETONS
+               if not callable(getattr(getattr(state, n, None), "_reset_state", None))]
+    if missing:
+        raise ConfigError(
+            f"accelerate {_version('accelerate')} has no _reset_state() on "
+            f"{', '.join(missing)}: ftrun resets accelerate's state there before an in-place "
+            "restart; install an accelerate version ftrun supports (1.x, tested with 1.15)")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    state.GradientState._reset_state()
 
 
 def torch_optimizer(optimizer: Any) -> Any:

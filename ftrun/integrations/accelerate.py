@@ -52,10 +52,15 @@ import torch
 
 from ftrun.errors import ConfigError
 from ftrun.integrations import _hf
+from ftrun.rank import resilient
 
 __all__ = ["AcceleratorSnapshotter"]
 
 log = logging.getLogger(__name__)
+
+# Under @ftrun.resilient the training function runs again in this process after a fault:
+# accelerate's process-wide state (which the Trainer uses too) must not outlive the old world.
+resilient.before_rerun("accelerate's state", _hf.reset_accelerate_state)
 
 
 class LoaderPosition:

@@ -47,6 +47,7 @@ from typing import Any
 
 from ftrun.errors import ConfigError
 from ftrun.integrations import _hf
+from ftrun.rank import resilient
 
 try:
     from transformers import TrainerCallback
@@ -58,6 +59,10 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 __all__ = ["SnapshotCallback", "add_snapshots"]
 
 log = logging.getLogger(__name__)
+
+# Under @ftrun.resilient the training function runs again in this process after a fault:
+# accelerate's process-wide state (which the Trainer uses too) must not outlive the old world.
+resilient.before_rerun("accelerate's state", _hf.reset_accelerate_state)
 
 # The TrainerState fields that are training progress (the rest follows from the arguments).
 PROGRESS_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history",

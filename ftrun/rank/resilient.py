@@ -29,6 +29,9 @@ wrapper keeps the process, its imports and its CUDA context across faults:
    its launcher's decision: ``rank_world`` (the new world's RANK, WORLD_SIZE, MASTER_ADDR,
    MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...: applied to ``os.environ``) and the function
    runs again; ``rank_exit``, or no decision in time, and :class:`FtrunError` is raised.
+   Before it runs again, the hooks registered with :func:`before_rerun` run: a framework
+   integration resets there what its framework keeps for the whole process (accelerate's
+   ``PartialState`` caches the old world and would not join the new one).
 
 Without ``FTRUN_RANK_CONTROL`` (plain ``python``, ``torchrun``, a launcher that does not
 restart in place) the wrapper calls the function once and returns what it returns.
@@ -449,6 +452,32 @@ def _keeps_process(backend: str | None, e: BaseException) -> bool:
     return True
 
 
+# Called, in order of registration, before each run of a resilient function after the first
+# in this process; keyed by name so that an integration imported twice registers once.
+_RERUN_HOOKS: dict[str, Callable[[], None]] = {}
+
+
+def before_rerun(name: str, hook: Callable[[], None]) -> None:
+    """Have ``hook()`` run before the training function runs again in place, after the old
+    world's process groups are gone and the new world's environment is set.
+
+    For state a framework keeps for the whole process rather than in the objects the
+    function builds (a singleton that caches the process group, the rank, the world size),
+    which would otherwise outlive the world it describes. ``name`` identifies the hook: a
+    second registration under the same name replaces the first.
+    """
+    _RERUN_HOOKS[name] = hook
+
+
+def _run_rerun_hooks() -> None:
+    for name, hook in list(_RERUN_HOOKS.items()):
+        try:
+            hook()
+        except Exception as e:
+            raise FtrunError(f"the in-place restart's reset of {name} failed: "
+                             f"{type(e).__name__}: {e}") from e
+
+
 def _summary(e: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(e), e)).strip()[-4000:]
 
@@ -557,6 +586,7 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                         "%s of %s, waited %.3f s for the new world)", decision.generation,
                         decision.env.get("RANK"), decision.env.get("WORLD_SIZE"),
                         time.monotonic() - t0)
+            _run_rerun_hooks()
     finally:
         join_aborts(ABORT_JOIN_S)
         control.close()
