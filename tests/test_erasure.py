@@ -120,6 +120,26 @@ def test_encoder_chunk_by_chunk_in_any_order() -> None:
     assert enc.fragments() == ec.encode(codec, slices, C)
 
 
+def test_parity_and_rebuilt_columns_go_into_given_buffers() -> None:
+    codec = _codec(2, 2)
+    slices = [_bytes(3 * C + 11, 1), _bytes(C, 2)]
+    plain = ec.encode(codec, slices, C)
+    size = plain[0].info.length(2)
+    bufs = [bytearray(b"\xff" * (size + 7)) for _ in range(2)]
+    frags = ec.encode(codec, slices, C, into=bufs)
+    assert frags == plain and all(b[:size] == f.data for b, f in zip(bufs, frags, strict=True))
+    assert all(b[size:] == b"\xff" * 7 for b in bufs)  # nothing written past the fragment
+    target = bytearray(b"\xee" * len(slices[0]))
+    got = ec.rebuild(codec, frags[0].info, {1: slices[1], 3: frags[1].data}, [0, 2],
+                     into={0: target})
+    assert got[0].obj is target and target == slices[0] and got[2] == frags[0].data
+    with pytest.raises(ValueError, match="needs 3083 writable"):
+        ec.rebuild(codec, frags[0].info, {1: slices[1], 3: frags[1].data}, [0],
+                   into={0: memoryview(bytes(len(slices[0])))})
+    with pytest.raises(ValueError, match="2 buffers of 3083 bytes"):
+        ec.encode(codec, slices, C, into=[bytearray(size - 1), bytearray(size)])
+
+
 def test_encoder_refuses_pieces_that_do_not_verify() -> None:
     codec = _codec(2, 1)
     a, b = _bytes(2 * C, 1), _bytes(C, 2)

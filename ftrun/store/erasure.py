@@ -22,9 +22,11 @@ refused too. The arithmetic is the library's (pyeclib over liberasurecode, backe
 Reed-Solomon with a Cauchy matrix: every ``K`` of ``K + M`` fragments decode, for every ``K``
 and ``M``); ftrun only lays bytes out and checks them.
 
-pyeclib holds the GIL while it codes; chunks are coded in units of ``UNIT_BYTES`` so that one
-call stays short (about a millisecond) and other threads of the process keep running between
-calls.
+pyeclib holds the GIL while it codes: chunks are coded in units of ``UNIT_BYTES`` so that one
+call stays short (well under a millisecond) and other threads of the process run between calls
+(measured here: a pure-Python thread beside a coding loop kept 0.17 of its speed with calls of
+4 x 4 MiB, 0.61 with calls of 4 x 64 KiB). The store's integration should still code off its
+message loop's thread, or in a process of its own.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ log = logging.getLogger(__name__)
 # for larger M). Every node of a job must code with the same backend: it is recorded in every
 # parity fragment and checked before decoding.
 BACKEND = "isa_l_rs_cauchy"
-# Bytes per data piece in one library call (see the module docstring; bench/erasure.py).
-UNIT_BYTES = 256 << 10
+# Bytes per data piece in one library call (see the module docstring). Measured here
+# (bench/erasure.py, units): 16-64 KiB code fastest, 1 MiB and more several times slower (the
+# library allocates its fragments anew on every call), and a call lasts ~0.3 ms at ec:4+2.
+UNIT_BYTES = 64 << 10
 
 Buffer = Union[bytes, bytearray, memoryview]
 # A column (a data slice or a parity fragment): one contiguous buffer, or its chunks in order.
@@ -110,12 +114,14 @@ class Codec:
             self._headers[width] = got
         return got
 
-    def parity(self, pieces: Sequence[Buffer], width: int) -> list[bytearray]:
-        """The ``m`` parity pieces of ``k`` data pieces, each zero-padded to ``width``."""
-        if len(pieces) != self.k:
-            raise ValueError(f"{len(pieces)} data pieces for a code of k={self.k}")
+    def parity(self, pieces: Sequence[Buffer], width: int,
+               into: Sequence[memoryview]) -> None:
+        """The ``m`` parity pieces of ``k`` data pieces, each zero-padded to ``width``, written
+        into ``into`` (``m`` writable views of ``width`` bytes)."""
+        if len(pieces) != self.k or len(into) != self.m:
+            raise ValueError(f"{len(pieces)} data pieces and {len(into)} outputs for a code of "
+                             f"{self.k}+{self.m}")
         views = [memoryview(p).cast("B") for p in pieces]
-        out = [bytearray(width) for _ in range(self.m)]
         for off in range(0, width, self.unit):
             w = min(self.unit, width - off)
             parts: list[Buffer] = []
@@ -127,21 +133,17 @@ class Codec:
             frags = self._driver.encode(b"".join(parts))
             for t in range(self.m):
                 f = frags[self.k + t]
-                out[t][off:off + w] = memoryview(f)[len(f) - w:]
-        return out
+                into[t][off:off + w] = memoryview(f)[len(f) - w:]
 
-    def rebuild(self, pieces: Mapping[int, Buffer], want: Sequence[int],
-                width: int) -> dict[int, bytearray]:
-        """Pieces at positions ``want`` from exactly ``k`` others (positions ``0 .. k+m-1``,
-        data first), each zero-padded to ``width``. The caller verifies what goes in and what
-        comes out."""
+    def rebuild(self, pieces: Mapping[int, Buffer], into: Mapping[int, memoryview],
+                width: int) -> None:
+        """The pieces at the positions of ``into`` (writable views of ``width`` bytes) from
+        exactly ``k`` others (positions ``0 .. k+m-1``), each zero-padded to ``width``. The
+        caller verifies what goes in and what comes out."""
         if len(pieces) != self.k:
             raise ValueError(f"{len(pieces)} pieces given, a code of k={self.k} decodes from "
                              f"exactly {self.k}")
         views = {p: memoryview(b).cast("B") for p, b in pieces.items()}
-        out = {p: bytearray(width) for p in want}
-        data_wanted = [p for p in want if p < self.k]
-        parity_wanted = [p for p in want if p >= self.k]
         for off in range(0, width, self.unit):
             w = min(self.unit, width - off)
             headers = self._header(w)
@@ -149,14 +151,11 @@ class Codec:
             for p, v in views.items():
                 seg = v[off:off + w]
                 frags.append(b"".join([headers[p], seg, _zeros(w - len(seg))]))
-            if data_wanted:
-                data = memoryview(self._driver.decode(frags))
-                for p in data_wanted:
-                    out[p][off:off + w] = data[p * w:(p + 1) * w]
-            for p in parity_wanted:
+            # one position at a time: ISA-L then computes only that row (measured: twice
+            # the speed of decoding every data fragment when one is lost)
+            for p, out in into.items():
                 (f,) = self._driver.reconstruct(frags, [p])
-                out[p][off:off + w] = memoryview(f)[len(f) - w:]
-        return out
+                out[off:off + w] = memoryview(f)[len(f) - w:]
 
 
 def _piece_length(total: int, s: int, chunk_size: int) -> int:
@@ -227,7 +226,7 @@ class ParityFragment:
 
     info: StripeInfo
     index: int
-    data: bytes
+    data: Buffer  # the encoder's output buffer (a view when it was given one)
 
     @property
     def position(self) -> int:
@@ -266,10 +265,13 @@ class Encoder:
     Each chunk is checked against its recorded hash before it is kept; chunk ``s`` of the
     parity is coded as soon as every slice's chunk ``s`` is in, and the data pieces are then
     let go. A piece given to :meth:`add` must not change until its chunk is coded (``add``
-    returns True when it coded one)."""
+    returns True when it coded one). The parity is written into ``into`` when given (``m``
+    writable buffers of at least :meth:`parity_length` bytes, e.g. pre-faulted shared memory),
+    else into new ones."""
 
     def __init__(self, codec: Codec, lengths: Sequence[int], hashes: Sequence[Sequence[int]],
-                 chunk_size: int = CHUNK_BYTES) -> None:
+                 chunk_size: int = CHUNK_BYTES,
+                 into: Sequence[bytearray | memoryview] | None = None) -> None:
         if len(lengths) != codec.k or len(hashes) != codec.k:
             raise ValueError(f"{len(lengths)} lengths and {len(hashes)} hash tables for "
                              f"k={codec.k} data slices")
@@ -281,7 +283,13 @@ class Encoder:
         self._shape = StripeInfo(codec.k, codec.m, chunk_size, codec.unit, codec.backend,
                                  self._lengths, (*self._hashes, *self._parity_shape()))
         chunks = self._shape.chunks
-        self._out = [bytearray(self._shape.length(codec.k)) for _ in range(codec.m)]
+        size = self.parity_length
+        if into is None:
+            into = [bytearray(size) for _ in range(codec.m)]
+        if len(into) != codec.m or any(memoryview(b).nbytes < size for b in into):
+            raise ValueError(f"parity goes into {codec.m} buffers of {size} bytes, got "
+                             f"{[memoryview(b).nbytes for b in into]}")
+        self._out = [memoryview(b).cast("B")[:size] for b in into]
         self._parity_hashes = [[0] * chunks for _ in range(codec.m)]
         # chunk s -> the data pieces still awaited / already in
         self._awaited = {s: {j for j in range(codec.k) if self._shape.piece_length(j, s)}
@@ -291,6 +299,11 @@ class Encoder:
     def _parity_shape(self) -> list[tuple[int, ...]]:
         chunks = max((chunk_count(n, self._chunk_size) for n in self._lengths), default=0)
         return [(0,) * chunks for _ in range(self._codec.m)]
+
+    @property
+    def parity_length(self) -> int:
+        """Bytes of each parity fragment."""
+        return self._shape.length(self._codec.k)
 
     @property
     def complete(self) -> bool:
@@ -333,10 +346,10 @@ class Encoder:
         width = info.width(s)
         got = self._pieces.pop(s)
         pieces = [got.get(j, _zeros(0)) for j in range(info.k)]
-        parity = self._codec.parity(pieces, width)
-        for t, p in enumerate(parity):
-            self._out[t][s * c:s * c + width] = p
-            self._parity_hashes[t][s] = xxhash.xxh3_64_intdigest(p)
+        outs = [out[s * c:s * c + width] for out in self._out]
+        self._codec.parity(pieces, width, outs)
+        for t, out in enumerate(outs):
+            self._parity_hashes[t][s] = xxhash.xxh3_64_intdigest(out)
         del self._awaited[s]
 
     def fragments(self) -> list[ParityFragment]:
@@ -348,16 +361,18 @@ class Encoder:
         info = StripeInfo(self._codec.k, self._codec.m, self._chunk_size, self._codec.unit,
                           self._codec.backend, self._lengths,
                           (*self._hashes, *(tuple(h) for h in self._parity_hashes)))
-        return [ParityFragment(info, t, bytes(out)) for t, out in enumerate(self._out)]
+        return [ParityFragment(info, t, out) for t, out in enumerate(self._out)]
 
 
 def encode(codec: Codec, slices: Sequence[Column], chunk_size: int = CHUNK_BYTES,
-           hashes: Sequence[Sequence[int]] | None = None) -> list[ParityFragment]:
+           hashes: Sequence[Sequence[int]] | None = None,
+           into: Sequence[bytearray | memoryview] | None = None) -> list[ParityFragment]:
     """The parity fragments of ``k`` data slices (each whole or as chunks). ``hashes`` are the
-    slices' chunk hashes when already known (the store has them); else they are taken here."""
+    slices' chunk hashes when already known (the store has them); else they are taken here.
+    ``into``: as for :class:`Encoder`."""
     if hashes is None:
         hashes = [chunk_hashes(col, chunk_size) for col in slices]
-    enc = Encoder(codec, [_column_length(col) for col in slices], hashes, chunk_size)
+    enc = Encoder(codec, [_column_length(col) for col in slices], hashes, chunk_size, into)
     for j, col in enumerate(slices):
         s = 0
         while (piece := _chunk(col, s, chunk_size)) is not None and len(piece):
@@ -377,16 +392,18 @@ def stripe_info(fragments: Iterable[ParityFragment]) -> StripeInfo:
     return next(iter(infos.values()))
 
 
-def rebuild(codec: Codec, info: StripeInfo, have: Mapping[int, Column],
-            want: Iterable[int]) -> dict[int, bytes]:
+def rebuild(codec: Codec, info: StripeInfo, have: Mapping[int, Column], want: Iterable[int],
+            into: Mapping[int, bytearray | memoryview] | None = None) -> dict[int, memoryview]:
     """The columns at positions ``want`` (data ``0..k-1``, parity ``k..k+m-1``), rebuilt from
-    ``have`` (position -> column; give parity fragments as ``ParityFragment.data``).
+    ``have`` (position -> column; give parity fragments as ``ParityFragment.data``), written
+    into ``into[p]`` where given (at least ``info.length(p)`` writable bytes), else into new
+    buffers; returned as views of exactly ``info.length(p)`` bytes.
 
     Every piece used is checked against ``info``'s hash first; a piece that fails, or has the
     wrong length, is not used. Every rebuilt piece is checked against its hash (and its zero
     padding) before it is returned. Raises :class:`IntegrityError` when a chunk cannot be
     rebuilt from verified pieces because some were corrupt, :class:`RestoreError` when too few
-    pieces exist at all."""
+    pieces exist at all; what was written into ``into`` by then is not to be used."""
     if (codec.k, codec.m, codec.backend, codec.unit) != (info.k, info.m, info.backend, info.unit):
         raise IntegrityError(f"stripe coded as ec:{info.k}+{info.m} with {info.backend} in units "
                              f"of {info.unit}, decoder is ec:{codec.k}+{codec.m} with "
@@ -398,7 +415,18 @@ def rebuild(codec: Codec, info: StripeInfo, have: Mapping[int, Column],
     if set(targets) & set(have):
         raise ValueError(f"positions {sorted(set(targets) & set(have))} are both given and wanted")
     c = info.chunk_size
-    out = {p: bytearray(info.length(p)) for p in targets}
+    out: dict[int, memoryview] = {}
+    for p in targets:
+        buf = (into or {}).get(p)
+        if buf is None:
+            buf = bytearray(info.length(p))
+        view = memoryview(buf).cast("B")
+        if view.readonly or view.nbytes < info.length(p):
+            raise ValueError(f"position {p} is rebuilt into {view.nbytes} bytes"
+                             f"{' (read-only)' if view.readonly else ''}, needs "
+                             f"{info.length(p)} writable")
+        out[p] = view[:info.length(p)]
+    scratch = {p: bytearray(c) for p in targets if p < info.k}  # a data slice's partial chunk
     for s in range(info.chunks):
         width = info.width(s)
         needed = [p for p in targets if info.piece_length(p, s)]
@@ -437,19 +465,24 @@ def rebuild(codec: Codec, info: StripeInfo, have: Mapping[int, Column],
             if refused:
                 raise IntegrityError(why)
             raise RestoreError(why)
-        rebuilt = codec.rebuild(usable, needed, width)
+        # full pieces straight into place; a data slice's partial last chunk through a
+        # scratch chunk, whose zero padding is checked too
+        dest = {p: (out[p][s * c:s * c + width] if info.piece_length(p, s) == width
+                    else memoryview(scratch[p])[:width]) for p in needed}
+        codec.rebuild(usable, dest, width)
         for p in needed:
             n = info.piece_length(p, s)
-            piece = memoryview(rebuilt[p])
-            if p < info.k and piece[n:] != _zeros(width - n):
+            piece = dest[p]
+            if n < width and piece[n:] != _zeros(width - n):
                 raise IntegrityError(f"rebuilt position {p} chunk {s}: non-zero padding; "
                                      "not used")
             got = xxhash.xxh3_64_intdigest(piece[:n])
             if got != info.hashes[p][s]:
                 raise IntegrityError(f"rebuilt position {p} chunk {s}: xxh3 {got:#018x} != "
                                      f"recorded {info.hashes[p][s]:#018x}; not used")
-            out[p][s * c:s * c + n] = piece[:n]
-    return {p: bytes(b) for p, b in out.items()}
+            if n < width:
+                out[p][s * c:s * c + n] = piece[:n]
+    return out
 
 
 # ---- a node's bytes as K slices --------------------------------------------------------------
