@@ -170,13 +170,18 @@ def test_corrupt_piece_is_refused_when_it_would_be_needed(corrupt: str) -> None:
         ec.rebuild(codec, p.info, have, [0])
 
 
-def test_corrupt_piece_is_passed_over_when_others_remain() -> None:
+def test_corrupt_piece_is_passed_over_when_others_remain(
+        caplog: pytest.LogCaptureFixture) -> None:
     codec = _codec(2, 2)
     slices = [_bytes(2 * C + 1, 5), _bytes(C + 7, 6)]
     p0, p1 = ec.encode(codec, slices, C)
     # lose slice 0; slice 1's chunk 1 is corrupt, but both parity fragments are there
     have = {1: _flip(slices[1], C + 3), 2: p0.data, 3: p1.data}
-    assert ec.rebuild(codec, p0.info, have, [0]) == {0: slices[0]}
+    with caplog.at_level("WARNING", logger="ftrun.store.erasure"):
+        assert ec.rebuild(codec, p0.info, have, [0]) == {0: slices[0]}
+    # and says so, for that chunk only
+    assert [r.getMessage()[:42] for r in caplog.records] == [
+        "chunk 1 of the stripe: position 1: xxh3 0x"]
     # wrong length counts as unusable too
     have = {1: slices[1][:-1], 2: p0.data, 3: p1.data}
     assert ec.rebuild(codec, p0.info, have, [0]) == {0: slices[0]}

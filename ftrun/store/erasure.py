@@ -46,13 +46,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# ISA-L Reed-Solomon, Cauchy matrix (MDS for every K and M; ISA-L's Vandermonde variant is not
-# for larger M). Every node of a job must code with the same backend: it is recorded in every
-# parity fragment and checked before decoding.
+# ISA-L Reed-Solomon, Cauchy matrix: every K of K + M fragments decode, for every K and M (ISA-L
+# documents its Vandermonde matrix as not invertible for some sub-matrices at larger K and M).
+# Every node of a job must code with the same backend: it is recorded in every parity fragment
+# and checked before decoding.
 BACKEND = "isa_l_rs_cauchy"
 # Bytes per data piece in one library call (see the module docstring). Measured here
-# (bench/erasure.py, units): 16-64 KiB code fastest, 1 MiB and more several times slower (the
-# library allocates its fragments anew on every call), and a call lasts ~0.3 ms at ec:4+2.
+# (bench/erasure.py, units): 16-256 KiB within the machine's noise of each other, 1 MiB and more
+# several times slower (the library allocates its fragments anew on every call); at 64 KiB a
+# call lasts ~0.3 ms at ec:4+2.
 UNIT_BYTES = 64 << 10
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -88,18 +90,21 @@ class Codec:
         self._check_systematic()
 
     def _check_systematic(self) -> None:
-        """ftrun keeps data pieces where they are and stores parity payloads only; that needs a
-        systematic code whose fragment payloads are the pieces themselves. Check it once."""
+        """ftrun keeps data pieces where they are, stores parity payloads only and gives the
+        library back its own headers to decode: that needs a systematic code whose fragments
+        are a header that does not depend on the bytes, then the piece itself. Check it once."""
         width = 97  # odd on purpose: no alignment helps
         pattern = bytes((i * 31 + 7) % 251 for i in range(self.k * width))
         frags = self._driver.encode(pattern)
         ok = len(frags) == self.k + self.m and all(
             len(f) > width and bytes(f[len(f) - width:]) == pattern[j * width:(j + 1) * width]
-            for j, f in enumerate(frags[:self.k]))
+            for j, f in enumerate(frags[:self.k])) and [
+            bytes(f[:len(f) - width]) for f in frags] == self._header(width)
         if not ok:
             raise ConfigError(f"the erasure-coding library's {self.backend} does not lay out "
-                              "fragments as ftrun expects (systematic, header then payload); "
-                              "install the pyeclib version pinned in ftrun's pyproject.toml")
+                              "fragments as ftrun expects (systematic; a header independent of "
+                              "the bytes, then the payload); install the pyeclib version "
+                              "pinned in ftrun's pyproject.toml")
 
     def _header(self, width: int) -> list[bytes]:
         """The library's fragment headers for pieces of ``width`` bytes, by position. They do
@@ -482,6 +487,9 @@ def rebuild(codec: Codec, info: StripeInfo, have: Mapping[int, Column], want: It
                                      f"recorded {info.hashes[p][s]:#018x}; not used")
             if n < width:
                 out[p][s * c:s * c + n] = piece[:n]
+        if refused:
+            log.warning("chunk %d of the stripe: %s; rebuilt from other, verified pieces", s,
+                        "; ".join(refused))
     return out
 
 
