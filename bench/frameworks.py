@@ -27,6 +27,22 @@ training thread spends inside ``Snapshotter.save`` and ``wait`` (the optimizer p
 holds the next step until the background copy is done) in those steps; the framework's is
 the duration of its save call, and, as a check, how much longer the steps that saved took
 than the others (medians).
+
+``--recovery`` measures recovery instead: each example (its default, small model) on one
+node of ``--nproc`` ranks, rank 1 SIGKILLed after its optimizer step ``Framework.fault_step``
+(mid-epoch, in the second epoch), ``--repeats`` times, variants interleaved:
+
+- ``ftrun in place``: the example with ``--resilient`` (its training function under
+  ``@ftrun.resilient``): the killed rank gets a new process, the others run the function
+  again in theirs;
+- ``ftrun new processes``: the example as it was (no decorator): every rank a new process,
+  resumed from the snapshot;
+- ``torchrun``: ``torchrun --max-restarts 1``: every rank a new process; snapshots are off
+  under torchrun, so training starts over at step 1.
+
+"fault → next step": from the fault marker's time (written just before the kill) until every
+rank has logged a step after it (``--pid-log``: ``step pid time`` per step and rank). Every
+run's final weights are compared with a fault-free ftrun run's.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -49,7 +66,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ftrun.testing import git_tree, kill_sessions, work_dir
+from ftrun.testing import free_port, git_tree, kill_sessions, read_events, work_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "bench" / "_framework_worker.py")
@@ -65,6 +82,9 @@ class Framework:
     job: Callable[[argparse.Namespace, Path], list[str]]  # the example's flags
     ckpt_flag: str  # the example's flag that adds that checkpoint every N steps
     ckpt_glob: str  # one checkpoint, under the directory the example writes them to
+    recovery: Callable[[Path], list[str]]  # the example's flags for --recovery
+    fault_step: int  # --recovery: rank 1 is killed after this optimizer step
+    marker: str  # --recovery: the example's fault marker (its name's prefix)
 
 
 def lightning_job(cfg: argparse.Namespace, job: Path) -> list[str]:
@@ -88,16 +108,25 @@ def accelerate_job(cfg: argparse.Namespace, job: Path) -> list[str]:
             str(cfg.steps * 8 * cfg.nproc), "--epochs", "1", "--save-dir", str(job / "ckpt")]
 
 
+# --recovery, at 3 ranks: Lightning 6 steps an epoch (12 in all), the Trainer 4 (10 in all),
+# Accelerate 4 (8 in all); the fault in the second epoch, a few steps before the end.
 FRAMEWORKS = {f.name: f for f in (
     Framework("lightning", "PyTorch Lightning", "lightning",
               "`ModelCheckpoint(every_n_train_steps=N)` → `trainer.save_checkpoint`",
-              lightning_job, "--ckpt-every", "**/*.ckpt"),
+              lightning_job, "--ckpt-every", "**/*.ckpt",
+              lambda job: ["--samples", "192", "--epochs", "2", "--root-dir", str(job / "ckpt")],
+              9, "lightning-fault"),
     Framework("hf", "Hugging Face Trainer", "transformers",
               "`save_steps=N` → `Trainer._save_checkpoint`",
-              hf_job, "--save-steps", "checkpoint-*"),
+              hf_job, "--save-steps", "checkpoint-*",
+              lambda job: ["--samples", "48", "--max-steps", "10", "--output-dir",
+                           str(job / "ckpt")],
+              6, "hf-trainer-fault"),
     Framework("accelerate", "Accelerate", "accelerate",
               "`accelerator.save_state(dir)` every N steps",
-              accelerate_job, "--save-state-every", "."),
+              accelerate_job, "--save-state-every", ".",
+              lambda job: ["--samples", "96", "--epochs", "2", "--save-dir", str(job / "ckpt")],
+              6, "accelerate-ddp-fault"),
 )}
 
 
@@ -172,6 +201,182 @@ def dir_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# -- recovery (--recovery) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecoveryVariant:
+    name: str
+    launcher: str  # ftrun | torchrun
+    resilient: bool = False  # the example's --resilient: its function under @ftrun.resilient
+
+
+RECOVERY_VARIANTS = (
+    RecoveryVariant("ftrun in place (@ftrun.resilient)", "ftrun", resilient=True),
+    RecoveryVariant("ftrun new processes (no decorator)", "ftrun"),
+    RecoveryVariant("torchrun --max-restarts 1", "torchrun"),
+)
+DIGEST = re.compile(r"(?:lightning-ddp|hf-trainer|accelerate-ddp): step=\d+ world=\d+ "
+                    r"params_xxh3=([0-9a-f]+)")
+FAULT_RANK = 1
+
+
+@dataclass
+class Recovery:
+    ok: bool
+    wall_s: float
+    digest: str | None
+    to_step_s: float | None  # fault -> every rank logged a step after it
+    next_step: int | None  # the highest of those first steps
+    how: str  # the recovery events, or torchrun's
+    kept: list[int]  # ranks whose every step ran in one process
+    log: str
+
+
+def run_recovery(cfg: argparse.Namespace, fw: Framework, v: RecoveryVariant, root: Path,
+                 fault: bool) -> Recovery:
+    job = root / f"{fw.name}-recovery-{uuid.uuid4().hex[:8]}"
+    job.mkdir(parents=True)
+    run_id = f"bench-fw-rec-{job.name}"
+    launcher = ([sys.executable, "-m", "ftrun"] if v.launcher == "ftrun"
+                else [str(Path(sys.executable).with_name("torchrun"))])
+    cmd = [*launcher, "--nproc-per-node", str(cfg.nproc), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
+           "--max-restarts", "1", str(ROOT / SCRIPT_OF[fw.name]), *fw.recovery(job),
+           "--fault-dir", str(job), "--pid-log", str(job)]
+    if v.resilient:
+        cmd.append("--resilient")
+    if fault:
+        cmd += ["--kill-at-step", str(fw.fault_step), "--kill-rank", str(FAULT_RANK)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTRUN_STATE_DIR": str(job / "state"),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.pop("FTRUN_STORE", None)
+    t0 = time.monotonic()
+    with open(job / "out.log", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=job,
+                                start_new_session=True)
+        try:
+            code = proc.wait(cfg.job_timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            print(f"  {fw.name} / {v.name}: timed out after {cfg.job_timeout} s",
+                  file=sys.stderr)
+        finally:
+            kill_sessions([proc])
+    wall = time.monotonic() - t0
+    digests = DIGEST.findall((job / "out.log").read_text())
+    steps: dict[int, list[tuple[int, str, float]]] = {}
+    for rank in range(cfg.nproc):
+        path = job / f"pids-rank{rank}.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        steps[rank] = [(int(st), pid, float(t)) for st, pid, t in (ln.split() for ln in lines)]
+    kept = sorted(r for r, ls in steps.items() if len({pid for _, pid, _ in ls}) == 1)
+    to_step, next_step = None, None
+    marker = job / f"{fw.marker}-rank{FAULT_RANK}-step{fw.fault_step}"
+    if fault and marker.exists():
+        at = float(marker.read_text().strip())
+        # Each rank's first step logged after the fault; the failed rank's is its new
+        # process's first, and the survivors' next collective waits for it.
+        firsts = [min(((t, st) for st, _, t in ls if t > at), default=None)
+                  for ls in steps.values()]
+        if all(f is not None for f in firsts):
+            last_t, next_step = max(f for f in firsts if f)
+            to_step = last_t - at
+    events = read_events(job / "state", run_id) if v.launcher == "ftrun" else []
+    hows = [f"{e['how']} (new: {e.get('new_processes', 'all')})" for e in events
+            if e["type"] == "recovery"]
+    how = ", ".join(hows) or ("new processes (torch)" if v.launcher == "torchrun" else "—")
+    ok = code == 0 and len(digests) == 1 and (not fault or to_step is not None)
+    if not ok:
+        print(f"  {fw.name} / {v.name}: exit {code}\n{(job / 'out.log').read_text()[-3000:]}",
+              file=sys.stderr)
+    return Recovery(ok, wall, digests[-1] if digests else None, to_step, next_step, how, kept,
+                    str(job / "out.log"))
+
+
+def recovery_report(cfg: argparse.Namespace, fw: Framework, base: Recovery,
+                    runs: dict[str, list[Recovery]]) -> list[str]:
+    args = " ".join(fw.recovery(Path("DIR")))
+    lines = [f"### {fw.label} ({fw.package} {version(fw.package)})", "",
+             f"Job: `{SCRIPT_OF[fw.name]} {args}` on 1 node × {cfg.nproc} ranks (gloo, CPU), "
+             f"rank {FAULT_RANK} SIGKILLed after its optimizer step {fw.fault_step}; fault-free "
+             f"run {base.wall_s:.1f} s, params_xxh3 {base.digest}.", "",
+             "| variant | fault → next step, median (min–max) | next step | recovery | ranks "
+             "that kept their process | final params = fault-free | job wall time, median |",
+             "|---|---|---|---|---|---|---|"]
+    medians: dict[str, float] = {}
+    for v in RECOVERY_VARIANTS:
+        rs = runs[v.name]
+        times = [r.to_step_s for r in rs if r.to_step_s is not None]
+        if times:
+            medians[v.name] = statistics.median(times)
+        cell = (f"{medians[v.name]:.2f} s ({min(times):.2f}–{max(times):.2f})" if times
+                else "failed")
+        same = sum(r.ok and r.digest == base.digest for r in rs)
+        lines.append(
+            f"| {v.name} | {cell} | {', '.join(sorted({str(r.next_step) for r in rs}))} | "
+            f"{'; '.join(sorted({r.how for r in rs}))} | "
+            f"{'; '.join(sorted({str(r.kept) for r in rs}))} | {same}/{len(rs)} | "
+            f"{statistics.median(r.wall_s for r in rs):.1f} s |")
+    lines.append("")
+    inplace, restart, torchrun = (medians.get(v.name) for v in RECOVERY_VARIANTS)
+    if inplace is not None and torchrun:
+        lines.append(f"- In place / torchrun: {inplace:.2f} / {torchrun:.2f} s = "
+                     f"**{inplace / torchrun:.2f}×**"
+                     + (f"; / ftrun's new processes: {inplace / restart:.2f}×." if restart
+                        else "."))
+    return lines + [""]
+
+
+def main_recovery(cfg: argparse.Namespace, names: list[str], argv: list[str] | None) -> int:
+    started = datetime.now(timezone.utc)
+    load0 = os.getloadavg()
+    reports: list[str] = []
+    failed = 0
+    with work_dir("ftrun-bench-fw-recovery-", cfg.keep) as root:
+        for name in names:
+            fw = FRAMEWORKS[name]
+            base = run_recovery(cfg, fw, RECOVERY_VARIANTS[1], root, fault=False)
+            failed += not base.ok
+            runs: dict[str, list[Recovery]] = {v.name: [] for v in RECOVERY_VARIANTS}
+            for i in range(cfg.repeats):
+                for v in RECOVERY_VARIANTS:
+                    r = run_recovery(cfg, fw, v, root, fault=True)
+                    runs[v.name].append(r)
+                    failed += not r.ok or r.digest != base.digest
+                    took = f"{r.to_step_s:.2f} s" if r.to_step_s is not None else "FAILED"
+                    print(f"{fw.name} / {v.name} #{i + 1}: fault -> next step {took}, "
+                          f"{r.how}, kept {r.kept}, same params {r.digest == base.digest}",
+                          file=sys.stderr)
+            reports += recovery_report(cfg, fw, base, runs)
+    import torch
+
+    command = " ".join(["python bench/frameworks.py", *(argv if argv is not None
+                                                         else sys.argv[1:])])
+    lines = [
+        "## Framework integrations: fault → next step in place, side by side with torchrun "
+        "(issue 27, item 6)", "",
+        f"- Command: `{command}`",
+        f"- Date (UTC): {started:%Y-%m-%d %H:%M} UTC",
+        f"- Host: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, no GPU, load "
+        f"average (1 min) {load0[0]:.2f} at start / {os.getloadavg()[0]:.2f} at end; Python "
+        f"{platform.python_version()}, torch {torch.__version__}",
+        f"- Code: commit {git_tree()}",
+        f"- Method: {cfg.repeats} repeat(s) per variant, variants interleaved; c10d "
+        "rendezvous, `--max-restarts 1`, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` for both "
+        "launchers. \"fault → next step\": from the fault marker (written just before the "
+        "SIGKILL) until every rank logged a step after it (`--pid-log`); \"next step\": the "
+        "highest of those steps (torchrun starts over at step 1).",
+        "",
+        *reports,
+    ]
+    print("\n".join(lines))
+    if cfg.output:
+        with open(cfg.output, "a", encoding="utf-8") as f:
+            f.write("\n" + "\n".join(lines))
+    return 1 if failed else 0
 
 
 # -- figures --------------------------------------------------------------------------------------
@@ -374,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="which runs, comma-separated, from: " + ", ".join(RUNS))
     p.add_argument("--quick", action="store_true",
                    help="a check of the whole path: tiny models, 24 steps (figures say little)")
+    p.add_argument("--recovery", action="store_true",
+                   help="measure fault -> next step (in place, new processes, torchrun) "
+                        "instead of the snapshot overhead")
+    p.add_argument("--repeats", type=int, default=3, help="--recovery: runs per variant")
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--output", metavar="FILE", help="append the report to FILE")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -385,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in FRAMEWORKS]
     if unknown or not names:
         p.error(f"--frameworks: unknown {unknown or names}; choose from {', '.join(FRAMEWORKS)}")
+    if cfg.recovery:
+        if cfg.repeats < 1:
+            p.error(f"--repeats {cfg.repeats}: at least 1")
+        return main_recovery(cfg, names, argv)
     if cfg.steps <= cfg.warmup + cfg.ckpt_every:
         p.error(f"--steps {cfg.steps} leaves fewer than --ckpt-every {cfg.ckpt_every} steps "
                 f"after --warmup {cfg.warmup}: raise --steps")

@@ -77,9 +77,13 @@ class LoaderPosition:
         self.generator: torch.Generator | None = getattr(loader, "synchronized_generator", None)
         self.iteration = int(getattr(loader, "iteration", 0))
         self.generator_state = self.generator.get_state() if self.generator is not None else None
+        # After a restore: (the restored epoch, the generator's state after that epoch's
+        # draws), until the script's next set_epoch says which epoch it trains.
+        self._restored: tuple[int, torch.Tensor] | None = None
         set_epoch = getattr(loader, "set_epoch", None)
         if callable(set_epoch):
             def record_then_set_epoch(epoch: int) -> None:
+                self._next_epoch_after_restore(int(epoch))
                 self.iteration = int(epoch)
                 if self.generator is not None:
                     self.generator_state = self.generator.get_state()
@@ -89,15 +93,31 @@ class LoaderPosition:
 
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"iteration": self.iteration}
-        if self.generator_state is not None:
+        if self.generator_state is not None and self.generator is not None:
             out["generator"] = self.generator_state
+            # Every draw of the epoch comes before its first batch (the base seed, the
+            # sampler's order), so this is where the next epoch's draws begin: a snapshot
+            # of an epoch's last step resumes there.
+            out["generator_after"] = self.generator.get_state()
         return out
 
     def load(self, saved: Mapping[str, Any]) -> None:
+        self._restored = None
         if "generator" in saved and self.generator is not None:
             self.generator.set_state(saved["generator"])
         # Through the wrapper: sets the loader's and its samplers' epoch, and records it.
         self.loader.set_epoch(int(saved["iteration"]))
+        if "generator_after" in saved and self.generator is not None:
+            self._restored = (int(saved["iteration"]), saved["generator_after"])
+
+    def _next_epoch_after_restore(self, epoch: int) -> None:
+        """The first set_epoch after a restore: a later epoch than the snapshot's (it was of
+        the epoch's last step) draws from where the snapshot's epoch left the generator, as
+        the uninterrupted run's next epoch did; the same epoch draws its order again from
+        the epoch's start (restored already)."""
+        restored, self._restored = self._restored, None
+        if restored is not None and epoch > restored[0] and self.generator is not None:
+            self.generator.set_state(restored[1])
 
 
 class AcceleratorSnapshotter:
