@@ -153,6 +153,28 @@ class Run:
     load: float = 0.0  # the 1-minute load average when the run ended (others' jobs show here)
 
 
+def run_logged(cfg: argparse.Namespace, cmd: list[str], job: Path, label: str,
+               **env: str) -> tuple[int | None, float]:
+    """Run ``cmd`` in ``job`` (output to ``job/out.log``, the job's state under
+    ``job/state``), at most ``--job-timeout`` seconds; its processes are all gone after.
+    Returns (exit code, None on a timeout; wall time in seconds)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTRUN_STATE_DIR": str(job / "state"),
+                **env}
+    full_env.pop("FTRUN_STORE", None)
+    t0 = time.monotonic()
+    with open(job / "out.log", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                cwd=job, start_new_session=True)
+        try:
+            code: int | None = proc.wait(cfg.job_timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            print(f"  {label}: timed out after {cfg.job_timeout} s", file=sys.stderr)
+        finally:
+            kill_sessions([proc])
+    return code, time.monotonic() - t0
+
+
 def run_job(cfg: argparse.Namespace, fw: Framework, v: Variant, root: Path,
             shm_dir: Path) -> Run:
     job = root / f"{fw.name}-{uuid.uuid4().hex[:8]}"
@@ -166,22 +188,8 @@ def run_job(cfg: argparse.Namespace, fw: Framework, v: Variant, root: Path,
             f"bench-fw-{job.name}", WORKER, fw.name, *fw.job(cfg, job)]
     if v.ckpt:
         cmd += [fw.ckpt_flag, str(cfg.ckpt_every)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTRUN_STATE_DIR": str(job / "state"),
-           "FTRUN_SHM_DIR": str(shm_dir), "FTRUN_BENCH_TIMINGS": str(timings)}
-    env.pop("FTRUN_STORE", None)
-    t0 = time.monotonic()
-    with open(job / "out.log", "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=job,
-                                start_new_session=True)
-        try:
-            code = proc.wait(cfg.job_timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-            print(f"  {fw.name} / {v.name}: timed out after {cfg.job_timeout} s",
-                  file=sys.stderr)
-        finally:
-            kill_sessions([proc])
-    wall = time.monotonic() - t0
+    code, wall = run_logged(cfg, cmd, job, f"{fw.name} / {v.name}",
+                            FTRUN_SHM_DIR=str(shm_dir), FTRUN_BENCH_TIMINGS=str(timings))
     ranks = [json.loads(p.read_text()) for p in sorted(timings.glob("rank*.json"))]
     run = Run(v, code == 0 and len(ranks) == cfg.nproc, wall, str(job / "out.log"), ranks,
               load=os.getloadavg()[0])
@@ -250,22 +258,8 @@ def run_recovery(cfg: argparse.Namespace, fw: Framework, v: RecoveryVariant, roo
         cmd.append("--resilient")
     if fault:
         cmd += ["--kill-at-step", str(fw.fault_step), "--kill-rank", str(FAULT_RANK)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FTRUN_STATE_DIR": str(job / "state"),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    env.pop("FTRUN_STORE", None)
-    t0 = time.monotonic()
-    with open(job / "out.log", "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=job,
-                                start_new_session=True)
-        try:
-            code = proc.wait(cfg.job_timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-            print(f"  {fw.name} / {v.name}: timed out after {cfg.job_timeout} s",
-                  file=sys.stderr)
-        finally:
-            kill_sessions([proc])
-    wall = time.monotonic() - t0
+    code, wall = run_logged(cfg, cmd, job, f"{fw.name} / {v.name}",
+                            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     digests = DIGEST.findall((job / "out.log").read_text())
     steps: dict[int, list[tuple[int, str, float]]] = {}
     for rank in range(cfg.nproc):
