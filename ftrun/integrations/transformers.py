@@ -35,8 +35,10 @@ start position is fixed before any callback runs and only its resume path skips 
 subclass is needed: any Trainer subclass works.
 
 Under plain ``python`` or ``torchrun`` the Snapshotter logs once that snapshots are off and
-training runs as usual. ``trainer.train()`` is called once per process (ftrun restarts the
-process after a fault).
+training runs as usual. ``trainer.train()`` is called once per Trainer (ftrun restarts the
+process after a fault, or, under ``@ftrun.resilient``, the function that builds a new one;
+importing this module registers the reset of accelerate's process-wide state that such a
+re-run needs).
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ class SnapshotCallback(TrainerCallback):
 
         if self.snapshotter is not None:
             raise ConfigError(
-                "trainer.train() ran a second time in this process: ftrun resumes one "
-                "train() per process (a restart runs the script again); build a new Trainer "
-                "and call add_snapshots() on it")
+                "trainer.train() ran a second time on this Trainer: ftrun resumes one "
+                "train() per Trainer (a restart runs the script, or its @ftrun.resilient "
+                "function, again); build a new Trainer and call add_snapshots() on it")
         trainer = self.trainer
         _hf.check_loop(trainer)
         stateful: dict[str, Any] = {}
