@@ -119,7 +119,7 @@ def generate(endpoint: str, secret: bytes, job: str, first: int, count: int,
         return generate_aggregated(endpoint, secret, job, first, count, seconds, interval_s,
                                    full_every_s, group, coll, hang_wall, hang_kind)
     ctx: zmq.Context[Any] = zmq.Context()
-    ctx.set(zmq.MAX_SOCKETS, count + 64)
+    ctx.set(zmq.MAX_SOCKETS, 3 * count + 64)  # a client, its monitor and ZeroMQ's end
     asked: set[int] = set()
     nodes = []
     for i in range(first, first + count):
@@ -216,7 +216,7 @@ def generate_aggregated(endpoint: str, secret: bytes, job: str, first: int, coun
     also one collective summary every 0.25 s per group to the detection service, on a
     connection of its own."""
     ctx: zmq.Context[Any] = zmq.Context()
-    ctx.set(zmq.MAX_SOCKETS, 2 * (count // group) + 64)
+    ctx.set(zmq.MAX_SOCKETS, 6 * (count // group + 1) + 64)  # 2 clients a group, 3 sockets each
     plans: dict[int, int] = {}  # node -> the plan it follows
     want_full: set[int] = set()
     detect: list[str] = []  # the detection endpoint, from the answer to hello

@@ -48,7 +48,7 @@ class SimNodes:
 
     def __init__(self, endpoint: str, secret: bytes, n: int, term: int) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.ctx.set(zmq.MAX_SOCKETS, n + 64)
+        self.ctx.set(zmq.MAX_SOCKETS, 3 * n + 64)  # a client, its monitor and ZeroMQ's end
         self.nodes = []
         for i in range(n):
             node_id = f"sim-{i:05d}/1"

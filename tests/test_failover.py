@@ -27,6 +27,7 @@ from ftrun.coordinator.client import coordinator_client, request
 from ftrun.coordinator.server import Coordinator
 from ftrun.errors import StaleTermError
 from ftrun.launcher import etcd
+from ftrun.protocol import handshake
 from ftrun.protocol.transport import Client, Server
 from ftrun.testing import wait_for
 from ftrun.testing.etcd import EtcdCluster
@@ -107,6 +108,7 @@ def test_captured_failed_heartbeat_is_refused_after_a_failover(
                                term=a.term)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    handshake.join(raw, SECRET)
     try:
         raw.connect(f"tcp://{first.endpoint}")
         raw.send_multipart(captured)

@@ -22,7 +22,7 @@ from test_transport import Serving as TransportServing
 
 from ftrun import protocol
 from ftrun.errors import ProtocolError, UnreachableError
-from ftrun.protocol import codec, transport
+from ftrun.protocol import codec, handshake, transport
 from ftrun.protocol.transport import Client, Reply, Server
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,11 +61,15 @@ def serving(url: str) -> Iterator[Serving]:
 
 
 class Raw:
-    """A bare DEALER: sends whatever frames it is given, as a replayer or a flooder would."""
+    """A bare DEALER: sends whatever frames it is given, as a replayer or a flooder would.
+    It passes the handshake (the token crosses the network in clear: a peer that captured
+    messages has it too) unless ``secret`` is None."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, secret: bytes | None = SECRET) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if secret is not None:
+            handshake.join(self.sock, secret)
         self.sock.connect(url)
 
     def send(self, frames: list[Any]) -> None:
@@ -182,6 +186,7 @@ def test_a_replayed_reply_is_delivered_once(url: str) -> None:
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    served = handshake.serve(router, SECRET, "replayer")
     router.bind(url)
     bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
     got: list[protocol.Message] = []
@@ -201,6 +206,7 @@ def test_a_replayed_reply_is_delivered_once(url: str) -> None:
     finally:
         c.close()
         router.close(0)
+        served.release()
     assert [m.re for m in got] == [sent]
 
 
@@ -375,20 +381,20 @@ def test_the_total_limit_is_configurable(url: str) -> None:
     assert [len(m.frames) for m in s.seen] == [4] and [len(m.frames) for m in tight.seen] == [1]
 
 
-# -- what an unauthenticated peer can cost the coordinator ---------------------------------------
+# -- what a peer without the secret can cost the coordinator ------------------------------------
 
-# The coordinator's stated bound under the issue's flood (10 x 50 MB, each message 51,200
-# frames of 1 KiB, from a peer without the secret): its resident memory grows by at most
-# FLOOD_PEAK_MIB while the flood lasts, and is back within FLOOD_KEPT_MIB of where it started
-# once the flood is over. (Before: +670 MiB at the peak, +490 MiB kept for good.) ZeroMQ
-# assembles a whole multipart message before the server sees its first frame, and its
-# ZMQ_MAXMSGSIZE caps each frame, not a message's frame count; so the peak is what ZeroMQ
-# queued while the server read: +140-250 MiB on an idle host, up to the whole flood when the
-# host is busy and the server drains slowly (its reading speed, not a bound of ours, decides
-# how much is queued). The bound is therefore the flood itself as ZeroMQ holds it (477 MiB of
-# frames, ~523 MiB with its per-frame allocation) and a margin: no amplification by the
-# server, which keeps at most one message's caps of it, drops the rest as it reads and gives
-# the heap back when the flood ends (the old tree kept 490 MiB for good: the second bound).
+# A peer without the job's token is refused at the handshake: nothing it sends is read, so a
+# flood of any size costs the coordinator what a connection costs. Its bound under 4 x 50 MB
+# of 1 KiB frames (a message of 51,200 frames each; before the handshake, one such message of
+# 1 Gi made the coordinator hold 2 GB):
+NO_TOKEN_PEAK_MIB = 32
+# A peer that has the token (it crosses the network in clear) but not the secret passes the
+# handshake, and ZeroMQ assembles each of its messages whole before the server sees the first
+# frame (ZMQ_MAXMSGSIZE caps a frame, not a message's frame count). Under the 10 x 50 MB flood
+# the peak is what ZeroMQ queued while the server read: +140-250 MiB on an idle host, up to the
+# whole flood when the host is busy (477 MiB of frames, ~523 MiB with ZeroMQ's per-frame
+# allocation): the bound is that and a margin; the server keeps at most one message's caps of
+# it, drops the rest as it reads and gives the heap back when the flood ends.
 FLOOD_PEAK_MIB = 600
 FLOOD_KEPT_MIB = 48
 _COORDINATOR = """
@@ -410,9 +416,36 @@ def _memory_mib(pid: int) -> tuple[float, float]:
     return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
 
 
+def _flood(url: str, secret: bytes | None, messages: int) -> tuple[zmq.Socket[Any], int]:
+    """A DEALER that sends up to ``messages`` messages of 50 MB as 1 KiB frames (with the
+    job's handshake token when ``secret`` is given), and how many it could queue: ZeroMQ
+    stops taking them (after a few seconds) when it has no connection to queue them on, as
+    when the peer refused its handshake."""
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.setsockopt(zmq.SNDTIMEO, 3000)
+    if secret is not None:
+        handshake.join(flood, secret)
+    flood.connect(url)
+    frame = b"x" * 1024
+    for sent in range(messages):
+        try:
+            for _ in range(50 * 1024 - 1):
+                flood.send(frame, zmq.SNDMORE)
+            flood.send(frame)
+        except zmq.Again:
+            return flood, sent
+    return flood, messages
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
-def test_an_unauthenticated_flood_costs_the_coordinator_bounded_memory() -> None:
+def test_a_flood_costs_the_coordinator_bounded_memory() -> None:
+    """Without the token: refused at the handshake, nothing read, next to no memory, the
+    status answered meanwhile; raw bytes that are not ZeroMQ at all: the same. With the
+    token but not the secret: every message read and refused, memory bounded and given
+    back."""
+    import socket
     import subprocess
     import sys
 
@@ -420,7 +453,8 @@ def test_an_unauthenticated_flood_costs_the_coordinator_bounded_memory() -> None
     child = subprocess.Popen(
         [sys.executable, "-c", _COORDINATOR, str(Path(__file__).resolve().parent.parent),
          secret.hex()], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    flood = status = None
+    floods: list[zmq.Socket[Any]] = []
+    status = None
     try:
         assert child.stdout is not None and child.stdin is not None
         endpoint = child.stdout.readline().strip()
@@ -432,22 +466,30 @@ def test_an_unauthenticated_flood_costs_the_coordinator_bounded_memory() -> None
 
         counters()  # warmed up: the serving loop has run
         start_rss, start_hwm = _memory_mib(child.pid)
-        flood = zmq.Context.instance().socket(zmq.DEALER)
-        flood.setsockopt(zmq.LINGER, 0)
-        flood.connect(f"tcp://{endpoint}")
-        frame = b"x" * 1024
-        for _ in range(10):  # 10 x 50 MB, as 1 KiB frames
-            for _ in range(50 * 1024 - 1):
-                flood.send(frame, zmq.SNDMORE)
-            flood.send(frame)
-        # Served meanwhile, and every flood message read and refused.
+        floods.append(_flood(f"tcp://{endpoint}", None, 4)[0])
+        host, port = endpoint.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            try:  # 64 MiB that are not ZeroMQ's protocol: the connection is dropped
+                for _ in range(64):
+                    raw.sendall(b"\xff" * (1 << 20))
+            except OSError:
+                pass
+        # Refused at each handshake it retried (and answered the status meanwhile), never read.
+        wait_for(lambda: counters()["auth_failures"] >= 3, 60, "the handshakes refused")
+        assert counters()["bad_messages"] == 0 and counters()["messages"] > 0
+        no_token_peak = _memory_mib(child.pid)[1] - start_rss
+        assert no_token_peak <= NO_TOKEN_PEAK_MIB, (start_rss, start_hwm, no_token_peak)
+
+        flood, sent = _flood(f"tcp://{endpoint}", secret, 10)
+        floods.append(flood)
+        assert sent == 10
         wait_for(lambda: counters()["bad_messages"] >= 10, 120, "the flood refused")
         peak = _memory_mib(child.pid)[1] - start_rss
         wait_for(lambda: _memory_mib(child.pid)[0] - start_rss <= FLOOD_KEPT_MIB, 60,
                  f"the coordinator's memory back within {FLOOD_KEPT_MIB} MiB")
         assert peak <= FLOOD_PEAK_MIB, (start_rss, start_hwm, peak)
     finally:
-        if flood is not None:
+        for flood in floods:
             flood.close(0)
         if status is not None:
             status.close()

@@ -17,6 +17,7 @@ import zmq
 from snapshot_helpers import stage_segment
 
 from ftrun.errors import IntegrityError
+from ftrun.protocol import handshake
 from ftrun.protocol.transport import Client
 from ftrun.snapshot import segment as shm
 from ftrun.snapshot import verify
@@ -203,6 +204,7 @@ def test_chunk_buffers_in_flight_when_a_transfer_stops_are_never_reused(job: Job
     # A peer that takes the chunks and never acknowledges one: they stay in flight.
     silent = zmq.Context.instance().socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
+    served = handshake.serve(silent, SECRET, "silent peer")
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     sender = job.sender(lambda: (EPOCH, 4), window=2, ack_timeout_s=0.5)
     try:
@@ -215,6 +217,7 @@ def test_chunk_buffers_in_flight_when_a_transfer_stops_are_never_reused(job: Job
         assert sender._pool == [], "a buffer ZeroMQ may still send from was kept for reuse"
     finally:
         silent.close(0)
+        served.release()
     # The sender goes on with fresh buffers: the next transfer lands verified.
     assert sender.send_step(job.peer, EPOCH, 4) == 1
     [rec] = job.replicas()

@@ -21,6 +21,7 @@ from conftest import wait_for
 
 from ftrun import protocol
 from ftrun.errors import AuthError, ProtocolError
+from ftrun.protocol import handshake
 from ftrun.protocol.service import Service
 from ftrun.protocol.transport import Client, Server
 
@@ -172,6 +173,7 @@ def test_a_kind_it_does_not_take_is_answered_with_an_error(running: Running) -> 
 def test_garbage_is_survived_and_serving_goes_on(running: Running) -> None:
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    handshake.join(raw, SECRET)  # past the handshake: the messages themselves are refused
     raw.connect(f"tcp://{running.address}")
     c = _client(running)
     try:
@@ -186,6 +188,119 @@ def test_garbage_is_survived_and_serving_goes_on(running: Running) -> None:
         c.close()
         raw.close(0)
     assert counters["bad_messages"] >= 2
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+# What this process (the server and the hostile peers together) may keep after the floods
+# below (2 x 20 MB of 1 KiB frames without the token, 32 MiB of raw bytes, 20 MB of 1 KiB
+# frames with the token but not the secret), once they are over.
+HOSTILE_KEPT_MIB = 48
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_hostile_peers_are_refused_logged_and_cost_bounded_memory(
+        running: Running, caplog: pytest.LogCaptureFixture) -> None:
+    """Against each server: a peer without the token (huge multi-part messages, raw bytes
+    that are not ZeroMQ, a sender stalled mid-greeting) is dropped at the handshake with
+    nothing of it read; a peer with the token but not the secret has its messages refused
+    (a bad signature is answered with the fixed refusal; many small frames and a huge
+    message of them are dropped as they are read); the coordinator refuses a message signed
+    for another incarnation. Each refusal is counted and logged; a legitimate client is
+    answered meanwhile; the process's memory is back within a bound after."""
+    import socket
+
+    from ftrun.protocol import transport
+
+    host, port = protocol.split_endpoint(running.address)
+    counters = running.service.server.counters
+    kind, body = running.request
+    good = _client(running)
+    floods: list[zmq.Socket[Any]] = []
+
+    def answered() -> None:
+        assert good.request(kind, body, None, 10.0).kind in protocol.BODIES[kind].REPLIES
+
+    def flood(token: bool, messages: int) -> zmq.Socket[Any]:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 2000)
+        if token:
+            handshake.join(sock, SECRET)
+        sock.connect(f"tcp://{running.address}")
+        floods.append(sock)
+        try:
+            for _ in range(messages):
+                for _ in range(20 * 1024 - 1):
+                    sock.send(b"x" * 1024, zmq.SNDMORE)
+                sock.send(b"x" * 1024)
+        except zmq.Again:  # no connection to queue on: its handshake was refused
+            pass
+        return sock
+
+    answered()
+    before = _rss_mib()
+    stalled = socket.create_connection((host, port), timeout=10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ftrun.protocol"):
+            stalled.sendall(b"\xff\x00\x00")  # the first bytes of a greeting, then nothing
+            refused = counters["auth_failures"]
+            read = counters["bad_messages"] + counters["messages"]
+            flood(token=False, messages=2)
+            with socket.create_connection((host, port), timeout=10) as raw:
+                try:
+                    for _ in range(32):
+                        raw.sendall(b"\x01" * (1 << 20))
+                except OSError:  # dropped by the server
+                    pass
+            # The peer without the token is refused (ZeroMQ drops raw bytes without a word,
+            # and the stalled greeting at its handshake timeout, 30 s: not waited for).
+            wait_for(lambda: counters["auth_failures"] > refused, 30, "the handshake refused")
+            answered()
+            # Nothing of a peer without the token was read (the good client's messages only).
+            assert counters["bad_messages"] + counters["messages"] == read + 1
+            assert any(f"{running.service.name}: dropped" in r.getMessage()
+                       and "at the handshake" in r.getMessage() for r in caplog.records)
+
+            # With the token, without the secret.
+            refused_with_token = counters["auth_failures"]
+            raw_token = flood(token=True, messages=1)
+            for frames in ([b"z"] * 2000, [*protocol.encode(
+                    kind, body, secret=b"not-the-secret-0123456789abcdef!", job=running.job,
+                    sender="contract:hostile")]):
+                raw_token.send_multipart(frames)
+            wait_for(lambda: counters["bad_messages"] >= 2 and raw_token.poll(0), 30,
+                     "the messages with the token refused")
+            assert raw_token.recv_multipart() == [protocol.AUTH_REFUSED]
+            answered()
+            if isinstance(running.service.server.term, int) and running.service.server.term:
+                stale = [*protocol.encode(kind, body, secret=SECRET, job=running.job,
+                                          sender="contract:stale",
+                                          term=running.service.server.term + 1)]
+                raw_token.send_multipart(stale)
+                wait_for(lambda: counters["stale_terms"] >= 1, 30, "the stale incarnation")
+        # Logged once per peer address and window: the bad message; the bad signature after
+        # it from the same address is counted.
+        assert any(f"{running.service.name}: bad message from peer" in r.getMessage()
+                   for r in caplog.records)
+        assert counters["auth_failures"] >= refused_with_token + 1
+    finally:
+        stalled.close()
+        for sock in floods:
+            sock.close(0)
+        good.close()
+    answered_again = _client(running)
+    try:
+        assert answered_again.request(kind, body, None, 10.0).kind in protocol.BODIES[kind].REPLIES
+    finally:
+        answered_again.close()
+    transport._malloc_trim()
+    assert _rss_mib() - before <= HOSTILE_KEPT_MIB, (before, _rss_mib())
 
 
 def test_it_stops_within_its_bound_and_releases_its_socket(running: Running) -> None:

@@ -46,7 +46,7 @@ import zmq
 
 from ftrun import errors
 from ftrun.errors import AuthError, FtrunError, ProtocolError, UnreachableError
-from ftrun.protocol import codec
+from ftrun.protocol import codec, handshake
 from ftrun.protocol.codec import AUTH_REFUSED, Buffer, Typed
 from ftrun.protocol.endpoints import zmq_url
 from ftrun.protocol.messages import Body, Message
@@ -205,6 +205,8 @@ class Client:
         self._ctx = context
         self._lock = threading.Lock()
         self._sock: zmq.Socket[Any] | None = None
+        self._refusals: handshake.Refusals | None = None
+        self._poller: zmq.Poller | None = None
         self._pid = os.getpid()
         # Every message is numbered in this client's session (the server refuses a number it
         # has seen: a replay); reconnecting keeps both, a forked child starts its own.
@@ -223,7 +225,7 @@ class Client:
         if self._pid != os.getpid():
             # Inherited through fork: the parent's socket is never used here, and the parent
             # goes on numbering its session, so the child takes a session of its own.
-            self._sock, self._pid = None, os.getpid()
+            self._sock, self._refusals, self._pid = None, None, os.getpid()
             self._session, self._counter = codec.new_session(), 0
             self._sent.clear()
             self._sent_set.clear()
@@ -241,6 +243,12 @@ class Client:
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._reconnect_s[1] * 1000))
             if self.url.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            handshake.join(sock, self._secret)
+            self._refusals = handshake.Refusals(sock)
+            self._poller = zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+            if self._refusals.socket is not None:
+                self._poller.register(self._refusals.socket, zmq.POLLIN)
             sock.connect(self.url)
             self._sock, self._pid = sock, os.getpid()
         return self._sock
@@ -249,16 +257,20 @@ class Client:
         """Drop the connection: a fresh one reconnects at once (to a restarted peer)."""
         if self._sock is not None:
             if self._pid == os.getpid():
+                if self._refusals is not None:
+                    self._refusals.close(self._sock)
                 self._sock.close(0)
-            self._sock = None  # the session and its counter go on
+            self._sock = self._refusals = self._poller = None  # the session goes on
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the connection; ``linger_s`` > 0 gives what is queued that long to go out
         (a last message before the process exits), else it is dropped."""
         with self._lock:
             if linger_s > 0 and self._sock is not None and self._pid == os.getpid():
+                if self._refusals is not None:
+                    self._refusals.close(self._sock)
                 self._sock.close(int(linger_s * 1000))
-                self._sock = None
+                self._sock = self._refusals = self._poller = None
             self._reset()
 
     def _follow(self, msg: Message, want: str | None) -> bool:
@@ -282,6 +294,11 @@ class Client:
         self._sent_set.discard(msg.re)
         self._send_locked(kind, body, ())
         return True
+
+    def _check_refused(self) -> None:
+        """Raise AuthError (ProtocolError) when the server refused our handshake."""
+        if self._refusals is not None:
+            self._refusals.check(str(self))
 
     def retarget(self, address: str, term: int) -> None:
         """Talk to ``address`` under coordinator ``term`` from now on (the coordinator failed
@@ -321,6 +338,7 @@ class Client:
         try:
             self._socket().send_multipart(out, copy=False)
         except zmq.Again:
+            self._check_refused()
             return None
         if len(self._sent) == self._sent.maxlen:
             self._sent_set.discard(self._sent[0])
@@ -355,6 +373,7 @@ class Client:
                 try:
                     self._socket().send_multipart(out, copy=False)
                 except zmq.Again:  # not even queued within the send timeout
+                    self._check_refused()  # no connection: was it refused at the handshake?
                     self._reset()
                     continue
                 term = self.term
@@ -401,10 +420,16 @@ class Client:
         ``stop_after``, also once a reply was delivered and nothing more is waiting (its one
         item counts the deliveries)."""
         sock = self._socket()
+        assert self._poller is not None and self._refusals is not None
         while True:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not sock.poll(remaining_ms, zmq.POLLIN):
-                return None
+            ready = dict(self._poller.poll(remaining_ms))
+            if self._refusals.socket in ready:
+                self._check_refused()
+            if sock not in ready:
+                if remaining_ms == 0 or not ready:
+                    return None
+                continue
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -548,6 +573,9 @@ class Server:
         self._on_reject = on_reject
         self._hwm = hwm
         self._sock: zmq.Socket[Any] | None = None
+        self._served: handshake.Served | None = None
+        self._mismatches: handshake.Mismatches | None = None
+        self._poller: zmq.Poller | None = None
         self._warn = RateLimiter(WARN_EVERY_S, MAX_PEERS_TRACKED, MAX_REFUSAL_REPORTS)
         self._refusals: OrderedDict[Any, tuple[float, int]] = OrderedDict()
         self.replays = codec.ReplayGuard()
@@ -573,11 +601,20 @@ class Server:
             sock.setsockopt(zmq.RCVHWM, self._hwm)
             if url.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.bind(url)
+            served = handshake.serve(sock, self._secret, self.name, self._count_refused)
+            try:
+                sock.bind(url)
+            except zmq.ZMQError:
+                served.release()
+                raise
         except zmq.ZMQError:
             sock.close(0)
             raise
-        self._sock = sock
+        self._sock, self._served = sock, served
+        self._mismatches = handshake.Mismatches(sock, self.name)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._mismatches.socket, zmq.POLLIN)
         return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def bind_tcp(self, host: str, context: zmq.Context[Any] | None = None) -> str:
@@ -589,8 +626,22 @@ class Server:
 
     def close(self) -> None:
         if self._sock is not None:
+            if self._mismatches is not None:
+                self._mismatches.close(self._sock)
+                self._mismatches = self._poller = None
             self._sock.close(0)
             self._sock = None
+        if self._served is not None:
+            self._served.release()
+            self._served = None
+
+    def _count_refused(self, address: str, why: str, suppressed: int | None) -> None:
+        """A connection refused at the handshake (on the gate's thread, which logged it):
+        counted, and reported to ``on_reject`` when it was logged."""
+        self.counters["auth_failures"] += 1
+        if suppressed is not None and self._on_reject is not None:
+            self._on_reject("auth_failure", address, f"refused at the handshake: {why}",
+                            suppressed)
 
     def serve_once(self, timeout_s: float, max_messages: int = 1000) -> int:
         """Handle the messages that arrive within ``timeout_s`` (at most ``max_messages``);
@@ -598,7 +649,15 @@ class Server:
         sock = self._sock
         if sock is None:
             raise FtrunError(f"the {self.name} is not bound; call bind() first")
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        assert self._poller is not None and self._mismatches is not None
+        ready = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self._mismatches.socket in ready:
+            dropped, suppressed = self._mismatches.drain()
+            self.counters["auth_failures"] += dropped
+            if suppressed is not None and self._on_reject is not None:
+                self._on_reject("auth_failure", "", "dropped at the handshake: no token, or "
+                                "not ZeroMQ", suppressed)
+        if sock not in ready:
             if self._trim_pending:  # a flood ended: give its heap back now
                 self._trim(TRIM_AFTER_BYTES)
             return 0
