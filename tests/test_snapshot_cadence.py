@@ -126,3 +126,29 @@ def test_status_names_the_interval_and_what_skips_cost() -> None:
     assert _cadence_text({"every": 1, "effective_every": 1.0}) == " | every 1 step(s)"
     assert _cadence_text({"every": 2, "effective_every": 3.5}) == \
         " | every 2 step(s), effective 3.5"
+
+
+def test_skipped_snapshots_are_counted_with_their_reasons_and_told_since_the_last_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The warning says how many were skipped since its last line and in all (not a count
+    frozen at the first); the closing summary counts them by reason."""
+    import logging
+
+    from ftrun.rank import save
+
+    # Only the counting is exercised: no rank context, no state, no copy thread started.
+    saver = save.Saver(None, None, Cadence(1), async_copy=True,  # type: ignore[arg-type]
+                       wait_s=0.0)
+    saver.taken_saves = 10
+    with caplog.at_level(logging.WARNING, logger=save.log.name):
+        saver.skipped(3, "the store was busy", "store_busy")
+        saver.skipped(4, "the store was busy", "store_busy")  # within the interval: not logged
+        saver.skipped(5, "no buffer", "no_buffer")
+        saver._skip_logged -= save.SKIP_LOG_INTERVAL_S  # the interval has passed
+        saver.skipped(6, "no forward pass", "no_forward")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "step 3: the store was busy (1 skipped since the last such line; 1 of 10" in lines[0]
+    assert "step 6: no forward pass (3 skipped since the last such line; 4 of 10" in lines[1]
+    assert saver.summary() == ("6 of 10 snapshots staged, 4 skipped (2 store_busy, "
+                               "1 no_buffer, 1 no_forward)")

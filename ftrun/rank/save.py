@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from queue import SimpleQueue
@@ -157,6 +158,9 @@ class Saver:
         self._copy_stream: Any = None
         self._registered: set[int] = set()
         self.skipped_saves = 0
+        self.taken_saves = 0  # snapshots begun (each is then staged or skipped)
+        self.skip_reasons: Counter[str] = Counter()  # skipped snapshots by reason
+        self._skipped_unlogged = 0  # skipped since the last warning line
 
     def take_rng(self) -> None:
         due, self._rng_due = self._rng_due, None
@@ -174,6 +178,7 @@ class Saver:
                         "resume after failures)")
             self._ctx.start_epoch(0, dist.is_available() and dist.is_initialized())
         self.wait()
+        self.taken_saves += 1
         t0 = time.perf_counter()
         state = self._state.capture(step, extra)
         # The RNG states go in as of the next forward pass (or wait()), not of now: that is
@@ -233,21 +238,34 @@ class Saver:
         if job.give_up():
             if job.count_skip():
                 self.skipped(job.step, "the store had not released its buffer in time (the "
-                             "previous snapshot was not committed yet)")
+                             "previous snapshot was not committed yet)", "store_busy")
             return
         try:
             job.future.result(timeout=timeout_s)
         except FtrunError as e:
             log.error("snapshot failed: %s", e)
 
-    def skipped(self, step: int, why: str) -> None:
+    def skipped(self, step: int, why: str, reason: str) -> None:
+        """Count a skipped snapshot under ``reason`` (a short key: ``store_busy``,
+        ``no_buffer``, ``no_forward``) and say so at most once per SKIP_LOG_INTERVAL_S, with how
+        many were skipped since the last line and in all."""
         self.skipped_saves += 1
+        self.skip_reasons[reason] += 1
+        self._skipped_unlogged += 1
         self.cadence.skipped()
         now = time.monotonic()
         if now - self._skip_logged >= SKIP_LOG_INTERVAL_S:
             self._skip_logged = now
-            log.warning("skipped the snapshot of step %d: %s (%d skipped so far; training does "
-                        "not wait for snapshots)", step, why, self.skipped_saves)
+            since, self._skipped_unlogged = self._skipped_unlogged, 0
+            log.warning("skipped the snapshot of step %d: %s (%d skipped since the last such "
+                        "line; %d of %d in all; training does not wait for snapshots)", step,
+                        why, since, self.skipped_saves, self.taken_saves)
+
+    def summary(self) -> str:
+        """How many snapshots were taken and skipped, and why: for the closing log line."""
+        reasons = ", ".join(f"{n} {why}" for why, n in self.skip_reasons.most_common())
+        return (f"{self.taken_saves - self.skipped_saves} of {self.taken_saves} snapshots "
+                f"staged, {self.skipped_saves} skipped" + (f" ({reasons})" if reasons else ""))
 
     def claim(self, job: SaveJob, target: int, need: int) -> int | None:
         """The buffer to write ``job`` into (``target``, or the newest one when its step can
@@ -339,7 +357,7 @@ class Saver:
             self._copied.set()
             if job.count_skip():
                 self.skipped(step, f"the store did not release a buffer (step {need} not "
-                                   "committed, or the store unreachable)")
+                                   "committed, or the store unreachable)", "no_buffer")
             return
         target = claimed
         seg = self._ctx.segments[target]
@@ -393,7 +411,7 @@ class Saver:
         self._copied.set()
         if not self._rng_taken.wait(timeout=RNG_TIMEOUT_S):
             self.skipped(step, f"no forward pass and no wait() within {RNG_TIMEOUT_S:.0f} s "
-                               "to take its RNG states")
+                               "to take its RNG states", "no_forward")
             return
         if self._leaving.is_set():
             return  # the rank is leaving (an exception, an abort, the interpreter's exit)

@@ -235,6 +235,10 @@ class Snapshotter:
         # Training is over: nothing changes the state under the copy any more, so the last
         # snapshot may wait a little for its buffer (the others' copies of the step before).
         self.wait(claim_wait_s=max(self._wait_s, CLOSE_CLAIM_WAIT_S))
+        if self.enabled and self._saver.skipped_saves:
+            # Freshness, told: each skipped snapshot is a step a fault would have cost more.
+            log.warning("rank %d: %s (training did not wait for them; a fault resumes from the "
+                        "newest step every rank staged)", self._ctx.rank, self._saver.summary())
         self._release()
 
     def _release(self, abandon: bool = False) -> None:
