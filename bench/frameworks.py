@@ -66,7 +66,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ftrun.testing import free_port, git_tree, kill_sessions, read_events, work_dir
+from ftrun.testing import (
+    free_port,
+    freeze_code,
+    git_tree,
+    kill_sessions,
+    read_events,
+    work_dir,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "bench" / "_framework_worker.py")
@@ -244,7 +251,8 @@ class Recovery:
 
 
 def run_recovery(cfg: argparse.Namespace, fw: Framework, v: RecoveryVariant, root: Path,
-                 fault: bool) -> Recovery:
+                 code: Path, fault: bool) -> Recovery:
+    """One job of ``code`` (a frozen copy of ftrun and the examples)."""
     job = root / f"{fw.name}-recovery-{uuid.uuid4().hex[:8]}"
     job.mkdir(parents=True)
     run_id = f"bench-fw-rec-{job.name}"
@@ -252,14 +260,16 @@ def run_recovery(cfg: argparse.Namespace, fw: Framework, v: RecoveryVariant, roo
                 else [str(Path(sys.executable).with_name("torchrun"))])
     cmd = [*launcher, "--nproc-per-node", str(cfg.nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
-           "--max-restarts", "1", str(ROOT / SCRIPT_OF[fw.name]), *fw.recovery(job),
+           "--max-restarts", "1", str(code / SCRIPT_OF[fw.name]), *fw.recovery(job),
            "--fault-dir", str(job), "--pid-log", str(job)]
     if v.resilient:
         cmd.append("--resilient")
     if fault:
         cmd += ["--kill-at-step", str(fw.fault_step), "--kill-rank", str(FAULT_RANK)]
-    code, wall = run_logged(cfg, cmd, job, f"{fw.name} / {v.name}",
-                            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    exit_code, wall = run_logged(cfg, cmd, job, f"{fw.name} / {v.name}",
+                                 TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                                 PYTHONPATH=os.pathsep.join(
+                                     filter(None, [str(code), os.environ.get("PYTHONPATH")])))
     digests = DIGEST.findall((job / "out.log").read_text())
     steps: dict[int, list[tuple[int, str, float]]] = {}
     for rank in range(cfg.nproc):
@@ -282,9 +292,9 @@ def run_recovery(cfg: argparse.Namespace, fw: Framework, v: RecoveryVariant, roo
     hows = [f"{e['how']} (new: {e.get('new_processes', 'all')})" for e in events
             if e["type"] == "recovery"]
     how = ", ".join(hows) or ("new processes (torch)" if v.launcher == "torchrun" else "—")
-    ok = code == 0 and len(digests) == 1 and (not fault or to_step is not None)
+    ok = exit_code == 0 and len(digests) == 1 and (not fault or to_step is not None)
     if not ok:
-        print(f"  {fw.name} / {v.name}: exit {code}\n{(job / 'out.log').read_text()[-3000:]}",
+        print(f"  {fw.name} / {v.name}: exit {exit_code}\n{(job / 'out.log').read_text()[-3000:]}",
               file=sys.stderr)
     return Recovery(ok, wall, digests[-1] if digests else None, to_step, next_step, how, kept,
                     str(job / "out.log"))
@@ -330,14 +340,17 @@ def main_recovery(cfg: argparse.Namespace, names: list[str], argv: list[str] | N
     reports: list[str] = []
     failed = 0
     with work_dir("ftrun-bench-fw-recovery-", cfg.keep) as root:
+        # Jobs import a copy of the committed code taken now: others edit the tree meanwhile.
+        code = root / "code"
+        digest = freeze_code(code, ("ftrun", "examples"), cfg.commit)
         for name in names:
             fw = FRAMEWORKS[name]
-            base = run_recovery(cfg, fw, RECOVERY_VARIANTS[1], root, fault=False)
+            base = run_recovery(cfg, fw, RECOVERY_VARIANTS[1], root, code, fault=False)
             failed += not base.ok
             runs: dict[str, list[Recovery]] = {v.name: [] for v in RECOVERY_VARIANTS}
             for i in range(cfg.repeats):
                 for v in RECOVERY_VARIANTS:
-                    r = run_recovery(cfg, fw, v, root, fault=True)
+                    r = run_recovery(cfg, fw, v, root, code, fault=True)
                     runs[v.name].append(r)
                     failed += not r.ok or r.digest != base.digest
                     took = f"{r.to_step_s:.2f} s" if r.to_step_s is not None else "FAILED"
@@ -357,7 +370,8 @@ def main_recovery(cfg: argparse.Namespace, names: list[str], argv: list[str] | N
         f"- Host: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, no GPU, load "
         f"average (1 min) {load0[0]:.2f} at start / {os.getloadavg()[0]:.2f} at end; Python "
         f"{platform.python_version()}, torch {torch.__version__}",
-        f"- Code: commit {git_tree()}",
+        f"- Code: commit {git_tree(cfg.commit)}, run from a copy taken at start (sha256 "
+        f"{digest})",
         f"- Method: {cfg.repeats} repeat(s) per variant, variants interleaved; c10d "
         "rendezvous, `--max-restarts 1`, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` for both "
         "launchers. \"fault → next step\": from the fault marker (written just before the "
@@ -577,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure fault -> next step (in place, new processes, torchrun) "
                         "instead of the snapshot overhead")
     p.add_argument("--repeats", type=int, default=3, help="--recovery: runs per variant")
+    p.add_argument("--commit", default="HEAD",
+                   help="--recovery: the commit whose ftrun and examples the jobs run")
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--output", metavar="FILE", help="append the report to FILE")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
