@@ -70,6 +70,7 @@ _ftrun_kind() {
         'coordinator --state-dir') _ftrun_k='dirs' ;;
         'inspect --state-dir') _ftrun_k='dirs' ;;
         'inspect --step') _ftrun_k='files' ;;
+        'report --state-dir') _ftrun_k='dirs' ;;
         'status --endpoint') _ftrun_k='files' ;;
         'status --etcd') _ftrun_k='files' ;;
         'status --interval') _ftrun_k='files' ;;
@@ -129,6 +130,12 @@ _ftrun_command() {
                 0) _ftrun_k='files' ;;
                 *) _ftrun_k=none ;;
             esac ;;
+        report)
+            _ftrun_opts='--help --json --state-dir'
+            case $2 in
+                0) _ftrun_k='runs' ;;
+                *) _ftrun_k=none ;;
+            esac ;;
         status)
             _ftrun_opts='--endpoint --etcd --help --interval --json --limit --match --no-headers
                 --nodes --offset --state-dir --timeout --watch'
@@ -174,7 +181,7 @@ _ftrun() {
     COMPREPLY=()
     # A subcommand is only ever the first word; anything else goes to the launcher.
     case ${COMP_WORDS[1]} in
-        completions | coordinator | inspect | status)
+        completions | coordinator | inspect | report | status)
             if ((COMP_CWORD > 1)); then
                 context=${COMP_WORDS[1]}
                 i=2
@@ -226,7 +233,7 @@ _ftrun() {
     fi
     if [[ $context == launch ]]; then
         # The first word: a subcommand, a flag, or the training script.
-        ((COMP_CWORD == 1)) && _ftrun_add -W 'completions coordinator inspect status' -- "$cur"
+        ((COMP_CWORD == 1)) && _ftrun_add -W 'completions coordinator inspect report status' -- "$cur"
         [[ -z $cur ]] && _ftrun_add -W "$_ftrun_opts" -- "$cur"
         _ftrun_files -f "$cur"
         return 0

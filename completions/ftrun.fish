@@ -45,9 +45,10 @@ function __ftrun_takes_value --argument-names context flag
             'coordinator --busy-hang-timeout' 'coordinator --isolate-hook' \
             'coordinator --node-timeout' 'coordinator --on-corruption' 'coordinator --on-hang' \
             'coordinator --on-slow' 'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' \
-            'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' 'status --endpoint' \
-            'status --etcd' 'status --interval' 'status --limit' 'status --match' \
-            'status --nodes' 'status --offset' 'status --state-dir' 'status --timeout'
+            'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' \
+            'report --state-dir' 'status --endpoint' 'status --etcd' 'status --interval' \
+            'status --limit' 'status --match' 'status --nodes' 'status --offset' \
+            'status --state-dir' 'status --timeout'
             return 0
     end
     return 1
@@ -64,7 +65,7 @@ function __ftrun_where
         return
     end
     set -l context launch
-    if contains -- $words[1] 'completions' 'coordinator' 'inspect' 'status'
+    if contains -- $words[1] 'completions' 'coordinator' 'inspect' 'report' 'status'
         set context $words[1]
         set -e words[1]
     end
@@ -129,6 +130,7 @@ end
 complete -c ftrun -n '__ftrun_is first' -a 'completions' -d 'Print the shell completion script for SHELL.'
 complete -c ftrun -n '__ftrun_is first' -a 'coordinator' -d 'Run a job\'s coordinator and rendezvous store on this host, until SIGTERM/Ctrl-C.'
 complete -c ftrun -n '__ftrun_is first' -a 'inspect' -d 'Show the snapshots of a live job or a persisted checkpoint: steps, ranks, tensors, hashes.'
+complete -c ftrun -n '__ftrun_is first' -a 'report' -d 'Where a job\'s time went, from its event log: training, detection, each recovery phase, waiting...'
 complete -c ftrun -n '__ftrun_is first' -a 'status' -d 'Show a job: its health and summary, and its nodes (ranks, states, restarts, heartbeats).'
 
 # The launcher: torchrun's flags and ftrun's, up to the training script;
@@ -214,6 +216,12 @@ complete -c ftrun -n '__ftrun_in inspect' -l 'state-dir' -x -a '(__fish_complete
 complete -c ftrun -n '__ftrun_in inspect' -l 'step' -r -d 'The step to show (default: the newest complete one).'
 complete -c ftrun -n '__ftrun_in inspect' -l 'verify' -d 'Re-hash the step (every tensor on disk, every chunk in memory) and report mismatches.'
 complete -c ftrun -n '__ftrun_arg inspect 0' -F -d 'A live job\'s run id (this host\'s snapshots), or a persisted checkpoint directory.'
+
+# ftrun report
+complete -c ftrun -n '__ftrun_in report' -l 'help' -d 'Show this message and exit.'
+complete -c ftrun -n '__ftrun_in report' -l 'json' -d 'Write a versioned JSON document.'
+complete -c ftrun -n '__ftrun_in report' -l 'state-dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'State directory.'
+complete -c ftrun -n '__ftrun_arg report 0' -a '(__ftrun_run_ids)' -d 'The job\'s run id (running or ended).'
 
 # ftrun status
 complete -c ftrun -n '__ftrun_in status' -l 'endpoint' -r -d 'Coordinator HOST:PORT (skips the job file).'

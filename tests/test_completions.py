@@ -228,6 +228,7 @@ def test_bash_completes_subcommand_options_and_arguments(workdir: Path) -> None:
     assert bash_complete(workdir, "ftrun", "status", "--json", "job-") == ["job-1", "job-2"]
     assert "job-1" not in bash_complete(workdir, "ftrun", "status", "job-1", "")
     assert bash_complete(workdir, "ftrun", "completions", "") == ["--help", *SHELLS]
+    assert bash_complete(workdir, "ftrun", "report", "--json", "job-") == ["job-1", "job-2"]
 
 
 def test_bash_completes_flag_values(workdir: Path) -> None:

@@ -100,6 +100,23 @@ def status_command(
     raise typer.Exit(code)
 
 
+@app.command("report")
+def report_command(
+    run_id: Annotated[str, typer.Argument(help="The job's run id (running or ended).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Write a versioned JSON document.")] = False,
+    state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
+) -> None:
+    """Where a job's time went, from its event log: training, detection, each recovery phase, waiting; its effective training time ratio beside bench/ettr.py's projection; one row per fault."""
+    from ftrun.cli.report import run_report
+
+    log.configure("WARNING")
+    try:
+        code = run_report(run_id, json_out=json_out, state_dir=state_dir)
+    except errors.FtrunError as e:
+        code = _fail(e)
+    raise typer.Exit(code)
+
+
 @app.command("inspect")
 def inspect_command(
     target: Annotated[str, typer.Argument(help="A live job's run id (this host's snapshots), or a persisted checkpoint directory.")],

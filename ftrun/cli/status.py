@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -24,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ftrun import exit_codes, jobs, knobs
+from ftrun.cli import history as hist
 from ftrun.coordinator.api import JobHealth, NodeState
 from ftrun.coordinator.client import request
 from ftrun.coordinator.status import detection_suspects
@@ -429,6 +431,9 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
     recovered = recovery_line(doc)
     if recovered is not None:
         details.append(recovered)
+    if isinstance(doc.get("history"), dict):
+        # Its first line repeats the job line above; the faults and skips follow.
+        details += history_lines(doc["history"], str(doc.get("run_id", "?")))[1:]
     listed = _listed_line(doc)
     if listed is not None:
         details.insert(0, listed)
@@ -663,20 +668,34 @@ def run_status(
                 raise ConfigError(
                     "--endpoint needs the job's run id too: ftrun status RUN_ID --endpoint H:P"
                 )
+        if not endpoint and not etcd:
+            # An ended job answers from its job file and event log: its coordinator is gone.
+            ended = ended_status(run_id, state_dir)
+            if ended is not None:
+                emit_ended(ended, json_out=json_out)
+                return exit_code_for(ended)
         if not endpoint:
             endpoint = _find_coordinator(run_id, etcd, state_dir, timeout_s)
         secret = jobs.load_secret(run_id, state_dir, create=False)
     except FtrunError as e:
         return _fail(e)
+    history = (lambda: live_history(run_id, state_dir)) if run_id else (lambda: None)
     if not watch:
         try:
             doc = _fetch(endpoint, secret, run_id, timeout_s, **pick)
         except FtrunError as e:
             return _fail(e)
-        _emit(doc, json_out=json_out, no_headers=no_headers, compact=False)
+        _emit(_with_history(doc, history()), json_out=json_out, no_headers=no_headers,
+              compact=False)
         return exit_code_for(doc)
     return _watch(endpoint, secret, run_id, json_out=json_out, no_headers=no_headers,
-                  interval_s=interval_s, timeout_s=timeout_s, pick=pick)
+                  interval_s=interval_s, timeout_s=timeout_s, pick=pick, history=history)
+
+
+def _with_history(doc: dict[str, Any], history: dict[str, Any] | None) -> dict[str, Any]:
+    """The live document with the job's history (faults, recoveries, resumed steps) from its
+    event log on this host, under ``history``; as it was without one."""
+    return {**doc, "history": history} if history is not None else doc
 
 
 def _find_coordinator(run_id: str, etcd: str | None, state_dir: str | None,
@@ -701,7 +720,8 @@ def _emit(doc: dict[str, Any], *, json_out: bool, no_headers: bool, compact: boo
 
 
 def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_headers: bool,
-           interval_s: float, timeout_s: float, pick: dict[str, Any]) -> int:
+           interval_s: float, timeout_s: float, pick: dict[str, Any],
+           history: Callable[[], dict[str, Any] | None]) -> int:
     interval_s = max(0.1, interval_s)
     code = exit_codes.UNREACHABLE
     console = _console()
@@ -714,7 +734,8 @@ def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_head
         while True:
             started = time.monotonic()
             try:
-                doc = _fetch(endpoint, secret, run_id, timeout_s, **pick)
+                doc = _with_history(_fetch(endpoint, secret, run_id, timeout_s, **pick),
+                                    history())
             except FtrunError as e:
                 code = exit_codes.for_error(e)
                 if live is not None:
@@ -736,3 +757,115 @@ def _watch(endpoint: str, secret: bytes, run_id: str, *, json_out: bool, no_head
         if live is not None:
             live.stop()
     return code
+
+
+# -- an ended job, and every job's history (ftrun.cli.history: its event log) -------------------
+
+
+def _s(value: float | None, unit: str = " s") -> str:
+    return hist.NOT_RECORDED if value is None else f"{value:.2f}{unit}"
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+
+
+def health_of(history: dict[str, Any]) -> str:
+    """The status document's health word for an ended job (finished or failed)."""
+    return JobHealth.FINISHED.value if history["outcome"] == "succeeded" \
+        else JobHealth.FAILED.value
+
+
+def ended_status(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
+    """The status document of an ended job, from its job file and event log; None when the
+    job may still run (its coordinator process is alive, or cannot be told and no
+    ``job_end`` closed the log)."""
+    job = jobs.read_job_file(run_id, state_dir)
+    live = _liveness(job)
+    if live:
+        return None
+    events = hist.read_events(run_id, state_dir)
+    history = hist.job_history(events, gone=live is False)
+    if not history["ended"]:
+        return None
+    return {"version": hist.HISTORY_VERSION, "run_id": run_id, "ended": True,
+            "health": health_of(history), "history": history, "missing": hist.MISSING}
+
+
+def live_history(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
+    """A live job's history from its event log on this host; None without one (the
+    coordinator runs on another host or with another state directory)."""
+    try:
+        return hist.job_history(hist.read_events(run_id, state_dir))
+    except FtrunError:
+        return None
+
+
+def _fault_lines(f: dict[str, Any], started_at: float) -> list[Text]:
+    """A fault in three lines: what and where; detection and recovery; where it resumed."""
+    rec = f.get("recovery") or {}
+    who = (f"rank {_ranks_text(f['ranks'])}" if f["ranks"] else f"node {f.get('node')}") + \
+        (f" on {f['host']}" if f.get("host") else "")
+    how = str(rec.get("how") or "")
+    phases = ", ".join(f"{name} {rec[key]:.2f} s" for key, name in hist.PHASES
+                       if key != "detect_s" and isinstance(rec.get(key), (int, float)))
+    first = (f"fault {f['n']} at {_clock(f['at'])} (+{f['at'] - started_at:.1f} s): {who}, "
+             f"{f['kind']}: {_truncate(f['what'], 2 * ERROR_CHARS)}")
+    second = f"    detected in {_s(f['detected_after_s'])}"
+    if rec:
+        second += (f"; recovered {_HOW.get(how, how)} in {_s(f['recovery_s'])}"
+                   + (f" ({phases})" if phases else ""))
+        if rec.get("new_processes"):
+            second += f"; new process for rank(s) {_ranks_text(rec['new_processes'])}"
+        if rec.get("fallback_reason"):
+            second += f"; in place failed: {_truncate(str(rec['fallback_reason']))}"
+    else:
+        second += "; no recovery recorded"
+    lost = f["steps_lost"]
+    third = (f"    training again {f['recovered_after_s']:.2f} s after the fault, resumed from "
+             f"step {f['resumed_from']} ({f['restored_from']})"
+             if f["recovered_after_s"] is not None else "    no restore recorded after it")
+    third += f"; steps recomputed: {lost if lost is not None else hist.NOT_RECORDED}"
+    style = "yellow" if how == "fallback" or not rec else ""
+    return [Text(line, style=style, no_wrap=True, overflow="ellipsis")
+            for line in (first, second, third)]
+
+
+def history_lines(history: dict[str, Any], run_id: str) -> list[Text]:
+    """The history section: outcome, steps, every fault with its recovery, skips."""
+    outcome = history["outcome"]
+    style = {"succeeded": "green", "running": ""}.get(outcome, "bold red")
+    code = history.get("exitcode")
+    head = Text.assemble(
+        ("job ", ""), (run_id, "bold"), (": ", ""),
+        (("ended, " if history["ended"] else "") + outcome, style),
+        (f" (exit code {code})" if code is not None else "", ""),
+        (f" after {history['wall_s']:.1f} s" if history["ended"]
+         else f" for {history['wall_s']:.1f} s", ""),
+        (f" | {len(history['faults'])} fault(s), {history['restarts']} restart(s)", ""),
+        (f", {history['nodes_lost']} node(s) lost" if history["nodes_lost"] else "", ""),
+    )
+    if outcome == "killed":
+        head.append(" (no job_end recorded: its launcher was killed)", style="bold red")
+    restored = history.get("last_restored_step")
+    lines = [head, Text(f"steps trained: {hist.NOT_RECORDED}"
+                        + (f" (last restored step {restored})" if restored is not None else ""),
+                        style="dim")]
+    for f in history["faults"]:
+        lines += _fault_lines(f, history["started_at"])
+    skips = history["persist_skipped"]
+    lines.append(Text(f"snapshots skipped: {hist.NOT_RECORDED}"
+                      + (f"; persists skipped at step(s) {skips}" if skips else ""), style="dim"))
+    if history["hosts_isolated"]:
+        lines.append(Text(f"hosts isolated: {', '.join(map(str, history['hosts_isolated']))}",
+                          style="bold red"))
+    return lines
+
+
+def emit_ended(doc: dict[str, Any], *, json_out: bool) -> None:
+    """An ended job's status: its history section only (no coordinator to ask)."""
+    if json_out:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+    else:
+        _console().print(Group(*history_lines(doc["history"], doc["run_id"])))

@@ -1,0 +1,275 @@
+"""``ftrun status`` after a job's end and ``ftrun report``: unit tests on hand-written event
+logs, and one real 3-rank job with two injected faults (a kill, then a raise) whose status
+and report are read after its end, with no coordinator left to ask."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, TRAIN, Procs, read_events
+
+from ftrun import exit_codes
+from ftrun.cli import history as hist
+from ftrun.cli.report import run_report
+from ftrun.cli.status import render_status, run_status
+
+T0 = 1_800_000_000.0
+
+
+def _ev(seq: int, dt: float, type_: str, node: str | None = "h1/100", **data: Any) -> dict:
+    return {**data, "seq": seq, "ts": T0 + dt, "type": type_, "node": node}
+
+
+def _log(end: dict | None = None) -> list[dict]:
+    """One node, 3 ranks: rank 1 killed at +20 s, recovered in place, resumed from step 11;
+    rank 2 raised at +40 s, in place failed, new processes, resumed from step 25."""
+    events = [
+        _ev(1, 0.0, "job_start", None, run_id="r"),
+        _ev(2, 0.1, "node_joined", host="h1"),
+        _ev(3, 0.5, "rendezvous", duration_s=0.3),
+        _ev(4, 0.6, "workers_started"),
+        _ev(5, 5.0, "restore", step=0, source="none"),
+        _ev(6, 20.1, "worker_failure", rank=1, pid=7, signal="SIGKILL",
+            message="rank 1 died (SIGKILL)", timestamp=T0 + 20.0),
+        _ev(7, 20.1, "restart", restart_count=1),
+        _ev(8, 20.4, "rendezvous", duration_s=0.1),
+        _ev(9, 20.5, "recovery", how="in_process", detect_s=0.1, abort_s=0.2,
+            rendezvous_s=0.1, world_s=0.1, total_s=0.5, new_processes=[1], kept=[0, 2]),
+        _ev(10, 22.0, "restore", step=11, source="memory"),
+        _ev(11, 40.05, "worker_failure", rank=2, message="ValueError: x", timestamp=T0 + 40.0),
+        _ev(12, 43.0, "rendezvous", duration_s=0.5),
+        _ev(13, 44.0, "recovery", how="fallback", fallback_reason="local rank 0 did not "
+            "acknowledge", detect_s=0.05, in_place_s=3.0, restart_s=0.95, total_s=4.0),
+        _ev(14, 50.0, "restore", step=25, source="memory"),
+        _ev(15, 60.0, "persist_skipped", step=28, writing=["h1/100"]),
+    ]
+    if end is not None:
+        events += [_ev(16, 70.0, "job_end", **end),
+                   _ev(17, 70.0, "node_left", state=end["state"], exitcode=end["exitcode"])]
+    return events
+
+
+def test_history_pairs_each_failure_with_its_recovery_and_restore() -> None:
+    h = hist.job_history(_log({"exitcode": 0, "state": "succeeded"}))
+    assert (h["ended"], h["outcome"], h["exitcode"], h["wall_s"]) == (True, "succeeded", 0, 70.0)
+    one, two = h["faults"]
+    assert (one["ranks"], one["kind"], one["resumed_from"], one["restored_from"]) == \
+        ([1], "rank_crash", 11, "memory")
+    assert one["detected_after_s"] == 0.1 and one["recovery_s"] == 0.5
+    assert one["recovered_after_s"] == pytest.approx(2.0) and one["restore_s"] == \
+        pytest.approx(1.5)
+    assert two["recovery"]["how"] == "fallback" and two["resumed_from"] == 25
+    assert two["recovered_after_s"] == pytest.approx(10.0)
+    # No event carries the step a rank failed in: steps lost are not made up.
+    assert one["steps_lost"] is None and two["steps_lost"] is None
+    assert h["persist_skipped"] == [28] and h["steps_trained"] is None
+
+
+def test_a_failure_event_with_a_step_gives_the_steps_lost() -> None:
+    events = _log({"exitcode": 0, "state": "succeeded"})
+    events[5]["step"] = 12
+    assert hist.job_history(events)["faults"][0]["steps_lost"] == 1
+
+
+def test_time_split_sums_to_the_wall_time() -> None:
+    events = _log({"exitcode": 0, "state": "succeeded"})
+    split = hist.time_split(events, hist.job_history(events))
+    # Rendezvous inside a recovery is in its phases, not counted twice as waiting.
+    assert split["rendezvous_wait_s"] == pytest.approx(0.3)
+    assert split["startup_s"] == pytest.approx(5.0 - 0.3)
+    assert split["detection_s"] == pytest.approx(0.15)
+    assert split["recovery_in_place_attempt_s"] == pytest.approx(3.0)
+    assert split["restore_s"] == pytest.approx(1.5 + 6.0)
+    parts = [v for k, v in split.items() if k.endswith("_s") and k != "wall_s" and v is not None]
+    assert sum(parts) == pytest.approx(70.0, abs=0.01)
+    assert split["snapshot_blocked_s"] is None and split["recompute_s"] is None
+    assert split["ettr"] == pytest.approx(split["training_s"] / 70.0, abs=1e-4)
+
+
+def test_projection_uses_bench_ettr_with_the_measured_costs() -> None:
+    doc = hist.report(_log({"exitcode": 0, "state": "succeeded"}), "r")
+    proj = doc["projected"]
+    assert proj["faults"] == 2
+    # Each fault costs the model its measured kind's mean: (2.0 + 10.0) s down in all.
+    assert proj["detection_s"] + proj["recovery_s"] == pytest.approx(12.0, abs=0.01)
+    assert proj["ettr"] == pytest.approx((70.0 - 12.0) / 70.0, abs=1e-3)
+    assert doc["version"] == hist.REPORT_VERSION and "fault_step" in doc["missing"]
+
+
+def test_a_live_or_killed_job_is_not_taken_for_a_finished_one() -> None:
+    running = hist.job_history(_log(), now=T0 + 65.0)
+    assert (running["ended"], running["outcome"], running["wall_s"]) == (False, "running", 65.0)
+    killed = hist.job_history(_log(), gone=True)
+    assert (killed["ended"], killed["outcome"], killed["exitcode"]) == (True, "killed", None)
+
+
+def test_a_live_status_shows_the_history_section() -> None:
+    from rich.console import Console
+
+    doc = {"run_id": "r", "health": "degraded", "nodes": [], "summary": {"nodes": 0},
+           "history": hist.job_history(_log(), now=T0 + 65.0)}
+    console = Console(width=200, record=True)
+    console.print(render_status(doc, no_headers=False))
+    text = console.export_text()
+    assert "job r: degraded" in text and "resumed from step 25 (memory)" in text
+    assert "ended" not in text  # the job line is the live one, not the history's
+
+
+def _job(state: Path, run_id: str, events: list[dict] | None) -> None:
+    """A job file whose coordinator process is gone (a pid that has exited), and its log."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    d = state / "jobs" / run_id
+    d.mkdir(parents=True)
+    (d / "job.json").write_text(json.dumps({
+        "run_id": run_id, "endpoint": "127.0.0.1:9", "host": socket.gethostname(),
+        "pid": int(done.stdout), "started_at": T0}))
+    if events is not None:
+        (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+@pytest.mark.parametrize(("end", "code", "health"), [
+    ({"exitcode": 0, "state": "succeeded"}, exit_codes.OK, "finished"),
+    ({"exitcode": 1, "state": "failed"}, exit_codes.JOB_FAILED, "failed"),
+    (None, exit_codes.JOB_FAILED, "failed"),  # killed: no job_end
+])
+def test_status_of_an_ended_job_answers_from_its_log(
+        state_dir: Path, capsys: pytest.CaptureFixture[str], end: dict | None, code: int,
+        health: str) -> None:
+    _job(state_dir, "r", _log(end))
+    started = time.monotonic()
+    assert run_status("r", endpoint=None, json_out=True, watch=False, no_headers=False,
+                      state_dir=None, timeout_s=30.0) == code
+    assert time.monotonic() - started < 5  # no coordinator was waited for
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["version"], doc["ended"], doc["health"]) == (hist.HISTORY_VERSION, True, health)
+    assert [f["resumed_from"] for f in doc["history"]["faults"]] == [11, 25]
+    assert run_status("r", endpoint=None, json_out=False, watch=False, no_headers=False,
+                      state_dir=None) == code
+    text = capsys.readouterr().out
+    assert "resumed from step 11 (memory)" in text and "rank 1 died (SIGKILL)" in text
+    assert "steps recomputed: not recorded" in text
+
+
+def test_bad_input_says_what_to_do(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_report("nope", json_out=False, state_dir=None) == exit_codes.NOT_FOUND
+    assert "list jobs with `ftrun status`" in capsys.readouterr().err
+    _job(state_dir, "nolog", None)
+    assert run_report("nolog", json_out=False, state_dir=None) == exit_codes.FAILED
+    err = capsys.readouterr().err
+    assert "has no event log" in err and "--state-dir" in err
+    assert run_status("nolog", endpoint=None, json_out=False, watch=False, no_headers=False,
+                      state_dir=None) == exit_codes.FAILED
+    assert "has no event log" in capsys.readouterr().err
+
+
+def test_report_text_names_every_part_and_what_is_not_recorded(
+        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _job(state_dir, "r", _log({"exitcode": 0, "state": "succeeded"}))
+    assert run_report("r", json_out=False, state_dir=None) == exit_codes.OK
+    text = capsys.readouterr().out
+    for word in ("detection", "recovery: abort", "recovery: in-place attempt", "training",
+                 "wall time", "effective training time ratio", "projected by bench/ettr.py",
+                 "new processes (in place failed)", "not recorded in the event log"):
+        assert word in text, word
+
+
+# -- one real job ---------------------------------------------------------------------------
+
+FAULTS = [{"step": 6, "rank": 1, "mode": "kill"}, {"step": 14, "rank": 2, "mode": "raise"}]
+
+
+@pytest.fixture(scope="module")
+def ended_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A 3-rank standalone job of 20 steps, rank 1 killed in step 6 and rank 2 raising in
+    step 14; run to its end."""
+    tmp = tmp_path_factory.mktemp("report")
+    state = tmp / "state"
+    run_id = f"report-{uuid.uuid4().hex[:8]}"
+    schedule = tmp / "faults.json"
+    schedule.write_text(json.dumps(FAULTS))
+    # Each step waits for its snapshot's buffer (as the exact_steps fixture): the step
+    # resumed from is then the one before the fault, or the one before that when the
+    # fault came as the snapshot was still in flight.
+    env = {"FTRUN_STATE_DIR": str(state), "FTRUN_SNAPSHOT_WAIT": "60"}
+    procs = Procs(tmp)
+    try:
+        job = procs.ftrun("--standalone", "--rdzv-id", run_id, "--nproc-per-node", "3",
+                          "--max-restarts", "3", TRAIN, "--steps", "20", "--snapshot-every",
+                          "1", "--fault-schedule", str(schedule), env=env)
+        assert procs.wait(job, 240) == 0, procs.output(job)[-4000:]
+    finally:
+        procs.cleanup()
+    for f in FAULTS:
+        marker = state / "jobs" / run_id / f"fault-fired-rank{f['rank']}-step{f['step']}"
+        assert marker.exists(), f"the fault never fired: {marker} is missing"
+    return {"state": state, "run_id": run_id, "env": env, "events": read_events(state, run_id)}
+
+
+def _ftrun(job: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "ftrun", *args], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, env={**os.environ, **job["env"]})
+
+
+@pytest.mark.integration
+def test_status_after_the_end_needs_no_coordinator(ended_job: dict[str, Any]) -> None:
+    started = time.monotonic()
+    out = _ftrun(ended_job, "status", ended_job["run_id"], "--timeout", "30", "--json")
+    assert time.monotonic() - started < 20  # answered, not a 30 s wait for a coordinator
+    assert out.returncode == exit_codes.OK, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["ended"] and doc["health"] == "finished"
+    h = doc["history"]
+    assert (h["outcome"], h["exitcode"]) == ("succeeded", 0)
+    rows = {tuple(f["ranks"]): f for f in h["faults"]}
+    kill, fail = rows[(1,)], rows[(2,)]
+    assert "SIGKILL" in kill["what"] and "injected fault" in fail["what"]
+    for row, f in ((kill, FAULTS[0]), (fail, FAULTS[1])):
+        assert row["recovery"] is not None and row["restored_from"] == "memory"
+        # Recomputed steps = fault step - resumed step: the fault step is known here from
+        # the injection; the event log has none, and the row says so.
+        assert f["step"] - row["resumed_from"] in (1, 2), (f, row)
+        assert row["steps_lost"] is None
+    text = _ftrun(ended_job, "status", ended_job["run_id"])
+    assert text.returncode == 0 and "ended, succeeded (exit code 0)" in text.stdout
+    assert f"resumed from step {kill['resumed_from']} (memory)" in text.stdout
+
+
+@pytest.mark.integration
+def test_report_matches_the_events(ended_job: dict[str, Any]) -> None:
+    out = _ftrun(ended_job, "report", ended_job["run_id"], "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["version"] == hist.REPORT_VERSION
+    events = ended_job["events"]
+    recoveries = [e for e in events if e["type"] == "recovery"]
+    failures = [e for e in events if e["type"] == "worker_failure"]
+    faults = doc["history"]["faults"]
+    assert len(faults) == len(failures) == len(recoveries) >= 2
+    for row, failure, rec in zip(faults, failures, recoveries, strict=True):
+        assert row["ranks"] == [failure["rank"]]
+        assert row["detected_after_s"] == rec["detect_s"]
+        assert row["recovery_s"] == rec["total_s"]
+        assert row["recovery"]["how"] == rec["how"]
+    split = doc["time"]
+    start = next(e["ts"] for e in events if e["type"] == "job_start")
+    end = next(e["ts"] for e in events if e["type"] == "job_end")
+    assert split["wall_s"] == pytest.approx(end - start, abs=1e-3)
+    parts = [v for k, v in split.items() if k.endswith("_s") and k != "wall_s" and v is not None]
+    assert all(0 <= v <= split["wall_s"] for v in parts)
+    assert sum(parts) == pytest.approx(split["wall_s"], abs=0.01)
+    assert split["detection_s"] == pytest.approx(sum(r["detect_s"] for r in recoveries),
+                                                 abs=1e-3)
+    assert 0 < split["ettr"] < 1 and 0 < doc["projected"]["ettr"] <= 1
+    text = _ftrun(ended_job, "report", ended_job["run_id"])
+    assert text.returncode == 0 and "effective training time ratio" in text.stdout
