@@ -815,8 +815,13 @@ def test_a_message_captured_before_a_restart_is_refused_after_it(
                              first.status_document()["nodes"]), what="the original taken")
         first.stop(timeout_s=2)
         reporter.event("while_down", note="queued while the coordinator was down")
-        second = make_coordinator(port=port, events_file=tmp_path / "events2.jsonl")
+        from ftrun.coordinator.detect import DetectConfig
+
+        second = make_coordinator(port=port, events_file=tmp_path / "events2.jsonl",
+                                  detection=DetectConfig())
         assert second.incarnation != first.incarnation
+        # Its detection service signs for the same incarnation (tests/test_detect_service.py).
+        assert second._detection._service.server.term == second.incarnation
         with caplog.at_level(logging.WARNING, logger=transport.__name__):
             raw.send_multipart(captured)
             wait_for(lambda: second.counters["stale_terms"] >= 1, what="the replay refused")

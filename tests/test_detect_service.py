@@ -76,11 +76,12 @@ def make_nodes(n_nodes: int, nodes_per_host: int = 1,
 
 
 def make_service(tmp_path: Path, cb: Callbacks, *, coordinator_host: str = "coord",
-                 **config: Any) -> DetectService:
+                 term: int = 0, **config: Any) -> DetectService:
     return DetectService(RUN_ID, SECRET, DetectConfig(**config), direct=cb.direct,
                          record=cb.record, nodes=cb.live_nodes,
                          coordinator_host=coordinator_host,
-                         excluded_file=tmp_path / "excluded.json", bind_host="127.0.0.1")
+                         excluded_file=tmp_path / "excluded.json", bind_host="127.0.0.1",
+                         term=term)
 
 
 class Ranks:
@@ -399,3 +400,48 @@ def test_an_exclude_list_with_a_malformed_entry_is_a_clear_error(tmp_path: Path)
                             record=lambda *a: None, nodes=dict, coordinator_host="c",
                             excluded_file=path)
     assert service.status()["excluded"] == {"h1": {"reason": "drain", "time": None}}
+
+
+def test_a_report_captured_before_a_restart_is_refused_after_it_and_senders_follow(tmp_path):
+    """The detection service signs for its coordinator's incarnation: a collective report
+    captured for one incarnation (one saying a rank waits: a false hang if taken again) is
+    refused by the next; a rank's monitor, which only sends, learns the new incarnation from
+    the refusal of its first report and its next reports are taken."""
+    import zmq
+    from conftest import wait_for
+
+    from ftrun import protocol
+    from ftrun.protocol import handshake
+
+    cb = Callbacks(make_nodes(2))
+    second = make_service(tmp_path, cb, term=22)  # the restarted coordinator's (was 11)
+    ranks = Ranks(second, n=2)
+    endpoint = second.start()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    handshake.join(raw, SECRET)
+    raw.connect(f"tcp://{endpoint}")
+    monitor = Client(endpoint, SECRET, RUN_ID, "rank0/1000", peer="detection service",
+                     follow_on_send=True)
+    try:
+        body = ranks.body(1, [{"pg": "0", "size": 2, "enqueued": 4, "completed": 3,
+                               "waiting_s": 30.0, "done": [[3, 0.04]]}])
+        raw.send_multipart(protocol.encode("coll_report", body, secret=SECRET, job=RUN_ID,
+                                           sender="rank1/1001", term=11))
+        counters = second._service.server.counters
+        wait_for(lambda: counters["stale_terms"] >= 1, WAIT_S, "the captured report refused")
+        assert second.status()["counters"]["reports"] == 0
+
+        def sent_and_taken() -> bool:
+            ok = monitor.send("coll_report", ranks.body(0, [
+                {"pg": "0", "size": 2, "enqueued": 3, "completed": 3, "waiting_s": None,
+                 "done": [[3, 0.04]]}]))
+            assert ok is not None
+            return second.status()["counters"]["reports"] >= 1
+
+        wait_for(sent_and_taken, WAIT_S, "the monitor's reports taken under the new term")
+        assert monitor.term == 22
+    finally:
+        raw.close(0)
+        monitor.close()
+        second.stop()

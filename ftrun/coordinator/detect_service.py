@@ -98,9 +98,13 @@ class DetectService:
         advertise_host: str = "127.0.0.1",
         acting: Callable[[], bool] = lambda: True,
         role: Any = None,
+        term: int = 0,
     ) -> None:
         self.run_id = run_id
         self._secret = secret
+        # The coordinator's incarnation (or etcd term): reports signed for an earlier one, a
+        # capture replayed after a restart, are refused; its clients follow the new one.
+        self._term = term
         self.config = config
         self.detector = Detector(config)
         self._direct = direct
@@ -135,7 +139,7 @@ class DetectService:
         server = Server("detection service", self._secret, self.run_id,
                         {"coll_report": self._on_report, "coll_summary": self._on_summary,
                          "probe_result": self._on_probe},
-                        sender="coordinator", typed={"probe_result"})
+                        sender="coordinator", typed={"probe_result"}, term=self._term)
         service = Service(server, poll_s=POLL_S, max_messages=MAX_MESSAGES_PER_POLL,
                           after=self._after, own_context=True, thread_name="ftrun-detect")
         bound = service.bind_tcp(self._bind_host)

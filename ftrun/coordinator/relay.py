@@ -309,7 +309,7 @@ class CollRelay:
         self.detect_endpoint = endpoint
         self._detect = Client(endpoint, self._secret, self._job, self.node_id,
                               peer="coordinator's detection endpoint", send_timeout_s=0.0,
-                              sndhwm=256, context=self._ctx)
+                              sndhwm=256, context=self._ctx, follow_on_send=True)
 
     def _on_report(self, msg: protocol.Message) -> None:
         body = msg.body

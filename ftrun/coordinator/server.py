@@ -355,7 +355,7 @@ class Coordinator:
             self.run_id, self._secret, self._detection_config, direct=self._direct_quietly,
             record=self._record, nodes=self._live_nodes, coordinator_host=socket.gethostname(),
             excluded_file=excluded, bind_host=bind_host, advertise_host=self._advertise_host,
-            acting=self.acting, role=self._role)
+            acting=self.acting, role=self._role, term=self.incarnation)
         self._detection.start()
 
     def _corruption_policy(self, detection: Any) -> Any:

@@ -175,6 +175,7 @@ class Client:
         context: zmq.Context[Any] | None = None,
         term: int = 0,
         resend_stale: bool = False,
+        follow_on_send: bool = False,
     ) -> None:
         self.address = address
         # The coordinator term messages are bound to, and replies must carry (0: none).
@@ -189,6 +190,10 @@ class Client:
         # restarted server refuses them as stale (a launcher's events, queued by ZeroMQ while
         # the server was down, are not lost to its restart); the newest RESENDABLE_KEPT.
         self._resend_stale = resend_stale
+        # With ``follow_on_send`` (a client that only sends, such as a rank's collective
+        # reports to the detection service): each send also reads what has arrived, so that
+        # a restarted server's refusal teaches it the new term (the refused message is lost).
+        self._follow_on_send = follow_on_send
         self._resendable: OrderedDict[str, tuple[str, Mapping[str, Any], int]] = OrderedDict()
         self.url = _url(address)
         self.peer = peer
@@ -329,7 +334,14 @@ class Client:
         timeout (nobody connected, or the peer not reading).
         """
         with self._lock:
-            return self._send_locked(kind, body, frames)
+            sent = self._send_locked(kind, body, frames)
+            if self._follow_on_send and self._follows:
+                try:
+                    self._read(None, 0.0)  # what has arrived only: never waits
+                except FtrunError as e:  # told again by the next send; never raised here
+                    allowed, _ = self._warn.allow(type(e))
+                    (log.warning if allowed else log.debug)("%s: %s", self, e)
+            return sent
 
     def _send_locked(self, kind: str, body: Mapping[str, Any],
                      frames: Sequence[Buffer]) -> str | None:
