@@ -79,6 +79,25 @@ def test_a_failure_event_with_a_step_gives_the_steps_lost() -> None:
     assert hist.job_history(events)["faults"][0]["steps_lost"] == 1
 
 
+def test_a_lost_node_is_recovered_by_the_others_and_one_node_failing_twice_is_one_fault() -> None:
+    events = [
+        _ev(1, 0.0, "job_start", None),
+        _ev(2, 10.0, "node_lost", "h2/200", silent_s=10.0),
+        _ev(3, 11.0, "worker_failure", rank=0, message="rank 0 died", timestamp=T0 + 11.0),
+        _ev(4, 11.1, "worker_failure", rank=1, message="rank 1 died", timestamp=T0 + 11.1),
+        _ev(5, 14.0, "recovery", how="new_process", detect_s=0.2, restart_s=2.0, total_s=3.0),
+        _ev(6, 15.0, "recovery", "h3/300", how="new_process", detect_s=0.1, total_s=4.0),
+        _ev(7, 20.0, "restore", step=40, source="memory"),
+    ]
+    faults = hist.job_history(events, now=T0 + 30.0)["faults"]
+    assert [(f["kind"], f["node"], f["ranks"]) for f in faults] == [
+        ("host_loss", "h2/200", []), ("rank_crash", "h1/100", [0, 1])]
+    lost, crash = faults
+    assert lost["recovery_s"] == 4.0 and lost["host"] == "h2"  # by h3's recovery
+    assert crash["recovery_s"] == 3.0
+    assert lost["resumed_from"] == crash["resumed_from"] == 40
+
+
 def test_time_split_sums_to_the_wall_time() -> None:
     events = _log({"exitcode": 0, "state": "succeeded"})
     split = hist.time_split(events, hist.job_history(events))

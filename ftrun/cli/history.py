@@ -35,6 +35,8 @@ FREE_SNAPSHOT_S = 0.001
 # Failure events, and the fault kind of bench/ettr.py each one is.
 FAILURE_KINDS = {"worker_failure": "rank_crash", "hang_detected": "hang",
                  "node_lost": "host_loss", "corruption_detected": "silent_corruption"}
+# Failures the coordinator records, under another node than the ones that recover from them.
+COORDINATOR_FAILURES = ("node_lost", "detection", "corruption_detected")
 # A recovery event's phases, in order (ftrun/launcher/inplace.py measures them).
 PHASES = (("detect_s", "detect"), ("abort_s", "abort"), ("rendezvous_s", "rendezvous"),
           ("world_s", "new world"), ("in_place_s", "in-place attempt"),
@@ -144,8 +146,9 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         fault = _failure(e)
         if fault is not None:
             mine = open_by_node.get(fault["node"])
-            if mine is not None and fault["event"] == mine["event"] == "worker_failure":
-                # More ranks of the same node failing before its recovery: one fault.
+            if mine is not None:
+                # More ranks of the node failing before its recovery (or the rank a hang
+                # detection killed, failing): one fault, one recovery.
                 mine["ranks"] = sorted(set(mine["ranks"]) | set(fault["ranks"]))
                 continue
             fault.update(recovery=None, resumed_from=None, restored_from=None,
@@ -155,7 +158,13 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         elif kind == "recovery":
             fault = open_by_node.pop(e.get("node"), None)
             if fault is None:
-                continue
+                # A fault the coordinator saw (a node lost, a finding) is recovered by the
+                # other nodes: the oldest one still open.
+                fault = next((f for f in open_by_node.values()
+                              if f["event"] in COORDINATOR_FAILURES), None)
+                if fault is None:
+                    continue
+                del open_by_node[fault["node"]]
             fault["recovery"] = {k: e.get(k) for k in (
                 "how", "why", "fallback_reason", "total_s", "new_processes", "kept",
                 *(key for key, _ in PHASES)) if e.get(k) is not None}
