@@ -133,8 +133,10 @@ PERSIST_DIR = Knob(
     "to it, newest complete and verified step first, when memory holds nothing usable.", "any",
 )
 PERSIST_EVERY = Knob(
-    "FTRUN_PERSIST_EVERY", "steps", "0", "Persist every N committed steps (0: only on "
-    "SIGTERM/SIGUSR1, at the end, and per --persist-interval).",
+    "FTRUN_PERSIST_EVERY", "steps", "0", "Persist the committed step each time committed "
+    "steps pass a multiple of N (N=100: steps 100, 200, ..., or the first step committed "
+    "after one that was not) (0: only on SIGTERM/SIGUSR1, at the end, and per "
+    "--persist-interval).",
 )
 PERSIST_INTERVAL = Knob(
     "FTRUN_PERSIST_INTERVAL", "seconds", "0", "Also persist when this long has passed since the "

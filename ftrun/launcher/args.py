@@ -166,8 +166,9 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "format; every node writes the same steps); restore falls back to it, newest complete "
      "and verified step first, when memory holds nothing usable."),
     ("--persist-every", knobs.PERSIST_EVERY, int,
-     "Persist every N committed steps (0: only at the end, on SIGTERM/SIGUSR1, and per "
-     "--persist-interval)."),
+     "Persist the committed step each time committed steps pass a multiple of N (N=100: "
+     "steps 100, 200, ..., or the first step committed after one that was not) (0: only at "
+     "the end, on SIGTERM/SIGUSR1, and per --persist-interval)."),
     ("--persist-interval", knobs.PERSIST_INTERVAL, float,
      "Also persist when this many seconds passed since the last write (0: off)."),
     ("--persist-keep", knobs.PERSIST_KEEP, int,
