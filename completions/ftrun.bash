@@ -70,6 +70,7 @@ _ftrun_kind() {
         'coordinator --state-dir') _ftrun_k='dirs' ;;
         'inspect --state-dir') _ftrun_k='dirs' ;;
         'inspect --step') _ftrun_k='files' ;;
+        'report --html') _ftrun_k='files' ;;
         'report --state-dir') _ftrun_k='dirs' ;;
         'status --endpoint') _ftrun_k='files' ;;
         'status --etcd') _ftrun_k='files' ;;
@@ -131,7 +132,7 @@ _ftrun_command() {
                 *) _ftrun_k=none ;;
             esac ;;
         report)
-            _ftrun_opts='--help --json --state-dir'
+            _ftrun_opts='--help --html --json --state-dir'
             case $2 in
                 0) _ftrun_k='runs' ;;
                 *) _ftrun_k=none ;;

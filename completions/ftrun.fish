@@ -45,7 +45,7 @@ function __ftrun_takes_value --argument-names context flag
             'coordinator --busy-hang-timeout' 'coordinator --isolate-hook' \
             'coordinator --node-timeout' 'coordinator --on-corruption' 'coordinator --on-hang' \
             'coordinator --on-slow' 'coordinator --rdzv-endpoint' 'coordinator --rdzv-id' \
-            'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' \
+            'coordinator --state-dir' 'inspect --state-dir' 'inspect --step' 'report --html' \
             'report --state-dir' 'status --endpoint' 'status --etcd' 'status --interval' \
             'status --limit' 'status --match' 'status --nodes' 'status --offset' \
             'status --state-dir' 'status --timeout'
@@ -164,7 +164,7 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'on-corruption' -l 'on_corrupt
 complete -c ftrun -n '__ftrun_is first launch' -l 'on-hang' -l 'on_hang' -x -a 'warn restart isolate' -d 'What to do when the coordinator\'s collective analysis names a hung rank: warn, restart...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'on-slow' -l 'on_slow' -x -a 'warn isolate' -d 'What to do when the analysis names a slow rank, host or link: warn, or isolate the host. [env...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-dir' -l 'persist_dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'Directory where the snapshot stores write committed steps...'
-complete -c ftrun -n '__ftrun_is first launch' -l 'persist-every' -l 'persist_every' -r -d 'Persist every N committed steps...'
+complete -c ftrun -n '__ftrun_is first launch' -l 'persist-every' -l 'persist_every' -r -d 'Persist the committed step each time committed steps pass a multiple of N...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-interval' -l 'persist_interval' -r -d 'Also persist when this many seconds passed since the last write (0: off). [env...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'persist-keep' -l 'persist_keep' -r -d 'Complete persisted steps to keep; partial ones older than the newest complete step are removed....'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-backend' -l 'rdzv_backend' -r -d 'Rendezvous backend: c10d, static (torch\'s default) or etcd: ftrun\'s backend on etcd\'s v3 API...'
@@ -219,6 +219,7 @@ complete -c ftrun -n '__ftrun_arg inspect 0' -F -d 'A live job\'s run id (this h
 
 # ftrun report
 complete -c ftrun -n '__ftrun_in report' -l 'help' -d 'Show this message and exit.'
+complete -c ftrun -n '__ftrun_in report' -l 'html' -r -d 'Also write the report to FILE as one self-contained HTML page, with a timeline (inline SVG).'
 complete -c ftrun -n '__ftrun_in report' -l 'json' -d 'Write a versioned JSON document.'
 complete -c ftrun -n '__ftrun_in report' -l 'state-dir' -x -a '(__fish_complete_directories (commandline -ct))' -d 'State directory.'
 complete -c ftrun -n '__ftrun_arg report 0' -a '(__ftrun_run_ids)' -d 'The job\'s run id (running or ended).'

@@ -201,6 +201,29 @@ def test_report_text_names_every_part_and_what_is_not_recorded(
         assert word in text, word
 
 
+def test_html_is_one_self_contained_page_with_the_timeline(
+        state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    events = _log({"exitcode": 0, "state": "succeeded"})
+    events[10]["message"] = "ValueError: <script>alert(1)</script>"
+    events.insert(14, _ev(30, 55.0, "persist_target", step=27, reason="every 10 steps"))
+    _job(state_dir, "r", events)
+    page = tmp_path / "r.html"
+    assert run_report("r", json_out=False, state_dir=None, html=str(page)) == exit_codes.OK
+    assert str(page) in capsys.readouterr().out
+    html = page.read_text()
+    assert html.startswith("<!DOCTYPE html>") and html.count("<svg") == 1
+    assert "<script" not in html and "&lt;script&gt;" in html  # texts are escaped
+    assert "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no network
+    assert "<title>fault 1: rank_crash" in html and "<title>fault 2: rank_crash" in html
+    for step, source in ((0, "none"), (11, "memory"), (25, "memory")):
+        assert f"<title>restored step {step} from {source}</title>" in html
+    assert "<title>persist target: step 27</title>" in html
+    assert "fault 2: restore 6.00 s" in html  # the band from recovery to restore
+    assert run_report("r", json_out=False, state_dir=None,
+                      html=str(tmp_path / "no" / "dir.html")) == exit_codes.USAGE
+    assert "pick a writable path" in capsys.readouterr().err
+
+
 # -- one real job ---------------------------------------------------------------------------
 
 FAULTS = [{"step": 6, "rank": 1, "mode": "kill"}, {"step": 14, "rank": 2, "mode": "raise"}]
@@ -292,3 +315,8 @@ def test_report_matches_the_events(ended_job: dict[str, Any]) -> None:
     assert 0 < split["ettr"] < 1 and 0 < doc["projected"]["ettr"] <= 1
     text = _ftrun(ended_job, "report", ended_job["run_id"])
     assert text.returncode == 0 and "effective training time ratio" in text.stdout
+    page = ended_job["state"].parent / "report.html"
+    out = _ftrun(ended_job, "report", ended_job["run_id"], "--html", str(page))
+    assert out.returncode == 0, out.stderr
+    html = page.read_text()
+    assert all(f"<title>fault {f['n']}: rank_crash" in html for f in faults)

@@ -188,6 +188,11 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         "last_restored_step": last_restore.get("step") if last_restore else None,
         "faults": rows,
         "persist_skipped": [e.get("step") for e in events if e["type"] == "persist_skipped"],
+        # The only steps the log places in time: where ranks restored, what was persisted.
+        "restores": [{"at": e["ts"], "step": e.get("step"), "source": e.get("source")}
+                     for e in events if e["type"] == "restore"],
+        "persist_targets": [{"at": e["ts"], "step": e.get("step"), "final": bool(e.get("final"))}
+                            for e in events if e["type"] == "persist_target"],
         "snapshots_skipped": None,
         "nodes_lost": sum(1 for e in events if e["type"] == "node_lost"),
         "hosts_isolated": [e.get("host") for e in events if e["type"] == "host_isolated"],

@@ -104,6 +104,7 @@ def status_command(
 def report_command(
     run_id: Annotated[str, typer.Argument(help="The job's run id (running or ended).")],
     json_out: Annotated[bool, typer.Option("--json", help="Write a versioned JSON document.")] = False,
+    html: Annotated[str | None, typer.Option("--html", help="Also write the report to FILE as one self-contained HTML page, with a timeline (inline SVG).")] = None,
     state_dir: Annotated[str | None, typer.Option(help="State directory.", envvar="FTRUN_STATE_DIR")] = None,
 ) -> None:
     """Where a job's time went, from its event log: training, detection, each recovery phase, waiting; its effective training time ratio beside bench/ettr.py's projection; one row per fault."""
@@ -111,7 +112,7 @@ def report_command(
 
     log.configure("WARNING")
     try:
-        code = run_report(run_id, json_out=json_out, state_dir=state_dir)
+        code = run_report(run_id, json_out=json_out, state_dir=state_dir, html=html)
     except errors.FtrunError as e:
         code = _fail(e)
     raise typer.Exit(code)

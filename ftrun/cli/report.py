@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Group
@@ -17,7 +18,7 @@ from rich.text import Text
 from ftrun import exit_codes, jobs
 from ftrun.cli import history as hist
 from ftrun.cli.status import _HOW, _cell, _console, _liveness, _ranks_text, _s, history_lines
-from ftrun.errors import FtrunError
+from ftrun.errors import ConfigError, FtrunError
 
 # The time split's parts, in the order a job meets them, as the report names them.
 _PARTS = (("startup_s", "startup (until the ranks first restored)"),
@@ -85,16 +86,30 @@ def render_report(doc: dict[str, Any]) -> Group:
     return Group(*parts, missing)
 
 
-def run_report(run_id: str, *, json_out: bool, state_dir: str | None) -> int:
-    """``ftrun report RUN_ID``: the job's time accounting, from its event log."""
+def run_report(run_id: str, *, json_out: bool, state_dir: str | None,
+               html: str | None = None) -> int:
+    """``ftrun report RUN_ID``: the job's time accounting, from its event log; with ``html``
+    also written to that file as one self-contained page."""
     try:
         job = jobs.read_job_file(run_id, state_dir)
         events = hist.read_events(run_id, state_dir)
     except FtrunError as e:
         return _fail(e, "report")
     doc = hist.report(events, run_id, gone=_liveness(job) is False)
+    if html:
+        from ftrun.cli.report_html import render_html
+
+        path = Path(html).expanduser()
+        try:
+            path.write_text(render_html(doc), encoding="utf-8")
+        except OSError as e:
+            return _fail(ConfigError(f"--html {html}: cannot write it ({e.strerror or e}); "
+                                     "pick a writable path"), "report")
     if json_out:
         sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+    elif html:
+        sys.stdout.write(f"ftrun report: wrote {path}\n")
         sys.stdout.flush()
     else:
         _console().print(render_report(doc))
