@@ -98,6 +98,18 @@ def test_a_lost_node_is_recovered_by_the_others_and_one_node_failing_twice_is_on
     assert lost["resumed_from"] == crash["resumed_from"] == 40
 
 
+def test_a_hung_rank_s_fault_step_comes_from_its_suspect_event() -> None:
+    events = _log({"exitcode": 0, "state": "succeeded"})
+    events.insert(5, _ev(40, 18.0, "rank_suspect", rank=1, cause="stopped", step=13))
+    events.insert(6, _ev(41, 19.0, "rank_suspect", rank=2, cause="stopped", step=13))
+    events.insert(7, _ev(42, 19.5, "rank_cleared", rank=2, cause="stopped", step=13))
+    events[8] = _ev(6, 20.1, "hang_detected", rank=1, reason="stopped", timestamp=T0 + 20.0)
+    one, two = hist.job_history(events)["faults"]
+    assert (one["kind"], one["fault_step"], one["resumed_from"], one["steps_lost"]) == \
+        ("hang", 13, 11, 2)
+    assert two["fault_step"] is None  # rank 2 was cleared: its old step is not its fault's
+
+
 def test_time_split_sums_to_the_wall_time() -> None:
     events = _log({"exitcode": 0, "state": "succeeded"})
     split = hist.time_split(events, hist.job_history(events))

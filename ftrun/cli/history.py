@@ -43,8 +43,8 @@ PHASES = (("detect_s", "detect"), ("abort_s", "abort"), ("rendezvous_s", "rendez
           ("restart_s", "restart"))
 # Fields no event records (yet), and what each would give.
 MISSING = {
-    "fault_step": "the step a rank failed in (worker_failure has no step): steps lost and "
-                  "their recompute time",
+    "fault_step": "the step a rank failed in (worker_failure has no step; a hung rank's is "
+                  "known when it was suspect first): steps lost and their recompute time",
     "steps_trained": "the job's last step (job_end has no step)",
     "step_time": "the time of a step (no event carries one): recompute seconds",
     "snapshot_commits": "snapshot commits (no event per commit) and the time training was "
@@ -141,9 +141,19 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
     faults: list[dict[str, Any]] = []
     open_by_node: dict[Any, dict[str, Any]] = {}
     awaiting_restore: list[dict[str, Any]] = []
+    # The step a suspect rank is stuck in (rank_suspect carries it): a hang's fault step.
+    stuck: dict[tuple[Any, Any], int] = {}
     for e in events:
         kind = e["type"]
+        if kind == "rank_suspect" and isinstance(e.get("step"), int):
+            stuck[(e.get("node"), e.get("rank"))] = e["step"]
+        elif kind == "rank_cleared":
+            stuck.pop((e.get("node"), e.get("rank")), None)
         fault = _failure(e)
+        if fault is not None and fault["step"] is None:
+            steps = [stuck.pop((fault["node"], r)) for r in fault["ranks"]
+                     if (fault["node"], r) in stuck]
+            fault["step"] = min(steps) if steps else None
         if fault is not None:
             mine = open_by_node.get(fault["node"])
             if mine is not None:
