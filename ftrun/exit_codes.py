@@ -1,4 +1,5 @@
-"""Exit codes of every ``ftrun`` command, documented in README.md."""
+"""Exit codes of every ``ftrun`` command, documented in docs/reference/exit-codes.md
+(generated from this module by ``python -m ftrun.cli.docs``)."""
 
 from __future__ import annotations
 

@@ -705,7 +705,7 @@ class Coordinator:
     def status_document(self, *, select: str = SELECT_ALL, match: str | None = None,
                         offset: int = 0, limit: int | None = None,
                         max_bytes: int | None = None) -> dict[str, Any]:
-        """The versioned status document ``ftrun status`` shows (see the README): the health
+        """The versioned status document ``ftrun status`` shows (docs/status.md): the health
         and summary of the whole job, and one page of its nodes (here, by default, all)."""
         doc = self._status.document(self._membership.records(), self._membership.version,
                                     select=select, match=match, offset=offset, limit=limit,
