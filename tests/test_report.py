@@ -135,6 +135,26 @@ def test_projection_uses_bench_ettr_with_the_measured_costs() -> None:
     assert doc["version"] == hist.REPORT_VERSION and "fault_step" in doc["missing"]
 
 
+@pytest.mark.parametrize(("states", "outcome", "exitcode"), [
+    ([("succeeded", 0), ("succeeded", 0)], "succeeded", 0),
+    ([("succeeded", 0), ("isolated", 8)], "succeeded", 0),
+    ([("stopped", 143)], "stopped", 143),
+    ([("stopped", 143), ("failed", 1)], "failed", 143),
+])
+def test_outcome_of_every_node_s_end(states: list[tuple[str, int]], outcome: str,
+                                     exitcode: int) -> None:
+    events = [_ev(1, 0.0, "job_start", None)]
+    for i, (state, code) in enumerate(states):
+        events += [_ev(2 + 3 * i, 1.0, "node_joined", f"h{i}/1"),
+                   _ev(3 + 3 * i, 9.0, "job_end", f"h{i}/1", exitcode=code, state=state),
+                   _ev(4 + 3 * i, 9.0, "node_left", f"h{i}/1", exitcode=code, state=state)]
+    h = hist.job_history(events)
+    assert (h["ended"], h["outcome"], h["exitcode"]) == (True, outcome, exitcode)
+    one_left = hist.job_history(events[:-1]) if len(states) > 1 else None
+    if one_left is not None:  # a node has not left yet: the job still runs
+        assert not one_left["ended"]
+
+
 def test_a_live_or_killed_job_is_not_taken_for_a_finished_one() -> None:
     running = hist.job_history(_log(), now=T0 + 65.0)
     assert (running["ended"], running["outcome"], running["wall_s"]) == (False, "running", 65.0)
@@ -171,6 +191,7 @@ def _job(state: Path, run_id: str, events: list[dict] | None) -> None:
     ({"exitcode": 0, "state": "succeeded"}, exit_codes.OK, "finished"),
     ({"exitcode": 1, "state": "failed"}, exit_codes.JOB_FAILED, "failed"),
     (None, exit_codes.JOB_FAILED, "failed"),  # killed: no job_end
+    ({"exitcode": 143, "state": "stopped"}, exit_codes.JOB_FAILED, "failed"),  # SIGTERM
 ])
 def test_status_of_an_ended_job_answers_from_its_log(
         state_dir: Path, capsys: pytest.CaptureFixture[str], end: dict | None, code: int,

@@ -135,9 +135,10 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         end = events[-1]["ts"]
     else:
         end = now if now is not None else time.time()
-    failed = [e for e in ends if e.get("exitcode") not in (0, None)]
-    outcome = ("running" if not ended else "failed" if failed
-               else "succeeded" if ends else "killed")
+    # A node whose host was isolated leaves (exit code 8) and the job goes on without it.
+    failed = [e for e in ends if e.get("exitcode") not in (0, None)
+              and e.get("state") != "isolated"]
+    outcome = _outcome(ended, ends, failed)
     faults: list[dict[str, Any]] = []
     open_by_node: dict[Any, dict[str, Any]] = {}
     awaiting_restore: list[dict[str, Any]] = []
@@ -207,6 +208,18 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         "nodes_lost": sum(1 for e in events if e["type"] == "node_lost"),
         "hosts_isolated": [e.get("host") for e in events if e["type"] == "host_isolated"],
     }
+
+
+def _outcome(ended: bool, ends: list[dict[str, Any]], failed: list[dict[str, Any]]) -> str:
+    """running; killed (ended without a job_end); failed; stopped (by a signal: SIGTERM,
+    Ctrl-C); succeeded."""
+    if not ended:
+        return "running"
+    if not ends:
+        return "killed"
+    if any(e.get("state") != "stopped" for e in failed):
+        return "failed"
+    return "stopped" if failed else "succeeded"
 
 
 def _fault_row(n: int, f: dict[str, Any], end: float) -> dict[str, Any]:

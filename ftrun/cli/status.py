@@ -433,7 +433,7 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
         details.append(recovered)
     if isinstance(doc.get("history"), dict):
         # Its first line repeats the job line above; the faults and skips follow.
-        details += history_lines(doc["history"], str(doc.get("run_id", "?")))[1:]
+        details += history_lines(doc["history"], str(doc.get("run_id", "?")), live=True)[1:]
     listed = _listed_line(doc)
     if listed is not None:
         details.insert(0, listed)
@@ -811,7 +811,8 @@ def _fault_lines(f: dict[str, Any], started_at: float) -> list[Text]:
                        if key != "detect_s" and isinstance(rec.get(key), (int, float)))
     first = (f"fault {f['n']} at {_clock(f['at'])} (+{f['at'] - started_at:.1f} s): {who}, "
              f"{f['kind']}: {_truncate(f['what'], 2 * ERROR_CHARS)}")
-    second = f"    detected in {_s(f['detected_after_s'])}"
+    second = ("    detection time not recorded" if f["detected_after_s"] is None
+              else f"    detected in {_s(f['detected_after_s'])}")
     if rec:
         second += (f"; recovered {_HOW.get(how, how)} in {_s(f['recovery_s'])}"
                    + (f" ({phases})" if phases else ""))
@@ -831,8 +832,9 @@ def _fault_lines(f: dict[str, Any], started_at: float) -> list[Text]:
             for line in (first, second, third)]
 
 
-def history_lines(history: dict[str, Any], run_id: str) -> list[Text]:
-    """The history section: outcome, steps, every fault with its recovery, skips."""
+def history_lines(history: dict[str, Any], run_id: str, live: bool = False) -> list[Text]:
+    """The history section: outcome, steps, every fault with its recovery, skips. ``live``:
+    below a live status, which shows the committed step and the skips itself."""
     outcome = history["outcome"]
     style = {"succeeded": "green", "running": ""}.get(outcome, "bold red")
     code = history.get("exitcode")
@@ -848,14 +850,18 @@ def history_lines(history: dict[str, Any], run_id: str) -> list[Text]:
     if outcome == "killed":
         head.append(" (no job_end recorded: its launcher was killed)", style="bold red")
     restored = history.get("last_restored_step")
-    lines = [head, Text(f"steps trained: {hist.NOT_RECORDED}"
-                        + (f" (last restored step {restored})" if restored is not None else ""),
-                        style="dim")]
+    lines = [head]
+    if not live:
+        lines.append(Text(f"steps trained: {hist.NOT_RECORDED}"
+                          + (f" (last restored step {restored})" if restored is not None
+                             else ""), style="dim"))
     for f in history["faults"]:
         lines += _fault_lines(f, history["started_at"])
     skips = history["persist_skipped"]
-    lines.append(Text(f"snapshots skipped: {hist.NOT_RECORDED}"
-                      + (f"; persists skipped at step(s) {skips}" if skips else ""), style="dim"))
+    if skips or not live:
+        lines.append(Text(("" if live else f"snapshots skipped: {hist.NOT_RECORDED}; ")
+                          + (f"persists skipped at step(s) {skips}" if skips
+                             else "no persist skipped"), style="dim"))
     if history["hosts_isolated"]:
         lines.append(Text(f"hosts isolated: {', '.join(map(str, history['hosts_isolated']))}",
                           style="bold red"))
