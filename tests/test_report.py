@@ -311,10 +311,14 @@ def test_status_after_the_end_needs_no_coordinator(ended_job: dict[str, Any]) ->
     assert "SIGKILL" in kill["what"] and "injected fault" in fail["what"]
     for row, f in ((kill, FAULTS[0]), (fail, FAULTS[1])):
         assert row["recovery"] is not None and row["restored_from"] == "memory"
-        # Recomputed steps = fault step - resumed step: the fault step is known here from
-        # the injection; the event log has none, and the row says so.
-        assert f["step"] - row["resumed_from"] in (1, 2), (f, row)
-        assert row["steps_lost"] is None
+        # The step the rank failed in is recorded (from its progress: the one after the
+        # last it finished) and is the step the fault was injected in; steps lost = that
+        # step - the step resumed from.
+        assert row["fault_step"] == f["step"], (f, row)
+        assert row["steps_lost"] == f["step"] - row["resumed_from"] and \
+            row["steps_lost"] in (1, 2), (f, row)
+    assert h["steps_trained"] == 20 and "steps_trained" not in doc["missing"]
+    assert "fault_step" not in doc["missing"]
     text = _ftrun(ended_job, "status", ended_job["run_id"])
     assert text.returncode == 0 and "ended, succeeded (exit code 0)" in text.stdout
     assert f"resumed from step {kill['resumed_from']} (memory)" in text.stdout

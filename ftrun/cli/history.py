@@ -43,9 +43,9 @@ PHASES = (("detect_s", "detect"), ("abort_s", "abort"), ("rendezvous_s", "rendez
           ("restart_s", "restart"))
 # Fields no event records (yet), and what each would give.
 MISSING = {
-    "fault_step": "the step a rank failed in (worker_failure has no step; a hung rank's is "
-                  "known when it was suspect first): steps lost and their recompute time",
-    "steps_trained": "the job's last step (job_end has no step)",
+    "fault_step": "the step a rank failed in (a worker_failure without a step: the rank never "
+                  "reported progress, or an ftrun from before it was recorded): steps lost",
+    "steps_trained": "the job's last step (no job_end with a last_step)",
     "step_time": "the time of a step (no event carries one): recompute seconds",
     "snapshot_commits": "snapshot commits (no event per commit) and the time training was "
                         "blocked by a snapshot",
@@ -195,7 +195,8 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         "exitcode": (failed[0].get("exitcode") if failed else 0) if ends and ended else None,
         "end_state": [str(e.get("state")) for e in ends],
         "restarts": sum(1 for e in events if e["type"] == "restart"),
-        "steps_trained": None,
+        "steps_trained": max((e["last_step"] for e in ends
+                              if isinstance(e.get("last_step"), int)), default=None),
         "last_restored_step": last_restore.get("step") if last_restore else None,
         "faults": rows,
         "persist_skipped": [e.get("step") for e in events if e["type"] == "persist_skipped"],
@@ -343,4 +344,14 @@ def report(events: list[dict[str, Any]], run_id: str, now: float | None = None,
     split = time_split(events, history)
     return {"version": REPORT_VERSION, "run_id": run_id, "history": history,
             "time": split, "projected": projected_ettr(history, split),
-            "missing": MISSING}
+            "missing": missing(history)}
+
+
+def missing(history: dict[str, Any]) -> dict[str, str]:
+    """The fields of :data:`MISSING` this job's events do not give."""
+    out = dict(MISSING)
+    if history.get("steps_trained") is not None:
+        del out["steps_trained"]
+    if all(f.get("fault_step") is not None for f in history["faults"]):
+        del out["fault_step"]
+    return out

@@ -789,7 +789,7 @@ def ended_status(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
     if not history["ended"]:
         return None
     return {"version": hist.HISTORY_VERSION, "run_id": run_id, "ended": True,
-            "health": health_of(history), "history": history, "missing": hist.MISSING}
+            "health": health_of(history), "history": history, "missing": hist.missing(history)}
 
 
 def live_history(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
@@ -852,7 +852,8 @@ def history_lines(history: dict[str, Any], run_id: str, live: bool = False) -> l
     restored = history.get("last_restored_step")
     lines = [head]
     if not live:
-        lines.append(Text(f"steps trained: {hist.NOT_RECORDED}"
+        trained = history.get("steps_trained")
+        lines.append(Text(f"steps trained: {trained if trained is not None else hist.NOT_RECORDED}"
                           + (f" (last restored step {restored})" if restored is not None
                              else ""), style="dim"))
     for f in history["faults"]:

@@ -292,7 +292,8 @@ class InPlaceRestarts:
         self._ctx.sink.event("worker_failure", rank=rank, local_rank=lr, pid=pid,
                              exitcode=code, signal=sig,
                              message=str((doc or {}).get("error") or what)[:4096],
-                             timestamp=time.time(), in_place=True)
+                             timestamp=time.time(), in_place=True,
+                             step=self._current_step(lr))
         return what
 
     def _note_died_meanwhile(self, worker_group: WorkerGroup, local_ranks: set[int]) -> None:

@@ -60,7 +60,7 @@ from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftru
 from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.pdeath import LAUNCHER_PID_ENV
-from ftrun.rank.progress import STACKS_SIGNAL
+from ftrun.rank.progress import STACKS_SIGNAL, last_steps
 from ftrun.sigrelay import SignalRelay
 from ftrun.store.api import StoreConfig
 
@@ -890,7 +890,13 @@ class NodeServices:
     def _stop_reporter(self) -> None:
         reporter = self.reporter
         assert reporter is not None
-        reporter.event("job_end", exitcode=self.exitcode, state=self.final)
+        try:
+            steps = last_steps(self.node_dir)
+        except OSError:
+            steps = []
+        # The last step this node's ranks finished: the job's steps trained (ftrun report).
+        reporter.event("job_end", exitcode=self.exitcode, state=self.final,
+                       last_step=max(steps) if steps else None)
         reporter.stop(self.final, self.exitcode)
 
     def _stop_coordinator(self) -> None:

@@ -64,6 +64,7 @@ class WorkerWatch:
                 signal=sig,
                 message=message[:4096],
                 timestamp=failure.timestamp,
+                step=self._current_step(local_rank),
             )
         if first is not None:
             self._last_error = first[1][:1024]
@@ -72,6 +73,11 @@ class WorkerWatch:
             age = time.time() - first[0] if first[0] else 0.0
             self._note_restart(first[1][:300], age if 0 <= age < 3600 else 0.0)
         self._phase = NodeState.FAILED if self.remaining_restarts() == 0 else NodeState.RESTARTING
+
+    def _current_step(self, local_rank: int) -> int | None:
+        """The step a rank was in, from its progress file (None: it never reported one)."""
+        p = read_progress(str(self._ctx.node_dir / f"progress-{local_rank}"))
+        return p.current_step if p is not None else None
 
     def _watch_workers(self, worker_group: WorkerGroup) -> None:
         """Judge every running rank (suspect or not) and kill the hung ones."""

@@ -128,6 +128,14 @@ class Progress:
     def done(self) -> bool:
         return bool(self.flags & DONE)
 
+    @property
+    def current_step(self) -> int | None:
+        """The step the rank is in: the one after the last it finished (that one, once it
+        said training is over); None before its first report."""
+        if not self.reported:
+            return None
+        return self.step if self.done else self.step + 1
+
     def age_s(self, now_ns: int | None = None) -> float:
         return ((now_ns or time.monotonic_ns()) - self.monotonic_ns) / 1e9
 
@@ -184,6 +192,18 @@ def read_stacks(progress_path: str, offset: int, limit: int = 1 << 16) -> str:
             return f.read(limit).decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def last_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """The last step each rank with a progress file (``progress-<local rank>``) in
+    ``directory`` finished, for those that reported one."""
+    steps = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("progress-") and name.removeprefix("progress-").isdigit():
+            p = read_progress(os.path.join(directory, name))
+            if p is not None and p.reported:
+                steps.append(p.step)
+    return steps
 
 
 def read_progress(path: str) -> Progress | None:
