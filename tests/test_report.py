@@ -73,6 +73,33 @@ def test_history_pairs_each_failure_with_its_recovery_and_restore() -> None:
     assert h["persist_skipped"] == [28] and h["steps_trained"] is None
 
 
+def test_steps_trained_and_skipped_snapshots_come_from_the_end_events() -> None:
+    """Steps trained: the largest last_step of the nodes' job_end; snapshots skipped: the
+    sum of each node's last count (node_left); only what a log lacks is listed missing."""
+    events = _log({"exitcode": 0, "state": "succeeded", "last_step": 40})
+    n = len(events)
+    events += [_ev(n + 1, 70.0, "node_left", "h1/100", state="succeeded", snapshots_skipped=3),
+               _ev(n + 2, 70.0, "node_left", "h2/200", state="succeeded", snapshots_skipped=0)]
+    h = hist.job_history(events)
+    assert (h["steps_trained"], h["snapshots_skipped"]) == (40, 3)
+    missing = hist.missing(h)
+    assert "steps_trained" not in missing and "snapshot_skips" not in missing
+    assert "fault_step" in missing  # these failures carry none
+    assert set(hist.missing(hist.job_history(_log({"exitcode": 0, "state": "succeeded"})))) >= {
+        "steps_trained", "snapshot_skips"}
+
+
+def test_a_rank_s_skips_are_counted_over_its_restarts() -> None:
+    """A store adds a rank's counts up across its Snapshotters (each starts from 0)."""
+    from ftrun.store.handlers import SkipCount
+
+    skips = SkipCount()
+    assert [skips.add(0, c) for c in (0, 2, 5)] == [0, 2, 5]
+    assert skips.add(1, 4) == 4  # another rank: its own count
+    assert [skips.add(0, c) for c in (0, 1, 3)] == [5, 6, 8]  # restarted: 5 before
+    assert skips.add(0, 1) == 9  # and again (3 before this one)
+
+
 def test_a_failure_event_with_a_step_gives_the_steps_lost() -> None:
     events = _log({"exitcode": 0, "state": "succeeded"})
     events[5]["step"] = 12
@@ -318,6 +345,7 @@ def test_status_after_the_end_needs_no_coordinator(ended_job: dict[str, Any]) ->
         assert row["steps_lost"] == f["step"] - row["resumed_from"] and \
             row["steps_lost"] in (1, 2), (f, row)
     assert h["steps_trained"] == 20 and "steps_trained" not in doc["missing"]
+    assert isinstance(h["snapshots_skipped"], int), h["snapshots_skipped"]
     assert "fault_step" not in doc["missing"]
     text = _ftrun(ended_job, "status", ended_job["run_id"])
     assert text.returncode == 0 and "ended, succeeded (exit code 0)" in text.stdout

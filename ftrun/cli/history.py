@@ -49,7 +49,8 @@ MISSING = {
     "step_time": "the time of a step (no event carries one): recompute seconds",
     "snapshot_commits": "snapshot commits (no event per commit) and the time training was "
                         "blocked by a snapshot",
-    "snapshot_skips": "snapshots a rank skipped (counted in the ranks' own logs only)",
+    "snapshot_skips": "snapshots the ranks skipped (no node_left event with a count: a node "
+                      "whose store never reported, or an ftrun from before it was recorded)",
 }
 
 
@@ -205,10 +206,18 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
                      for e in events if e["type"] == "restore"],
         "persist_targets": [{"at": e["ts"], "step": e.get("step"), "final": bool(e.get("final"))}
                             for e in events if e["type"] == "persist_target"],
-        "snapshots_skipped": None,
+        "snapshots_skipped": _skipped(events),
         "nodes_lost": sum(1 for e in events if e["type"] == "node_lost"),
         "hosts_isolated": [e.get("host") for e in events if e["type"] == "host_isolated"],
     }
+
+
+def _skipped(events: list[dict[str, Any]]) -> int | None:
+    """Snapshots the ranks skipped, over the job: each node's last count (its node_left
+    event's, as its store reported it); None when no node left with one."""
+    counts = {e.get("node"): e["snapshots_skipped"] for e in events
+              if e["type"] == "node_left" and isinstance(e.get("snapshots_skipped"), int)}
+    return sum(counts.values()) if counts else None
 
 
 def _outcome(ended: bool, ends: list[dict[str, Any]], failed: list[dict[str, Any]]) -> str:
@@ -354,4 +363,6 @@ def missing(history: dict[str, Any]) -> dict[str, str]:
         del out["steps_trained"]
     if all(f.get("fault_step") is not None for f in history["faults"]):
         del out["fault_step"]
+    if history.get("snapshots_skipped") is not None:
+        del out["snapshot_skips"]
     return out

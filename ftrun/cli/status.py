@@ -860,7 +860,9 @@ def history_lines(history: dict[str, Any], run_id: str, live: bool = False) -> l
         lines += _fault_lines(f, history["started_at"])
     skips = history["persist_skipped"]
     if skips or not live:
-        lines.append(Text(("" if live else f"snapshots skipped: {hist.NOT_RECORDED}; ")
+        skipped = history.get("snapshots_skipped")
+        lines.append(Text(("" if live else "snapshots skipped: "
+                           f"{skipped if skipped is not None else hist.NOT_RECORDED}; ")
                           + (f"persists skipped at step(s) {skips}" if skips
                              else "no persist skipped"), style="dim"))
     if history["hosts_isolated"]:

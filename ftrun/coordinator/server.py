@@ -621,7 +621,11 @@ class Coordinator:
                                               time.monotonic())
         if joined is not None:
             self._joined(node.node_id, joined)
-        self._record("node_left", node.node_id, {"state": b.state, "exitcode": b.exitcode})
+        left: dict[str, Any] = {"state": b.state, "exitcode": b.exitcode}
+        skipped = self._snapshots.skipped_of(node.node_id)
+        if skipped is not None:
+            left["snapshots_skipped"] = skipped  # over the job, as its store last reported
+        self._record("node_left", node.node_id, left)
         self._drop_directives(node.node_id, "node left")
         self._groups.forget(node.node_id)
         return m.Ack(re=msg.id)

@@ -54,6 +54,12 @@ class SnapshotControl:
             "stores_request": self._on_stores,
         }
 
+    def skipped_of(self, node_id: str) -> int | None:
+        """The snapshots a node's ranks skipped, as its store last reported (None: no report)."""
+        with self._lock:
+            report = self._store_reports.get(node_id)
+        return None if report is None else int(report.get("skipped") or 0)
+
     def _gone(self, node_id: str, mono: float) -> bool:
         return self._membership.gone(node_id, mono)
 

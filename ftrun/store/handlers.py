@@ -28,6 +28,24 @@ log = logging.getLogger("ftrun.store")
 
 
 
+
+class SkipCount:
+    """The snapshots each rank skipped over the job, from the counts its snapshots carry: a
+    rank's count starts over with each Snapshotter (a restarted rank, in place or in a new
+    process), so a count lower than the last one seen adds that one to the rank's total."""
+
+    def __init__(self) -> None:
+        self._before: dict[int, int] = {}  # rank -> skipped by its earlier Snapshotters
+        self._last: dict[int, int] = {}  # rank -> the count its newest snapshot carried
+
+    def add(self, rank: int, count: int) -> int:
+        """Take a snapshot's count; returns the rank's total."""
+        last = self._last.get(rank, 0)
+        if count < last:
+            self._before[rank] = self._before.get(rank, 0) + last
+        self._last[rank] = count
+        return self._before.get(rank, 0) + count
+
 class StoreHandlers:
     """What the store answers to each request kind."""
 
@@ -40,6 +58,7 @@ class StoreHandlers:
         self._persist = persister
         self._coord = coord
         self.cadence: dict[int, tuple[int, int]] = {}  # rank -> (snapshots skipped, interval)
+        self._skips = SkipCount()
         self.replication: Any = None  # ftrun.store.replica.Replication, once started
         self.shards: Any = None  # ftrun.store.shards.ShardService, once started
         self.surveyor: Any = None  # ftrun.store.survey.Surveyor
@@ -83,7 +102,7 @@ class StoreHandlers:
         b: m.SnapStaged = msg.body
         self._follow_ranks(b)
         if b.every is not UNSET:
-            self.cadence[b.rank] = (given(b.skipped, 0), b.every)
+            self.cadence[b.rank] = (self._skips.add(b.rank, given(b.skipped, 0)), b.every)
         name = self.catalog.buffer_name(b.rank, b.buffer)
         ok, reason, _ = self._verifier.verify_staged(name, b.step)
         if not ok:
