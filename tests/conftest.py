@@ -72,6 +72,7 @@ LONGEST_FILES = {  # seconds, one process, CI machine (2026-11-27)
     "test_etcd_integ.py": 71, "test_isolate.py": 45, "test_data_position.py": 39,
     "test_reshard_integ.py": 33, "test_warm.py": 32, "test_replica_integ.py": 32,
     "test_collectives.py": 31, "test_fault_points.py": 120, "test_framework_inplace.py": 135,
+    "test_report.py": 50,
 }
 
 
