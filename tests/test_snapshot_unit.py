@@ -166,14 +166,24 @@ def test_commits_need_every_rank_and_stay_in_their_epoch() -> None:
 def test_snapshotter_outside_ftrun_is_a_logged_no_op(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from ftrun.rank import snapshotter
     from ftrun.rank.snapshotter import Snapshotter
 
     monkeypatch.delenv("FTRUN_STORE", raising=False)
+    monkeypatch.setattr(snapshotter, "_SAID_OFF", False)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
     with caplog.at_level(logging.WARNING):
         snap = Snapshotter(model, opt)
-    assert "snapshots are off" in caplog.text
+        Snapshotter(model, opt).close()  # said once per process
+    assert caplog.text.count("snapshots are off") == 1
+    # And by rank 0 only (RANK under torchrun): once per job, not once per rank.
+    monkeypatch.setattr(snapshotter, "_SAID_OFF", False)
+    monkeypatch.setenv("RANK", "1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Snapshotter(model, opt).close()
+    assert "snapshots are off" not in caplog.text
     assert snap.restore(extra={"a": 1}) == 0 and snap.extra == {"a": 1}
     assert snap.save(1) is False
     snap.close()

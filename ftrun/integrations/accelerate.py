@@ -198,8 +198,8 @@ class AcceleratorSnapshotter:
         for position, loader_state in zip(self.loaders, saved["loaders"], strict=True):
             position.load(loader_state)
         self.accelerator.step = saved["step"]
-        log.info("restored the accelerator's state at step %d from an ftrun snapshot (%s)",
-                 step, self.snapshotter.source)
+        log.warning("restored the accelerator's state at step %d from an ftrun snapshot (%s)",
+                    step, self.snapshotter.source)  # shown by default logging, as Lightning's
         return step
 
     def save(self, step: int, extra: Any = None) -> bool:

@@ -143,8 +143,10 @@ class SnapshotCallback(TrainerCallback):
         if getattr(args, "restore_callback_states_from_checkpoint", False):
             self._load_callbacks(json.loads(extra["callbacks"]))
         self.resumed_from = self._saved = step
-        log.info("resumed the Trainer from step %d (epoch %.2f) of an ftrun snapshot (%s)",
-                 step, state.epoch, self.snapshotter.source)
+        # Said where default logging shows it (as Lightning's resume line is): a resume is what
+        # a user looks for after a fault.
+        log.warning("resumed the Trainer from step %d (epoch %.2f) of an ftrun snapshot (%s)",
+                    step, state.epoch, self.snapshotter.source)
 
     def resume_position(self, epoch: int, steps_per_epoch: int) -> tuple[bool, int, int] | None:
         """For the epoch loop: None (as usual), or (skip it, epochs trained, batches trained)."""

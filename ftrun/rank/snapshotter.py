@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 import weakref
 from collections.abc import Mapping
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 CLOSE_CLAIM_WAIT_S = 10.0  # close(): how long the last snapshot may wait for its buffer
 
 _OPEN: weakref.WeakSet[Snapshotter] = weakref.WeakSet()  # not closed yet: abandon_all()
+_SAID_OFF = False  # "snapshots are off" was logged (or is rank 0's to log)
 
 
 def abandon_all() -> None:
@@ -100,9 +102,13 @@ class Snapshotter:
         self._restorer = Restorer(ctx, self._training)
         _OPEN.add(self)
         if not self.enabled:
-            log.warning("ftrun snapshots are off: not started by ftrun (no %s). Training runs "
-                        "as usual; run it with `ftrun` to snapshot every step.",
-                        knobs.STORE.name)
+            global _SAID_OFF
+            # Once per job, as the docs say: by rank 0 (RANK under torchrun), once per process.
+            if not _SAID_OFF and os.environ.get("RANK", "0") == "0":
+                log.warning("ftrun snapshots are off: not started by ftrun (no %s). Training "
+                            "runs as usual; run it with `ftrun` to snapshot every step.",
+                            knobs.STORE.name)
+            _SAID_OFF = True
             return
         ctx.connect()
         if optimizer is not None and optimizer_hook:  # False: before_optimizer_step() is called
