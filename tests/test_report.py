@@ -385,3 +385,73 @@ def test_report_matches_the_events(ended_job: dict[str, Any]) -> None:
     assert out.returncode == 0, out.stderr
     html = page.read_text()
     assert all(f"<title>fault {f['n']}: rank_crash" in html for f in faults)
+
+
+# -- the page in a real browser ---------------------------------------------------------------
+
+
+def _chromium() -> str:
+    """Debian's chromium (scripts/setup-chromium.sh); skips without it, fails under
+    FTRUN_REQUIRE_CHROMIUM=1 (CI)."""
+    import os
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("FTRUN_REQUIRE_CHROMIUM") == "1":
+            raise AssertionError("FTRUN_REQUIRE_CHROMIUM=1 but no chromium on PATH: run "
+                                 "bash scripts/setup-chromium.sh")
+        pytest.skip("no chromium (bash scripts/setup-chromium.sh installs it; "
+                    "FTRUN_REQUIRE_CHROMIUM=1 makes this a failure)")
+    return path
+
+
+def _browse(browser: str, profile: Path, page: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run headless chromium on ``page``; its whole process group is ended on a timeout."""
+    import os
+    import signal
+
+    proc = subprocess.Popen(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+         "--enable-logging=stderr", "--v=0", "--window-size=1400,1000", *args,
+         page.as_uri()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        raise AssertionError(f"chromium did not finish with {page} within 90 s") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.integration
+def test_the_html_page_renders_in_a_headless_browser(ended_job: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    """The real job's page, rendered by chromium: its DOM holds the timeline with a mark per
+    fault, nothing is logged to the console, and the picture is drawn (the screenshot
+    differs from the same page without it)."""
+    import re
+
+    browser = _chromium()
+    page = tmp_path / "report.html"
+    out = _ftrun(ended_job, "report", ended_job["run_id"], "--html", str(page))
+    assert out.returncode == 0, out.stderr
+    dom = _browse(browser, tmp_path / "profile", page, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    assert dom.stdout.count("<svg") == 1, dom.stdout[:3000]
+    assert len(set(re.findall(r"<title>fault (\d+): rank_crash", dom.stdout))) == len(FAULTS)
+    console = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line]
+    assert console == [], console  # no error, no warning, no blocked load
+
+    bare = tmp_path / "bare.html"
+    html = page.read_text()
+    # The same page with the picture's contents taken out (its box kept: the same layout).
+    bare.write_text(re.sub(r"(<svg[^>]*>).*?(</svg>)", r"\1\2", html, count=1, flags=re.S))
+    shots = []
+    for name, source in (("with", page), ("without", bare)):
+        shot = tmp_path / f"{name}.png"
+        done = _browse(browser, tmp_path / "profile", source, f"--screenshot={shot}")
+        assert done.returncode == 0 and shot.stat().st_size > 0, done.stderr[-3000:]
+        shots.append(shot.read_bytes())
+    assert shots[0] != shots[1], "the timeline drew nothing the browser shows"
