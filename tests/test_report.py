@@ -152,6 +152,19 @@ def test_time_split_sums_to_the_wall_time() -> None:
     assert split["ettr"] == pytest.approx(split["training_s"] / 70.0, abs=1e-4)
 
 
+def test_recomputed_steps_cost_the_steps_lost_at_the_job_s_step_time() -> None:
+    """With the fault steps and the step time recorded, the recomputed steps are counted out
+    of training: (12 - 11) + (27 - 25) steps at 0.5 s."""
+    events = _log({"exitcode": 0, "state": "succeeded", "step_s": 0.5})
+    events[5]["step"], events[10]["step"] = 12, 27
+    history = hist.job_history(events)
+    split = hist.time_split(events, history)
+    assert history["step_s"] == 0.5 and "step_time" not in hist.missing(history)
+    assert split["recompute_s"] == pytest.approx(1.5)
+    parts = [v for k, v in split.items() if k.endswith("_s") and k != "wall_s" and v is not None]
+    assert sum(parts) == pytest.approx(70.0, abs=0.01)
+
+
 def test_projection_uses_bench_ettr_with_the_measured_costs() -> None:
     doc = hist.report(_log({"exitcode": 0, "state": "succeeded"}), "r")
     proj = doc["projected"]
@@ -346,6 +359,7 @@ def test_status_after_the_end_needs_no_coordinator(ended_job: dict[str, Any]) ->
             row["steps_lost"] in (1, 2), (f, row)
     assert h["steps_trained"] == 20 and "steps_trained" not in doc["missing"]
     assert isinstance(h["snapshots_skipped"], int), h["snapshots_skipped"]
+    assert h["step_s"] is not None and h["step_s"] > 0, h["step_s"]
     assert "fault_step" not in doc["missing"]
     text = _ftrun(ended_job, "status", ended_job["run_id"])
     assert text.returncode == 0 and "ended, succeeded (exit code 0)" in text.stdout
@@ -377,6 +391,9 @@ def test_report_matches_the_events(ended_job: dict[str, Any]) -> None:
     assert sum(parts) == pytest.approx(split["wall_s"], abs=0.01)
     assert split["detection_s"] == pytest.approx(sum(r["detect_s"] for r in recoveries),
                                                  abs=1e-3)
+    # The recomputed steps: the steps lost at the job's step time (both recorded).
+    lost = sum(f["steps_lost"] for f in doc["history"]["faults"])
+    assert split["recompute_s"] == pytest.approx(lost * doc["history"]["step_s"], abs=1e-3)
     assert 0 < split["ettr"] < 1 and 0 < doc["projected"]["ettr"] <= 1
     text = _ftrun(ended_job, "report", ended_job["run_id"])
     assert text.returncode == 0 and "effective training time ratio" in text.stdout

@@ -46,7 +46,8 @@ MISSING = {
     "fault_step": "the step a rank failed in (a worker_failure without a step: the rank never "
                   "reported progress, or an ftrun from before it was recorded): steps lost",
     "steps_trained": "the job's last step (no job_end with a last_step)",
-    "step_time": "the time of a step (no event carries one): recompute seconds",
+    "step_time": "the time of a step (no job_end or worker_failure with step_s): the "
+                 "seconds the steps lost cost",
     "snapshot_commits": "snapshot commits (no event per commit) and the time training was "
                         "blocked by a snapshot",
     "snapshot_skips": "snapshots the ranks skipped (no node_left event with a count: a node "
@@ -198,6 +199,7 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         "restarts": sum(1 for e in events if e["type"] == "restart"),
         "steps_trained": max((e["last_step"] for e in ends
                               if isinstance(e.get("last_step"), int)), default=None),
+        "step_s": _step_time(events),
         "last_restored_step": last_restore.get("step") if last_restore else None,
         "faults": rows,
         "persist_skipped": [e.get("step") for e in events if e["type"] == "persist_skipped"],
@@ -210,6 +212,17 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         "nodes_lost": sum(1 for e in events if e["type"] == "node_lost"),
         "hosts_isolated": [e.get("host") for e in events if e["type"] == "host_isolated"],
     }
+
+
+def _step_time(events: list[dict[str, Any]]) -> float | None:
+    """The job's step time: the median of what its nodes' job_end (else its failures)
+    recorded; None when none did."""
+    for kinds in (("job_end",), ("worker_failure",)):
+        times = sorted(t for e in events if e["type"] in kinds
+                       if (t := _num(e.get("step_s"))) is not None and t > 0)
+        if times:
+            return times[len(times) // 2]
+    return None
 
 
 def _skipped(events: list[dict[str, Any]]) -> int | None:
@@ -285,13 +298,19 @@ def time_split(events: list[dict[str, Any]], history: dict[str, Any]) -> dict[st
                 for name, v in phases.items()},
              "restore_s": restore, "recovery_unphased_s": unaccounted}
     parts = {k: (round(v, 3) if v is not None else None) for k, v in parts.items()}
-    lost = sum(v for v in parts.values() if v)
+    # Recomputed steps: each fault's steps lost at the job's step time.
+    steps_lost = [f["steps_lost"] for f in history["faults"]]
+    step_s = history.get("step_s")
+    recompute = (round(sum(steps_lost) * step_s, 3)
+                 if step_s is not None and all(n is not None for n in steps_lost) else None)
+    lost = sum(v for v in parts.values() if v) + (recompute or 0.0)
     training = max(0.0, wall - lost)
-    return {"wall_s": wall, **parts, "training_s": round(training, 3),
-            "snapshot_blocked_s": None, "recompute_s": None,
+    return {"wall_s": wall, **parts, "recompute_s": recompute, "training_s": round(training, 3),
+            "snapshot_blocked_s": None,
             "ettr": round(training / wall, 4) if wall > 0 else None,
             "ettr_note": "an upper bound: the training time still holds the time blocked by "
-                         "snapshots and the recomputed steps (not recorded)"}
+                         "snapshots" + ("" if recompute is not None else
+                                        " and the recomputed steps (not recorded)")}
 
 
 def _ettr_model() -> ModuleType | None:
@@ -365,4 +384,6 @@ def missing(history: dict[str, Any]) -> dict[str, str]:
         del out["fault_step"]
     if history.get("snapshots_skipped") is not None:
         del out["snapshot_skips"]
+    if history.get("step_s") is not None:
+        del out["step_time"]
     return out

@@ -293,7 +293,7 @@ class InPlaceRestarts:
                              exitcode=code, signal=sig,
                              message=str((doc or {}).get("error") or what)[:4096],
                              timestamp=time.time(), in_place=True,
-                             step=self._current_step(lr))
+                             step=self._current_step(lr), step_s=self.step_time_s(lr))
         return what
 
     def _note_died_meanwhile(self, worker_group: WorkerGroup, local_ranks: set[int]) -> None:

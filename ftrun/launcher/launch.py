@@ -894,9 +894,12 @@ class NodeServices:
             steps = last_steps(self.node_dir)
         except OSError:
             steps = []
-        # The last step this node's ranks finished: the job's steps trained (ftrun report).
+        agent = self.ctx.agent if getattr(self, "ctx", None) is not None else None
+        # The last step this node's ranks finished (the job's steps trained) and their step
+        # time (what a recomputed step costs), for ftrun report.
         reporter.event("job_end", exitcode=self.exitcode, state=self.final,
-                       last_step=max(steps) if steps else None)
+                       last_step=max(steps) if steps else None,
+                       step_s=agent.step_time_s() if agent is not None else None)
         reporter.stop(self.final, self.exitcode)
 
     def _stop_coordinator(self) -> None:

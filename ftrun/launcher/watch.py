@@ -65,6 +65,7 @@ class WorkerWatch:
                 message=message[:4096],
                 timestamp=failure.timestamp,
                 step=self._current_step(local_rank),
+                step_s=self.step_time_s(local_rank),
             )
         if first is not None:
             self._last_error = first[1][:1024]
@@ -78,6 +79,17 @@ class WorkerWatch:
         """The step a rank was in, from its progress file (None: it never reported one)."""
         p = read_progress(str(self._ctx.node_dir / f"progress-{local_rank}"))
         return p.current_step if p is not None else None
+
+    def step_time_s(self, local_rank: int | None = None) -> float | None:
+        """A rank's step time (the median of its recent step intervals), or with no rank the
+        median of this node's ranks'; None before enough steps."""
+        watches = ([self._watches[local_rank]] if local_rank in self._watches
+                   else [] if local_rank is not None else list(self._watches.values()))
+        times = [t for t in (w.median_interval_s() for w in watches) if t is not None]
+        if not times:
+            return None
+        times.sort()
+        return round(times[len(times) // 2], 4)
 
     def _watch_workers(self, worker_group: WorkerGroup) -> None:
         """Judge every running rank (suspect or not) and kill the hung ones."""
