@@ -78,12 +78,21 @@ def test_steps_trained_and_skipped_snapshots_come_from_the_end_events() -> None:
     sum of each node's last count (node_left); only what a log lacks is listed missing."""
     events = _log({"exitcode": 0, "state": "succeeded", "last_step": 40})
     n = len(events)
-    events += [_ev(n + 1, 70.0, "node_left", "h1/100", state="succeeded", snapshots_skipped=3),
-               _ev(n + 2, 70.0, "node_left", "h2/200", state="succeeded", snapshots_skipped=0)]
+    events += [_ev(n + 1, 70.0, "node_left", "h1/100", state="succeeded", snapshots_skipped=3,
+                   snapshot_blocked_s=1.25),
+               _ev(n + 2, 70.0, "node_left", "h2/200", state="succeeded", snapshots_skipped=0,
+                   snapshot_blocked_s=2.0)]
     h = hist.job_history(events)
     assert (h["steps_trained"], h["snapshots_skipped"]) == (40, 3)
+    # Ranks are held at once (a step waits for the slowest): the most any node reported.
+    assert h["snapshot_blocked_s"] == 2.0
+    split = hist.time_split(events, h)
+    assert split["snapshot_blocked_s"] == 2.0
+    parts = [v for k, v in split.items() if k.endswith("_s") and k != "wall_s" and v is not None]
+    assert sum(parts) == pytest.approx(70.0, abs=0.01)
     missing = hist.missing(h)
     assert "steps_trained" not in missing and "snapshot_skips" not in missing
+    assert "snapshot_blocked" not in missing
     assert "fault_step" in missing  # these failures carry none
     assert set(hist.missing(hist.job_history(_log({"exitcode": 0, "state": "succeeded"})))) >= {
         "steps_trained", "snapshot_skips"}
@@ -91,9 +100,9 @@ def test_steps_trained_and_skipped_snapshots_come_from_the_end_events() -> None:
 
 def test_a_rank_s_skips_are_counted_over_its_restarts() -> None:
     """A store adds a rank's counts up across its Snapshotters (each starts from 0)."""
-    from ftrun.store.handlers import SkipCount
+    from ftrun.store.handlers import RankTally
 
-    skips = SkipCount()
+    skips = RankTally()
     assert [skips.add(0, c) for c in (0, 2, 5)] == [0, 2, 5]
     assert skips.add(1, 4) == 4  # another rank: its own count
     assert [skips.add(0, c) for c in (0, 1, 3)] == [5, 6, 8]  # restarted: 5 before
@@ -360,6 +369,8 @@ def test_status_after_the_end_needs_no_coordinator(ended_job: dict[str, Any]) ->
     assert h["steps_trained"] == 20 and "steps_trained" not in doc["missing"]
     assert isinstance(h["snapshots_skipped"], int), h["snapshots_skipped"]
     assert h["step_s"] is not None and h["step_s"] > 0, h["step_s"]
+    # Every step was snapshotted: the time that held the ranks was measured (and is > 0).
+    assert h["snapshot_blocked_s"] is not None and h["snapshot_blocked_s"] > 0
     assert "fault_step" not in doc["missing"]
     text = _ftrun(ended_job, "status", ended_job["run_id"])
     assert text.returncode == 0 and "ended, succeeded (exit code 0)" in text.stdout

@@ -48,8 +48,10 @@ MISSING = {
     "steps_trained": "the job's last step (no job_end with a last_step)",
     "step_time": "the time of a step (no job_end or worker_failure with step_s): the "
                  "seconds the steps lost cost",
-    "snapshot_commits": "snapshot commits (no event per commit) and the time training was "
-                        "blocked by a snapshot",
+    "snapshot_commits": "snapshot commits (no event per commit): their place on the "
+                        "timeline",
+    "snapshot_blocked": "the time snapshots held training (no node_left with "
+                        "snapshot_blocked_s)",
     "snapshot_skips": "snapshots the ranks skipped (no node_left event with a count: a node "
                       "whose store never reported, or an ftrun from before it was recorded)",
 }
@@ -209,6 +211,7 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         "persist_targets": [{"at": e["ts"], "step": e.get("step"), "final": bool(e.get("final"))}
                             for e in events if e["type"] == "persist_target"],
         "snapshots_skipped": _skipped(events),
+        "snapshot_blocked_s": _blocked(events),
         "nodes_lost": sum(1 for e in events if e["type"] == "node_lost"),
         "hosts_isolated": [e.get("host") for e in events if e["type"] == "host_isolated"],
     }
@@ -223,6 +226,14 @@ def _step_time(events: list[dict[str, Any]]) -> float | None:
         if times:
             return times[len(times) // 2]
     return None
+
+
+def _blocked(events: list[dict[str, Any]]) -> float | None:
+    """The time snapshots held training: the most any rank was held (each node's last
+    report, on its node_left); None when no node left with one."""
+    held = {e.get("node"): t for e in events if e["type"] == "node_left"
+            if (t := _num(e.get("snapshot_blocked_s"))) is not None}
+    return round(max(held.values()), 3) if held else None
 
 
 def _skipped(events: list[dict[str, Any]]) -> int | None:
@@ -303,14 +314,16 @@ def time_split(events: list[dict[str, Any]], history: dict[str, Any]) -> dict[st
     step_s = history.get("step_s")
     recompute = (round(sum(steps_lost) * step_s, 3)
                  if step_s is not None and all(n is not None for n in steps_lost) else None)
-    lost = sum(v for v in parts.values() if v) + (recompute or 0.0)
+    blocked = history.get("snapshot_blocked_s")
+    lost = sum(v for v in parts.values() if v) + (recompute or 0.0) + (blocked or 0.0)
     training = max(0.0, wall - lost)
-    return {"wall_s": wall, **parts, "recompute_s": recompute, "training_s": round(training, 3),
-            "snapshot_blocked_s": None,
+    unknown = [what for what, v in (("the time blocked by snapshots", blocked),
+                                    ("the recomputed steps", recompute)) if v is None]
+    return {"wall_s": wall, **parts, "recompute_s": recompute, "snapshot_blocked_s": blocked,
+            "training_s": round(training, 3),
             "ettr": round(training / wall, 4) if wall > 0 else None,
-            "ettr_note": "an upper bound: the training time still holds the time blocked by "
-                         "snapshots" + ("" if recompute is not None else
-                                        " and the recomputed steps (not recorded)")}
+            "ettr_note": (f"an upper bound: the training time still holds {' and '.join(unknown)}"
+                          " (not recorded)" if unknown else "measured")}
 
 
 def _ettr_model() -> ModuleType | None:
@@ -386,4 +399,6 @@ def missing(history: dict[str, Any]) -> dict[str, str]:
         del out["snapshot_skips"]
     if history.get("step_s") is not None:
         del out["step_time"]
+    if history.get("snapshot_blocked_s") is not None:
+        del out["snapshot_blocked"]
     return out

@@ -621,10 +621,9 @@ class Coordinator:
                                               time.monotonic())
         if joined is not None:
             self._joined(node.node_id, joined)
-        left: dict[str, Any] = {"state": b.state, "exitcode": b.exitcode}
-        skipped = self._snapshots.skipped_of(node.node_id)
-        if skipped is not None:
-            left["snapshots_skipped"] = skipped  # over the job, as its store last reported
+        # With what its store last reported of its ranks' snapshots over the job.
+        left = {"state": b.state, "exitcode": b.exitcode,
+                **self._snapshots.counts_of(node.node_id)}
         self._record("node_left", node.node_id, left)
         self._drop_directives(node.node_id, "node left")
         self._groups.forget(node.node_id)

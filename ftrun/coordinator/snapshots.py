@@ -54,11 +54,17 @@ class SnapshotControl:
             "stores_request": self._on_stores,
         }
 
-    def skipped_of(self, node_id: str) -> int | None:
-        """The snapshots a node's ranks skipped, as its store last reported (None: no report)."""
+    def counts_of(self, node_id: str) -> dict[str, Any]:
+        """What a node's store last reported of its ranks' snapshots over the job: how many
+        they skipped, and the most time one of them was held by snapshots ({}: no report)."""
         with self._lock:
             report = self._store_reports.get(node_id)
-        return None if report is None else int(report.get("skipped") or 0)
+        if report is None:
+            return {}
+        out: dict[str, Any] = {"snapshots_skipped": int(report.get("skipped") or 0)}
+        if report.get("blocked_s") is not None:
+            out["snapshot_blocked_s"] = float(report["blocked_s"])
+        return out
 
     def _gone(self, node_id: str, mono: float) -> bool:
         return self._membership.gone(node_id, mono)

@@ -367,6 +367,7 @@ class StoreReport(Body):
     writing: int | None | UnsetType = UNSET
     skipped: int | UnsetType = UNSET
     every: int | None | UnsetType = UNSET
+    blocked_s: Float | UnsetType = UNSET  # the most any of its ranks was held by snapshots
     replica_addr: Str | UnsetType = UNSET
     replicas: int | UnsetType = UNSET
     shard_addr: Str | UnsetType = UNSET
@@ -379,7 +380,8 @@ class StoreReport(Body):
 # Rank <-> its node's store (ipc, same secret).
 class SnapStaged(Body):
     """``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now;
-    ``base``: the step its epoch resumed from (a restarted store learns the epoch from it)."""
+    ``base``: the step its epoch resumed from (a restarted store learns the epoch from it);
+    ``blocked_s``: how long its snapshots held its training thread so far."""
 
     KIND = "snap_staged"
     REPLIES = ("snap_done",)
@@ -390,6 +392,7 @@ class SnapStaged(Body):
     skipped: int | UnsetType = UNSET
     every: int | UnsetType = UNSET
     base: int | UnsetType = UNSET
+    blocked_s: Float | UnsetType = UNSET
 
 
 class SnapDone(Body):

@@ -159,6 +159,7 @@ class Saver:
         self._registered: set[int] = set()
         self.skipped_saves = 0
         self.taken_saves = 0  # snapshots begun (each is then staged or skipped)
+        self.blocked_s = 0.0  # time the training thread spent in snapshot() and wait()
         self.skip_reasons: Counter[str] = Counter()  # skipped snapshots by reason
         self._skipped_unlogged = 0  # skipped since the last warning line
 
@@ -180,6 +181,12 @@ class Saver:
         self.wait()
         self.taken_saves += 1
         t0 = time.perf_counter()
+        try:
+            return self._snapshot(step, extra, t0)
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+
+    def _snapshot(self, step: int, extra: Any, t0: float) -> bool:
         state = self._state.capture(step, extra)
         # The RNG states go in as of the next forward pass (or wait()), not of now: that is
         # where a restored run picks up, whatever the script does in between (see _on_forward).
@@ -228,6 +235,13 @@ class Saver:
 
     def wait(self, timeout_s: float = 600.0, claim_wait_s: float | None = None) -> None:
         """Block until the snapshot in flight is copied; see ``Snapshotter.wait``."""
+        t0 = time.perf_counter()
+        try:
+            self._wait(timeout_s, claim_wait_s)
+        finally:
+            self.blocked_s += time.perf_counter() - t0
+
+    def _wait(self, timeout_s: float, claim_wait_s: float | None) -> None:
         self.take_rng()
         job, self._pending = self._pending, None
         if job is None or job.future is None:
@@ -429,7 +443,7 @@ class Saver:
         self._ctx.chan.send("snap_staged", {
             "rank": self._ctx.rank, "buffer": target, "step": step, "epoch": self._ctx.epoch,
             "skipped": self.skipped_saves, "every": self.cadence.k,
-            "base": self._ctx.epoch_base})
+            "base": self._ctx.epoch_base, "blocked_s": round(self.blocked_s, 4)})
 
     def register(self, seg: shm.Segment) -> None:
         """Pin the segment's pages for the GPU so device-to-host copies are asynchronous DMA."""

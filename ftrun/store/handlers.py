@@ -29,22 +29,26 @@ log = logging.getLogger("ftrun.store")
 
 
 
-class SkipCount:
-    """The snapshots each rank skipped over the job, from the counts its snapshots carry: a
-    rank's count starts over with each Snapshotter (a restarted rank, in place or in a new
-    process), so a count lower than the last one seen adds that one to the rank's total."""
+class RankTally:
+    """A running total each rank's snapshots carry (the snapshots it skipped, the time they
+    held its training thread), over the job: a rank's total starts over with each Snapshotter
+    (a restarted rank, in place or in a new process), so a value lower than the last one seen
+    adds that one to the rank's earlier total."""
 
     def __init__(self) -> None:
-        self._before: dict[int, int] = {}  # rank -> skipped by its earlier Snapshotters
-        self._last: dict[int, int] = {}  # rank -> the count its newest snapshot carried
+        self._before: dict[int, float] = {}  # rank -> the totals of its earlier Snapshotters
+        self._last: dict[int, float] = {}  # rank -> the value its newest snapshot carried
 
-    def add(self, rank: int, count: int) -> int:
-        """Take a snapshot's count; returns the rank's total."""
+    def add(self, rank: int, value: float) -> float:
+        """Take a snapshot's value; returns the rank's total over the job."""
         last = self._last.get(rank, 0)
-        if count < last:
+        if value < last:
             self._before[rank] = self._before.get(rank, 0) + last
-        self._last[rank] = count
-        return self._before.get(rank, 0) + count
+        self._last[rank] = value
+        return self._before.get(rank, 0) + value
+
+    def totals(self) -> dict[int, float]:
+        return {r: self._before.get(r, 0) + v for r, v in self._last.items()}
 
 class StoreHandlers:
     """What the store answers to each request kind."""
@@ -58,7 +62,8 @@ class StoreHandlers:
         self._persist = persister
         self._coord = coord
         self.cadence: dict[int, tuple[int, int]] = {}  # rank -> (snapshots skipped, interval)
-        self._skips = SkipCount()
+        self._skips = RankTally()
+        self.blocked = RankTally()  # seconds snapshots held each rank's training thread
         self.replication: Any = None  # ftrun.store.replica.Replication, once started
         self.shards: Any = None  # ftrun.store.shards.ShardService, once started
         self.surveyor: Any = None  # ftrun.store.survey.Surveyor
@@ -102,7 +107,9 @@ class StoreHandlers:
         b: m.SnapStaged = msg.body
         self._follow_ranks(b)
         if b.every is not UNSET:
-            self.cadence[b.rank] = (self._skips.add(b.rank, given(b.skipped, 0)), b.every)
+            self.cadence[b.rank] = (int(self._skips.add(b.rank, given(b.skipped, 0))), b.every)
+        if b.blocked_s is not UNSET:
+            self.blocked.add(b.rank, b.blocked_s)
         name = self.catalog.buffer_name(b.rank, b.buffer)
         ok, reason, _ = self._verifier.verify_staged(name, b.step)
         if not ok:

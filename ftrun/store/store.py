@@ -198,6 +198,8 @@ class SnapshotStore:
                     "epoch": self.commits.epoch or None, "writing": writer.writing(),
                     "target_done": max(writer.handled, default=-1),
                     "skipped": sum(s for s, _ in cadence.values()),
+                    "blocked_s": round(max(self.handlers.blocked.totals().values(),
+                                           default=0.0), 4),
                     "every": max((k for _, k in cadence.values()), default=None),
                     **extra,
                 }, None, COORDINATOR_TIMEOUT_S)
