@@ -107,6 +107,34 @@ def test_a_rank_s_skips_are_counted_over_its_restarts() -> None:
     assert skips.add(1, 4) == 4  # another rank: its own count
     assert [skips.add(0, c) for c in (0, 1, 3)] == [5, 6, 8]  # restarted: 5 before
     assert skips.add(0, 1) == 9  # and again (3 before this one)
+    # With the Snapshotter's identity, a restart is seen even when the count did not drop.
+    known = RankTally()
+    assert [known.add(0, c, who) for c, who in ((2, "a"), (2, "b"), (3, "b"))] == [2, 4, 5]
+
+
+def test_skips_by_reason_are_counted_over_restarts_and_shown() -> None:
+    """By reason, the same: a reason a restarted rank has not counted yet is 0 for it; the
+    nodes' counts (node_left) add up in the history, and status/report say them."""
+    from ftrun.store.handlers import ReasonTally
+
+    reasons = ReasonTally()
+    reasons.add(0, {"store_busy": 2}, "a")
+    reasons.add(0, {"store_busy": 3, "no_buffer": 1}, "a")
+    reasons.add(1, {"no_forward": 1}, "c")
+    reasons.add(0, {"no_buffer": 1}, "b")  # restarted: store_busy 0 so far, no_buffer 1 again
+    reasons.add(0, {"store_busy": 2, "no_buffer": 1}, "b")
+    assert reasons.totals() == {"store_busy": 5, "no_buffer": 2, "no_forward": 1}
+
+    events = _log({"exitcode": 0, "state": "succeeded"})
+    n = len(events)
+    events += [_ev(n + 1, 70.0, "node_left", "h1/100", state="succeeded", snapshots_skipped=3,
+                   snapshot_skip_reasons={"store_busy": 2, "no_forward": 1}),
+               _ev(n + 2, 70.0, "node_left", "h2/200", state="succeeded", snapshots_skipped=1,
+                   snapshot_skip_reasons={"store_busy": 1})]
+    h = hist.job_history(events)
+    assert h["snapshots_skipped"] == 4
+    assert h["snapshot_skip_reasons"] == {"store_busy": 3, "no_forward": 1}
+    assert hist.reasons_text(h["snapshot_skip_reasons"]) == " (3 store_busy, 1 no_forward)"
 
 
 def test_a_failure_event_with_a_step_gives_the_steps_lost() -> None:

@@ -211,6 +211,7 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
         "persist_targets": [{"at": e["ts"], "step": e.get("step"), "final": bool(e.get("final"))}
                             for e in events if e["type"] == "persist_target"],
         "snapshots_skipped": _skipped(events),
+        "snapshot_skip_reasons": _skip_reasons(events),
         "snapshot_blocked_s": _blocked(events),
         "nodes_lost": sum(1 for e in events if e["type"] == "node_lost"),
         "hosts_isolated": [e.get("host") for e in events if e["type"] == "host_isolated"],
@@ -234,6 +235,28 @@ def _blocked(events: list[dict[str, Any]]) -> float | None:
     held = {e.get("node"): t for e in events if e["type"] == "node_left"
             if (t := _num(e.get("snapshot_blocked_s"))) is not None}
     return round(max(held.values()), 3) if held else None
+
+
+def _skip_reasons(events: list[dict[str, Any]]) -> dict[str, int]:
+    """The snapshots skipped, by reason: each node's last counts (node_left), added up."""
+    last: dict[Any, dict[str, Any]] = {}
+    for e in events:
+        if e["type"] == "node_left" and isinstance(e.get("snapshot_skip_reasons"), dict):
+            last[e.get("node")] = e["snapshot_skip_reasons"]
+    out: dict[str, int] = {}
+    for reasons in last.values():
+        for reason, n in reasons.items():
+            if isinstance(n, int):
+                out[str(reason)] = out.get(str(reason), 0) + n
+    return out
+
+
+def reasons_text(reasons: dict[str, int]) -> str:
+    """" (2 store_busy, 1 no_forward)", most first; "" for none."""
+    if not reasons:
+        return ""
+    ranked = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    return " (" + ", ".join(f"{n} {reason}" for reason, n in ranked) + ")"
 
 
 def _skipped(events: list[dict[str, Any]]) -> int | None:

@@ -457,7 +457,8 @@ def render_status(doc: dict[str, Any], *, no_headers: bool) -> Group:
          ""),
         (_replica_text(snaps), ""),
         (_cadence_text(snaps), ""),
-        (f" | {snaps['skipped']} skipped" if snaps.get("skipped") else "", "bold yellow"),
+        (f" | {snaps['skipped']} skipped{hist.reasons_text(snaps.get('skip_reasons') or {})}"
+         if snaps.get("skipped") else "", "bold yellow"),
         _corruption_text(snaps),
     )
     source = snaps.get("restored_from")
@@ -862,7 +863,8 @@ def history_lines(history: dict[str, Any], run_id: str, live: bool = False) -> l
     if skips or not live:
         skipped = history.get("snapshots_skipped")
         lines.append(Text(("" if live else "snapshots skipped: "
-                           f"{skipped if skipped is not None else hist.NOT_RECORDED}; ")
+                           f"{skipped if skipped is not None else hist.NOT_RECORDED}"
+                           f"{hist.reasons_text(history.get('snapshot_skip_reasons') or {})}; ")
                           + (f"persists skipped at step(s) {skips}" if skips
                              else "no persist skipped"), style="dim"))
     if history["hosts_isolated"]:

@@ -64,6 +64,8 @@ class SnapshotControl:
         out: dict[str, Any] = {"snapshots_skipped": int(report.get("skipped") or 0)}
         if report.get("blocked_s") is not None:
             out["snapshot_blocked_s"] = float(report["blocked_s"])
+        if report.get("skip_reasons"):
+            out["snapshot_skip_reasons"] = dict(report["skip_reasons"])
         return out
 
     def _gone(self, node_id: str, mono: float) -> bool:
@@ -219,6 +221,13 @@ class SnapshotControl:
         # Snapshots the ranks gave up (the store had not released a buffer in time), and the
         # interval they snapshot at (the largest any node reports).
         out["skipped"] = sum(s["skipped"] for s in stores.values())
+        reasons: dict[str, int] = {}
+        with self._lock:
+            for r in self._store_reports.values():
+                for reason, n in (r.get("skip_reasons") or {}).items():
+                    reasons[reason] = reasons.get(reason, 0) + int(n)
+        if reasons:
+            out["skip_reasons"] = reasons
         out["every"] = max((s["every"] for s in stores.values() if s["every"]), default=None)
         with self._lock:
             if self._commits.replicas > 1:

@@ -104,6 +104,9 @@ Float = Annotated[float, msgspec.Meta(ge=-_FMAX, le=_FMAX)]  # finite (NaN fails
 Json = dict[str, Any]
 L = Annotated  # a list of at most MAX_LIST_ITEMS items: L[list[X], Items]
 Items = msgspec.Meta(max_length=MAX_LIST_ITEMS)
+# Skipped snapshots by reason (a short key: store_busy, no_buffer, no_forward).
+SkipReasons = Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], int],
+                        msgspec.Meta(max_length=16)]
 
 
 class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -368,6 +371,7 @@ class StoreReport(Body):
     skipped: int | UnsetType = UNSET
     every: int | None | UnsetType = UNSET
     blocked_s: Float | UnsetType = UNSET  # the most any of its ranks was held by snapshots
+    skip_reasons: SkipReasons | UnsetType = UNSET  # its ranks' skips over the job, by reason
     replica_addr: Str | UnsetType = UNSET
     replicas: int | UnsetType = UNSET
     shard_addr: Str | UnsetType = UNSET
@@ -381,7 +385,9 @@ class StoreReport(Body):
 class SnapStaged(Body):
     """``skipped``: snapshots this rank gave up so far; ``every``: its snapshot interval now;
     ``base``: the step its epoch resumed from (a restarted store learns the epoch from it);
-    ``blocked_s``: how long its snapshots held its training thread so far."""
+    ``blocked_s``: how long its snapshots held its training thread so far; ``skip_reasons``:
+    the snapshots it gave up so far, by reason; ``counts``: the identity of the Snapshotter
+    those running totals belong to (a new one starts them from zero)."""
 
     KIND = "snap_staged"
     REPLIES = ("snap_done",)
@@ -393,6 +399,8 @@ class SnapStaged(Body):
     every: int | UnsetType = UNSET
     base: int | UnsetType = UNSET
     blocked_s: Float | UnsetType = UNSET
+    skip_reasons: SkipReasons | UnsetType = UNSET
+    counts: Str | UnsetType = UNSET
 
 
 class SnapDone(Body):

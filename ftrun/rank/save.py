@@ -6,6 +6,7 @@ that snapshot, counted as skipped."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -160,6 +161,9 @@ class Saver:
         self.skipped_saves = 0
         self.taken_saves = 0  # snapshots begun (each is then staged or skipped)
         self.blocked_s = 0.0  # time the training thread spent in snapshot() and wait()
+        # Whose running totals the staged messages carry: the store adds up a rank's totals
+        # over its Snapshotters (a restarted rank starts from zero) by this identity.
+        self.counts_id = os.urandom(4).hex()
         self.skip_reasons: Counter[str] = Counter()  # skipped snapshots by reason
         self._skipped_unlogged = 0  # skipped since the last warning line
 
@@ -443,7 +447,8 @@ class Saver:
         self._ctx.chan.send("snap_staged", {
             "rank": self._ctx.rank, "buffer": target, "step": step, "epoch": self._ctx.epoch,
             "skipped": self.skipped_saves, "every": self.cadence.k,
-            "base": self._ctx.epoch_base, "blocked_s": round(self.blocked_s, 4)})
+            "base": self._ctx.epoch_base, "blocked_s": round(self.blocked_s, 4),
+            "skip_reasons": dict(self.skip_reasons), "counts": self.counts_id})
 
     def register(self, seg: shm.Segment) -> None:
         """Pin the segment's pages for the GPU so device-to-host copies are asynchronous DMA."""

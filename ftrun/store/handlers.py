@@ -32,23 +32,47 @@ log = logging.getLogger("ftrun.store")
 class RankTally:
     """A running total each rank's snapshots carry (the snapshots it skipped, the time they
     held its training thread), over the job: a rank's total starts over with each Snapshotter
-    (a restarted rank, in place or in a new process), so a value lower than the last one seen
-    adds that one to the rank's earlier total."""
+    (a restarted rank, in place or in a new process). A snapshot of another Snapshotter than
+    the last one seen (``counts``, its identity), or without one a value lower than the last,
+    adds the last value to the rank's earlier total."""
 
     def __init__(self) -> None:
         self._before: dict[int, float] = {}  # rank -> the totals of its earlier Snapshotters
         self._last: dict[int, float] = {}  # rank -> the value its newest snapshot carried
+        self._owner: dict[int, str | None] = {}  # rank -> the Snapshotter it came from
 
-    def add(self, rank: int, value: float) -> float:
+    def add(self, rank: int, value: float, counts: str | None = None) -> float:
         """Take a snapshot's value; returns the rank's total over the job."""
         last = self._last.get(rank, 0)
-        if value < last:
+        owner = self._owner.get(rank)
+        if (counts != owner) if counts is not None and owner is not None else value < last:
             self._before[rank] = self._before.get(rank, 0) + last
-        self._last[rank] = value
+        self._last[rank], self._owner[rank] = value, counts
         return self._before.get(rank, 0) + value
 
     def totals(self) -> dict[int, float]:
         return {r: self._before.get(r, 0) + v for r, v in self._last.items()}
+
+
+class ReasonTally:
+    """The snapshots each rank skipped over the job, by reason, from the counts by reason its
+    snapshots carry (a :class:`RankTally` per reason; a reason a new Snapshotter has not
+    counted yet is 0 for it)."""
+
+    def __init__(self) -> None:
+        self._tallies: dict[str, RankTally] = {}
+        self._known: dict[int, set[str]] = {}  # rank -> the reasons it ever counted
+
+    def add(self, rank: int, counts: dict[str, int], owner: str | None = None) -> None:
+        known = self._known.setdefault(rank, set())
+        known |= set(counts)
+        for reason in known:
+            self._tallies.setdefault(reason, RankTally()).add(rank, counts.get(reason, 0),
+                                                              owner)
+
+    def totals(self) -> dict[str, int]:
+        """Skips by reason, all ranks together."""
+        return {reason: int(sum(t.totals().values())) for reason, t in self._tallies.items()}
 
 class StoreHandlers:
     """What the store answers to each request kind."""
@@ -64,6 +88,7 @@ class StoreHandlers:
         self.cadence: dict[int, tuple[int, int]] = {}  # rank -> (snapshots skipped, interval)
         self._skips = RankTally()
         self.blocked = RankTally()  # seconds snapshots held each rank's training thread
+        self.skip_reasons = ReasonTally()  # the ranks' skips over the job, by reason
         self.replication: Any = None  # ftrun.store.replica.Replication, once started
         self.shards: Any = None  # ftrun.store.shards.ShardService, once started
         self.surveyor: Any = None  # ftrun.store.survey.Surveyor
@@ -107,9 +132,13 @@ class StoreHandlers:
         b: m.SnapStaged = msg.body
         self._follow_ranks(b)
         if b.every is not UNSET:
-            self.cadence[b.rank] = (int(self._skips.add(b.rank, given(b.skipped, 0))), b.every)
-        if b.blocked_s is not UNSET:
-            self.blocked.add(b.rank, b.blocked_s)
+            owner = given(b.counts, None)
+            self.cadence[b.rank] = (int(self._skips.add(b.rank, given(b.skipped, 0), owner)),
+                                    b.every)
+            if b.blocked_s is not UNSET:
+                self.blocked.add(b.rank, b.blocked_s, owner)
+            if b.skip_reasons is not UNSET:
+                self.skip_reasons.add(b.rank, b.skip_reasons, owner)
         name = self.catalog.buffer_name(b.rank, b.buffer)
         ok, reason, _ = self._verifier.verify_staged(name, b.step)
         if not ok:

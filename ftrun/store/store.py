@@ -200,6 +200,7 @@ class SnapshotStore:
                     "skipped": sum(s for s, _ in cadence.values()),
                     "blocked_s": round(max(self.handlers.blocked.totals().values(),
                                            default=0.0), 4),
+                    "skip_reasons": self.handlers.skip_reasons.totals(),
                     "every": max((k for _, k in cadence.values()), default=None),
                     **extra,
                 }, None, COORDINATOR_TIMEOUT_S)
