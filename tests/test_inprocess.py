@@ -102,8 +102,8 @@ def test_stopped_rank_is_killed_and_replaced_alone(procs: Procs, tmp_path: Path,
     hang = [e for e in events if e["type"] == "hang_detected" and e["rank"] == 1]
     stopped = [e for e in events if e["type"] == "stopped_rank_killed"]
     rec = assert_only_rank_replaced(tmp_path, events, 1)
-    if hang:  # its launcher found it stopped too long and killed it: it died
-        assert "rank 1 died (SIGKILL)" in rec["why"], rec
+    if hang:  # its launcher found it stopped too long and killed it
+        assert "rank 1 hung (stopped (SIGSTOP)" in rec["why"] and "killed" in rec["why"], rec
     else:  # the coordinator named it; the restart in place killed it
         named = [e for e in events if e["type"] == "directive_restart" and 1 in e["ranks"]]
         assert named and all(e["in_place"] and e["killed"] == [] for e in named), named

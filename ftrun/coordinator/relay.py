@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 SILENT_S = 2.0
 SILENT_BEATS = 2.0
 RETRY_S = 10.0
+# Reports and summaries kept to be sent again when a restarted coordinator's detection
+# service refuses them (its first ones, before this relay learnt its incarnation).
+RESEND_KEPT = 64
 # An aggregator whose aggregates the coordinator has not answered for this many times the
 # members' limit stops answering them. Longer than theirs: a coordinator a few seconds behind
 # its messages must not get every member's report directly on top.
@@ -309,7 +312,8 @@ class CollRelay:
         self.detect_endpoint = endpoint
         self._detect = Client(endpoint, self._secret, self._job, self.node_id,
                               peer="coordinator's detection endpoint", send_timeout_s=0.0,
-                              sndhwm=256, context=self._ctx, follow_on_send=True)
+                              sndhwm=256, context=self._ctx, follow_on_send=True,
+                              resend_stale=RESEND_KEPT)
 
     def _on_report(self, msg: protocol.Message) -> None:
         body = msg.body

@@ -174,7 +174,7 @@ class Client:
         max_message_bytes: int | None = None,
         context: zmq.Context[Any] | None = None,
         term: int = 0,
-        resend_stale: bool = False,
+        resend_stale: bool | int = False,
         follow_on_send: bool = False,
     ) -> None:
         self.address = address
@@ -188,11 +188,15 @@ class Client:
         # With ``resend_stale`` (a coordinator's clients): messages sent without waiting and
         # without data frames, while following, are sent again under the new term when the
         # restarted server refuses them as stale (a launcher's events, queued by ZeroMQ while
-        # the server was down, are not lost to its restart); the newest RESENDABLE_KEPT.
-        self._resend_stale = resend_stale
+        # the server was down, are not lost to its restart); the newest RESENDABLE_KEPT, or
+        # as many as ``resend_stale`` says when it is a number (for a server that does not
+        # answer them, they are kept until newer ones push them out).
+        self._resend_kept = (RESENDABLE_KEPT if resend_stale is True else int(resend_stale))
+        self._resend_stale = self._resend_kept > 0
         # With ``follow_on_send`` (a client that only sends, such as a rank's collective
         # reports to the detection service): each send also reads what has arrived, so that
-        # a restarted server's refusal teaches it the new term (the refused message is lost).
+        # a restarted server's refusal teaches it the new term (the refused message is lost,
+        # unless ``resend_stale`` keeps it to be sent again then).
         self._follow_on_send = follow_on_send
         self._resendable: OrderedDict[str, tuple[str, Mapping[str, Any], int]] = OrderedDict()
         self.url = _url(address)
@@ -358,7 +362,7 @@ class Client:
         self._sent_set.add(msg_id)
         if self._resend_stale and self._follows and not frames:
             self._resendable[msg_id] = (kind, body, self.term)
-            while len(self._resendable) > RESENDABLE_KEPT:
+            while len(self._resendable) > self._resend_kept:
                 self._resendable.popitem(last=False)
         return msg_id
 

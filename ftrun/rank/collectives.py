@@ -111,7 +111,8 @@ class CollectiveMonitor:
                                f"{os.environ.get('MASTER_PORT', '')}"}
         self._client = Client(endpoint, secret, run_id, f"rank{rank}/{os.getpid()}",
                               peer="coordinator's detection endpoint",
-                              send_timeout_s=SEND_TIMEOUT_S, sndhwm=16, follow_on_send=True)
+                              send_timeout_s=SEND_TIMEOUT_S, sndhwm=16, follow_on_send=True,
+                              resend_stale=16)
         self._groups: dict[str, _Group] = {}
         self._seq = 0
         self._stop = threading.Event()
