@@ -785,7 +785,12 @@ def ended_status(run_id: str, state_dir: str | None) -> dict[str, Any] | None:
     live = _liveness(job)
     if live:
         return None
-    events = hist.read_events(run_id, state_dir)
+    try:
+        events = hist.read_events(run_id, state_dir)
+    except hist.HistoryError:
+        if live is None:
+            return None  # no log here, and its coordinator (elsewhere) may run: ask it
+        raise
     history = hist.job_history(events, gone=live is False)
     if not history["ended"]:
         return None
@@ -829,8 +834,8 @@ def _fault_lines(f: dict[str, Any], started_at: float) -> list[Text]:
              if f["recovered_after_s"] is not None else "    no restore recorded after it")
     third += f"; steps recomputed: {lost if lost is not None else hist.NOT_RECORDED}"
     style = "yellow" if how == "fallback" or not rec else ""
-    return [Text(line, style=style, no_wrap=True, overflow="ellipsis")
-            for line in (first, second, third)]
+    # Wrapped, not cut: what a fault cost is the point of an ended job's status.
+    return [Text(line, style=style) for line in (first, second, third)]
 
 
 def history_lines(history: dict[str, Any], run_id: str, live: bool = False) -> list[Text]:
