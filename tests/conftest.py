@@ -7,6 +7,7 @@ here under the names the test modules import from ``conftest``.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -64,6 +65,12 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 # (scripts/test.sh: -n 2 --dist loadfile). A worker takes the next file in collection order
 # when it is free: the longest files go first, so that no long one starts last and runs
 # alone at the end. Seconds per file in a serial CI run on the 2-CPU development machine.
+# The long matrices' further cells run with FTRUN_FULL_MATRIX=1 (scripts/test.sh -m
+# full_matrix, or the whole suite); CI runs one cell of each (its time budget: ~40 min).
+FULL_MATRIX = pytest.mark.skipif(
+    os.environ.get("FTRUN_FULL_MATRIX") != "1",
+    reason="a further cell of a long matrix: run it with FTRUN_FULL_MATRIX=1")
+
 LONGEST_FILES = {  # seconds, one process, CI machine (2026-11-27)
     "test_node_loss.py": 491, "test_launcher_integ.py": 230, "test_snapshot_integ.py": 148,
     "test_hf.py": 139, "test_user_ddp.py": 136, "test_chaos.py": 132,

@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import free_port, wait_for
+from conftest import FULL_MATRIX, free_port, wait_for
 from netns import Cluster, cluster_fixture  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.integration
@@ -81,9 +81,9 @@ def _check_resumed(nodes: Nodes, old: int, new: int) -> int:
     return step
 
 
-@pytest.mark.parametrize("job", [["40", "--sleep", "0.3", "--trace", "--ddp"],
-                                 ["40", "--sleep", "0.3", "--trace"]],
-                         ids=["ddp", "fsdp2"], indirect=True)
+@pytest.mark.parametrize("job", [
+    pytest.param(["40", "--sleep", "0.3", "--trace", "--ddp"], marks=FULL_MATRIX),
+    ["40", "--sleep", "0.3", "--trace"]], ids=["ddp", "fsdp2"], indirect=True)
 def test_four_ranks_to_three_after_a_lost_node_and_back_to_four(job: Nodes) -> None:
     for _ in range(4):
         job.start("3:4")
