@@ -118,10 +118,11 @@ class Refusals:
 
 class Mismatches:
     """A server socket's monitor, for the connections it dropped before any ZAP request: a
-    peer that presented no token at all (no PLAIN handshake) or did not speak ZeroMQ's
-    protocol. ZeroMQ does not say which address those came from."""
+    peer that presented no token at all (no PLAIN handshake: a protocol error). ZeroMQ does
+    not say which address those came from. A handshake cut short (the peer went away, or this
+    process was stopped meanwhile) is no refusal and is not counted (NO_DETAIL)."""
 
-    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
     def __init__(self, sock: zmq.Socket[Any], name: str) -> None:
         self.socket: zmq.Socket[Any] = sock.get_monitor_socket(self.EVENTS)
