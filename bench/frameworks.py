@@ -94,6 +94,14 @@ class Framework:
     marker: str  # --recovery: the example's fault marker (its name's prefix)
 
 
+
+def _emit(lines: list[str], output: str | None) -> None:
+    """Print a report, and append it to ``output`` when one is given."""
+    print("\n".join(lines))
+    if output:
+        with open(output, "a", encoding="utf-8") as f:
+            f.write("\n" + "\n".join(lines))
+
 def lightning_job(cfg: argparse.Namespace, job: Path) -> list[str]:
     # One epoch longer than twice the run: the validation at half an epoch (and the default
     # ModelCheckpoint's save after it) come after the last measured step.
@@ -380,10 +388,7 @@ def main_recovery(cfg: argparse.Namespace, names: list[str], argv: list[str] | N
         "",
         *reports,
     ]
-    print("\n".join(lines))
-    if cfg.output:
-        with open(cfg.output, "a", encoding="utf-8") as f:
-            f.write("\n" + "\n".join(lines))
+    _emit(lines, cfg.output)
     return 1 if failed else 0
 
 
@@ -670,10 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *reports,
     ]
-    print("\n".join(lines))
-    if cfg.output:
-        with open(cfg.output, "a", encoding="utf-8") as f:
-            f.write("\n" + "\n".join(lines))
+    _emit(lines, cfg.output)
     # A failed run is in the report (with its log's path), and in the exit status.
     return 1 if failed else 0
 
