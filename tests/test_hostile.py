@@ -474,8 +474,9 @@ def test_a_flood_costs_the_coordinator_bounded_memory() -> None:
                     raw.sendall(b"\xff" * (1 << 20))
             except OSError:
                 pass
-        # Refused at each handshake it retried (and answered the status meanwhile), never read.
-        wait_for(lambda: counters()["auth_failures"] >= 3, 60, "the handshakes refused")
+        # Both refused at their handshake (a ZeroMQ peer does not retry after a protocol
+        # error), counted, never read; the status answered meanwhile.
+        wait_for(lambda: counters()["auth_failures"] >= 2, 60, "the handshakes refused")
         assert counters()["bad_messages"] == 0 and counters()["messages"] > 0
         no_token_peak = _memory_mib(child.pid)[1] - start_rss
         assert no_token_peak <= NO_TOKEN_PEAK_MIB, (start_rss, start_hwm, no_token_peak)
