@@ -253,6 +253,14 @@ INPLACE_TIMEOUT = Knob(
     "is killed and gets a new process; one that does not start again falls back to a "
     "process restart of every local rank.",
 )
+PUSHED_WORLD = Knob(
+    "FTRUN_PUSHED_WORLD", "bool", "1",
+    "1 (the default): a restart in place that keeps the membership (a rank failed; no node "
+    "lost, none waiting; c10d rendezvous) re-forms the world from votes in the round's store "
+    "instead of a new rendezvous round: every node keeps its ranks, the master gets a new "
+    "port. Any node that cannot (or a vote missing after FTRUN_INPLACE_TIMEOUT) sends every "
+    "node through torch's rendezvous, as with 0.",
+)
 INPLACE_WAIT = Knob(
     "FTRUN_INPLACE_WAIT", "seconds", "1800",
     "How long a rank that left its training function because a peer failed (or on its "

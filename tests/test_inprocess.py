@@ -183,8 +183,8 @@ def test_rank_that_never_leaves_and_a_second_fault_while_re_forming(
 def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
                                                    fault_free: str) -> None:
     """Launchers with 1 and 2 ranks; the rank that raises is on one of them: the survivors
-    on both nodes keep their processes (the other launcher restarts in place when the
-    rendezvous opens)."""
+    on both nodes keep their processes, and the world re-forms from the launchers' votes
+    (pushed: the members stay), not through a new rendezvous round."""
     run_id = f"inproc2-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {"FTRUN_STATE_DIR": str(tmp_path / "state")}
@@ -207,6 +207,9 @@ def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
         recoveries  # one per launcher
     assert sorted(map(tuple, (r["new_processes"] for r in recoveries))) == [(), (1,)], \
         recoveries
+    assert [r["world"] for r in recoveries] == ["pushed", "pushed"], recoveries
+    pushed = [e for e in events if e["type"] == "rendezvous" and e.get("pushed")]
+    assert len(pushed) == 2, pushed
     pids = pids_by_rank(tmp_path)
     assert len(pids[1]) == 2 and len(pids[0]) == 1 and len(pids[2]) == 1, pids
 

@@ -868,3 +868,39 @@ def test_a_store_bound_to_one_address_listens_there_only_and_torch_shares_it() -
     assert again.get("k") == b"v"
     with pytest.raises(OSError):
         _torch.bound_tcp_store("127.0.0.1", 0, "203.0.113.9", 10)  # not an address here
+
+
+def test_rendezvous_waits_poll_sooner_at_first_and_back_off_to_torchs_second(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """quick_rendezvous_polls replaces dynamic_rendezvous._delay, which torch's operation loop
+    calls with seconds=1 between syncs while a node waits: the first polls of a wait come after
+    50 ms per 8 nodes, each next one twice as late up to torch's second; a new wait starts over;
+    any other delay (the first join's random jitter) is torch's."""
+    import time
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    run = inspect.getsource(dr._DistributedRendezvousOpExecutor.run)
+    assert "_delay(seconds=1)" in run, "torch's wait no longer polls through _delay(seconds=1)"
+    assert "seconds" in inspect.signature(dr._delay).parameters
+    assert _torch.rendezvous_max_nodes(object()) is None
+    assert _torch.quick_rendezvous_polls(1000) == 1.0
+    assert _torch.quick_rendezvous_polls(16) == pytest.approx(0.1)
+    assert _torch.quick_rendezvous_polls(3) == pytest.approx(0.05)
+    assert getattr(dr._delay, "ftrun_quick", False)
+    installed = dr._delay
+    _torch.quick_rendezvous_polls(3)
+    assert dr._delay is installed  # replaced once
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(_torch._poll, "last", float("-inf"), raising=False)
+    for _ in range(7):
+        dr._delay(seconds=1)
+    assert slept == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
+    _torch._poll.last = time.monotonic() - 10  # the previous poll was long ago: a new wait
+    dr._delay(seconds=1)
+    assert slept[-1] == pytest.approx(0.05)
+    slept.clear()
+    dr._delay(seconds=0.5)
+    assert slept == [0.5]  # not the wait's poll: torch's delay, unchanged

@@ -34,6 +34,7 @@ restart and dead ranks), :mod:`ftrun.launcher.orders` (directives, isolation, lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -57,6 +58,7 @@ from ftrun.coordinator.api import NodeState
 from ftrun.launcher.exit_barrier import ExitBarrier
 from ftrun.launcher.inplace import InPlaceRestarts, proc_state
 from ftrun.launcher.orders import HostIsolated, Orders
+from ftrun.launcher.reform import NewWorlds
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.launcher.suspect import NOT_WATCHED, RankWatch, SuspectRule, Verdict
 from ftrun.launcher.warm import WarmPool, auto_warm
@@ -122,7 +124,7 @@ class AgentContext:
             self.agent.interrupt_rendezvous()
 
 
-class FtrunAgent(InPlaceRestarts, Orders, WorkerWatch, ExitBarrier,
+class FtrunAgent(InPlaceRestarts, NewWorlds, Orders, WorkerWatch, ExitBarrier,
                  _torch.agent_class()):  # type: ignore[misc]
     """A LocalElasticAgent that reports to ftrun's coordinator and catches hung ranks."""
 
@@ -172,6 +174,10 @@ class FtrunAgent(InPlaceRestarts, Orders, WorkerWatch, ExitBarrier,
             if warm else None
         # A node left on the wait list of a full round would restart every node, every round.
         _torch.spares_stay_spare(spec.rdzv_handler)
+        # A re-formation's nodes wait for each other: they poll sooner than torch's second.
+        nodes = _torch.rendezvous_max_nodes(spec.rdzv_handler)
+        if nodes is not None:
+            _torch.quick_rendezvous_polls(nodes)
         ctx.agent = self
 
     # ---- what the heartbeat reports -------------------------------------------------
@@ -228,6 +234,11 @@ class FtrunAgent(InPlaceRestarts, Orders, WorkerWatch, ExitBarrier,
         try:
             # An isolated host must not join a round: the others would restart to take it in.
             self._carry_out_directives(worker_group, running=False)
+            # Nodes voting to re-form the same members stop waiting for this one.
+            votes = self._reform_votes(worker_group)
+            if votes is not None:
+                with contextlib.suppress(Exception):
+                    votes.veto("a node joins a new rendezvous round")
             super().rendezvous(worker_group)
         finally:
             self._in_rendezvous = False

@@ -435,7 +435,7 @@ class InPlaceRestarts:
             dead |= late
             survivors -= late
         t_abort = time.monotonic()
-        self.rendezvous(worker_group)  # new ranks, world size, master address and port
+        world = self._new_world(worker_group)  # ranks, world size, master address and port
         t_rdzv = time.monotonic()
         self._rendezvous_done_for_fallback = True
         self._generation = gen  # a new process joins this generation (FTRUN_RANK_GENERATION)
@@ -488,13 +488,15 @@ class InPlaceRestarts:
             "recovery", how="in_process", why=why, generation=gen, restart_count=restart_count,
             new_processes=sorted(by_local[lr] for lr in dead),
             kept=sorted(by_local[lr] for lr in survivors),
-            stopped_killed=sorted(by_local[lr] for lr in stopped),
+            stopped_killed=sorted(by_local[lr] for lr in stopped), world=world,
             detect_s=round(t0 - detected, 3), abort_s=round(t_abort - t0, 3),
             rendezvous_s=round(t_rdzv - t_abort, 3), world_s=round(t_world - t_rdzv, 3),
             total_s=round(t_world - detected, 3))
         log.warning("workers restarted in place (generation %d, %.3f s: abort %.3f s, "
-                    "rendezvous %.3f s, world %.3f s; new processes for rank(s) %s): %s", gen,
-                    t_world - detected, t_abort - t0, t_rdzv - t_abort, t_world - t_rdzv,
+                    "%s %.3f s, world %.3f s; new processes for rank(s) %s): %s", gen,
+                    t_world - detected, t_abort - t0,
+                    "votes" if world == "pushed" else "rendezvous", t_rdzv - t_abort,
+                    t_world - t_rdzv,
                     sorted(by_local[lr] for lr in dead) or "none", why)
 
     def _start_new(self, worker_group: WorkerGroup) -> None:
