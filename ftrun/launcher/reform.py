@@ -136,8 +136,10 @@ class NewWorlds:
 
     def _reform_votes(self, worker_group: WorkerGroup) -> Reform | None:
         """The votes of this node's next re-formation in the current round (None: no round
-        store to vote in: no c10d round yet)."""
-        if self._round is None or worker_group.store is None:
+        store to vote in: no round yet, or not c10d's: a pushed world needs its store's
+        compare-and-set and blocking wait)."""
+        if (self._round is None or worker_group.store is None
+                or worker_group.spec.rdzv_handler.get_backend() != "c10d"):
             return None
         rnd = self._round[0]
         count = self._reforms[1] if self._reforms[0] == rnd else 0
@@ -149,8 +151,6 @@ class NewWorlds:
         handler = worker_group.spec.rdzv_handler
         if not knobs.PUSHED_WORLD.enabled():
             return "FTRUN_PUSHED_WORLD=0"
-        if handler.get_backend() != "c10d":
-            return f"the {handler.get_backend()} rendezvous (pushed worlds need c10d's store)"
         if handler.num_nodes_waiting() > 0:  # (also refreshes the view read below)
             return "a node waits to join"
         return self._members_gone(worker_group)
