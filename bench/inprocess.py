@@ -256,7 +256,8 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     run_id = f"bench-inproc-{job.name}"
     launcher = ([sys.executable, "-m", "ftrun"] if v.launcher == "ftrun"
                 else [str(Path(sys.executable).with_name("torchrun"))])
-    cmd = [*launcher, "--nproc-per-node", str(cfg.nproc), "--rdzv-backend", "c10d",
+    cmd = [*launcher, "--nnodes", str(cfg.nnodes), "--nproc-per-node",
+           str(cfg.nproc // cfg.nnodes), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", run_id,
            "--max-restarts", "1", SCRIPT, "--epochs", str(cfg.epochs), "--samples",
            str(cfg.samples), "--batch-size", "8", "--hidden", "64", "--fault-dir", str(job),
@@ -273,17 +274,23 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
            "FTRUN_STATE_DIR": str(job / "state"), **v.env}
     t0 = time.monotonic()
-    with open(job / "out.log", "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
-        try:
-            proc.wait(cfg.job_timeout)
-        except subprocess.TimeoutExpired:
-            print(f"  {v.name}: timed out after {cfg.job_timeout} s", file=sys.stderr)
-        finally:
-            kill_sessions([proc])
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(cfg.nnodes):  # launcher 0 hosts the rendezvous store
+            with open(job / f"out{i}.log", "w") as out:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                              env=env, cwd=ROOT, start_new_session=True))
+        deadline = time.monotonic() + cfg.job_timeout
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"  {v.name}: timed out after {cfg.job_timeout} s", file=sys.stderr)
+                break
+    finally:
+        kill_sessions(procs)
     wall = time.monotonic() - t0
-    text = (job / "out.log").read_text()
+    text = "".join((job / f"out{i}.log").read_text() for i in range(cfg.nnodes))
     digests = DIGEST.findall(text)
     to_step, next_step = None, None
     marker = job / f"user-ddp-fault-rank{cfg.fail_rank}-step{cfg.fail_at_step}"
@@ -314,9 +321,13 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
     events = job / "state" / "jobs" / run_id / "events.jsonl"
     if events.exists():
         recs = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
-        hows = [f"{r['how']} (new: {r.get('new_processes', 'all')})" for r in recs
-                if r.get("type") == "recovery"]
+        found = [r for r in recs if r.get("type") == "recovery"]
+        hows = sorted({f"{r['how']} (new: {r.get('new_processes', 'all')})" for r in found})
+        worlds = sorted({r["world"] for r in found if r.get("world")})
+        phase = max((r.get("rendezvous_s") or 0.0 for r in found), default=None)
         how = ", ".join(hows) or "—"
+        if worlds and phase is not None:
+            how += f"; world {'/'.join(worlds)}, slowest node's re-formation {phase:.2f} s"
     elif v.launcher == "torchrun" and v.fail_mode:
         how = "new processes (torch)"
     return Result(digests[-1] if digests else None, to_step, next_step, how, wall)
@@ -325,7 +336,10 @@ def run_job(cfg: argparse.Namespace, v: Variant, root: Path) -> Result:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--nproc", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=3, help="ranks in all")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="launchers on this machine (--nproc of them in all; adds the variant "
+                        "re-forming through torch's rendezvous, FTRUN_PUSHED_WORLD=0)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=384, help="384/3/8: 16 steps per epoch")
     p.add_argument("--fail-at-step", type=int, default=10)
@@ -350,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                         "launchers of one rank and a spare, launcher 1 killed")
     p.add_argument("--only-node-loss", action="store_true",
                    help="run the node-loss case alone")
+    p.add_argument("--only", metavar="REGEX",
+                   help="run only the variants whose name matches REGEX")
     p.add_argument("--output", metavar="FILE", help="append the report to FILE")
     p.add_argument("--keep", action="store_true")
     cfg = p.parse_args(argv)
@@ -364,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
             Variant(f"torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, stop (--pg-timeout "
                     f"{cfg.stop_pg_timeout:g})", "torchrun", "stop",
                     {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})]
+    if cfg.nproc % cfg.nnodes:
+        p.error(f"--nproc {cfg.nproc} is not a multiple of --nnodes {cfg.nnodes}")
+    if cfg.nnodes > 1:
+        variants.insert(1, Variant(
+            "ftrun in place, torch's rendezvous (FTRUN_PUSHED_WORLD=0), kill", "ftrun", "kill",
+            {"FTRUN_INPLACE_TIMEOUT": "5", "FTRUN_PUSHED_WORLD": "0"}))
     if cfg.node_loss:
         variants += NODE_LOSS_VARIANTS
     if cfg.only_node_loss:
@@ -376,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             name = v.name.rpartition(", ")[0] + f", {cfg.fail_mode}"
             named.setdefault(name, Variant(name, v.launcher, cfg.fail_mode, v.env))
         variants = list(named.values())
+    if cfg.only:
+        variants = [v for v in variants if re.search(cfg.only, v.name)]
     with work_dir("ftrun-bench-inproc-", cfg.keep) as root:
         base = run_job(cfg, Variant("fault-free", "ftrun", "", {}), root)
         runs: dict[str, list[Result]] = {v.name: [] for v in variants}
@@ -402,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- Code: commit {commit}",
         f"- Job: `examples/user_ddp.py --epochs {cfg.epochs} --samples {cfg.samples} "
         f"--batch-size 8 --hidden 64` ({'NCCL, GPU' if cfg.device == 'cuda' else 'gloo, CPU'}), "
-        f"1 launcher x {cfg.nproc} ranks, c10d "
+        f"{cfg.nnodes} launcher(s) x {cfg.nproc // cfg.nnodes} rank(s), c10d "
         f"rendezvous, `--max-restarts 1`; rank {cfg.fail_rank} fails in step "
         f"{cfg.fail_at_step} (`--fault-at {cfg.fault_at}`); {cfg.repeats} repeat(s), variants interleaved. \"fault -> next "
         "step\": from the fault marker (written just before the kill or raise) until every "
