@@ -148,15 +148,18 @@ class NewWorlds:
 
     def _keeps_members(self, worker_group: WorkerGroup) -> str | None:
         """Why this node cannot re-form with the same members now (None: it can)."""
-        handler = worker_group.spec.rdzv_handler
         if not knobs.PUSHED_WORLD.enabled():
             return "FTRUN_PUSHED_WORLD=0"
-        if handler.num_nodes_waiting() > 0:  # (also refreshes the view read below)
-            return "a node waits to join"
         return self._members_gone(worker_group)
 
     def _members_gone(self, worker_group: WorkerGroup) -> str | None:
-        view = _torch.rendezvous_view(worker_group.spec.rdzv_handler)
+        """Why the members of this node's round have changed (None: they have not), read
+        afresh from the rendezvous state (one sync: torch drops members whose keep-alives
+        expired, the coordinator has lost ones dropped)."""
+        handler = worker_group.spec.rdzv_handler
+        if handler.num_nodes_waiting() > 0:  # (refreshes the view read below)
+            return "a node waits to join"
+        view = _torch.rendezvous_view(handler)
         assert self._round is not None
         if view is None or view[0] != self._round[0]:
             return "a new rendezvous round began"
