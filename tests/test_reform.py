@@ -120,3 +120,19 @@ def test_free_port_is_bindable() -> None:
     port = free_port("127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_without_an_offered_port_the_master_keeps_its_own(store: Stores) -> None:
+    """(--master-port given, or the ranks share the agent's store: rank 0 offers none.)"""
+    got: list[Decision | None] = [None, None]
+
+    def node(i: int) -> None:
+        got[i] = Reform(store.client(), "ftrun/reform/0", 2).vote(True, "", None, 5.0,
+                                                                 lambda: None)
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [(d.verdict, d.master_port) for d in got if d] == [(KEEP, None)] * 2

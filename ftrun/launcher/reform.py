@@ -106,8 +106,8 @@ class Reform:
             if int(self._store.add(self._key("keep"), 1)) >= self._nodes:
                 self._decide(KEEP, "")
             verdict, reason = self._wait(t0 + deadline_s, give_up)
-        port = None
-        if verdict == KEEP:
+        port = None  # (none offered: the master keeps its port)
+        if verdict == KEEP and self._store.check([self._key("master_port")]):
             port = int(_text(self._store.get(self._key("master_port"))))
         return Decision(verdict, reason, port, time.monotonic() - t0)
 
@@ -179,8 +179,12 @@ class NewWorlds:
         self._phase = NodeState.RENDEZVOUS
         why = self._keeps_members(worker_group)
         spec = worker_group.spec
+        # The master's port: the user's (--master-port), the agent's own store when the
+        # ranks share it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0), else a new one.
+        fixed = bool(spec.master_port) or bool(getattr(spec.rdzv_handler, "use_agent_store",
+                                                       False))
         port = None
-        if why is None and worker_group.group_rank == 0 and not spec.master_port:
+        if why is None and worker_group.group_rank == 0 and not fixed:
             port = free_port()
         try:
             decision = votes.vote(why is None, why or "", port, self._inplace_timeout_s,
@@ -197,7 +201,7 @@ class NewWorlds:
         assert self._round is not None
         self._reforms = (self._round[0], (self._reforms[1] if self._reforms[0] ==
                                           self._round[0] else 0) + 1)
-        if not spec.master_port and decision.master_port is not None:
+        if not fixed and decision.master_port is not None:
             worker_group.master_port = decision.master_port
         self._ctx.sink.event(
             "rendezvous", group_rank=worker_group.group_rank,
