@@ -67,9 +67,13 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 # alone at the end. Seconds per file in a serial CI run on the 2-CPU development machine.
 # The long matrices' further cells run with FTRUN_FULL_MATRIX=1 (scripts/test.sh -m
 # full_matrix, or the whole suite); CI runs one cell of each (its time budget: ~40 min).
+def full_matrix() -> bool:
+    """Whether the long matrices' further cells run (FTRUN_FULL_MATRIX=1)."""
+    return os.environ.get("FTRUN_FULL_MATRIX") == "1"
+
+
 FULL_MATRIX = pytest.mark.skipif(
-    os.environ.get("FTRUN_FULL_MATRIX") != "1",
-    reason="a further cell of a long matrix: run it with FTRUN_FULL_MATRIX=1")
+    not full_matrix(), reason="a further cell of a long matrix: run it with FTRUN_FULL_MATRIX=1")
 
 LONGEST_FILES = {  # seconds, one process, CI machine (2026-11-27)
     "test_node_loss.py": 491, "test_launcher_integ.py": 230, "test_snapshot_integ.py": 148,

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Procs, free_port, read_events
+from conftest import FULL_MATRIX, ROOT, Procs, free_port, read_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("exact_steps")]
 
@@ -131,9 +131,11 @@ def step_log(tmp: Path, rank: int) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("name, mode, fault_step", [
     ("lightning-ddp", "kill", 9),
-    ("lightning-ddp", "raise", 9),
+    # (a raise in place is also test_inprocess's and test_fault_points'.)
+    pytest.param("lightning-ddp", "raise", 9, marks=FULL_MATRIX),
     ("hf-trainer", "kill", 6),
-    ("accelerate-ddp", "kill", 6),
+    # (accelerate's kill in place is also the epoch-boundary cell's below.)
+    pytest.param("accelerate-ddp", "kill", 6, marks=FULL_MATRIX),
     # Resumes from step 4, the first epoch's last: the next epoch must draw its order from
     # where that epoch left accelerate's generator, not from that epoch's start (it did:
     # every resume at an epoch's end trained the next epoch on the previous one's order).

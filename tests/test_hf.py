@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Procs, free_port
+from conftest import FULL_MATRIX, ROOT, Procs, free_port
 from netns import (  # noqa: F401  (the fixture)
     Cluster,
     HostLoss,
@@ -202,8 +202,11 @@ def test_trainer_killed_rank_then_lost_host_resume_bit_identical(procs: Procs, t
     one(r"hf-trainer: step=4 world=1 params_xxh3=", runs.plain)
 
 
+# A further cell: a lost host under a framework is also the Trainer's (above) and Lightning's
+# (FTRUN_FULL_MATRIX too); accelerate's kill and epoch-boundary resumes, test_framework_inplace.
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
+@FULL_MATRIX
 def test_accelerate_killed_rank_then_lost_host_resume_bit_identical(procs: Procs,
                                                                      tmp_path: Path,
                                                                      cluster_factory) -> None:

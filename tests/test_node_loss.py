@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import read_events, result_line, wait_for
+from conftest import FULL_MATRIX, read_events, result_line, wait_for
 from netns import (  # noqa: F401  (the fixture)
     KILL_AT,
     PORT,
@@ -163,6 +163,10 @@ def test_host_killed_with_spare_matches_fault_free(cluster_factory, state_dir: P
              victim, KILL_AT, durable, resumed[0], job.resumed_after(t_kill))
 
 
+# A further cell: a host lost under MIN:MAX is also test_link_cut_under_min_max_survivors_go_on_
+# without_it's (a link cut), test_failover_integ's (the coordinator's host) and
+# test_memload_integ's (4 ranks to 3 and back).
+@FULL_MATRIX
 def test_host_killed_under_min_max_continues_on_fewer_hosts(cluster_factory,
                                                             state_dir: Path, exact_steps: None,
                                                             tmp_path: Path) -> None:
