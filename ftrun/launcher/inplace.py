@@ -214,7 +214,9 @@ class InPlaceRestarts:
             note = str(doc.get("error") or "its peers' collective failed")
             log.warning("rank %d left the training function: a peer went away (%s); "
                         "restarting in place", by_local[lr], note[:300])
-            self._note_restart(f"rank {by_local[lr]} lost a peer: {note}"[:300])
+            ts = doc.get("ts")  # when the rank saw its peer go: the fault's first evidence here
+            age = time.time() - float(ts) if isinstance(ts, (int, float)) else 0.0
+            self._note_restart(f"rank {by_local[lr]} lost a peer: {note}"[:300], age)
             self._phase = NodeState.RESTARTING
             return RunResult(state=WorkerState.UNHEALTHY)
         if any(c is None for c in codes.values()):
