@@ -822,10 +822,13 @@ class NodeServices:
 
     def _start_store(self) -> None:
         ctx, opts = self.ctx, self.opts
+        plan = opts.plan()  # --redundancy: replicas (copies) or erasure coding (ec_k, ec_m)
         store = StoreProcess(
             StoreConfig(run_id=self.run_id, url=self.store_url, coordinator=self.endpoint,
                         node_id=self.node_id, owner_pid=os.getpid(), persist=opts.persist,
-                        threads=opts.store_threads, replicas=opts.replicas,
+                        threads=opts.store_threads,
+                        replicas=1 if plan.erasure else plan.copies,
+                        ec_k=plan.k, ec_m=plan.m,
                         replica_host=self.data_host,
                         replica_rate_mb_s=opts.replica_rate_mb_s,
                         coordinator_term=self.term),
