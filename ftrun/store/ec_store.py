@@ -389,20 +389,32 @@ class ErasureCoding:
 
     def work(self) -> None:
         """One round: build this store's fragments of the newest committed step when not yet
-        done, then see whether the placement holds the step's parity in full."""
+        done, else see whether the placement holds the step's parity in full.
+
+        The placement is made of the nodes whose own shards of the step the live stores list
+        (a spare's store, with no ranks, holds no data and no parity), sorted: every store
+        computes the same one for a step, since the shards of a committed step stay listed
+        until a newer step is durable."""
         epoch, step = self._committed()
-        if not epoch or step <= 0:
+        if not epoch or step <= 0 or (self.built == (epoch, step) and self.durable_step >= step):
             return
         stores = self._stores()
-        if len(stores) < self.k + self.m:
-            self._say_off(f"{len(stores)} live store(s), ec:{self.k}+{self.m} needs "
-                          f"{self.k + self.m}")
+        records, lost = ask_holdings(stores, self._secret, self.run_id, f"ec:{self.node_id}")
+        holders = sorted({r["node"] for r in records
+                          if r["node"] == r["origin"] and r["rank"] >= 0 and r["step"] == step
+                          and r["epoch"] == epoch})
+        if self.node_id not in holders:
+            return  # this store's ranks have not listed the step (yet)
+        if len(holders) < self.k + self.m:
+            self._say_off(f"{len(holders)} node(s) hold step {step}"
+                          + (f" ({', '.join(lost)} did not answer)" if lost else "")
+                          + f"; ec:{self.k}+{self.m} needs {self.k + self.m}")
             return
         self._say_off(None)
-        placement = erasure_placement(sorted(stores), self.k, self.m)
+        placement = erasure_placement(holders, self.k, self.m)
         if self.built != (epoch, step):
             try:
-                self.build(placement, stores, epoch, step)
+                self.build(placement, stores, records, epoch, step)
             except (FtrunError, OSError, ValueError) as e:
                 self.failed += 1
                 allowed, suppressed = self._warn.allow("build")
@@ -411,27 +423,20 @@ class ErasureCoding:
                                 "next committed step is tried%s", step, e,
                                 f" ({suppressed} more)" if suppressed else "")
                 self.built = (epoch, step)  # not again for this step
-                return
-        if self.durable_step < step and self.built == (epoch, step):
-            self._check_durable(placement, stores, epoch, step)
+            return
+        self._check_durable(placement, records, epoch, step)
 
-    def build(self, placement: ErasurePlacement, stores: dict[str, str], epoch: str,
-              step: int) -> None:
+    def build(self, placement: ErasurePlacement, stores: dict[str, str],
+              records: list[dict[str, Any]], epoch: str, step: int) -> None:
         """This store's fragments of ``step``: every (stripe, parity index) it holds, for
-        every local shard index."""
+        every local shard index (``records``: the live stores' holdings)."""
         held = placement.held_by(self.node_id)
         if not held:
             self.built = (epoch, step)
             return
         group = next(g for g in placement.groups if self.node_id in g)
-        records, lost = ask_holdings({n: stores[n] for n in group}, self._secret, self.run_id,
-                                     f"ec:{self.node_id}")
-        if lost:
-            raise RestoreError(f"the store(s) of {', '.join(lost)} did not list their shards")
         own = {n: _own_shards(records, n, epoch, step) for n in group}
         width = max(len(v) for v in own.values())
-        if width == 0:
-            raise RestoreError(f"no node of this group lists a shard of step {step}")
         digest = nodes_digest(placement.nodes)
         codec = Codec(self.k, self.m)
         reader = _Reader(self._secret, self.run_id, f"ec:{self.node_id}")
@@ -521,12 +526,10 @@ class ErasureCoding:
                     and r.step in (step, self.durable_step))
         self.segments.drop_where(keep)
 
-    def _check_durable(self, placement: ErasurePlacement, stores: dict[str, str], epoch: str,
-                       step: int) -> None:
-        records, lost = ask_holdings({n: stores[n] for n in placement.nodes}, self._secret,
-                                     self.run_id, f"ec:{self.node_id}")
-        if lost:
-            return
+    def _check_durable(self, placement: ErasurePlacement, records: list[dict[str, Any]],
+                       epoch: str, step: int) -> None:
+        """Tell ``durable`` once every stripe's fragments of ``step`` are listed, verified,
+        by their holders (``records``: the live stores' holdings)."""
         digest = nodes_digest(placement.nodes)
         have = set()
         for r in records:
