@@ -88,10 +88,12 @@ def test_lost_node_restored_from_rebuilt_shards_matches_fault_free(
         started = [e for e in read_events(state_dir, run_id) if e["type"] == "workers_started"]
         training = {e["node"].rsplit("/", 1)[1] for e in started}
         assert len(training) == 3, started
-        # the victim: a training launcher that does not host the coordinator
-        hosts = {e["node"].rsplit("/", 1)[1] for e in read_events(state_dir, run_id)
-                 if e["type"] == "coordinator_started"}
-        victim = next(n for n in nodes if str(n.pid) in training and str(n.pid) not in hosts)
+        # the victim: a training launcher that hosts neither the rendezvous store nor the
+        # coordinator (the launcher that binds the rendezvous port runs both)
+        hosting = [n for n in nodes if f"coordinator of job {run_id} listening" in
+                   procs.output(n)]
+        assert len(hosting) == 1, [procs.output(n)[-2000:] for n in nodes]
+        victim = next(n for n in nodes if str(n.pid) in training and n is not hosting[0])
         [spare] = [n for n in nodes if str(n.pid) not in training]
         removed = _lose_node(run_id, victim)
         assert any(name.startswith(shm.job_prefix(run_id)) for name in removed), removed
