@@ -5,15 +5,18 @@ ends bit-identical to the fault-free run."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import TRAIN, Procs, free_port, read_events, result_line, wait_for
+from conftest import ROOT, TRAIN, Procs, free_port, read_events, result_line, wait_for
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import segment as shm
@@ -60,6 +63,19 @@ def _lose_node(run_id: str, launcher: subprocess.Popen[str]) -> list[str]:
     return removed
 
 
+def _status(run_id: str, parity: bool = False, text: bool = False) -> Any:
+    out = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id,
+                          *(() if text else ("--json",))],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    if out.returncode not in (0, 3):
+        return None
+    if text:
+        return out.stdout
+    doc = json.loads(out.stdout)
+    snaps = doc.get("snapshots") or {}
+    return doc if not parity or snaps.get("parity_durable_step") else None
+
+
 def _cleanup_segments(run_id: str) -> None:
     for prefix in (shm.job_prefix(run_id), ec_prefix(run_id)):
         for path in shm.list_segments(prefix):
@@ -85,6 +101,15 @@ def test_lost_node_restored_from_rebuilt_shards_matches_fault_free(
             return max(found) if found and max(found) >= 3 else None
 
         step = wait_for(durable, 120, "a step durable under ec:2+1", interval_s=0.5)
+        # ftrun status shows the code in force and the parity's progress
+        doc = wait_for(lambda: _status(run_id, parity=True), 60, "the parity in ftrun status",
+                       interval_s=0.5)
+        snaps = doc["snapshots"]
+        assert snaps["redundancy"] == "ec:2+1" and snaps["parity_durable_step"] >= 1
+        built = [p for p in snaps["parity"].values() if p["built_step"] > 0]
+        assert len(built) == 3 and all(p["parity_bytes"] > 0 for p in built), snaps["parity"]
+        text = _status(run_id, text=True)
+        assert "ec:2+1: durable step" in text and "MB of parity" in text, text
         started = [e for e in read_events(state_dir, run_id) if e["type"] == "workers_started"]
         training = {e["node"].rsplit("/", 1)[1] for e in started}
         assert len(training) == 3, started

@@ -194,6 +194,8 @@ class SnapshotStore:
             extra = self._replication.report_fields() if self._replication is not None else {}
             if self._shards is not None:
                 extra["shard_addr"] = self._shards.address
+            if self._erasure is not None:
+                extra.update(self._erasure.report_fields())
             writer, cadence = self.persister, self.handlers.cadence
             try:
                 reply = self._coord.request("store_report", {
