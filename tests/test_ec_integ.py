@@ -25,7 +25,7 @@ from ftrun.testing.procs import kill_sessions
 
 pytestmark = [pytest.mark.integration]
 
-STEPS = 16
+STEPS = 30
 # A model of ~5.6 MB of state per rank: two 4 MiB chunks, the last one partial, so that each
 # of the K = 2 slices of a shard holds a chunk and the stripes' data slices differ in length.
 TRAIN_ARGS = ("--dim", "128", "--batch", "6", "--snapshot-every", "1")
@@ -63,7 +63,7 @@ def _lose_node(run_id: str, launcher: subprocess.Popen[str]) -> list[str]:
     return removed
 
 
-def _status(run_id: str, parity: bool = False, text: bool = False) -> Any:
+def _status(run_id: str, text: bool = False) -> Any:
     out = subprocess.run([sys.executable, "-m", "ftrun", "status", run_id,
                           *(() if text else ("--json",))],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -71,9 +71,7 @@ def _status(run_id: str, parity: bool = False, text: bool = False) -> Any:
         return None
     if text:
         return out.stdout
-    doc = json.loads(out.stdout)
-    snaps = doc.get("snapshots") or {}
-    return doc if not parity or snaps.get("parity_durable_step") else None
+    return json.loads(out.stdout)
 
 
 def _cleanup_segments(run_id: str) -> None:
@@ -101,15 +99,6 @@ def test_lost_node_restored_from_rebuilt_shards_matches_fault_free(
             return max(found) if found and max(found) >= 3 else None
 
         step = wait_for(durable, 120, "a step durable under ec:2+1", interval_s=0.5)
-        # ftrun status shows the code in force and the parity's progress
-        doc = wait_for(lambda: _status(run_id, parity=True), 60, "the parity in ftrun status",
-                       interval_s=0.5)
-        snaps = doc["snapshots"]
-        assert snaps["redundancy"] == "ec:2+1" and snaps["parity_durable_step"] >= 1
-        built = [p for p in snaps["parity"].values() if p["built_step"] > 0]
-        assert len(built) == 3 and all(p["parity_bytes"] > 0 for p in built), snaps["parity"]
-        text = _status(run_id, text=True)
-        assert "ec:2+1: durable step" in text and "MB of parity" in text, text
         started = [e for e in read_events(state_dir, run_id) if e["type"] == "workers_started"]
         training = {e["node"].rsplit("/", 1)[1] for e in started}
         assert len(training) == 3, started
@@ -123,6 +112,27 @@ def test_lost_node_restored_from_rebuilt_shards_matches_fault_free(
         removed = _lose_node(run_id, victim)
         assert any(name.startswith(shm.job_prefix(run_id)) for name in removed), removed
         survivors = [n for n in nodes if n is not victim]
+
+        # resumed: the new placement (the survivors and the spare) builds parity again, and
+        # ftrun status shows the code in force and the parity's progress
+        def resumed_and_durable() -> int | None:
+            logs = "".join(procs.output(n) for n in survivors)
+            found = RESUMED.findall(logs)
+            if len(found) < 3:
+                return None
+            after = [int(s) for s in DURABLE.findall(logs) if int(s) > int(found[0][1])]
+            return max(after) if after else None
+
+        wait_for(resumed_and_durable, 150, "a durable step after the restore", interval_s=0.5)
+        doc = _status(run_id)
+        assert doc is not None
+        snaps = doc["snapshots"]
+        assert snaps["redundancy"] == "ec:2+1", snaps
+        assert snaps["parity_durable_step"] >= step, snaps
+        [joined] = [p for node, p in snaps["parity"].items() if node.endswith(f"/{spare.pid}")]
+        assert joined["built_step"] > step and joined["parity_bytes"] > 0, snaps["parity"]
+        text = _status(run_id, text=True)
+        assert "ec:2+1: durable step" in text and "MB of parity" in text, text
         for node in survivors:
             assert procs.wait(node, 180) == 0, procs.output(node)[-4000:]
         logs = "".join(procs.output(n) for n in survivors)
