@@ -367,3 +367,26 @@ def test_records_of_fragments_are_not_shards() -> None:
 
     h = shards.Holding("n", "a", "x", "n", rec.rank, 1, "e", 2, 0, CHUNK)
     assert shards.complete([h]) == []
+
+
+def test_one_store_rebuilds_the_others_wait_and_list_its_copy(cluster, monkeypatch) -> None:
+    """The first live node of the lost node's group rebuilds; another store's survey waits
+    for it and lists the rebuilt shard where it is (no second copy). Without the rebuilder
+    having done it, the waiting store gives up after REBUILD_WAIT_S and lists nothing."""
+    from ftrun.store import ec_store
+
+    c = cluster
+    _build_all(c)
+    nodes: dict[str, Node] = c["nodes"]
+    victim = sorted(nodes)[3]
+    live = _lose(c, victim)
+    first, other = nodes[sorted(live)[0]], nodes[sorted(live)[2]]
+    records = _holdings(c, sorted(live))
+    monkeypatch.setattr(ec_store, "REBUILD_WAIT_S", 0.5)
+    assert other.ec.rebuild_lost(live, records) == []  # nobody rebuilt it: gave up
+    assert first.ec.rebuild_lost(live, records) == []  # rebuilt here: its own holdings list it
+    assert [r.origin for r in first.ec.records() if r.rank >= 0] == [victim]
+    got = other.ec.rebuild_lost(live, records)
+    assert [(r["node"], r["origin"], r["rank"], r["step"]) for r in got] == [
+        (first.node_id, victim, 3, STEP)]
+    assert not [r for r in other.ec.records() if r.rank >= 0]  # no second copy

@@ -29,16 +29,19 @@ message kind is needed:
 - **rebuild** (:meth:`ErasureCoding.rebuild_lost`, on the store's survey thread, once per
   restore: :mod:`ftrun.store.survey`): the fragments listed by the live stores name their
   placement; nodes of it that no longer answer are lost. For the newest step whose fragments
-  are held, each lost node's shards are rebuilt slice by slice from ``K`` verified pieces of
-  each stripe (the survivors' data slices and the fragments), checked chunk by chunk against
-  the hashes the fragments recorded and, whole, against the shard's own hash table, and kept
-  in a segment of this store listed as a shard of the lost node: the restore reads it as it
-  reads a replica. Fewer than ``K`` verified pieces: the rebuild is refused with the reason,
-  the step is not complete in memory, and the restore falls back (an older step, the disk).
+  are held, each lost node's shards are rebuilt once, by the first live node of its group
+  (sorted), slice by slice from ``K`` verified pieces of each stripe (the survivors' data
+  slices and the fragments), checked chunk by chunk against the hashes the fragments
+  recorded and, whole, against the shard's own hash table, and kept in a segment of that
+  store listed as a shard of the lost node: the restore reads it as it reads a replica. The
+  other stores' surveys wait for it (bounded) and list it. Fewer than ``K`` verified pieces:
+  the rebuild is refused with the reason, the step is not complete in memory, and the
+  restore falls back (an older step, the disk).
 
-Limits of this version: every surveying store rebuilds the lost shards for its own survey
-(the rebuilt bytes are read by whichever rank needs them); a store restarted by its launcher
-does not adopt the fragments its predecessor built (it builds the next step's).
+Limits of this version: a store restarted by its launcher does not adopt the fragments its
+predecessor built (it builds the next step's); parity is built by pulling the data slices
+(each holder reads about one node's worth of bytes per fragment), not by partial encodes
+along a chain.
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ POLL_S = 0.25
 READ_TIMEOUT_S = 20.0
 COORDINATOR_TIMEOUT_S = 5.0
 WARN_EVERY_S = 30.0
+# A store that does not rebuild a lost node's shards itself waits this long at most for the
+# store that does (it rebuilds them in its own survey, once its ranks restore: about when
+# this one's do); then the step is not complete in memory and the restore falls back.
+REBUILD_WAIT_S = 30.0
+REBUILD_POLL_S = 0.2
 _PARITY_RE = re.compile(r"-p-([0-9a-f]{8})-g(\d+)-t(\d+)-i(\d+)-s(\d+)$")
 
 
@@ -555,20 +563,25 @@ class ErasureCoding:
         self._drop_old(digest, epoch, step)
 
     # -- rebuild -------------------------------------------------------------------------
-    def rebuild_lost(self, live: dict[str, str], records: list[dict[str, Any]]) -> None:
-        """Rebuild, into this store, the shards of nodes lost from the placement of the
-        newest step whose fragments the live stores hold (``records``: their holdings, each
-        with the ``node`` and ``addr`` holding it). Logged; never raises."""
+    def rebuild_lost(self, live: dict[str, str],
+                     records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The shards of nodes lost from the placement of the newest step whose fragments
+        the live stores hold (``live``: node -> shard service; ``records``: their holdings,
+        each with the ``node`` and ``addr`` holding it), rebuilt once in the job: by the
+        first live node of each lost node's group (sorted), into its store. The other stores
+        wait for it (at most :data:`REBUILD_WAIT_S`) and return the rebuilt shards' records
+        as that store lists them, for their survey. Logged; never raises."""
         reader = _Reader(self._secret, self.run_id, f"ec-rebuild:{self.node_id}")
         try:
-            self._rebuild(live, records, reader)
+            return self._rebuild(live, records, reader)
         except Exception as e:  # noqa: BLE001 - the restore goes on without it, and says so
             log.exception("erasure coding: rebuild failed: %s", e)
+            return []
         finally:
             reader.close()
 
     def _rebuild(self, live: dict[str, str], records: list[dict[str, Any]],
-                 reader: _Reader) -> None:
+                 reader: _Reader) -> list[dict[str, Any]]:
         frags: dict[tuple[int, str, str], list[tuple[FragmentKey, dict[str, Any]]]] = {}
         for r in records:
             key = FragmentKey.of(r["segment"])
@@ -595,24 +608,57 @@ class ErasureCoding:
                     if r["step"] == step and r["epoch"] == epoch and r["rank"] >= 0}
             tried += 1
             ok = True
+            elsewhere: list[dict[str, Any]] = []
+            placement = erasure_placement(nodes, self.k, self.m)
             for node in lost:
+                group = next(g for g in placement.groups if node in g)
+                rebuilder = next((n for n in sorted(group) if n in live), None)
                 try:
-                    self._rebuild_node(node, nodes, docs, records, held, step, epoch, reader)
+                    if rebuilder is None:
+                        raise RestoreError(f"no node of its group ({', '.join(group)}) is live")
+                    if rebuilder == self.node_id:
+                        self._rebuild_node(node, nodes, docs, records, held, step, epoch,
+                                           reader)
+                    else:
+                        elsewhere += self._await_rebuild(
+                            node, rebuilder, live[rebuilder],
+                            {int(e["rank"]) for e in self._entries(node, placement, docs).values()},
+                            step, epoch)
                 except (FtrunError, OSError, ValueError, KeyError) as e:
                     ok = False
                     log.error("erasure coding: node %s's shards of step %d cannot be rebuilt: "
                               "%s; that step is not restored from memory", node, step, e)
             if ok or tried >= 2:
-                return
+                return elsewhere
+        return []
 
-    def _rebuild_node(self, node: str, nodes: list[str],
-                      docs: dict[tuple[int, int, int], dict[str, Any]],
-                      records: list[dict[str, Any]], held: set[tuple[str, int]], step: int,
-                      epoch: str, reader: _Reader) -> None:
-        k, m = self.k, self.m
-        placement = erasure_placement(nodes, k, m)
-        stripe_of = {j: placement.stripes.index(placement.stripe_of(node, j)) for j in range(k)}
-        # the lost node's shards, by local index, as the fragments of its stripes recorded
+    def _await_rebuild(self, node: str, rebuilder: str, addr: str, ranks: set[int], step: int,
+                       epoch: str) -> list[dict[str, Any]]:
+        """The records of ``node``'s shards of ``step`` (``ranks``) once the store of
+        ``rebuilder`` lists them as rebuilt; RestoreError when it has not within
+        :data:`REBUILD_WAIT_S` (its own survey rebuilds them, once its ranks restore)."""
+        deadline = time.monotonic() + REBUILD_WAIT_S
+        while True:
+            found, _ = ask_holdings({rebuilder: addr}, self._secret, self.run_id,
+                                    f"ec-rebuild:{self.node_id}")
+            got = [r for r in found if r["origin"] == node and r["rank"] in ranks
+                   and r["step"] == step and r["epoch"] == epoch]
+            if {r["rank"] for r in got} == ranks:
+                log.info("erasure coding: node %s's shards of step %d rebuilt by %s", node,
+                         step, rebuilder)
+                return got
+            if time.monotonic() > deadline:
+                raise RestoreError(f"node {rebuilder}, which rebuilds them, did not list them "
+                                   f"within {REBUILD_WAIT_S:g} s")
+            time.sleep(REBUILD_POLL_S)
+
+    @staticmethod
+    def _entries(node: str, placement: ErasurePlacement,
+                 docs: dict[tuple[int, int, int], dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """``node``'s shards, by local index, as the fragments of its stripes recorded them
+        (rank, length, manifest, chunk hashes); refused when two fragments disagree."""
+        stripe_of = {j: placement.stripes.index(placement.stripe_of(node, j))
+                     for j in range(placement.k)}
         entries: dict[int, dict[str, Any]] = {}
         for (si, _t, index), doc in docs.items():
             for j, entry in enumerate(doc["data"]):
@@ -624,6 +670,16 @@ class ErasureCoding:
                                              "shard")
         if not entries:
             raise RestoreError(f"no live fragment records a shard of node {node}")
+        return entries
+
+    def _rebuild_node(self, node: str, nodes: list[str],
+                      docs: dict[tuple[int, int, int], dict[str, Any]],
+                      records: list[dict[str, Any]], held: set[tuple[str, int]], step: int,
+                      epoch: str, reader: _Reader) -> None:
+        k, m = self.k, self.m
+        placement = erasure_placement(nodes, k, m)
+        stripe_of = {j: placement.stripes.index(placement.stripe_of(node, j)) for j in range(k)}
+        entries = self._entries(node, placement, docs)
         codec = Codec(k, m)
         for index, entry in sorted(entries.items()):
             rank = int(entry["rank"])

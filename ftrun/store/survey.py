@@ -87,7 +87,8 @@ class Surveyor:
         self.surveys = 0  # started
         # Erasure coding: rebuild(live stores, their holdings) runs after each survey of the
         # other stores, before the survey is ready (ftrun.store.ec_store)
-        self.rebuild: Callable[[dict[str, str], list[dict[str, Any]]], None] | None = None
+        self.rebuild: Callable[[dict[str, str], list[dict[str, Any]]],
+                               list[dict[str, Any]]] | None = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -130,7 +131,8 @@ class Surveyor:
     def _survey(self, stores: dict[str, str], own_addr: str) -> tuple[list[dict[str, Any]],
                                                                          list[str]]:
         """The other stores' holdings and the stores that did not answer; with erasure coding,
-        the lost nodes' shards rebuilt here first (this store's own holdings then list them)."""
+        the lost nodes' shards rebuilt first (here: this store's own holdings then list them;
+        or by another store, waited for: its records are added)."""
         sender = f"survey:{self._node_id}"
         held, lost = ask_holdings(stores, self._secret, self._run_id, sender)
         rebuild = self.rebuild
@@ -141,7 +143,7 @@ class Surveyor:
                 live[self._node_id] = own_addr
                 mine, _ = ask_holdings({self._node_id: own_addr}, self._secret, self._run_id,
                                        sender)
-            rebuild(live, held + mine)
+            held = held + rebuild(live, held + mine)  # what other stores rebuilt
         return held, lost
 
     def _own_holdings(self, addr: str) -> tuple[list[dict[str, Any]], list[str]]:
