@@ -390,3 +390,57 @@ def test_one_store_rebuilds_the_others_wait_and_list_its_copy(cluster, monkeypat
     assert [(r["node"], r["origin"], r["rank"], r["step"]) for r in got] == [
         (first.node_id, victim, 3, STEP)]
     assert not [r for r in other.ec.records() if r.rank >= 0]  # no second copy
+
+
+def test_step_whose_parity_was_being_built_is_passed_over_for_the_durable_one(
+        cluster, monkeypatch) -> None:
+    """A node lost while the parity of a newer step was being built (one store of four had
+    built its fragment): the newer step cannot be rebuilt and is passed over at once, by
+    every store (none waits for it); the durable step's shards are rebuilt."""
+    from ftrun.store import ec_store
+
+    c = cluster
+    nodes: dict[str, Node] = c["nodes"]
+    _build_all(c)
+    placement = erasure_placement(sorted(nodes), 2, 1)
+    records = _holdings(c, sorted(nodes))
+    for x in nodes.values():
+        x.ec._check_durable(placement, records, EPOCH, STEP)
+    newer = STEP + 1
+    rng = random.Random(9)
+    for rank, x in enumerate(sorted(nodes.values(), key=lambda n: n.node_id)):
+        data = rng.randbytes(2 * CHUNK + 3)
+        doc = json.loads(_manifest(rank, 4))
+        x.shards.write(f"{ec_prefix(c['run_id'])}test-{rank}-newer", origin=x.node_id,
+                       rank=rank, step=newer, epoch=EPOCH,
+                       manifest=json.dumps({**doc, "step": newer}).encode(),
+                       hashes=chunk_hashes(data, CHUNK), data=[data], n_tensors=0,
+                       chunk_size=CHUNK)
+    stores = {n: x.addr for n, x in nodes.items()}
+    victim = sorted(nodes)[1]
+    # the store that had built its fragment holds the parity of one of the victim's stripes
+    builder = nodes[placement.stripe_of(victim, 0).parity[0]]
+    assert builder.node_id != victim
+    builder.ec.build(placement, stores, _holdings(c, sorted(nodes)), EPOCH, newer)
+    original = next(iter(nodes[victim].data.values()))
+    live = _lose(c, victim)
+    waited: list[int] = []
+    wait = ec_store.ErasureCoding._await_rebuild
+
+    def spy(self, node, rebuilder, addr, ranks, step, epoch):  # type: ignore[no-untyped-def]
+        waited.append(step)
+        return wait(self, node, rebuilder, addr, ranks, step, epoch)
+
+    monkeypatch.setattr(ec_store.ErasureCoding, "_await_rebuild", spy)
+    records = _holdings(c, sorted(live))
+    first, other = nodes[sorted(live)[0]], nodes[sorted(live)[2]]
+    assert first.ec.rebuild_lost(live, records) == []
+    got = other.ec.rebuild_lost(live, records)
+    assert [(r["origin"], r["step"]) for r in got] == [(victim, STEP)]
+    assert waited == [STEP]  # never for the step whose parity was incomplete
+    [rec] = [r for r in first.ec.records() if r.rank >= 0]
+    seg = shm.Segment.open(rec.segment)
+    try:
+        assert seg.header().step == STEP and bytes(seg.data()) == original
+    finally:
+        seg.close()

@@ -616,6 +616,9 @@ class ErasureCoding:
                 try:
                     if rebuilder is None:
                         raise RestoreError(f"no node of its group ({', '.join(group)}) is live")
+                    # every store checks that enough pieces are listed before it rebuilds or
+                    # waits: a step whose parity was still being built is passed over at once
+                    self._check_pieces(node, placement, docs, records, live, step, epoch)
                     if rebuilder == self.node_id:
                         self._rebuild_node(node, nodes, docs, records, held, step, epoch,
                                            reader)
@@ -651,6 +654,30 @@ class ErasureCoding:
                 raise RestoreError(f"node {rebuilder}, which rebuilds them, did not list them "
                                    f"within {REBUILD_WAIT_S:g} s")
             time.sleep(REBUILD_POLL_S)
+
+    def _check_pieces(self, node: str, placement: ErasurePlacement,
+                      docs: dict[tuple[int, int, int], dict[str, Any]],
+                      records: list[dict[str, Any]], live: dict[str, str], step: int,
+                      epoch: str) -> None:
+        """RestoreError unless each stripe holding a slice of ``node``'s shards has ``K``
+        pieces listed by live stores: parity fragments, and the other data nodes' shards of
+        ``step`` (whether they verify is seen when they are read)."""
+        held = {(r["origin"], r["rank"]) for r in records
+                if r["node"] in live and r["step"] == step and r["epoch"] == epoch
+                and r["rank"] >= 0}
+        for index in self._entries(node, placement, docs):
+            for j in range(self.k):
+                stripe = placement.stripe_of(node, j)
+                si = placement.stripes.index(stripe)
+                parity = [docs[(si, t, index)] for t in range(self.m) if (si, t, index) in docs]
+                entries = parity[0]["data"] if parity else [None] * self.k
+                data = sum(1 for p, n in enumerate(stripe.data) if p != j and (
+                    entries[p] is None or (n, entries[p]["rank"]) in held))
+                if len(parity) + data < self.k:
+                    raise RestoreError(
+                        f"stripe {si} (shard index {index}) has {len(parity)} parity "
+                        f"fragment(s) and {data} data slice(s) listed, of the {self.k} pieces "
+                        "needed (its parity not built in full, or more nodes lost)")
 
     @staticmethod
     def _entries(node: str, placement: ErasurePlacement,
