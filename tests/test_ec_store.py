@@ -152,9 +152,10 @@ def _manifest(rank: int, world: int) -> bytes:
 
 
 @pytest.fixture
-def cluster() -> Iterator[dict[str, Any]]:
-    """4 nodes of one job, one rank each (rank 3's shard on node d shorter than the rest),
-    ec:2+1 over all 4: one group, 4 rotating stripes."""
+def cluster(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """4 nodes of one job, one rank each (rank 3's shard shorter than the rest), ec:2+1 over
+    all 4 (one group, 4 rotating stripes), or ec:K+M as the test parametrizes it."""
+    k, m = getattr(request, "param", (2, 1))
     run_id = f"ecunit-{uuid.uuid4().hex[:8]}"
     secret = os.urandom(32)
     rng = random.Random(5)
@@ -170,14 +171,15 @@ def cluster() -> Iterator[dict[str, Any]]:
                          step=STEP, epoch=EPOCH, manifest=_manifest(rank, len(sizes)),
                          hashes=chunk_hashes(data, CHUNK), data=[data], n_tensors=0,
                          chunk_size=CHUNK)
-            ec = ErasureCoding(2, 1, run_id, node_id, os.getpid(), secret,
+            ec = ErasureCoding(k, m, run_id, node_id, os.getpid(), secret,
                                lambda: (EPOCH, STEP), "127.0.0.1:9",
                                durable=lambda s, n=node_id: durable.append((n, s)))
             service = ShardService(run_id, node_id, os.getpid(), secret,
                                    lambda s=shards, e=ec: [*s.records(), *e.records()])
             nodes[node_id] = Node(node_id, shards, service, ec, {rank: data})
             service.start("127.0.0.1")
-        yield {"run_id": run_id, "secret": secret, "nodes": nodes, "durable": durable}
+        yield {"run_id": run_id, "secret": secret, "nodes": nodes, "durable": durable,
+               "k": k, "m": m}
     finally:
         for n in nodes.values():
             n.stop()
@@ -195,7 +197,7 @@ def _holdings(c: dict[str, Any], nodes: list[str]) -> list[dict[str, Any]]:
 def _build_all(c: dict[str, Any]) -> None:
     nodes: dict[str, Node] = c["nodes"]
     stores = {n: x.addr for n, x in nodes.items()}
-    placement = erasure_placement(sorted(nodes), 2, 1)
+    placement = erasure_placement(sorted(nodes), c["k"], c["m"])
     records = _holdings(c, sorted(nodes))
     for x in nodes.values():
         x.ec.build(placement, stores, records, EPOCH, STEP)
@@ -444,3 +446,28 @@ def test_step_whose_parity_was_being_built_is_passed_over_for_the_durable_one(
         assert seg.header().step == STEP and bytes(seg.data()) == original
     finally:
         seg.close()
+
+
+@pytest.mark.parametrize("cluster", [(2, 2)], indirect=True)
+def test_two_lost_nodes_rebuilt_under_ec_2_plus_2(cluster) -> None:
+    """ec:2+2 on 4 nodes: any two lost, both rebuilt bit for bit from the other two (each
+    stripe has exactly K = 2 pieces left), each by the first live node."""
+    c = cluster
+    _build_all(c)
+    nodes: dict[str, Node] = c["nodes"]
+    a, b = sorted(nodes)[0], sorted(nodes)[2]
+    originals = {n: next(iter(nodes[n].data.items())) for n in (a, b)}
+    _lose(c, a)
+    live = _lose(c, b)
+    first, other = nodes[sorted(live)[0]], nodes[sorted(live)[1]]
+    records = _holdings(c, sorted(live))
+    assert first.ec.rebuild_lost(live, records) == []
+    got = other.ec.rebuild_lost(live, records)
+    assert sorted((r["origin"], r["rank"]) for r in got) == sorted(
+        (n, rank) for n, (rank, _) in originals.items())
+    for r in got:
+        seg = shm.Segment.open(r["segment"])
+        try:
+            assert bytes(seg.data()) == originals[r["origin"]][1]
+        finally:
+            seg.close()
