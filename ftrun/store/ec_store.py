@@ -482,11 +482,13 @@ class ErasureCoding:
             lengths.append(slice_lengths(meta.data_len, k, chunk)[j])
             tables.append(slice_hashes(meta.hashes, k)[j])
         enc = Encoder(codec, lengths, tables, chunk)
-        for j, (rec, meta) in enumerate(zip(shards, metas, strict=True)):
-            if rec is None or meta is None:
-                continue
-            for s, i in enumerate(range(j, len(meta.hashes), k)):
-                enc.add(j, s, reader.chunk(rec, meta, i))
+        # row by row (chunk s of every slice, then s + 1): the encoder codes each row as soon
+        # as it is complete and lets its pieces go, so about K chunks are held at a time
+        rows = max((len(t) for t in tables), default=0)
+        for s in range(rows):
+            for j, (rec, meta) in enumerate(zip(shards, metas, strict=True)):
+                if rec is not None and meta is not None and s < len(tables[j]):
+                    enc.add(j, s, reader.chunk(rec, meta, j + s * k))
         frags = enc.fragments()
         info = frags[0].info
         world = {int(parse_manifest(x.manifest)["world_size"]) for x in metas if x is not None}
