@@ -471,3 +471,21 @@ def test_two_lost_nodes_rebuilt_under_ec_2_plus_2(cluster) -> None:
             assert bytes(seg.data()) == originals[r["origin"]][1]
         finally:
             seg.close()
+
+
+def test_launcher_refuses_a_code_the_job_cannot_hold(tmp_path) -> None:
+    """The user sees the reason and the fix, and the usage exit code, not a traceback; no
+    store or worker is started."""
+    import subprocess
+    import sys
+
+    from ftrun import exit_codes
+    from ftrun.testing import TRAIN
+
+    out = subprocess.run([sys.executable, "-m", "ftrun", "--nnodes", "1:3", "--redundancy",
+                          "ec:3+1", "--state-dir", str(tmp_path), TRAIN],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == exit_codes.USAGE, out
+    assert "ec:3+1 needs at least 4 nodes" in out.stderr and "ec:2+1 fits 3 nodes" in \
+        out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
