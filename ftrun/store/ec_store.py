@@ -343,6 +343,7 @@ class ErasureCoding:
         self._warn = RateLimiter(WARN_EVERY_S)
         self.built: tuple[str, int] = ("", -1)  # (epoch, step) whose own fragments are built
         self.durable_step = -1  # newest step whose parity the whole placement holds
+        self.durable_epoch = ""  # the snapshot epoch of durable_step
         self.failed = 0  # builds given up (logged)
         self.off: str | None = None  # why no parity is built now
 
@@ -406,7 +407,8 @@ class ErasureCoding:
         computes the same one for a step, since the shards of a committed step stay listed
         until a newer step is durable."""
         epoch, step = self._committed()
-        if not epoch or step <= 0 or (self.built == (epoch, step) and self.durable_step >= step):
+        if not epoch or step <= 0 or (self.built == (epoch, step) and (
+                self.durable_epoch, self.durable_step) == (epoch, step)):
             return
         stores = self._stores()
         records, lost = ask_holdings(stores, self._secret, self.run_id, f"ec:{self.node_id}")
@@ -491,6 +493,8 @@ class ErasureCoding:
             for j, (rec, meta) in enumerate(zip(shards, metas, strict=True)):
                 if rec is not None and meta is not None and s < len(tables[j]):
                     enc.add(j, s, reader.chunk(rec, meta, j + s * k, check=False))
+            if self._stop.is_set():
+                raise FtrunError("the store is stopping")
         frags = enc.fragments()
         info = frags[0].info
         world = {int(parse_manifest(x.manifest)["world_size"]) for x in metas if x is not None}
@@ -523,7 +527,7 @@ class ErasureCoding:
         for slot in (0, 1):
             key = FragmentKey(digest, si, t, index, slot)
             rec = taken.get(key)
-            if rec is None or rec.step != self.durable_step:
+            if rec is None or (rec.epoch, rec.step) != (self.durable_epoch, self.durable_step):
                 return parity_name(self.run_id, self.node_id, digest, si, t, index, slot)
         return parity_name(self.run_id, self.node_id, digest, si, t, index, 0)
 
@@ -559,7 +563,7 @@ class ErasureCoding:
                 for t, holder in enumerate(stripe.parity):
                     if any((holder, si, t, i) not in have for i in range(width)):
                         return
-        self.durable_step = step
+        self.durable_epoch, self.durable_step = epoch, step
         log.info("erasure coding: step %d is durable (every stripe's %d parity fragment(s) "
                  "held and verified)", step, self.m)
         if self._durable is not None:
