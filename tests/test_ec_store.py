@@ -489,3 +489,31 @@ def test_launcher_refuses_a_code_the_job_cannot_hold(tmp_path) -> None:
     assert "ec:3+1 needs at least 4 nodes" in out.stderr and "ec:2+1 fits 3 nodes" in \
         out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_survey_with_no_node_lost_rebuilds_and_reads_nothing(cluster, monkeypatch) -> None:
+    """Every restore's survey asks: with every node of the placement still listing its
+    shards, no fragment is even read."""
+    from ftrun.store import ec_store
+
+    c = cluster
+    _build_all(c)
+    nodes: dict[str, Node] = c["nodes"]
+    reads: list[str] = []
+    meta = ec_store._Reader.meta
+
+    def spy(self, rec):  # type: ignore[no-untyped-def]
+        reads.append(rec["segment"])
+        return meta(self, rec)
+
+    monkeypatch.setattr(ec_store._Reader, "meta", spy)
+    live = {n: x.addr for n, x in nodes.items()}
+    for x in nodes.values():
+        assert x.ec.rebuild_lost(live, _holdings(c, sorted(nodes))) == []
+        assert not [r for r in x.ec.records() if r.rank >= 0]
+    assert reads == []
+    # one node lost: its fragments' placement no longer matches the nodes listing shards
+    live = _lose(c, sorted(nodes)[0])
+    first = nodes[sorted(live)[0]]
+    first.ec.rebuild_lost(live, _holdings(c, sorted(live)))
+    assert reads and [r.origin for r in first.ec.records() if r.rank >= 0]

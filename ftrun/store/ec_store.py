@@ -596,7 +596,11 @@ class ErasureCoding:
             if key is not None and r["rank"] == PARITY_RANK and r["node"] in live:
                 frags.setdefault((r["step"], r["epoch"], key.digest), []).append((key, r))
         tried = 0
-        for (step, epoch, _digest), found in sorted(frags.items(), key=lambda kv: -kv[0][0]):
+        for (step, epoch, digest), found in sorted(frags.items(), key=lambda kv: -kv[0][0]):
+            holders = {r["node"] for r in records if r["node"] == r["origin"]
+                       and r["rank"] >= 0 and r["step"] == step and r["epoch"] == epoch}
+            if nodes_digest(sorted(holders)) == digest:
+                continue  # every node of that placement still lists its shards: none lost
             docs: dict[tuple[int, int, int], dict[str, Any]] = {}
             for key, rec in found:
                 try:
