@@ -517,3 +517,72 @@ def test_a_survey_with_no_node_lost_rebuilds_and_reads_nothing(cluster, monkeypa
     first = nodes[sorted(live)[0]]
     first.ec.rebuild_lost(live, _holdings(c, sorted(live)))
     assert reads and [r.origin for r in first.ec.records() if r.rank >= 0]
+
+
+# -- what status and inspect show --------------------------------------------------------------
+
+SNAPS = {"committed_step": 9, "redundancy": "ec:2+1", "parity_durable_step": 8,
+         "parity": {"vm/1": {"built_step": 9, "durable_step": 8, "parity_bytes": 4_200_000,
+                             "rebuilt_bytes": 0},
+                    "vm/2": {"built_step": 8, "durable_step": 8, "parity_bytes": 4_200_000,
+                             "rebuilt_bytes": 5_600_000},
+                    "vm/3": {"built_step": -1, "durable_step": -1, "parity_bytes": 0,
+                             "rebuilt_bytes": 0}}}
+
+
+def test_status_line_shows_the_code_and_the_parity() -> None:
+    from ftrun.cli.status import _replica_text
+
+    assert _replica_text(SNAPS) == (" | ec:2+1: durable step 8 (parity of step 9 built on 1/3 "
+                                    "node(s); 8.4 MB of parity, 5.6 MB rebuilt)")
+    none = {**SNAPS, "parity_durable_step": None,
+            "parity": {"vm/1": {**SNAPS["parity"]["vm/3"]}}}
+    assert _replica_text(none) == " | ec:2+1: nothing durable yet (no parity built yet)"
+
+
+def test_inspect_shows_parity_per_node() -> None:
+    from rich.console import Console
+
+    from ftrun.cli.inspect import _durability, _render_durability
+
+    d = _durability({"snapshots": SNAPS})
+    assert d == {"redundancy": "ec:2+1", "committed_step": 9, "durable_step": 8,
+                 "parity": SNAPS["parity"]}
+    console = Console(record=True, width=120)
+    _render_durability(d, console)
+    text = console.export_text()
+    assert "committed step 9; durable step 8; ec:2+1 (erasure-coded parity)" in text
+    assert [ln.split() for ln in text.splitlines()[2:]] == [
+        ["vm/1", "9", "4.2", "0.0"], ["vm/2", "8", "4.2", "5.6"], ["vm/3", "-", "0.0", "0.0"]]
+
+
+def test_coordinator_reports_the_code_and_each_stores_parity() -> None:
+    """A real coordinator, stores reporting as an ec:2+1 job's do: its status names the code,
+    the newest step the placement holds in full, and each node's parity."""
+    from ftrun.coordinator.server import Coordinator
+    from ftrun.protocol.transport import Client
+
+    run_id = f"ecstat-{uuid.uuid4().hex[:8]}"
+    secret = os.urandom(32)
+    coord = Coordinator(run_id, secret, bind_host="127.0.0.1", node_timeout_s=600.0)
+    coord.start()
+    clients = []
+    try:
+        for i, (built, durable) in enumerate([(9, 8), (8, 8), (-1, -1)]):
+            c = Client(coord.endpoint, secret, run_id, f"store:vm/{i}", peer="coordinator")
+            clients.append(c)
+            c.request("store_report", {
+                "node_id": f"vm/{i}", "bytes": 0, "segments": 0, "persisted_step": None,
+                "ranks": [i], "redundancy": "ec:2+1", "parity_step": built,
+                "parity_durable": durable, "parity_bytes": 1000 * (built > 0),
+                "rebuilt_bytes": 0}, "ack", 5.0)
+        reply = clients[0].request("status_request", {}, "status_reply", 5.0)
+        snaps = reply.body["doc"]["snapshots"]
+        assert snaps["redundancy"] == "ec:2+1" and snaps["parity_durable_step"] == 8
+        assert snaps["parity"]["vm/0"] == {"built_step": 9, "durable_step": 8,
+                                           "parity_bytes": 1000, "rebuilt_bytes": 0}
+        assert snaps["parity"]["vm/2"]["built_step"] == -1
+    finally:
+        for c in clients:
+            c.close()
+        coord.stop(timeout_s=2)
