@@ -392,6 +392,8 @@ def test_one_store_rebuilds_the_others_wait_and_list_its_copy(cluster, monkeypat
     assert [(r["node"], r["origin"], r["rank"], r["step"]) for r in got] == [
         (first.node_id, victim, 3, STEP)]
     assert not [r for r in other.ec.records() if r.rank >= 0]  # no second copy
+    # a later survey that lists it already neither waits nor lists it twice
+    assert other.ec.rebuild_lost(live, _holdings(c, sorted(live))) == []
 
 
 def test_step_whose_parity_was_being_built_is_passed_over_for_the_durable_one(

@@ -626,6 +626,9 @@ class ErasureCoding:
                 group = next(g for g in placement.groups if node in g)
                 rebuilder = next((n for n in sorted(group) if n in live), None)
                 try:
+                    ranks = {int(e["rank"]) for e in self._entries(node, placement, docs).values()}
+                    if all((node, r) in held for r in ranks):
+                        continue  # listed already (rebuilt for an earlier survey)
                     if rebuilder is None:
                         raise RestoreError(f"no node of its group ({', '.join(group)}) is live")
                     # every store checks that enough pieces are listed before it rebuilds or
@@ -635,10 +638,8 @@ class ErasureCoding:
                         self._rebuild_node(node, nodes, docs, records, held, step, epoch,
                                            reader)
                     else:
-                        elsewhere += self._await_rebuild(
-                            node, rebuilder, live[rebuilder],
-                            {int(e["rank"]) for e in self._entries(node, placement, docs).values()},
-                            step, epoch)
+                        elsewhere += self._await_rebuild(node, rebuilder, live[rebuilder], ranks,
+                                                         step, epoch)
                 except (FtrunError, OSError, ValueError, KeyError) as e:
                     ok = False
                     log.error("erasure coding: node %s's shards of step %d cannot be rebuilt: "
