@@ -77,9 +77,12 @@ def test_erasure_coding_needs_k_plus_m_nodes() -> None:
 
 
 def _options(*argv: str) -> Any:
-    from ftrun.launcher.args import build_parser, ftrun_options
+    from ftrun.launcher.args import build_parser, check_redundancy, ftrun_options
 
-    return ftrun_options(build_parser().parse_args([*argv, "train.py"]))
+    ns = build_parser().parse_args([*argv, "train.py"])
+    opts = ftrun_options(ns)
+    check_redundancy(opts, ns)
+    return opts
 
 
 def test_flag_variable_and_short_form(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -491,6 +494,25 @@ def test_launcher_refuses_a_code_the_job_cannot_hold(tmp_path) -> None:
     assert "ec:3+1 needs at least 4 nodes" in out.stderr and "ec:2+1 fits 3 nodes" in \
         out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_node_count_is_checked_once_it_is_known(monkeypatch) -> None:
+    """Reading the options does not refuse ec:K+M for want of --nnodes: under Slurm the count
+    comes from the allocation later (launch.apply_slurm); check_redundancy, called then, sees
+    the final count."""
+    from ftrun.launcher.args import build_parser, check_redundancy, ftrun_options
+
+    monkeypatch.delenv("FTRUN_REPLICAS", raising=False)
+    for count, ok in (("3", True), ("2:4", True), ("2", False)):
+        ns = build_parser().parse_args(["--redundancy", "ec:2+1", "train.py"])
+        opts = ftrun_options(ns)  # --nnodes not given: not refused here
+        ns.nnodes = count  # as apply_slurm sets it from SLURM_NNODES
+        if ok:
+            check_redundancy(opts, ns)
+        else:
+            with pytest.raises(ConfigError, match="needs at least 3 nodes"):
+                check_redundancy(opts, ns)
+
 
 
 def test_a_survey_with_no_node_lost_rebuilds_and_reads_nothing(cluster, monkeypatch) -> None:

@@ -319,9 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _redundancy(ns: argparse.Namespace) -> str | None:
-    """--redundancy (or FTRUN_REDUNDANCY), checked against --replicas and --nnodes: a value
-    that cannot be read, one that contradicts an explicit --replicas, or an ec:K+M with fewer
-    nodes than K+M is refused with the fix."""
+    """--redundancy (or FTRUN_REDUNDANCY), checked against --replicas: a value that cannot
+    be read, or one that contradicts an explicit --replicas, is refused with the fix (the
+    node count is checked once Slurm's is known: :func:`check_redundancy`)."""
     raw = getattr(ns, "redundancy", None)
     if not raw or not str(raw).strip():
         return None
@@ -332,10 +332,15 @@ def _redundancy(ns: argparse.Namespace) -> str | None:
         if str(plan) != short:
             raise ConfigError(f"--redundancy {raw} and --replicas {replicas} (or "
                               f"{knobs.REPLICAS.name}) disagree: give one of them")
+    return str(plan)
+
+
+def check_redundancy(opts: FtrunOptions, ns: argparse.Namespace) -> None:
+    """Refuse an ``ec:K+M`` that the job's nodes (torchrun's ``--nnodes``, its most; under
+    Slurm as set from the allocation) cannot hold."""
     nodes = _max_nodes(getattr(ns, "nnodes", None))
     if nodes is not None:
-        plan.check_nodes(nodes)
-    return str(plan)
+        opts.plan().check_nodes(nodes)
 
 
 def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:

@@ -56,7 +56,13 @@ from ftrun.coordinator.api import NodeState
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent, HostIsolated
-from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftrun_options
+from ftrun.launcher.args import (
+    FtrunOptions,
+    build_parser,
+    check_redundancy,
+    explicit_dests,
+    ftrun_options,
+)
 from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.pdeath import LAUNCHER_PID_ENV
@@ -927,6 +933,7 @@ def run(argv: list[str]) -> int:
     opts = ftrun_options(args)
     explicit = explicit_dests(parser, argv)
     node0_hosts = apply_slurm(args, explicit, dict(os.environ))
+    check_redundancy(opts, args)  # the node count is known now (Slurm sets it)
     check_script(args)
     plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None,
                            node0_hosts=node0_hosts, bind_host=opts.bind_host)
