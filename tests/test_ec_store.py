@@ -610,3 +610,41 @@ def test_coordinator_reports_the_code_and_each_stores_parity() -> None:
         for c in clients:
             c.close()
         coord.stop(timeout_s=2)
+
+
+@pytest.mark.parametrize("cluster", [(3, 2)], indirect=True)
+def test_too_few_nodes_hold_the_step_parity_is_off_and_nothing_waits_for_it(
+        cluster, monkeypatch, caplog) -> None:
+    """ec:3+2 with 4 nodes holding the step (the job shrank): no parity is built, the store
+    says so, and it is told to stop keeping buffers for parity (the ranks' snapshots go on)."""
+    c = cluster
+    nodes: dict[str, Node] = c["nodes"]
+    x = next(iter(nodes.values()))
+    offs: list[bool] = []
+    x.ec._off = lambda: offs.append(True)
+    monkeypatch.setattr(x.ec, "_stores", lambda: {n: y.addr for n, y in nodes.items()})
+    x.ec.work()
+    assert offs == [True] and x.ec.built == ("", -1) and not x.ec.records()
+    assert "4 node(s) hold step 7; ec:3+2 needs 5" in caplog.text
+
+
+def test_parity_off_releases_the_kept_buffers() -> None:
+    """The store's commit mirror under ec:K+M: from the epoch's start the step resumed from
+    is kept; a durable step is kept until a newer one is durable; parity off: nothing kept."""
+    from ftrun.store.commits import DURABLE_KEEP_S, CommitMirror
+
+    assert DURABLE_KEEP_S > 1
+    cfg = type("Cfg", (), {"node_id": "n"})()
+    persister = type("P", (), {"new_epoch": lambda self, restarted: None})()
+    mirror = CommitMirror(cfg, None, None, persister)  # type: ignore[arg-type]
+    mirror.erasure = True
+    mirror.begin_epoch("e", 3, restarted=True)
+    mirror.committed = 5
+    assert mirror.durable_step() == 3
+    assert mirror.claim("e", 5) is None  # step 3 kept: 5 is not durable
+    mirror.note_parity_durable(5)
+    assert mirror.claim("e", 5) is not None and mirror.durable_step() == 5
+    mirror.committed = 6
+    assert mirror.claim("e", 6) is None
+    mirror.parity_off()
+    assert mirror.claim("e", 6) is not None and mirror.durable_step() == -1

@@ -279,6 +279,12 @@ class CommitMirror:
         if self._durable is None or step > self._durable:
             self._durable, self._durable_since = step, time.monotonic()
 
+    def parity_off(self) -> None:
+        """Erasure coding: no parity can be built now (fewer nodes than K + M hold the
+        step): the ranks' buffers are no longer kept waiting for it (until a step is durable
+        again)."""
+        self._durable = None
+
     def durable_step(self) -> int:
         """The newest durable step this store knows (-1: none, or no replication)."""
         return -1 if self._durable is None else self._durable

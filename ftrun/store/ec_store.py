@@ -326,7 +326,8 @@ class ErasureCoding:
     def __init__(self, k: int, m: int, run_id: str, node_id: str, owner_pid: int,
                  secret: bytes, committed: Callable[[], tuple[str, int]],
                  coordinator: str, term: int = 0,
-                 durable: Callable[[int], None] | None = None) -> None:
+                 durable: Callable[[int], None] | None = None,
+                 off: Callable[[], None] | None = None) -> None:
         if k < 2 or m < 1:
             raise ConfigError(f"ec:{k}+{m}: erasure coding needs K >= 2 and M >= 1")
         self.k, self.m = k, m
@@ -334,6 +335,9 @@ class ErasureCoding:
         self._secret = secret
         self._committed = committed
         self._durable = durable
+        # called whenever no parity can be built (too few nodes hold the step): the store
+        # then stops keeping the ranks' buffers of the last durable step for it
+        self._off = off
         self._coord = Client(coordinator, secret, run_id, f"ec:{node_id}", peer="coordinator",
                              term=term)
         self._coord_lock = threading.Lock()
@@ -420,7 +424,10 @@ class ErasureCoding:
         if len(holders) < self.k + self.m:
             self._say_off(f"{len(holders)} node(s) hold step {step}"
                           + (f" ({', '.join(lost)} did not answer)" if lost else "")
-                          + f"; ec:{self.k}+{self.m} needs {self.k + self.m}")
+                          + f"; ec:{self.k}+{self.m} needs {self.k + self.m}; the ranks' "
+                          "snapshots no longer wait for parity")
+            if self._off is not None:
+                self._off()
             return
         self._say_off(None)
         placement = erasure_placement(holders, self.k, self.m)

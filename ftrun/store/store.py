@@ -343,7 +343,8 @@ class SnapshotStore:
         ec = ErasureCoding(cfg.ec_k, cfg.ec_m, cfg.run_id, cfg.node_id, cfg.owner_pid,
                            self._secret, lambda: (self.commits.epoch, self.commits.committed),
                            cfg.coordinator, cfg.coordinator_term,
-                           durable=self.commits.note_parity_durable)
+                           durable=self.commits.note_parity_durable,
+                           off=self.commits.parity_off)
         ec.start()
         self._erasure = ec
         self.handlers.surveyor.rebuild = ec.rebuild_lost
