@@ -25,7 +25,7 @@ from ftrun.testing.procs import kill_sessions
 
 pytestmark = [pytest.mark.integration]
 
-STEPS = 30
+STEPS = 40  # enough steps after the restore for ftrun status to be asked while it runs
 # A model of ~5.6 MB of state per rank: two 4 MiB chunks, the last one partial, so that each
 # of the K = 2 slices of a shard holds a chunk and the stripes' data slices differ in length.
 TRAIN_ARGS = ("--dim", "128", "--batch", "6", "--snapshot-every", "1")
