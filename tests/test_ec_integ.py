@@ -23,7 +23,9 @@ from ftrun.snapshot import segment as shm
 from ftrun.store.ec_store import ec_prefix
 from ftrun.testing.procs import kill_sessions
 
-pytestmark = [pytest.mark.integration]
+# Two jobs one after the other (the fault-free one is the reference); each start of a worker
+# imports torch, which takes tens of seconds on a loaded 2-CPU machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 STEPS = 40  # enough steps after the restore for ftrun status to be asked while it runs
 # A model of ~5.6 MB of state per rank: two 4 MiB chunks, the last one partial, so that each
