@@ -648,3 +648,30 @@ def test_parity_off_releases_the_kept_buffers() -> None:
     assert mirror.claim("e", 6) is None
     mirror.parity_off()
     assert mirror.claim("e", 6) is not None and mirror.durable_step() == -1
+
+
+@pytest.mark.parametrize("cluster", [(2, 2)], indirect=True)
+def test_a_lost_node_after_a_durable_step_keeps_the_buffers(cluster, monkeypatch) -> None:
+    """Once a step of the epoch was durable, too few nodes holding the next one means a node
+    is being lost: the ranks' buffers of the durable step stay kept (parity not called off),
+    whether the lost store still counts as live (it does not answer) or is gone from the
+    coordinator's list already. (Calling it off there let the survivors overwrite the very
+    shards the rebuild needs: seen in tests/test_ec_integ.py.)"""
+    c = cluster
+    nodes: dict[str, Node] = c["nodes"]
+    _build_all(c)
+    placement = erasure_placement(sorted(nodes), 2, 2)
+    records = _holdings(c, sorted(nodes))
+    for x in nodes.values():
+        x.ec._check_durable(placement, records, EPOCH, STEP)
+    victim = sorted(nodes)[3]
+    every = {n: x.addr for n, x in nodes.items()}
+    live = _lose(c, victim)
+    x = nodes[sorted(live)[0]]
+    offs: list[bool] = []
+    x.ec._off = lambda: offs.append(True)
+    x.ec.built = ("", -1)  # as if a newer step had committed: work() looks again
+    for stores in (every, live):  # the lost store listed (not answering), then not listed
+        monkeypatch.setattr(x.ec, "_stores", lambda s=stores: dict(s))
+        x.ec.work()
+    assert offs == []

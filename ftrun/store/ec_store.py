@@ -335,8 +335,8 @@ class ErasureCoding:
         self._secret = secret
         self._committed = committed
         self._durable = durable
-        # called whenever no parity can be built (too few nodes hold the step): the store
-        # then stops keeping the ranks' buffers of the last durable step for it
+        # called when no parity can be built in an epoch that has had none durable (too few
+        # nodes hold its steps): the store then stops keeping the ranks' buffers for it
         self._off = off
         self._coord = Client(coordinator, secret, run_id, f"ec:{node_id}", peer="coordinator",
                              term=term)
@@ -426,7 +426,11 @@ class ErasureCoding:
                           + (f" ({', '.join(lost)} did not answer)" if lost else "")
                           + f"; ec:{self.k}+{self.m} needs {self.k + self.m}; the ranks' "
                           "snapshots no longer wait for parity")
-            if self._off is not None:
+            if self._off is not None and not lost and self.durable_epoch != epoch:
+                # Too few nodes in this epoch from its start (a job shrunk below K + M):
+                # nothing will be durable, the ranks need not keep buffers for it. Not when
+                # a store did not answer, nor once a step of the epoch was durable: that is
+                # a node being lost, and its shards are rebuilt from the durable step.
                 self._off()
             return
         self._say_off(None)
