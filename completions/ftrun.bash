@@ -45,6 +45,7 @@ _ftrun_kind() {
         'launch --rdzv-endpoint' | 'launch --rdzv_endpoint') _ftrun_k='files' ;;
         'launch --rdzv-id' | 'launch --rdzv_id') _ftrun_k='files' ;;
         'launch -r' | 'launch --redirects') _ftrun_k='files' ;;
+        'launch --redundancy') _ftrun_k='files' ;;
         'launch --replica-addr' | 'launch --replica_addr') _ftrun_k='files' ;;
         'launch --replica-rate' | 'launch --replica_rate') _ftrun_k='files' ;;
         'launch --replicas') _ftrun_k='files' ;;
@@ -104,14 +105,14 @@ _ftrun_command() {
                 --on_slow --persist-dir --persist_dir --persist-every --persist_every
                 --persist-interval --persist_interval --persist-keep --persist_keep
                 --rdzv-backend --rdzv_backend --rdzv-conf --rdzv_conf --rdzv-endpoint
-                --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects --replica-addr --replica_addr
-                --replica-rate --replica_rate --replicas --role --run-path --run_path
-                --shutdown-timeout --shutdown_timeout --signals-to-handle --signals_to_handle
-                --snapshot-every --snapshot_every --snapshot-wait --snapshot_wait --standalone
-                --start-fresh --start_fresh --start-method --start_method --state-dir
-                --state_dir --store-threads --store_threads -t --tee --virtual-local-rank
-                --virtual_local_rank --warm-imports --warm_imports --warm-workers
-                --no-warm-workers --warm_workers --no-warm_workers'
+                --rdzv_endpoint --rdzv-id --rdzv_id -r --redirects --redundancy --replica-addr
+                --replica_addr --replica-rate --replica_rate --replicas --role --run-path
+                --run_path --shutdown-timeout --shutdown_timeout --signals-to-handle
+                --signals_to_handle --snapshot-every --snapshot_every --snapshot-wait
+                --snapshot_wait --standalone --start-fresh --start_fresh --start-method
+                --start_method --state-dir --state_dir --store-threads --store_threads -t --tee
+                --virtual-local-rank --virtual_local_rank --warm-imports --warm_imports
+                --warm-workers --no-warm-workers --warm_workers --no-warm_workers'
             _ftrun_k=none ;;
         completions)
             _ftrun_opts='--help'

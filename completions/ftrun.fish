@@ -34,8 +34,8 @@ function __ftrun_takes_value --argument-names context flag
             'launch --rdzv-backend' 'launch --rdzv_backend' 'launch --rdzv-conf' \
             'launch --rdzv_conf' 'launch --rdzv-endpoint' 'launch --rdzv_endpoint' \
             'launch --rdzv-id' 'launch --rdzv_id' 'launch -r' 'launch --redirects' \
-            'launch --replica-addr' 'launch --replica_addr' 'launch --replica-rate' \
-            'launch --replica_rate' 'launch --replicas' 'launch --role' \
+            'launch --redundancy' 'launch --replica-addr' 'launch --replica_addr' \
+            'launch --replica-rate' 'launch --replica_rate' 'launch --replicas' 'launch --role' \
             'launch --shutdown-timeout' 'launch --shutdown_timeout' 'launch --signals-to-handle' \
             'launch --signals_to_handle' 'launch --snapshot-every' 'launch --snapshot_every' \
             'launch --snapshot-wait' 'launch --snapshot_wait' 'launch --start-method' \
@@ -172,6 +172,7 @@ complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-conf' -l 'rdzv_conf' -r 
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-endpoint' -l 'rdzv_endpoint' -r -d 'Rendezvous backend endpoint; usually in form <host>:<port>.'
 complete -c ftrun -n '__ftrun_is first launch' -l 'rdzv-id' -l 'rdzv_id' -r -d 'User-defined group id.'
 complete -c ftrun -n '__ftrun_is first launch' -s 'r' -l 'redirects' -r -d 'Redirect std streams into a log file in the log directory...'
+complete -c ftrun -n '__ftrun_is first launch' -l 'redundancy' -r -d 'How committed snapshots survive a lost node: replicas:M (as --replicas M, its long form) or...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'replica-addr' -l 'replica_addr' -r -d 'Address (interface) this node\'s store takes replicas on; default: this node\'s address toward the...'
 complete -c ftrun -n '__ftrun_is first launch' -l 'replica-rate' -l 'replica_rate' -r -d 'Cap, in MB/s, on the rate this node\'s store sends replicas at (0: no cap). [env FTRUN_REPLICA_RATE]'
 complete -c ftrun -n '__ftrun_is first launch' -l 'replicas' -r -d 'Copies of every committed snapshot shard in memory across the job: the node\'s own and m-1...'

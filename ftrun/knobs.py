@@ -185,6 +185,13 @@ REPLICAS = Knob(
     "and m-1 replicas in peer nodes' stores (Gemini's group placement). 1: no replication; "
     "a job with no peer node (one node) replicates nothing and says so.",
 )
+REDUNDANCY = Knob(
+    "FTRUN_REDUNDANCY", "scheme", "",
+    "How committed snapshots survive a lost node: replicas:M (M copies of every shard in "
+    "memory across the job, as FTRUN_REPLICAS) or ec:K+M (erasure coding: groups of at least "
+    "K+M nodes, M parity fragments per stripe of K nodes' data, (1 + M/K)x the state in host "
+    "memory, any M lost nodes of a group rebuilt). Unset: replicas:FTRUN_REPLICAS.",
+)
 REPLICA_ADDR = Knob(
     "FTRUN_REPLICA_ADDR", "host", "",
     "Address (interface) each node's store takes replicas on. Unset: this node's address "

@@ -385,6 +385,10 @@ def _durability(coordinator: dict[str, Any] | None) -> dict[str, Any] | None:
     ranks wrote it and the nodes holding a verified replica (the coordinator's view). None
     without replication or without an answer from the coordinator."""
     snaps = (coordinator or {}).get("snapshots") or {}
+    if snaps.get("redundancy"):  # erasure coding: parity per node instead of replicas
+        return {"redundancy": snaps["redundancy"], "committed_step": snaps.get("committed_step"),
+                "durable_step": snaps.get("parity_durable_step"),
+                "parity": snaps.get("parity") or {}}
     if (snaps.get("replicas") or 1) <= 1:
         return None
     own = {int(r): node for node, st in sorted((snaps.get("stores") or {}).items())
@@ -568,6 +572,19 @@ def _render_live(doc: dict[str, Any], console: Console) -> None:
 def _render_durability(d: dict[str, Any], console: Console) -> None:
     committed = d["committed_step"]
     head = f"committed step {committed}" if committed is not None else "nothing committed"
+    if d.get("redundancy"):
+        durable = d["durable_step"]
+        console.print(Text(f"{head}; " + (f"durable step {durable}" if durable is not None
+                                          else "nothing durable yet")
+                           + f"; {d['redundancy']} (erasure-coded parity)"))
+        table = Table(box=None, pad_edge=False)
+        for column in ("node", "parity built for step", "parity MB", "rebuilt MB"):
+            table.add_column(column, no_wrap=True)
+        for node, p in sorted(d["parity"].items()):
+            table.add_row(node, str(p["built_step"]) if p["built_step"] > 0 else "-",
+                          f"{p['parity_bytes'] / 1e6:.1f}", f"{p['rebuilt_bytes'] / 1e6:.1f}")
+        console.print(table)
+        return
     if d["durable_off"]:
         console.print(Text(f"{head}; durable n/a: {d['durable_off']}", style="yellow"))
         return

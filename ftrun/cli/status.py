@@ -539,6 +539,8 @@ def _listed_line(doc: dict[str, Any]) -> Text | None:
 def _replica_text(snaps: dict[str, Any]) -> str:
     """``durable step S, N step(s) / T behind (m copies; n/N node(s) replicated)``, or why
     nothing can be durable (one node): with replication only."""
+    if snaps.get("redundancy"):
+        return _parity_text(snaps)
     m = snaps.get("replicas") or 1
     if m <= 1:
         return ""
@@ -559,6 +561,21 @@ def _replica_text(snaps: dict[str, Any]) -> str:
     return (f" | {f'durable step {durable}' if durable is not None else 'nothing durable yet'}"
             f"{lag} ({copies}; {covered}/{len(coverage)} node(s) replicated)"
             + "".join(f" | {r}" for r in refused))
+
+
+def _parity_text(snaps: dict[str, Any]) -> str:
+    """``ec:K+M: durable step S (parity of step T built on n/N node(s); P MB of parity)``."""
+    parity = snaps.get("parity") or {}
+    durable = snaps.get("parity_durable_step")
+    newest = max((p["built_step"] for p in parity.values()), default=-1)
+    built = sum(1 for p in parity.values() if newest > 0 and p["built_step"] == newest)
+    mb = sum(p["parity_bytes"] for p in parity.values()) / 1e6
+    rebuilt = sum(p["rebuilt_bytes"] for p in parity.values()) / 1e6
+    return (f" | {snaps['redundancy']}: "
+            + (f"durable step {durable}" if durable is not None else "nothing durable yet")
+            + (f" (parity of step {newest} built on {built}/{len(parity)} node(s); "
+               f"{mb:.1f} MB of parity" if newest > 0 else " (no parity built yet")
+            + (f", {rebuilt:.1f} MB rebuilt" if rebuilt else "") + ")")
 
 
 def _cadence_text(snaps: dict[str, Any]) -> str:

@@ -270,3 +270,63 @@ def erasure_placement(nodes: Sequence[str], k: int, m: int) -> ErasurePlacement:
 def node_ids(n: int) -> list[str]:
     """``n`` sortable node ids for simulations (``node0000`` ...)."""
     return [f"node{i:04d}" for i in range(n)]
+
+
+# ---- which redundancy a job uses --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Redundancy:
+    """How committed snapshots survive a lost node: ``replicas:M`` (M copies of every shard,
+    the node's own included; 1: none) or ``ec:K+M`` (groups of K data nodes, M parity
+    fragments per stripe: :func:`erasure_placement`)."""
+
+    kind: str  # "replicas" or "ec"
+    copies: int = 1  # replicas: copies of every shard, the node's own included
+    k: int = 0  # ec: data fragments per stripe
+    m: int = 0  # ec: parity fragments per stripe
+
+    @property
+    def erasure(self) -> bool:
+        return self.kind == "ec"
+
+    def __str__(self) -> str:
+        return f"ec:{self.k}+{self.m}" if self.erasure else f"replicas:{self.copies}"
+
+    def check_nodes(self, nodes: int) -> None:
+        """Refuse a job of ``nodes`` nodes (its most) that this redundancy cannot protect."""
+        if self.erasure and nodes < self.k + self.m:
+            fits = (f"ec:{nodes - self.m}+{self.m} fits {nodes} nodes" if nodes - self.m >= 2
+                    else "erasure coding needs at least 3 nodes (ec:2+1)")
+            raise ConfigError(
+                f"--redundancy {self} needs at least {self.k + self.m} nodes (every stripe "
+                f"spans K + M = {self.k + self.m} distinct nodes), the job has at most {nodes}: "
+                f"{fits}; or use replicas:2")
+
+
+def parse_redundancy(text: str) -> Redundancy:
+    """``replicas:M`` or ``ec:K+M`` (case and spaces ignored); ConfigError naming the value and
+    the forms accepted otherwise."""
+    raw = text.strip().lower().replace(" ", "")
+    kind, _, rest = raw.partition(":")
+    forms = "replicas:M (M copies of every shard, e.g. replicas:2) or ec:K+M (e.g. ec:3+1)"
+    if kind == "replicas" and rest.isdigit():
+        copies = int(rest)
+        if copies < 1:
+            raise ConfigError(f"--redundancy {text!r}: replicas:M needs M >= 1 (1: none)")
+        return Redundancy("replicas", copies=copies)
+    if kind == "ec":
+        k_text, plus, m_text = rest.partition("+")
+        if plus and k_text.isdigit() and m_text.isdigit():
+            k, m = int(k_text), int(m_text)
+            if k < 2:
+                raise ConfigError(f"--redundancy {text!r}: erasure coding needs K >= 2 data "
+                                  f"fragments (ec:1+{m} is {m + 1} copies: use "
+                                  f"replicas:{m + 1})")
+            if m < 1:
+                raise ConfigError(f"--redundancy {text!r}: erasure coding needs M >= 1 parity "
+                                  "fragments (M = 0 protects nothing: use replicas:1)")
+            if k + m > EC_MAX_FRAGMENTS:
+                raise ConfigError(f"--redundancy {text!r}: {k + m} fragments per stripe; the "
+                                  f"erasure-coding library allows at most {EC_MAX_FRAGMENTS}")
+            return Redundancy("ec", k=k, m=m)
+    raise ConfigError(f"--redundancy must be {forms}, got {text!r}")

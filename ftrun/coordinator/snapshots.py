@@ -232,9 +232,28 @@ class SnapshotControl:
         with self._lock:
             if self._commits.replicas > 1:
                 out["replica_coverage"] = self._replica_coverage()
+            out.update(self._parity())
             if self._corruption is not None:
                 out["corruption"] = self._corruption.status(self._commits.sdc)
         return out
+
+    def _parity(self) -> dict[str, Any]:
+        """With erasure coding (--redundancy ec:K+M): the code, the newest step whose parity
+        the whole placement holds, and per node the newest step whose parity it built and
+        the bytes of its fragments and rebuilt shards. Caller holds the lock."""
+        codes = {r["redundancy"] for r in self._store_reports.values() if r.get("redundancy")}
+        if not codes:
+            return {}
+        durable = max((r.get("parity_durable", -1) for r in self._store_reports.values()),
+                      default=-1)
+        return {"redundancy": sorted(codes)[0], "parity_durable_step":
+                durable if durable > 0 else None,
+                "parity": {node: {"built_step": r.get("parity_step", -1),
+                                  "durable_step": r.get("parity_durable", -1),
+                                  "parity_bytes": r.get("parity_bytes", 0),
+                                  "rebuilt_bytes": r.get("rebuilt_bytes", 0)}
+                           for node, r in sorted(self._store_reports.items())
+                           if r.get("redundancy")}}
 
     def _replica_coverage(self) -> dict[str, dict[str, Any]]:
         """Per node: the peers holding its replicas, and the newest step whose shards of its

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from ftrun import knobs
+from ftrun.coordinator.placement import Redundancy, parse_redundancy
 from ftrun.errors import ConfigError
 from ftrun.snapshot.api import PersistConfig
 
@@ -46,6 +47,7 @@ class FtrunOptions:
     snapshot_wait_s: float = 0.0
     store_threads: int = 0
     replicas: int = 2
+    redundancy: str | None = None  # replicas:M or ec:K+M; None: replicas:<replicas>
     replica_addr: str | None = None
     bind_host: str | None = None
     replica_rate_mb_s: float = 0.0
@@ -56,6 +58,12 @@ class FtrunOptions:
     busy_hang_s: float = 60.0
     warm_workers: bool | None = None  # None: auto (ftrun.launcher.warm.auto_warm)
     warm_imports: tuple[str, ...] = ()
+
+    def plan(self) -> Redundancy:
+        """The redundancy in force: --redundancy, else replicas:<--replicas>."""
+        if self.redundancy is None:
+            return Redundancy("replicas", copies=self.replicas)
+        return parse_redundancy(self.redundancy)
 
     def __post_init__(self) -> None:
         every = self.snapshot_every.strip().lower()
@@ -96,6 +104,7 @@ class FtrunOptions:
                 f"--replicas must be >= 1 copies of every shard (1: no replication, 2: one "
                 f"replica on a peer node), got {self.replicas}"
             )
+        self.plan()  # refuses a --redundancy that cannot be read
         if not (self.replica_rate_mb_s >= 0 and math.isfinite(self.replica_rate_mb_s)):
             raise ConfigError(
                 f"--replica-rate must be MB/s >= 0 (0: no cap), got {self.replica_rate_mb_s}"
@@ -189,6 +198,12 @@ _FTRUN_FLAGS: tuple[tuple[str, knobs.Knob, type, str], ...] = (
      "Copies of every committed snapshot shard in memory across the job: the node's own and "
      "m-1 replicas in peer nodes' stores, placed in disjoint groups of m (default 2; 1: no "
      "replication; a one-node job has no peer and replicates nothing)."),
+    ("--redundancy", knobs.REDUNDANCY, str,
+     "How committed snapshots survive a lost node: replicas:M (as --replicas M, its long "
+     "form) or ec:K+M: erasure coding over groups of at least K+M nodes, each stripe of K "
+     "nodes' data with M parity fragments built store to store, (1 + M/K)x the state in host "
+     "memory instead of Mx; any M lost nodes of a group are rebuilt from the rest, verified. "
+     "Needs at least K+M nodes (--nnodes). Default: replicas:<--replicas>."),
     ("--replica-addr", knobs.REPLICA_ADDR, str,
      "Address (interface) this node's store takes replicas on; default: this node's address "
      "toward the rendezvous endpoint."),
@@ -224,6 +239,12 @@ _NEGATABLE = frozenset({"--warm-workers"})
 # shell completion offers them (FtrunOptions checks the FTRUN_* value as well).
 _CHOICES: dict[str, tuple[str, ...]] = {"--on-hang": ON_HANG_CHOICES, "--on-slow": ON_SLOW_CHOICES,
                                          "--on-corruption": ON_CORRUPTION_CHOICES}
+
+
+def _max_nodes(nnodes: str | None) -> int | None:
+    """The most nodes of torchrun's ``--nnodes`` (N or MIN:MAX); None when unreadable."""
+    text = str(nnodes or "1").split(":")[-1].strip()
+    return int(text) if text.isdigit() else None
 
 
 def _tristate(knob: knobs.Knob) -> bool | None:
@@ -297,6 +318,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _redundancy(ns: argparse.Namespace) -> str | None:
+    """--redundancy (or FTRUN_REDUNDANCY), checked against --replicas: a value that cannot
+    be read, or one that contradicts an explicit --replicas, is refused with the fix (the
+    node count is checked once Slurm's is known: :func:`check_redundancy`)."""
+    raw = getattr(ns, "redundancy", None)
+    if not raw or not str(raw).strip():
+        return None
+    plan = parse_redundancy(str(raw))
+    replicas = getattr(ns, "replicas", None)
+    if replicas is not None and str(replicas).strip():
+        short = f"replicas:{replicas}"
+        if str(plan) != short:
+            raise ConfigError(f"--redundancy {raw} and --replicas {replicas} (or "
+                              f"{knobs.REPLICAS.name}) disagree: give one of them")
+    return str(plan)
+
+
+def check_redundancy(opts: FtrunOptions, ns: argparse.Namespace) -> None:
+    """Refuse an ``ec:K+M`` that the job's nodes (torchrun's ``--nnodes``, its most; under
+    Slurm as set from the allocation) cannot hold."""
+    nodes = _max_nodes(getattr(ns, "nnodes", None))
+    if nodes is not None:
+        opts.plan().check_nodes(nodes)
+
+
 def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
     def num(dest: str, knob: knobs.Knob) -> float:
         raw = getattr(ns, dest)
@@ -323,6 +369,7 @@ def ftrun_options(ns: argparse.Namespace) -> FtrunOptions:
         snapshot_wait_s=num("snapshot_wait", knobs.SNAPSHOT_WAIT),
         store_threads=int(num("store_threads", knobs.STORE_THREADS)),
         replicas=int(num("replicas", knobs.REPLICAS)),
+        redundancy=_redundancy(ns),
         replica_addr=ns.replica_addr or None,
         bind_host=ns.bind_host or None,
         replica_rate_mb_s=num("replica_rate", knobs.REPLICA_RATE),

@@ -56,7 +56,13 @@ from ftrun.coordinator.api import NodeState
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.launcher import slurm
 from ftrun.launcher.agent import AgentContext, FtrunAgent, HostIsolated
-from ftrun.launcher.args import FtrunOptions, build_parser, explicit_dests, ftrun_options
+from ftrun.launcher.args import (
+    FtrunOptions,
+    build_parser,
+    check_redundancy,
+    explicit_dests,
+    ftrun_options,
+)
 from ftrun.launcher.probe import ProbeService, probe_and_report
 from ftrun.launcher.store_proc import StoreProcess
 from ftrun.pdeath import LAUNCHER_PID_ENV
@@ -822,10 +828,13 @@ class NodeServices:
 
     def _start_store(self) -> None:
         ctx, opts = self.ctx, self.opts
+        plan = opts.plan()  # --redundancy: replicas (copies) or erasure coding (ec_k, ec_m)
         store = StoreProcess(
             StoreConfig(run_id=self.run_id, url=self.store_url, coordinator=self.endpoint,
                         node_id=self.node_id, owner_pid=os.getpid(), persist=opts.persist,
-                        threads=opts.store_threads, replicas=opts.replicas,
+                        threads=opts.store_threads,
+                        replicas=1 if plan.erasure else plan.copies,
+                        ec_k=plan.k, ec_m=plan.m,
                         replica_host=self.data_host,
                         replica_rate_mb_s=opts.replica_rate_mb_s,
                         coordinator_term=self.term),
@@ -924,6 +933,7 @@ def run(argv: list[str]) -> int:
     opts = ftrun_options(args)
     explicit = explicit_dests(parser, argv)
     node0_hosts = apply_slurm(args, explicit, dict(os.environ))
+    check_redundancy(opts, args)  # the node count is known now (Slurm sets it)
     check_script(args)
     plan = plan_rendezvous(args, explicit, external=opts.coordinator is not None,
                            node0_hosts=node0_hosts, bind_host=opts.bind_host)

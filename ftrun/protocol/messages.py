@@ -379,6 +379,14 @@ class StoreReport(Body):
     replica_superseded: int | UnsetType = UNSET
     replica_abandoned: int | UnsetType = UNSET
     replica_refused: Str | UnsetType = UNSET
+    # --redundancy ec:K+M (ftrun.store.ec_store): the code, the newest step whose parity this
+    # store built, the newest step whose parity the whole placement holds (durable), and the
+    # bytes its parity fragments and rebuilt shards take
+    redundancy: Str | UnsetType = UNSET
+    parity_step: int | UnsetType = UNSET
+    parity_durable: int | UnsetType = UNSET
+    parity_bytes: int | UnsetType = UNSET
+    rebuilt_bytes: int | UnsetType = UNSET
 
 
 # Rank <-> its node's store (ipc, same secret).

@@ -22,8 +22,10 @@ log = logging.getLogger("ftrun.rank.snapshotter")
 
 MODEL_KEY = "/model/"
 # A rank waits this long at most for its store's survey of the job's stores (each store has
-# ftrun.store.survey.SURVEY_TIMEOUT_S to answer), asking again every SURVEY_POLL_S.
-SURVEY_WAIT_S = 30.0
+# ftrun.store.survey.SURVEY_TIMEOUT_S to answer), asking again every SURVEY_POLL_S. Under
+# erasure coding a survey also rebuilds a lost node's shards, or waits for the store that
+# does (ftrun.store.ec_store.REBUILD_WAIT_S), hence the margin.
+SURVEY_WAIT_S = 90.0
 SURVEY_POLL_S = 0.05
 
 

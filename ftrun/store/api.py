@@ -23,6 +23,10 @@ class StoreConfig:
     replicas: int = 1
     replica_host: str = "127.0.0.1"
     replica_rate_mb_s: float = 0.0
+    # Erasure coding instead (--redundancy ec:K+M; 0: off): K data nodes and M parity
+    # fragments per stripe (ftrun.store.ec_store).
+    ec_k: int = 0
+    ec_m: int = 0
     # The coordinator's term (--rdzv-backend etcd; 0: none): its messages are bound to it.
     # A failover moves the store to another coordinator (``coordinator_moved``).
     coordinator_term: int = 0

@@ -55,6 +55,9 @@ def _node_tag(node_id: str) -> str:
     return safe + hashlib.sha1(node_id.encode()).hexdigest()[:8]
 
 
+node_tag = _node_tag  # a node id as it appears in segment names (erasure coding names them too)
+
+
 def replica_name(run_id: str, holder: str, origin: str, rank: int, slot: int) -> str:
     return f"{replica_prefix(run_id)}{_node_tag(holder)}-{_node_tag(origin)}-r{rank}-s{slot}"
 

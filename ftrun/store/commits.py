@@ -58,6 +58,9 @@ class CommitMirror:
         self.source = ""  # where the epoch's ranks restored from
         self._durable_warned = False
         self._durable_silent = False  # said that replies no longer name a durable step
+        # --redundancy ec:K+M: durable steps come from this store's erasure coding
+        # (ftrun.store.ec_store), not from the coordinator's count of replicas
+        self.erasure = False
         self.world_size = 0
         # Without a coordinator this node is the whole job: the same commit and target rules
         # run here (nothing to wait for at the end: every rank reports to this store).
@@ -257,6 +260,8 @@ class CommitMirror:
         Forgetting it there let a rank overwrite its shard of the durable step whose only
         other copy was on the host being lost. Only a new epoch starts without one."""
         if durable is None:
+            if self.erasure:
+                return  # the coordinator counts replicas only; parity says what is durable
             if self._durable is not None and self._durable >= 0 and not self._durable_silent:
                 self._durable_silent = True
                 log.info("the coordinator reports no durable step (replication off, or its "
@@ -267,6 +272,18 @@ class CommitMirror:
         self._durable_silent = False
         if self._durable is None or durable > self._durable:
             self._durable, self._durable_since = durable, time.monotonic()
+
+    def note_parity_durable(self, step: int) -> None:
+        """Erasure coding: the whole placement holds step ``step``'s parity (called from the
+        erasure-coding thread; a newer step only ever raises it)."""
+        if self._durable is None or step > self._durable:
+            self._durable, self._durable_since = step, time.monotonic()
+
+    def parity_off(self) -> None:
+        """Erasure coding: no parity can be built now (fewer nodes than K + M hold the
+        step): the ranks' buffers are no longer kept waiting for it (until a step is durable
+        again)."""
+        self._durable = None
 
     def durable_step(self) -> int:
         """The newest durable step this store knows (-1: none, or no replication)."""
@@ -287,6 +304,12 @@ class CommitMirror:
         if not self._durable_warned:
             self._durable_warned = True
             peerless = self.replication is not None and not self.replication.sender.peers
+            if self.erasure:
+                log.warning("erasure coding is %.0f s behind (durable step %d, committed %d): "
+                            "snapshots no longer wait for its parity; a lost host restores "
+                            "from an older durable step or from disk", behind, self._durable,
+                            self.committed)
+                return True
             log.warning("replication is %.0f s behind (durable step %d, committed %d): "
                         "snapshots no longer wait for it; a lost host restores from an older "
                         "durable step or from disk. %s", behind, self._durable, self.committed,
@@ -327,6 +350,10 @@ class CommitMirror:
     def begin_epoch(self, epoch: str, base: int, restarted: bool) -> None:
         self.epoch, self.committed, self.base = epoch, base, base
         self._durable, self._durable_warned, self._durable_silent = None, False, False
+        if self.erasure:
+            # The step resumed from counts as durable: the ranks keep their buffers of each
+            # durable step until a newer one's parity is built, from the first on.
+            self._durable, self._durable_since = base, time.monotonic()
         self.dead = set()
         self._discarded: set[int] = set()  # steps whose replicas disagreed, discarded here
         self._persist.new_epoch(restarted)

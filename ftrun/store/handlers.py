@@ -194,7 +194,7 @@ class StoreHandlers:
         return Reply("catalog_reply", {"node_id": self.cfg.node_id, "records": [
             r.to_json(with_hashes=with_hashes) for r in records],
             "committed": self._commits.committed, "durable": self._commits.durable_step(),
-            "replicating": self._commits.replication is not None})
+            "replicating": self._commits.replication is not None or self._commits.erasure})
 
     def _on_stores(self, msg: protocol.Message) -> m.StoresReply:
         """The job's live stores' shard services, as the coordinator knows them (this store's

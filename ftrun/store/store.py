@@ -100,6 +100,8 @@ class SnapshotStore:
                                            thread_name_prefix="ftrun-verify")
         self.persister = PersistWriter(cfg.persist, self.catalog, self._hashers)
         self.commits = CommitMirror(cfg, self._coord, self.catalog, self.persister)
+        # ec:K+M keeps each durable step's buffers as replicas do (from the first step on)
+        self.commits.erasure = bool(cfg.ec_k and cfg.coordinator)
         self.verifier = Verifier(cfg.node_id, self.catalog, self._hashers, self.commits)
         self.handlers = StoreHandlers(cfg, self.catalog, self.commits, self.verifier,
                                       self.persister, self._coord)
@@ -110,6 +112,7 @@ class SnapshotStore:
         self._persist_now = threading.Event()
         self._unlink_at_exit = False
         self._replication: Any = None  # ftrun.store.replica.Replication, with --replicas > 1
+        self._erasure: Any = None  # ftrun.store.ec_store.ErasureCoding, with ec:K+M
         self._shards: Any = None  # ftrun.store.shards.ShardService
         self._service: Service | None = None  # the ranks' server, once serve() runs
         self._last_report = self._last_poll = 0.0  # when the loop last did each
@@ -185,10 +188,14 @@ class SnapshotStore:
                 continue
         if self._replication is not None:
             total += self._replication.receiver.nbytes()  # peers' replicas held here
+        if self._erasure is not None:
+            total += self._erasure.segments.nbytes()  # parity fragments and rebuilt shards
         if self._coord is not None and (final or not self.commits.coordinator_quiet()):
             extra = self._replication.report_fields() if self._replication is not None else {}
             if self._shards is not None:
                 extra["shard_addr"] = self._shards.address
+            if self._erasure is not None:
+                extra.update(self._erasure.report_fields())
             writer, cadence = self.persister, self.handlers.cadence
             try:
                 reply = self._coord.request("store_report", {
@@ -237,6 +244,7 @@ class SnapshotStore:
             self._warmer.submit(_warm_up)
         self.adopt()
         self._start_replication()
+        self._start_erasure()
         self._start_shards()
         log.info("snapshot store of job %s at %s", self.cfg.run_id, self.cfg.url)
         try:
@@ -258,6 +266,8 @@ class SnapshotStore:
             self._coord.retarget(b.endpoint, b.term)
             if self._replication is not None:
                 self._replication.retarget(b.endpoint, b.term)
+            if self._erasure is not None:
+                self._erasure.retarget(b.endpoint, b.term)
             self._moved = True
         return m.Ack(re=msg.id)
 
@@ -317,12 +327,43 @@ class SnapshotStore:
             return
         self._replication = self.commits.replication = self.handlers.replication = rep
 
+    def _start_erasure(self) -> None:
+        """Erasure coding (--redundancy ec:K+M): the parity thread, and the rebuild of lost
+        nodes' shards in this store's survey for a restore (ftrun.store.ec_store)."""
+        cfg = self.cfg
+        if not cfg.ec_k:
+            return
+        if cfg.coordinator is None:
+            log.warning("erasure coding is off: this job has no coordinator, so no peer node "
+                        "to build parity with (ec:%d+%d); snapshots stay on this node only",
+                        cfg.ec_k, cfg.ec_m)
+            return
+        from ftrun.store.ec_store import ErasureCoding
+
+        ec = ErasureCoding(cfg.ec_k, cfg.ec_m, cfg.run_id, cfg.node_id, cfg.owner_pid,
+                           self._secret, lambda: (self.commits.epoch, self.commits.committed),
+                           cfg.coordinator, cfg.coordinator_term,
+                           durable=self.commits.note_parity_durable,
+                           off=self.commits.parity_off)
+        ec.start()
+        self._erasure = ec
+        self.handlers.surveyor.rebuild = ec.rebuild_lost
+
+    def _held_elsewhere(self) -> list[Any]:
+        """Records of what this store holds besides its ranks' buffers: replicas, parity
+        fragments, rebuilt shards (served by the shard service)."""
+        out: list[Any] = []
+        if self._replication is not None:
+            out += self._replication.receiver.records()
+        if self._erasure is not None:
+            out += self._erasure.records()
+        return out
+
     def _start_shards(self) -> None:
         from ftrun.store.shards import ShardService
 
-        rep = self._replication
         service = ShardService(self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid,
-                               self._secret, rep.receiver.records if rep is not None else None)
+                               self._secret, self._held_elsewhere)
         try:
             service.start(self.cfg.replica_host)
         except Exception:  # noqa: BLE001 - restores then read this node's memory only
@@ -362,6 +403,10 @@ class SnapshotStore:
         if self._replication is not None:
             self._replication.stop(unlink=self._unlink_at_exit)
             self._replication = self.commits.replication = self.handlers.replication = None
+        if self._erasure is not None:
+            self.handlers.surveyor.rebuild = None
+            self._erasure.stop(unlink=self._unlink_at_exit)
+            self._erasure = None
         if self._unlink_at_exit:
             self.report(final=True)
         self.catalog.close()

@@ -85,6 +85,10 @@ class Surveyor:
         self._own: Client | None = None
         self._own_addr = ""
         self.surveys = 0  # started
+        # Erasure coding: rebuild(live stores, their holdings) runs after each survey of the
+        # other stores, before the survey is ready (ftrun.store.ec_store)
+        self.rebuild: Callable[[dict[str, str], list[dict[str, Any]]],
+                               list[dict[str, Any]]] | None = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -114,8 +118,7 @@ class Surveyor:
         own_addr = stores.pop(self._node_id, "")
         self.surveys += 1
         log.info("surveying the %d other stores of the job for restore %s", len(stores), key)
-        future = self._pool.submit(ask_holdings, stores, self._secret, self._run_id,
-                                   f"survey:{self._node_id}")
+        future = self._pool.submit(self._survey, stores, own_addr)
         entry = (now, own_addr, future)
         self._surveys[key] = entry
         self._pages.pop(key, None)
@@ -124,6 +127,24 @@ class Surveyor:
             del self._surveys[old]
             self._pages.pop(old, None)
         return entry
+
+    def _survey(self, stores: dict[str, str], own_addr: str) -> tuple[list[dict[str, Any]],
+                                                                         list[str]]:
+        """The other stores' holdings and the stores that did not answer; with erasure coding,
+        the lost nodes' shards rebuilt first (here: this store's own holdings then list them;
+        or by another store, waited for: its records are added)."""
+        sender = f"survey:{self._node_id}"
+        held, lost = ask_holdings(stores, self._secret, self._run_id, sender)
+        rebuild = self.rebuild
+        if rebuild is not None:
+            live = {n: a for n, a in stores.items() if n not in lost}
+            mine: list[dict[str, Any]] = []
+            if own_addr:
+                live[self._node_id] = own_addr
+                mine, _ = ask_holdings({self._node_id: own_addr}, self._secret, self._run_id,
+                                       sender)
+            held = held + rebuild(live, held + mine)  # what other stores rebuilt
+        return held, lost
 
     def _own_holdings(self, addr: str) -> tuple[list[dict[str, Any]], list[str]]:
         """This node's shards as its shard service lists them now."""
