@@ -696,3 +696,88 @@ def test_the_html_page_renders_in_a_headless_browser(ended_job: dict[str, Any],
         assert done.returncode == 0 and shot.stat().st_size > 0, done.stderr[-3000:]
         shots.append(shot.read_bytes())
     assert shots[0] != shots[1], "the timeline drew nothing the browser shows"
+
+
+# -- a spare that took over -------------------------------------------------------------------
+
+
+def _node_state(run_id: str, state: Path, pid: int) -> str | None:
+    """The state the live status gives the launcher of ``pid`` (None: not listed yet)."""
+    from ftrun import jobs
+    from ftrun.coordinator.client import request
+
+    job = jobs.read_job_file(run_id, str(state))
+    doc = request(job.endpoint, jobs.load_secret(run_id, str(state), create=False), run_id,
+                  "status_request", {}, timeout_s=5).body["doc"]
+    return next((n["state"] for n in doc["nodes"] if n.get("pid") == pid), None)
+
+
+@pytest.mark.integration
+def test_a_spare_s_wait_is_reported(tmp_path: Path) -> None:
+    """Two launchers train (one rank each, c10d on localhost), a third started once they
+    trained waits as the spare; the launcher that does not run the coordinator is SIGKILLed
+    with its rank. The spare takes over, and the report's spare line runs from the spare's
+    rendezvous start to its end, across the kill."""
+    import os
+    import signal
+    import time
+
+    from conftest import free_port, wait_for
+
+    state = tmp_path / "state"
+    run_id = f"spare-{uuid.uuid4().hex[:8]}"
+    env = {"FTRUN_STATE_DIR": str(state)}
+    port = free_port()
+    args = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--node-timeout", "6",
+            "--max-restarts", "3", TRAIN, "--steps", "60", "--step-sleep", "0.2",
+            "--snapshot-every", "1")
+    job_file = state / "jobs" / run_id / "job.json"
+    procs = Procs(tmp_path)
+    try:
+        first = procs.ftrun(*args, env=env, name="node0")  # binds the port: runs the store
+        wait_for(job_file.exists, 120, "the job file")
+        second = procs.ftrun(*args, env=env, name="node1")
+
+        log_file = state / "jobs" / run_id / "events.jsonl"
+
+        def events() -> list[dict]:
+            return read_events(state, run_id) if log_file.exists() else []
+
+        # The ranks restored (nothing: a fresh start), so the first world trains.
+        wait_for(lambda: any(e["type"] == "restore" for e in events()), 120,
+                 "the two launchers to train")
+        spare = procs.ftrun(*args, env=env, name="spare")
+        wait_for(lambda: any(e["type"] == "node_joined" and e["node"].endswith(f"/{spare.pid}")
+                             for e in events()), 60, "the spare to join")
+        coordinator_pid = json.loads(job_file.read_text())["pid"]
+        [victim] = [p for p in (first, second) if p.pid != coordinator_pid]
+        survivor = first if victim is second else second
+        wait_for(lambda: _node_state(run_id, state, spare.pid) == "rendezvous", 60,
+                 "the spare to wait in its rendezvous")
+        t_kill = time.time()
+        os.killpg(victim.pid, signal.SIGKILL)  # the launcher and its rank: a node lost
+        assert procs.wait(survivor, 240) == 0, procs.output(survivor)[-4000:]
+        assert procs.wait(spare, 120) == 0, procs.output(spare)[-4000:]
+    finally:
+        procs.cleanup()
+    log = read_events(state, run_id)
+    spare_node = next(e["node"] for e in log
+                      if e["type"] == "node_joined" and e["node"].endswith(f"/{spare.pid}"))
+    assert any(e["type"] == "workers_started" and e["node"] == spare_node and e["ts"] > t_kill
+               for e in log), "the spare never started workers"
+    out = subprocess.run([sys.executable, "-m", "ftrun", "report", run_id, "--json"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    [row] = doc["history"]["spares"]
+    assert row["node"] == spare_node and row["took_over_at"] is not None
+    # It waited from before the kill (it had joined by then) until it took over after it.
+    assert row["waited_from"] < t_kill < row["took_over_at"], (row, t_kill)
+    assert row["waited_s"] == pytest.approx(row["took_over_at"] - row["waited_from"], abs=1e-2)
+    assert doc["time"]["beside"]["spare_wait_s"] == row["waited_s"]
+    text = subprocess.run([sys.executable, "-m", "ftrun", "report", run_id], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, **env, "COLUMNS": "200"})
+    assert "spares waiting (1 launcher(s); beside the wall time)" in text.stdout, text.stdout
