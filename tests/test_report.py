@@ -375,6 +375,12 @@ def test_spare_waiting_is_its_own_line_beside_the_wall_time(
     parts = [v for k, v in split.items() if k.endswith("_s") and k != "wall_s" and v is not None]
     assert sum(parts) == pytest.approx(split["wall_s"], abs=0.01)
     assert hist.job_history(_log())["spares"] == []  # one node, in the first world
+    # A spare that joined without a fault (a late node the job grew to take) waited beside
+    # the job all the same: its rendezvous is not the job's waiting.
+    late = [e for e in events if e["type"] not in ("node_lost", "recovery")]
+    split = hist.time_split(late, hist.job_history(late))
+    assert split["rendezvous_wait_s"] == pytest.approx(1.2 + 3.0)  # h1's rounds, not h3's
+    assert split["beside"]["spare_wait_s"] == pytest.approx(49.4)
     _job(state_dir, "r", events)
     assert run_report("r", json_out=False, state_dir=None) == exit_codes.OK
     text = capsys.readouterr().out

@@ -374,8 +374,11 @@ def time_split(events: list[dict[str, Any]], history: dict[str, Any]) -> dict[st
     start, wall = history["started_at"], history["wall_s"]
     windows = [(f["at"], f["at"] + (f["recovered_after_s"] or f["recovery_s"] or 0.0))
                for f in history["faults"]]
+    # A spare's rendezvous is its wait (``beside``), not the job's: the job trained meanwhile.
+    spare_rounds = {(s["node"], s["took_over_at"]) for s in history.get("spares") or ()}
     rendezvous = sum(_num(e.get("duration_s")) or 0.0 for e in events
                      if e["type"] == "rendezvous"
+                     and (e.get("node"), e["ts"]) not in spare_rounds
                      and not any(a <= e["ts"] <= b for a, b in windows))
     first_restore = next((e["ts"] for e in events if e["type"] == "restore"), None)
     startup = (max(0.0, first_restore - start - rendezvous)
