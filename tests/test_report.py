@@ -306,6 +306,28 @@ def test_the_coordinator_records_the_commits_before_a_failure_and_at_its_end(
     assert h["snapshots_committed"] == 4 and h["last_commit"]["step"] == 4
 
 
+def test_a_coordinator_that_stepped_down_records_no_commit_after(tmp_path: Path) -> None:
+    """Stepped down (another holds the role), a coordinator records only that: the commits it
+    had batched are not flushed as it stops."""
+    from ftrun.coordinator.server import Coordinator
+
+    log = tmp_path / "events.jsonl"
+    c = Coordinator("job", b"0123456789abcdef0123456789abcdef", bind_host="127.0.0.1",
+                    events_file=log)
+    c.start()
+    try:
+        snap = c._snapshots
+        snap._commit("snap_epoch", {"node_id": "n", "epoch": "e", "base_step": 0,
+                                    "world_size": 1, "source": "none"})
+        snap._commit("snap_verified", {"node_id": "n", "epoch": "e", "rank": 0, "step": 1,
+                                       "nbytes": 10})
+        c.step_down("a test")
+    finally:
+        c.stop(timeout_s=2)
+    types = [json.loads(line)["type"] for line in log.read_text().splitlines()]
+    assert types[-1] == "coordinator_stepped_down" and "snapshots_committed" not in types
+
+
 def test_commits_in_the_history_text_and_page(
         state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     events = _log({"exitcode": 0, "state": "succeeded"})

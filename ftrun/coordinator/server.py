@@ -432,7 +432,7 @@ class Coordinator:
         if self._detection is not None:
             self._detection.stop()
         self._service = None
-        self._snapshots.flush_commits()
+        self._flush_commits()
         self._events.close()
 
     # -- serving -----------------------------------------------------------------------------
@@ -705,8 +705,14 @@ class Coordinator:
     def _record(self, type_: str, node: str | None, data: dict[str, Any]) -> dict[str, Any]:
         if type_ in FLUSH_COMMITS_BEFORE:
             # The commits batched so far go first: the report's timeline places them before it.
-            self._snapshots.flush_commits()
+            self._flush_commits()
         return self._events.record(type_, node, data)
+
+    def _flush_commits(self) -> None:
+        # A coordinator that stepped down records nothing but that (its successor learns the
+        # commits from the stores again); the batch it held is not the log's any more.
+        if self.stepped_down is None:
+            self._snapshots.flush_commits()
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         """Every event kept in memory with ``seq > since``, oldest first."""
