@@ -43,6 +43,13 @@ node of ``--nproc`` ranks, rank 1 SIGKILLed after its optimizer step ``Framework
 "fault → next step": from the fault marker's time (written just before the kill) until every
 rank has logged a step after it (``--pid-log``: ``step pid time`` per step and rank). Every
 run's final weights are compared with a fault-free ftrun run's.
+
+``--snapshot-parts`` measures where a Lightning snapshot's time goes on the training thread,
+in one process (one rank, no launcher, nothing else of the job running): the example's model
+(``--lightning-hidden``) trained a few steps by a Trainer, then each part of what the callback
+and the Snapshotter do for a snapshot, and what they do every step, timed alone in CPU time of
+the process (``time.process_time``: what other processes on the machine take does not count),
+the best of 5 rounds of ``--repeats``×40 calls.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -573,6 +581,119 @@ SCRIPT_OF = {"lightning": "examples/lightning_ddp.py", "hf": "examples/hf_traine
              "accelerate": "examples/accelerate_ddp.py"}
 
 
+def snapshot_parts(cfg: argparse.Namespace) -> dict[str, float]:
+    """Seconds of CPU per call of each part of a Lightning snapshot and of the per-step path
+    (see the module docstring); runs in this process."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lightning.pytorch as pl
+    import torch
+    from lightning_ddp import Blobs, Classifier
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from ftrun.integrations import _lightning
+    from ftrun.rank.cadence import Cadence
+    from ftrun.rank.progress import create_progress_file, progress
+    from ftrun.rank.rng import rng_state
+    from ftrun.snapshot.manifest import flatten, manifest_blob
+
+    out: dict[str, float] = {}
+
+    def blob(state: Any) -> bytes:
+        return manifest_blob(flatten(state), step=1, rank=0, world_size=1, meta={})
+
+    def best(fn: Callable[[], Any]) -> float:
+        fn()
+        n = 40 * cfg.repeats
+        rounds = []
+        for _ in range(5):
+            t0 = time.process_time()
+            for _ in range(n):
+                fn()
+            rounds.append((time.process_time() - t0) / n)
+        return min(rounds)
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if trainer.global_step != 8:
+                return
+            model, opt = trainer.strategy.model, trainer.optimizers[0]
+            dumped = {"lightning": _lightning.dump(trainer, False)}
+            dcp = {"model": get_model_state_dict(model),
+                   "optim": get_optimizer_state_dict(model, opt)}
+            cadence = Cadence(OFF_EVERY)
+            parts = {
+                "snapshot: Lightning's state (the callback's dump())":
+                    lambda: _lightning.dump(trainer, False),
+                "  of which: the model's state_dict, thrown away":
+                    trainer._checkpoint_connector._get_lightning_module_state_dict,
+                "  of which: the optimizer's state_dict, thrown away":
+                    lambda: trainer.strategy.optimizer_state(opt),
+                "snapshot: Lightning's state, flattened into the manifest":
+                    lambda: blob(dumped),
+                "snapshot: model and optimizer state dicts (DCP)":
+                    lambda: (get_model_state_dict(model), get_optimizer_state_dict(model, opt)),
+                "snapshot: model and optimizer, flattened into the manifest":
+                    lambda: blob(dcp),
+                "snapshot: RNG states": rng_state,
+                "every step: trainer.global_step": lambda: trainer.global_step,
+                "every step: ftrun.progress()": lambda: progress(8),
+                "every step: the cadence (observe, due, mark)":
+                    lambda: (cadence.observe(0.004), cadence.mark(cadence.due(8))),
+            }
+            for name, fn in parts.items():
+                out[name] = best(fn)
+
+    work = Path(tempfile.mkdtemp(prefix="ftrun-bench-parts-"))
+    try:
+        create_progress_file(str(work / "progress"))
+        os.environ["FTRUN_PROGRESS_FILE"] = str(work / "progress")
+        torch.manual_seed(0)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[Probe()],
+                             default_root_dir=str(work))
+        trainer.fit(Classifier(hidden=cfg.lightning_hidden), datamodule=Blobs(samples=2000))
+    finally:
+        os.environ.pop("FTRUN_PROGRESS_FILE", None)
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def main_parts(cfg: argparse.Namespace, argv: list[str] | None) -> int:
+    started = datetime.now(timezone.utc)
+    load0 = os.getloadavg()
+    parts = snapshot_parts(cfg)
+    import torch
+
+    command = " ".join(["python bench/frameworks.py", *(argv if argv is not None
+                                                         else sys.argv[1:])])
+    rows = [f"| {name} | {1e6 * s:.0f} µs |" for name, s in parts.items()]
+    snapshot = sum(s for name, s in parts.items() if name.startswith("snapshot:"))
+    lightning = sum(s for name, s in parts.items() if name.startswith("snapshot: Lightning"))
+    step = sum(s for name, s in parts.items() if name.startswith("every step:"))
+    lines = [
+        "## Where a Lightning snapshot's time goes, part by part (CPU time, one process)", "",
+        f"- Command: `{command}`",
+        f"- Date (UTC): {started:%Y-%m-%d %H:%M} UTC",
+        f"- Host: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, load average "
+        f"(1 min) {load0[0]:.2f} at start / {os.getloadavg()[0]:.2f} at end; Python "
+        f"{platform.python_version()}, torch {torch.__version__}, lightning "
+        f"{version('lightning')}",
+        f"- Code: commit {git_tree()}",
+        f"- Model: `examples/lightning_ddp.py`'s, `--hidden {cfg.lightning_hidden}`, one rank; "
+        f"each part the best of 5 rounds of {40 * cfg.repeats} calls, CPU time of the process.",
+        "", "| part | CPU per call |", "|---|---|", *rows, "",
+        f"- A snapshot's parts together: {1e6 * snapshot:.0f} µs, of which Lightning's state "
+        f"{1e6 * lightning:.0f} µs ({100 * lightning / snapshot:.0f}%); every step: "
+        f"{1e6 * step:.0f} µs.",
+    ]
+    _emit(lines, cfg.output)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--frameworks", default="lightning,hf,accelerate",
@@ -595,7 +716,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recovery", action="store_true",
                    help="measure fault -> next step (in place, new processes, torchrun) "
                         "instead of the snapshot overhead")
-    p.add_argument("--repeats", type=int, default=3, help="--recovery: runs per variant")
+    p.add_argument("--snapshot-parts", action="store_true",
+                   help="measure the CPU time of each part of a Lightning snapshot and of the "
+                        "callback's per-step path, in this process, instead of whole jobs")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--recovery: runs per variant; --snapshot-parts: 40×N calls a round")
     p.add_argument("--commit", default="HEAD",
                    help="--recovery: the commit whose ftrun and examples the jobs run")
     p.add_argument("--job-timeout", type=float, default=300.0)
@@ -609,6 +734,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in FRAMEWORKS]
     if unknown or not names:
         p.error(f"--frameworks: unknown {unknown or names}; choose from {', '.join(FRAMEWORKS)}")
+    if cfg.snapshot_parts:
+        if cfg.repeats < 1:
+            p.error(f"--repeats {cfg.repeats}: at least 1")
+        return main_parts(cfg, argv)
     if cfg.recovery:
         if cfg.repeats < 1:
             p.error(f"--repeats {cfg.repeats}: at least 1")

@@ -211,6 +211,205 @@ def test_projection_uses_bench_ettr_with_the_measured_costs() -> None:
     assert doc["version"] == hist.REPORT_VERSION and "fault_step" in doc["missing"]
 
 
+# -- snapshot commits, batched into events ----------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_commit_batch_is_drained_at_most_every_30_s_unless_forced() -> None:
+    from ftrun.coordinator.commits import COMMITS_EVENT_EVERY_S, CommitBatch
+
+    clock = _Clock()
+    batch = CommitBatch(clock=clock)
+    assert batch.drain(force=True) is None  # nothing committed: no event
+    batch.add(1, T0 + 1.0)
+    batch.add(2, T0 + 2.0)
+    assert batch.drain() is None  # too soon after the last one
+    clock.now += COMMITS_EVENT_EVERY_S
+    assert batch.drain() == {"commits": [[1, T0 + 1.0], [2, T0 + 2.0]], "count": 2,
+                             "dropped": 0}
+    batch.add(3, T0 + 3.0)
+    assert batch.drain() is None
+    # Before a failure or the end: whatever came, at once.
+    assert batch.drain(force=True) == {"commits": [[3, T0 + 3.0]], "count": 1, "dropped": 0}
+    assert batch.drain(force=True) is None
+
+
+@pytest.mark.parametrize("n", [7, 8, 9, 100, 1001])
+def test_a_long_batch_is_thinned_evenly_keeping_the_first_and_the_newest(n: int) -> None:
+    from ftrun.coordinator.commits import CommitBatch
+
+    batch = CommitBatch(limit=8, clock=_Clock())
+    for step in range(1, n + 1):
+        batch.add(step, T0 + step)
+    out = batch.drain(force=True)
+    assert out is not None
+    steps = [c[0] for c in out["commits"]]
+    assert len(steps) <= 8 and out["count"] == n and out["dropped"] == n - len(steps)
+    assert steps[0] == 1 and steps[-1] == n and steps == sorted(steps)
+    # Evenly: one stride between all the kept ones but the newest (kept apart).
+    gaps = {b - a for a, b in zip(steps[:-2], steps[1:-1], strict=True)}
+    assert len(gaps) <= 1, steps
+    assert [c[1] for c in out["commits"]] == [T0 + s for s in steps]
+
+
+def test_the_tracker_batches_each_commit_with_its_time() -> None:
+    from ftrun.coordinator.commits import CommitTracker
+
+    tracker = CommitTracker()
+    tracker.begin("e", base_step=0, world_size=2)
+    tracker.verified("e", 0, 1, 10)
+    assert tracker.commit_batch.drain(force=True) is None  # one rank: not committed
+    for step, rank in ((1, 1), (2, 0), (2, 1)):
+        tracker.verified("e", rank, step, 10)
+    out = tracker.commit_batch.drain(force=True)
+    assert out is not None and [c[0] for c in out["commits"]] == [1, 2]
+    assert out["commits"][1][1] == pytest.approx(tracker.get("e").committed_at, abs=1e-3)
+
+
+def test_the_coordinator_records_the_commits_before_a_failure_and_at_its_end(
+        tmp_path: Path) -> None:
+    """Commits come in a batch event; a failure first flushes the batch (the report places
+    the commits before it), and so does stopping the coordinator."""
+    from ftrun.coordinator.server import Coordinator
+
+    log = tmp_path / "events.jsonl"
+    c = Coordinator("job", b"0123456789abcdef0123456789abcdef", bind_host="127.0.0.1",
+                    events_file=log)
+    c.start()
+    try:
+        snap = c._snapshots  # the stores' messages, handled as the service hands them over
+        snap._commit("snap_epoch", {"node_id": "n", "epoch": "e", "base_step": 0,
+                                    "world_size": 1, "source": "none"})
+        for step in (1, 2, 3):
+            snap._commit("snap_verified", {"node_id": "n", "epoch": "e", "rank": 0,
+                                           "step": step, "nbytes": 10})
+        assert [e["type"] for e in c.events()][-1] == "restore"  # batched, not one per step
+        c.record_event("worker_failure", "n", rank=0, message="rank 0 died")
+        *_, batch, failure = c.events()
+        assert (batch["type"], failure["type"]) == ("snapshots_committed", "worker_failure")
+        assert [s for s, _ in batch["commits"]] == [1, 2, 3] and batch["count"] == 3
+        snap._commit("snap_verified", {"node_id": "n", "epoch": "e", "rank": 0, "step": 4,
+                                       "nbytes": 10})
+    finally:
+        c.stop(timeout_s=2)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[-1]["type"] == "snapshots_committed" and events[-1]["commits"][0][0] == 4
+    h = hist.job_history(events, now=events[-1]["ts"])
+    assert [c["step"] for c in h["snapshot_commits"]] == [1, 2, 3, 4]
+    assert h["snapshots_committed"] == 4 and h["last_commit"]["step"] == 4
+
+
+def test_a_coordinator_that_stepped_down_records_no_commit_after(tmp_path: Path) -> None:
+    """Stepped down (another holds the role), a coordinator records only that: the commits it
+    had batched are not flushed as it stops."""
+    from ftrun.coordinator.server import Coordinator
+
+    log = tmp_path / "events.jsonl"
+    c = Coordinator("job", b"0123456789abcdef0123456789abcdef", bind_host="127.0.0.1",
+                    events_file=log)
+    c.start()
+    try:
+        snap = c._snapshots
+        snap._commit("snap_epoch", {"node_id": "n", "epoch": "e", "base_step": 0,
+                                    "world_size": 1, "source": "none"})
+        snap._commit("snap_verified", {"node_id": "n", "epoch": "e", "rank": 0, "step": 1,
+                                       "nbytes": 10})
+        c.step_down("a test")
+    finally:
+        c.stop(timeout_s=2)
+    types = [json.loads(line)["type"] for line in log.read_text().splitlines()]
+    assert types[-1] == "coordinator_stepped_down" and "snapshots_committed" not in types
+
+
+def test_commits_in_the_history_text_and_page(
+        state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    events = _log({"exitcode": 0, "state": "succeeded"})
+    n = len(events)
+    # Two batches, the second thinned (10 commits, 3 listed).
+    events.insert(9, _ev(n + 1, 20.1, "snapshots_committed", None, count=3, dropped=0,
+                         commits=[[9, T0 + 15.0], [10, T0 + 17.5], [11, T0 + 19.0]]))
+    events.insert(-2, _ev(n + 2, 70.0, "snapshots_committed", None, count=10, dropped=7,
+                          commits=[[26, T0 + 51.0], [30, T0 + 60.0], [35, T0 + 69.0]]))
+    h = hist.job_history(events)
+    assert [c["step"] for c in h["snapshot_commits"]] == [9, 10, 11, 26, 30, 35]
+    assert (h["snapshots_committed"], h["snapshot_commits_unlisted"]) == (13, 7)
+    assert h["last_commit"] == {"at": T0 + 69.0, "step": 35}
+    assert "snapshot_commits" not in hist.missing(h)
+    assert "snapshot_commits" in hist.missing(hist.job_history(_log()))
+    _job(state_dir, "r", events)
+    assert run_report("r", json_out=False, state_dir=None) == exit_codes.OK
+    assert "snapshots committed: 13, the last step 35 at +69.0 s" in capsys.readouterr().out
+    page = tmp_path / "r.html"
+    assert run_report("r", json_out=False, state_dir=None, html=str(page)) == exit_codes.OK
+    html = page.read_text()
+    assert html.count('<line class="commit"') == 6
+    assert "<title>committed step 10 at +17.50 s</title>" in html
+    assert "snapshot committed" in html  # its legend entry
+    assert "13 commit(s), 6 marked" in html
+
+
+# -- spares -------------------------------------------------------------------------------------
+
+
+def _spare_log() -> list[dict]:
+    """h1 and h2 train from +1 s; h3 joins at +5 s and waits as the spare; h2 is lost at
+    +20 s and h3 takes over at +24 s; h4 joins at +30 s and waits until the end (+60 s)."""
+    return [
+        _ev(1, 0.0, "job_start", None),
+        _ev(2, 0.1, "node_joined", "h1/1"), _ev(3, 0.1, "node_joined", "h2/2"),
+        _ev(4, 0.8, "rendezvous", "h1/1", duration_s=0.6),
+        _ev(5, 0.8, "rendezvous", "h2/2", duration_s=0.6),
+        _ev(6, 1.0, "restore", "h1/1", step=0, source="none"),
+        _ev(7, 5.0, "node_joined", "h3/3"),
+        _ev(8, 20.0, "node_lost", "h2/2", silent_s=3.0),
+        _ev(9, 24.0, "rendezvous", "h1/1", duration_s=3.0),
+        _ev(10, 24.0, "rendezvous", "h3/3", duration_s=18.9),
+        _ev(11, 25.0, "recovery", "h1/1", how="new_process", detect_s=0.5, rendezvous_s=3.0,
+            total_s=4.5),
+        _ev(12, 26.0, "restore", "h1/1", step=40, source="memory"),
+        _ev(13, 30.0, "node_joined", "h4/4"),
+        _ev(14, 60.0, "job_end", "h1/1", exitcode=0, state="succeeded"),
+        _ev(15, 60.0, "node_left", "h1/1", exitcode=0, state="succeeded"),
+        _ev(16, 60.0, "job_end", "h3/3", exitcode=0, state="succeeded"),
+        _ev(17, 60.0, "node_left", "h3/3", exitcode=0, state="succeeded"),
+        _ev(18, 60.5, "node_left", "h4/4", exitcode=0, state="succeeded"),
+    ]
+
+
+def test_spare_waiting_is_its_own_line_beside_the_wall_time(
+        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    events = _spare_log()
+    h = hist.job_history(events)
+    assert [(s["node"], s["took_over_at"], s["waited_s"]) for s in h["spares"]] == [
+        ("h3/3", T0 + 24.0, pytest.approx(18.9)), ("h4/4", None, pytest.approx(30.5))]
+    assert h["spares"][0]["waited_from"] == pytest.approx(T0 + 5.1)
+    split = hist.time_split(events, h)
+    assert split["beside"] == {"spare_wait_s": pytest.approx(49.4), "spares": 2,
+                               "spares_never_took_over": 1}
+    # The job's own parts still make its wall time: the spares waited beside it.
+    parts = [v for k, v in split.items() if k.endswith("_s") and k != "wall_s" and v is not None]
+    assert sum(parts) == pytest.approx(split["wall_s"], abs=0.01)
+    assert hist.job_history(_log())["spares"] == []  # one node, in the first world
+    # A spare that joined without a fault (a late node the job grew to take) waited beside
+    # the job all the same: its rendezvous is not the job's waiting.
+    late = [e for e in events if e["type"] not in ("node_lost", "recovery")]
+    split = hist.time_split(late, hist.job_history(late))
+    assert split["rendezvous_wait_s"] == pytest.approx(1.2 + 3.0)  # h1's rounds, not h3's
+    assert split["beside"]["spare_wait_s"] == pytest.approx(49.4)
+    _job(state_dir, "r", events)
+    assert run_report("r", json_out=False, state_dir=None) == exit_codes.OK
+    text = capsys.readouterr().out
+    assert "spares waiting (2 launcher(s), 1 never took over; beside the wall time)" in text
+    assert "49.40" in text
+
+
 @pytest.mark.parametrize(("states", "outcome", "exitcode"), [
     ([("succeeded", 0), ("succeeded", 0)], "succeeded", 0),
     ([("succeeded", 0), ("isolated", 8)], "succeeded", 0),
@@ -439,6 +638,17 @@ def test_report_matches_the_events(ended_job: dict[str, Any]) -> None:
     assert out.returncode == 0, out.stderr
     html = page.read_text()
     assert all(f"<title>fault {f['n']}: rank_crash" in html for f in faults)
+    # Snapshot commits: batched into events, each batch recorded before the failure after it.
+    commits = doc["history"]["snapshot_commits"]
+    batches = [e for e in events if e["type"] == "snapshots_committed"]
+    assert batches and doc["history"]["snapshots_committed"] == sum(e["count"] for e in batches)
+    assert [c["step"] for c in commits] == sorted(c["step"] for c in commits)
+    assert commits[-1]["step"] == 20 and "snapshot_commits" not in doc["missing"]
+    for f in faults:  # the commits before each fault reach its resumed-from step
+        before = [c["step"] for c in commits if c["at"] <= f["at"]]
+        assert before and max(before) >= f["resumed_from"], (f, before)
+    assert html.count('<line class="commit"') == len(commits)
+    assert f"<title>committed step {commits[-1]['step']} at +" in html
 
 
 # -- the page in a real browser ---------------------------------------------------------------
@@ -483,7 +693,7 @@ def _browse(browser: str, profile: Path, page: Path, *args: str) -> subprocess.C
 def test_the_html_page_renders_in_a_headless_browser(ended_job: dict[str, Any],
                                                       tmp_path: Path) -> None:
     """The real job's page, rendered by chromium: its DOM holds the timeline with a mark per
-    fault, nothing is logged to the console, and the picture is drawn (the screenshot
+    fault and per snapshot commit, nothing is logged to the console, and the picture is drawn (the screenshot
     differs from the same page without it)."""
     import re
 
@@ -495,6 +705,11 @@ def test_the_html_page_renders_in_a_headless_browser(ended_job: dict[str, Any],
     assert dom.returncode == 0, dom.stderr[-3000:]
     assert dom.stdout.count("<svg") == 1, dom.stdout[:3000]
     assert len(set(re.findall(r"<title>fault (\d+): rank_crash", dom.stdout))) == len(FAULTS)
+    # A mark per snapshot commit, as the browser parsed the page.
+    commits = json.loads(_ftrun(ended_job, "report", ended_job["run_id"], "--json").stdout)[
+        "history"]["snapshot_commits"]
+    marks = re.findall(r'<line class="commit"[^>]*><title>committed step (\d+) at', dom.stdout)
+    assert commits and [int(m) for m in marks] == [c["step"] for c in commits], marks
     console = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line]
     assert console == [], console  # no error, no warning, no blocked load
 
@@ -509,3 +724,88 @@ def test_the_html_page_renders_in_a_headless_browser(ended_job: dict[str, Any],
         assert done.returncode == 0 and shot.stat().st_size > 0, done.stderr[-3000:]
         shots.append(shot.read_bytes())
     assert shots[0] != shots[1], "the timeline drew nothing the browser shows"
+
+
+# -- a spare that took over -------------------------------------------------------------------
+
+
+def _node_state(run_id: str, state: Path, pid: int) -> str | None:
+    """The state the live status gives the launcher of ``pid`` (None: not listed yet)."""
+    from ftrun import jobs
+    from ftrun.coordinator.client import request
+
+    job = jobs.read_job_file(run_id, str(state))
+    doc = request(job.endpoint, jobs.load_secret(run_id, str(state), create=False), run_id,
+                  "status_request", {}, timeout_s=5).body["doc"]
+    return next((n["state"] for n in doc["nodes"] if n.get("pid") == pid), None)
+
+
+@pytest.mark.integration
+def test_a_spare_s_wait_is_reported(tmp_path: Path) -> None:
+    """Two launchers train (one rank each, c10d on localhost), a third started once they
+    trained waits as the spare; the launcher that does not run the coordinator is SIGKILLed
+    with its rank. The spare takes over, and the report's spare line runs from the spare's
+    rendezvous start to its end, across the kill."""
+    import os
+    import signal
+    import time
+
+    from conftest import free_port, wait_for
+
+    state = tmp_path / "state"
+    run_id = f"spare-{uuid.uuid4().hex[:8]}"
+    env = {"FTRUN_STATE_DIR": str(state)}
+    port = free_port()
+    args = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--node-timeout", "6",
+            "--max-restarts", "3", TRAIN, "--steps", "60", "--step-sleep", "0.2",
+            "--snapshot-every", "1")
+    job_file = state / "jobs" / run_id / "job.json"
+    procs = Procs(tmp_path)
+    try:
+        first = procs.ftrun(*args, env=env, name="node0")  # binds the port: runs the store
+        wait_for(job_file.exists, 120, "the job file")
+        second = procs.ftrun(*args, env=env, name="node1")
+
+        log_file = state / "jobs" / run_id / "events.jsonl"
+
+        def events() -> list[dict]:
+            return read_events(state, run_id) if log_file.exists() else []
+
+        # The ranks restored (nothing: a fresh start), so the first world trains.
+        wait_for(lambda: any(e["type"] == "restore" for e in events()), 120,
+                 "the two launchers to train")
+        spare = procs.ftrun(*args, env=env, name="spare")
+        wait_for(lambda: any(e["type"] == "node_joined" and e["node"].endswith(f"/{spare.pid}")
+                             for e in events()), 60, "the spare to join")
+        coordinator_pid = json.loads(job_file.read_text())["pid"]
+        [victim] = [p for p in (first, second) if p.pid != coordinator_pid]
+        survivor = first if victim is second else second
+        wait_for(lambda: _node_state(run_id, state, spare.pid) == "rendezvous", 60,
+                 "the spare to wait in its rendezvous")
+        t_kill = time.time()
+        os.killpg(victim.pid, signal.SIGKILL)  # the launcher and its rank: a node lost
+        assert procs.wait(survivor, 240) == 0, procs.output(survivor)[-4000:]
+        assert procs.wait(spare, 120) == 0, procs.output(spare)[-4000:]
+    finally:
+        procs.cleanup()
+    log = read_events(state, run_id)
+    spare_node = next(e["node"] for e in log
+                      if e["type"] == "node_joined" and e["node"].endswith(f"/{spare.pid}"))
+    assert any(e["type"] == "workers_started" and e["node"] == spare_node and e["ts"] > t_kill
+               for e in log), "the spare never started workers"
+    out = subprocess.run([sys.executable, "-m", "ftrun", "report", run_id, "--json"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    [row] = doc["history"]["spares"]
+    assert row["node"] == spare_node and row["took_over_at"] is not None
+    # It waited from before the kill (it had joined by then) until it took over after it.
+    assert row["waited_from"] < t_kill < row["took_over_at"], (row, t_kill)
+    assert row["waited_s"] == pytest.approx(row["took_over_at"] - row["waited_from"], abs=1e-2)
+    assert doc["time"]["beside"]["spare_wait_s"] == row["waited_s"]
+    text = subprocess.run([sys.executable, "-m", "ftrun", "report", run_id], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, **env, "COLUMNS": "200"})
+    assert "spares waiting (1 launcher(s); beside the wall time)" in text.stdout, text.stdout

@@ -26,6 +26,8 @@ from ftrun import jobs
 from ftrun.errors import FtrunError
 
 HISTORY_VERSION = 1
+# Fields are only ever added under one version (snapshot commits and spare waiting came so);
+# a field changed or taken out makes a new one.
 REPORT_VERSION = 1
 NOT_RECORDED = "not recorded"
 # The snapshot interval the projection assumes: no event records the job's, nor what a
@@ -48,8 +50,9 @@ MISSING = {
     "steps_trained": "the job's last step (no job_end with a last_step)",
     "step_time": "the time of a step (no job_end or worker_failure with step_s): the "
                  "seconds the steps lost cost",
-    "snapshot_commits": "snapshot commits (no event per commit): their place on the "
-                        "timeline",
+    "snapshot_commits": "snapshot commits (no snapshots_committed event: an ftrun from "
+                        "before they were recorded, or no step committed): their place on "
+                        "the timeline",
     "snapshot_blocked": "the time snapshots held training (no node_left with "
                         "snapshot_blocked_s)",
     "snapshot_skips": "snapshots the ranks skipped (no node_left event with a count: a node "
@@ -210,12 +213,69 @@ def job_history(events: list[dict[str, Any]], now: float | None = None,
                      for e in events if e["type"] == "restore"],
         "persist_targets": [{"at": e["ts"], "step": e.get("step"), "final": bool(e.get("final"))}
                             for e in events if e["type"] == "persist_target"],
+        **_commits(events),
+        "spares": _spares(events, end),
         "snapshots_skipped": _skipped(events),
         "snapshot_skip_reasons": _skip_reasons(events),
         "snapshot_blocked_s": _blocked(events),
         "nodes_lost": sum(1 for e in events if e["type"] == "node_lost"),
         "hosts_isolated": [e.get("host") for e in events if e["type"] == "host_isolated"],
     }
+
+
+def _commits(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The snapshot commits the ``snapshots_committed`` events list (each batched by the
+    coordinator, ftrun.coordinator.commits.CommitBatch): every one listed, oldest first, how
+    many committed in all (``snapshots_committed``, more than listed when a batch was
+    thinned) and the newest. No such event: nothing recorded (None)."""
+    batches = [e for e in events if e["type"] == "snapshots_committed"]
+    listed: list[dict[str, Any]] = []
+    for e in batches:
+        for pair in e.get("commits") or ():
+            if (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
+                    and (at := _num(pair[1])) is not None):
+                listed.append({"at": at, "step": pair[0]})
+    listed.sort(key=lambda c: (c["at"], c["step"]))
+    count = sum(e["count"] if isinstance(e.get("count"), int) else len(e.get("commits") or ())
+                for e in batches)
+    return {"snapshot_commits": listed,
+            "snapshots_committed": count if batches else None,
+            "snapshot_commits_unlisted": max(0, count - len(listed)) if batches else None,
+            "last_commit": listed[-1] if listed else None}
+
+
+def _spares(events: list[dict[str, Any]], end: float) -> list[dict[str, Any]]:
+    """The launchers that waited while the job trained without them (spares, and nodes that
+    joined late): a node whose first rendezvous ended after the ranks first restored (the job
+    trained by then), or that never ended one. Each waited from its rendezvous' start (its
+    ``rendezvous`` event's time less its ``duration_s``; else its ``node_joined``) until that
+    rendezvous ended and it took over, or (``took_over_at`` None) until it left or the end."""
+    first_restore = next((e["ts"] for e in events if e["type"] == "restore"), None)
+    if first_restore is None:
+        return []
+    joined: dict[Any, float] = {}
+    first_round: dict[Any, dict[str, Any]] = {}
+    left: dict[Any, float] = {}
+    for e in events:
+        node = e.get("node")
+        if e["type"] == "node_joined":
+            joined.setdefault(node, e["ts"])
+        elif e["type"] == "rendezvous" and node not in first_round:
+            first_round[node] = e
+        elif e["type"] in ("node_left", "node_lost"):
+            left.setdefault(node, e["ts"])
+    out = []
+    for node, since in joined.items():
+        rdzv = first_round.get(node)
+        if rdzv is not None and rdzv["ts"] <= first_restore:
+            continue  # in the job's first world
+        took_over = rdzv["ts"] if rdzv is not None else None
+        waited = _num(rdzv.get("duration_s")) if rdzv is not None else None
+        began = took_over - waited if took_over is not None and waited is not None else since
+        until = took_over if took_over is not None else left.get(node, end)
+        out.append({"node": node, "host": _host_of(node), "waited_from": began,
+                     "took_over_at": took_over, "waited_s": round(max(0.0, until - began), 3)})
+    return out
 
 
 def _step_time(events: list[dict[str, Any]]) -> float | None:
@@ -304,14 +364,21 @@ def _fault_row(n: int, f: dict[str, Any], end: float) -> dict[str, Any]:
 
 def time_split(events: list[dict[str, Any]], history: dict[str, Any]) -> dict[str, Any]:
     """The wall time, split: startup (until the ranks first restored), waiting in rendezvous
-    outside a recovery, and per fault its detection, each recovery phase and the restore;
-    the rest is training (with snapshot blocking and recomputed steps inside it, which no
-    event measures). Seconds; every part within the wall time."""
+    outside a recovery, and per fault its detection, each recovery phase and the restore,
+    the time snapshots held training and the recomputed steps; the rest is training.
+    Seconds; every ``*_s`` part within the wall time, and together the wall time.
+
+    ``beside`` holds what went on beside the job's own time: the time spare launchers
+    waited before they took over (the job trained meanwhile, on other machines; after a
+    fault, the part of it until the spare joined is in the recovery's rendezvous phase)."""
     start, wall = history["started_at"], history["wall_s"]
     windows = [(f["at"], f["at"] + (f["recovered_after_s"] or f["recovery_s"] or 0.0))
                for f in history["faults"]]
+    # A spare's rendezvous is its wait (``beside``), not the job's: the job trained meanwhile.
+    spare_rounds = {(s["node"], s["took_over_at"]) for s in history.get("spares") or ()}
     rendezvous = sum(_num(e.get("duration_s")) or 0.0 for e in events
                      if e["type"] == "rendezvous"
+                     and (e.get("node"), e["ts"]) not in spare_rounds
                      and not any(a <= e["ts"] <= b for a, b in windows))
     first_restore = next((e["ts"] for e in events if e["type"] == "restore"), None)
     startup = (max(0.0, first_restore - start - rendezvous)
@@ -342,11 +409,16 @@ def time_split(events: list[dict[str, Any]], history: dict[str, Any]) -> dict[st
     training = max(0.0, wall - lost)
     unknown = [what for what, v in (("the time blocked by snapshots", blocked),
                                     ("the recomputed steps", recompute)) if v is None]
+    spares = history.get("spares") or []
+    beside = {"spare_wait_s": round(sum(s["waited_s"] for s in spares), 3),
+              "spares": len(spares),
+              "spares_never_took_over": sum(1 for s in spares if s["took_over_at"] is None)}
     return {"wall_s": wall, **parts, "recompute_s": recompute, "snapshot_blocked_s": blocked,
             "training_s": round(training, 3),
             "ettr": round(training / wall, 4) if wall > 0 else None,
             "ettr_note": (f"an upper bound: the training time still holds {' and '.join(unknown)}"
-                          " (not recorded)" if unknown else "measured")}
+                          " (not recorded)" if unknown else "measured"),
+            "beside": beside}
 
 
 def _ettr_model() -> ModuleType | None:
@@ -424,4 +496,6 @@ def missing(history: dict[str, Any]) -> dict[str, str]:
         del out["step_time"]
     if history.get("snapshot_blocked_s") is not None:
         del out["snapshot_blocked"]
+    if history.get("snapshots_committed") is not None:
+        del out["snapshot_commits"]
     return out

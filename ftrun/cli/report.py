@@ -55,6 +55,14 @@ def render_report(doc: dict[str, Any]) -> Group:
         table.add_row(name, _s(value, ""),
                       "" if value is None or wall <= 0 else f"{100 * value / wall:.1f}%")
     table.add_row(Text("wall time", style="bold"), f"{wall:.2f}", "100.0%")
+    beside = split.get("beside") or {}
+    if beside.get("spares"):
+        # Not a part of the wall time: the job trained meanwhile, on other machines.
+        never = beside.get("spares_never_took_over") or 0
+        table.add_row(Text(f"spares waiting ({beside['spares']} launcher(s)"
+                           + (f", {never} never took over" if never else "")
+                           + "; beside the wall time)", style="dim"),
+                      _s(beside.get("spare_wait_s"), ""), "")
     ettr = split.get("ettr")
     ettr_line = Text.assemble(
         ("effective training time ratio: ", "bold"),
@@ -78,12 +86,24 @@ def render_report(doc: dict[str, Any]) -> Group:
                        "-" if f["resumed_from"] is None
                        else f"{f['resumed_from']} ({f['restored_from']})",
                        hist.NOT_RECORDED if f["steps_lost"] is None else str(f["steps_lost"]))
+    commits = _commits_line(history)
     missing = Text("not recorded in the event log: " + "; ".join(doc["missing"].values()),
                    style="dim")
-    parts: list[Any] = [*history_lines(history, doc["run_id"]), Text(""), table,
+    parts: list[Any] = [*history_lines(history, doc["run_id"]), *commits, Text(""), table,
                         ettr_line, Text(model, style="dim"), Text("")]
     parts += [faults] if history["faults"] else [Text("no faults")]
     return Group(*parts, missing)
+
+
+def _commits_line(history: dict[str, Any]) -> list[Text]:
+    """"snapshots committed: N, the last step S at +T s"; nothing when none was recorded."""
+    count, last = history.get("snapshots_committed"), history.get("last_commit")
+    if count is None:
+        return []
+    text = f"snapshots committed: {count}"
+    if last is not None:
+        text += f", the last step {last['step']} at +{last['at'] - history['started_at']:.1f} s"
+    return [Text(text, style="dim")]
 
 
 def run_report(run_id: str, *, json_out: bool, state_dir: str | None,

@@ -1,6 +1,7 @@
 """``ftrun report --html FILE``: the report as one self-contained page (no script, no network),
-with a timeline drawn as inline SVG: the steps the event log places in time (restores,
-persist targets) over wall time, each fault, its detection, recovery and restart marked.
+with a timeline drawn as inline SVG: the steps the event log places in time (snapshot
+commits, restores, persist targets) over wall time, each fault, its detection, recovery and
+restart marked.
 
 Everything comes from the report document (:func:`ftrun.cli.history.report`); every text in it
 is escaped.
@@ -17,7 +18,10 @@ WIDTH, HEIGHT = 960, 300
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 16, 40
 # Colours of the timeline, one per kind of mark (and its legend entry).
 COLORS = {"fault": "#c62828", "detection": "#8e24aa", "recovery": "#ef6c00",
-          "restore": "#f9a825", "restored": "#1565c0", "persist": "#2e7d32"}
+          "restore": "#f9a825", "restored": "#1565c0", "persist": "#2e7d32",
+          "commit": "#546e7a"}
+# Commit marks drawn at most (evenly chosen): a long job's page stays small.
+MAX_COMMIT_MARKS = 2000
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em; color: #222; max-width: 1000px; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 1.6em; }
@@ -36,7 +40,8 @@ def _svg(doc: dict[str, Any]) -> str:
     """The timeline: x is seconds since the job's start, y the step."""
     h = doc["history"]
     start, wall = h["started_at"], max(doc["time"]["wall_s"], 1e-9)
-    steps = [p["step"] for p in h["restores"] + h["persist_targets"]
+    commits = h.get("snapshot_commits") or []
+    steps = [p["step"] for p in h["restores"] + h["persist_targets"] + commits
              if isinstance(p.get("step"), int)]
     top_step = max(steps + [1])
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
@@ -80,6 +85,14 @@ def _svg(doc: dict[str, Any]) -> str:
                    f'{escape(f["kind"])}: {escape(f["what"])}</title></line>'
                    f'<text x="{x(at) + 3:.1f}" y="{TOP + 12}" fill="{COLORS["fault"]}">'
                    f'F{f["n"]}</text>')
+    stride = max(1, -(-len(commits) // MAX_COMMIT_MARKS))
+    for p in commits[::stride]:
+        # A short vertical tick, under the other marks: a commit is the common case.
+        px, py = x(p["at"]), y(p["step"])
+        out.append(f'<line class="commit" x1="{px:.1f}" y1="{py - 4:.1f}" x2="{px:.1f}" '
+                   f'y2="{py + 4:.1f}" stroke="{COLORS["commit"]}" stroke-width="1.5">'
+                   f'<title>committed step {p["step"]} at +{p["at"] - start:.2f} s</title>'
+                   '</line>')
     for p in h["restores"]:
         if isinstance(p.get("step"), int):
             out.append(f'<circle cx="{x(p["at"]):.1f}" cy="{y(p["step"]):.1f}" r="4" '
@@ -97,9 +110,23 @@ def _svg(doc: dict[str, Any]) -> str:
 def _legend() -> str:
     names = {"fault": "fault", "detection": "detection", "recovery": "recovery (launcher)",
              "restore": "restart of training until the snapshot was restored",
-             "restored": "step restored", "persist": "step persisted"}
+             "restored": "step restored", "persist": "step persisted",
+             "commit": "snapshot committed"}
     return " ".join(f'<span style="color:{COLORS[k]}">&#9632;</span> {escape(v)}'
                     for k, v in names.items())
+
+
+def _placed(h: dict[str, Any]) -> str:
+    """What the picture's steps are: where the log places steps in time."""
+    count = h.get("snapshots_committed")
+    if count is None:
+        return ("The log places steps in time only where ranks restored and where a step was "
+                "persisted (no snapshot commit recorded); the steps between are not recorded.")
+    shown = len(h.get("snapshot_commits") or [])
+    marks = min(shown, MAX_COMMIT_MARKS)
+    return escape(f"Steps are placed in time where snapshots committed ({count} commit(s)"
+                  + (f", {marks} marked" if marks < count else "")
+                  + "), where ranks restored and where a step was persisted.")
 
 
 def render_html(doc: dict[str, Any]) -> str:
@@ -122,6 +149,14 @@ def render_html(doc: dict[str, Any]) -> str:
             f"{100 * value / split['wall_s']:.1f}%"
         rows.append(f"<tr><td>{escape(name)}</td><td class=n>{_seconds(value)}</td>"
                     f"<td class=n>{share}</td></tr>")
+    beside = split.get("beside") or {}
+    if beside.get("spares"):
+        never = beside.get("spares_never_took_over") or 0
+        name = (f"spares waiting ({beside['spares']} launcher(s)"
+                + (f", {never} never took over" if never else "")
+                + "; beside the wall time: the job trained meanwhile)")
+        rows.append(f"<tr class=dim><td>{escape(name)}</td>"
+                    f"<td class=n>{_seconds(beside.get('spare_wait_s'))}</td><td></td></tr>")
     faults = []
     for f in h["faults"]:
         how = str((f.get("recovery") or {}).get("how") or "-")
@@ -143,11 +178,12 @@ def render_html(doc: dict[str, Any]) -> str:
 <h1>ftrun report: job {run_id}</h1>
 <p class="{'ok' if outcome == 'succeeded' else 'bad' if outcome != 'running' else ''}">
 {escape(outcome)}{f" (exit code {h['exitcode']})" if h.get('exitcode') is not None else ""},
-wall time {split['wall_s']:.1f} s, {len(h['faults'])} fault(s), {h['restarts']} restart(s)</p>
+wall time {split['wall_s']:.1f} s, {len(h['faults'])} fault(s), {h['restarts']} restart(s){
+    "" if h.get("snapshots_committed") is None else
+    f", {h['snapshots_committed']} snapshot(s) committed"}</p>
 <h2>Timeline</h2>
 {_svg(doc)}
-<p class="dim">{_legend()}<br>The log places steps in time only where ranks restored and
-where a step was persisted; the steps between are not recorded.</p>
+<p class="dim">{_legend()}<br>{_placed(h)}</p>
 <h2>Where the time went</h2>
 <table><tr><th>part</th><th>seconds</th><th>share</th></tr>{"".join(rows)}</table>
 <p><b>Effective training time ratio:</b> {"not recorded" if ettr is None else f"{ettr:.3f}"}

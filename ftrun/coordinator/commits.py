@@ -39,6 +39,12 @@ instead of waiting for it. The summary also says how far durable lags committed,
 and in seconds between their commits, and which nodes hold a verified replica of each rank's
 shard of the durable step and of newer ones.
 
+**Commits, for the event log.** One event per commit would flood the log (a step every few
+milliseconds), so commits are batched (:class:`CommitBatch`): the coordinator records one
+``snapshots_committed`` event with the ``[step, unix time]`` of each commit since the last one,
+at most every ``COMMITS_EVENT_EVERY_S``, and at once before a failure, a recovery and the
+job's end, so that the report's timeline misses none that came before them.
+
 Everything here can be rebuilt from the stores: they report again after a coordinator
 restart. The same tracker runs inside a store that has no coordinator (a one-node job).
 """
@@ -63,6 +69,10 @@ FINAL_SETTLE_S = 5.0
 # Persist requests by signal within this long of the last one make no new target: SIGUSR1
 # reaches every node's store at about the same time, and one write is meant.
 SIGNAL_COALESCE_S = 5.0
+# One snapshots_committed event at most this often (sooner before a failure or the end).
+COMMITS_EVENT_EVERY_S = 30.0
+# Commits one such event lists at most; more are thinned evenly (CommitBatch).
+MAX_COMMITS_PER_EVENT = 256
 
 
 @dataclass
@@ -142,6 +152,56 @@ class StoreState:
     writing: int | None  # the target being written now
 
 
+class CommitBatch:
+    """The commits since the last ``snapshots_committed`` event, as ``[step, unix time]``.
+
+    At most ``limit`` are kept: once more come, every other one kept is dropped and from then
+    on only every 2nd (4th, ...) commit is kept, so that what is kept stays spread evenly over
+    the batch's time; the first and the newest commit are always listed, and the event says
+    how many were left out. Not thread-safe: its owner's lock covers it.
+    """
+
+    def __init__(self, limit: int = MAX_COMMITS_PER_EVENT,
+                 every_s: float = COMMITS_EVENT_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if limit < 2:
+            raise ValueError(f"a commit batch keeps at least 2 commits, got limit={limit}")
+        self._limit = limit
+        self._every_s = every_s
+        self._clock = clock
+        self._last_drain = clock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._kept: list[list[float | int]] = []
+        self._stride = 1
+        self._seen = 0
+        self._newest: list[float | int] | None = None
+
+    def add(self, step: int, at: float) -> None:
+        self._newest = [step, round(at, 3)]
+        if self._seen % self._stride == 0:
+            self._kept.append(self._newest)
+            if len(self._kept) >= self._limit:  # room for the newest kept apart
+                self._kept = self._kept[::2]
+                self._stride *= 2
+        self._seen += 1
+
+    def drain(self, force: bool = False) -> dict[str, Any] | None:
+        """The ``snapshots_committed`` event's data, and a new batch; None when no commit
+        came, or (unless ``force``) the last event is less than ``every_s`` old."""
+        now = self._clock()
+        if not self._seen or (not force and now - self._last_drain < self._every_s):
+            return None
+        commits = list(self._kept)
+        if self._newest is not None and commits[-1] is not self._newest:
+            commits.append(self._newest)
+        out = {"commits": commits, "count": self._seen, "dropped": self._seen - len(commits)}
+        self._last_drain = now
+        self._reset()
+        return out
+
+
 class CommitTracker:
     def __init__(self, max_epochs: int = 16, clock: Callable[[], float] = time.monotonic,
                  final_settle_s: float = FINAL_SETTLE_S,
@@ -164,6 +224,7 @@ class CommitTracker:
         self.replicas = 1  # m, as the stores report it (1: no replication, nothing durable)
         self.replica_nodes: int | None = None  # live nodes taking replicas (None: not known)
         self.sdc = ReplicaCheck()  # replicas' digests compared before a step commits
+        self.commit_batch = CommitBatch(clock=clock)  # drained by whoever logs events
 
     def begin(self, epoch: str, base_step: int, world_size: int) -> Epoch:
         ep = self._epochs.get(epoch)
@@ -198,6 +259,7 @@ class CommitTracker:
             ep.committed, ep.committed_at = step, time.time()
             ep.commits += 1
             ep.commit_times[step] = ep.committed_at
+            self.commit_batch.add(step, ep.committed_at)
             while len(ep.commit_times) > MAX_PENDING_STEPS:
                 del ep.commit_times[min(ep.commit_times)]
             for old in [s for s in ep.verified if s <= step]:

@@ -85,6 +85,11 @@ DETECT_KEY = "ftrun/detect"
 # A launcher's events that say its workers' world is ending (the detection service holds its
 # findings about that world's ranks until the new one reports).
 RESTART_EVENTS = frozenset({"worker_failure", "restart"})
+# Events before which the snapshot commits batched so far are recorded (the failures and
+# recoveries the report places among the commits, a node's end and the job's).
+FLUSH_COMMITS_BEFORE = frozenset({
+    "worker_failure", "hang_detected", "node_lost", "corruption_detected", "detection",
+    "restart", "recovery", "job_end", "node_left", "host_isolated"})
 POLL_INTERVAL_S = 0.1
 MAX_MESSAGES_PER_TICK = 1000
 # The serving thread reads what queued up at most this often: at thousands of messages a
@@ -427,6 +432,7 @@ class Coordinator:
         if self._detection is not None:
             self._detection.stop()
         self._service = None
+        self._flush_commits()
         self._events.close()
 
     # -- serving -----------------------------------------------------------------------------
@@ -697,7 +703,16 @@ class Coordinator:
         return self._record(type, node, data)
 
     def _record(self, type_: str, node: str | None, data: dict[str, Any]) -> dict[str, Any]:
+        if type_ in FLUSH_COMMITS_BEFORE:
+            # The commits batched so far go first: the report's timeline places them before it.
+            self._flush_commits()
         return self._events.record(type_, node, data)
+
+    def _flush_commits(self) -> None:
+        # A coordinator that stepped down records nothing but that (its successor learns the
+        # commits from the stores again); the batch it held is not the log's any more.
+        if self.stepped_down is None:
+            self._snapshots.flush_commits()
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         """Every event kept in memory with ``seq > since``, oldest first."""

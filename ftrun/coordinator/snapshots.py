@@ -160,6 +160,9 @@ class SnapshotControl:
             targets, self._commits.new_targets = self._commits.new_targets, []
             skipped, self._commits.skipped = self._commits.skipped, []
             diverged, self._commits.sdc.found = self._commits.sdc.found, []
+            committed = self._commits.commit_batch.drain()
+        if committed is not None:
+            self._events.record("snapshots_committed", None, committed)
         for d in diverged:
             if self._corruption is not None:
                 self._corruption.handle(d)
@@ -181,6 +184,14 @@ class SnapshotControl:
                          {"epoch": t.epoch, "step": t.step, "reason": t.reason,
                           "final": t.final})
         return reply
+
+    def flush_commits(self) -> None:
+        """Record the commits not in a ``snapshots_committed`` event yet (the coordinator
+        calls it before a failure, a recovery or the end is recorded, and as it stops)."""
+        with self._lock:
+            committed = self._commits.commit_batch.drain(force=True)
+        if committed is not None:
+            self._events.record("snapshots_committed", None, committed)
 
     def wait_final_persists(self, timeout_s: float, start_grace_s: float,
                             exclude: str | None = None) -> list[str]:
