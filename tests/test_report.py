@@ -384,7 +384,9 @@ def _spare_log() -> list[dict]:
 
 
 def test_spare_waiting_is_its_own_line_beside_the_wall_time(
-        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        state_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # one line each (narrower, they wrap: never cut)
     events = _spare_log()
     h = hist.job_history(events)
     assert [(s["node"], s["took_over_at"], s["waited_s"]) for s in h["spares"]] == [
