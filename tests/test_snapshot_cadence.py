@@ -47,6 +47,44 @@ def test_auto_snapshots_every_step_when_the_copy_is_hidden() -> None:
     assert c.k == 1
 
 
+def test_a_snapshot_costs_at_least_what_its_step_spent_in_save_and_wait() -> None:
+    """On a busy host the steps without a snapshot measured as slow as those with one (a
+    cost of 0 asked for a snapshot every step: seen with Lightning at 3.6 ms steps, each
+    snapshot 6-9 ms of CPU); the time the training thread itself spent in save() and wait()
+    is the floor of the cost."""
+    c = Cadence("auto", gpu_mtbf_h=0)  # the cost target alone
+    feed(c, 12, plain_s=0.0036, copy_s=0.0)
+    assert c.cost() == (0.0, pytest.approx(0.0036)) and c.wanted() == 1
+    for _ in range(3):
+        c.blocked(0.0016)
+    cost, plain = c.cost()
+    assert cost == pytest.approx(0.0016)
+    assert c.wanted() == 15  # 1.6 ms / 3.6 ms = 44% of a step: 3% takes one in 15
+    c.blocked(-1.0)  # (a clock step backwards counts as nothing)
+    assert c.cost()[0] == pytest.approx(0.0016)
+
+
+def test_the_snapshotter_tells_the_cadence_what_each_snapshot_blocked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshotter._due hands the cadence the saver's blocked time of each step that took a
+    snapshot (the save() and wait() of that step), and only of those."""
+    from types import SimpleNamespace
+
+    from ftrun.rank.snapshotter import Snapshotter
+
+    snap = Snapshotter.__new__(Snapshotter)
+    snap.cadence = Cadence("auto", gpu_mtbf_h=0)
+    snap._last_save_call = None
+    snap._blocked_mark = 0.0
+    snap._saver = SimpleNamespace(blocked_s=0.0)
+    seen: list[float] = []
+    monkeypatch.setattr(snap.cadence, "blocked", seen.append)
+    for step in range(1, 7):  # warm-up: every 2nd step is due
+        due = snap._due(step)
+        snap._saver.blocked_s += 0.005 if due else 0.0001
+    assert seen == pytest.approx([0.005, 0.005])  # steps 2 and 4 (6's is told at step 7)
+
+
 def test_auto_backs_off_where_snapshots_were_given_up_and_stays_there() -> None:
     """The copy looks free (the step after a save is no slower), but the store could not
     keep up at K=2: two snapshots given up. K doubles and does not come back down when the

@@ -92,6 +92,7 @@ class Cadence:
                                   f"--snapshot-every, {knobs.SNAPSHOT_EVERY.name})")
         self._with_copy: deque[float] = deque(maxlen=self.WINDOW)
         self._plain: deque[float] = deque(maxlen=self.WINDOW)
+        self._blocked: deque[float] = deque(maxlen=self.WINDOW)
         self._last_due = False
         self._skips = 0  # snapshots given up since the last agreement
         self.floor = 1  # from skips: the smallest K that may keep up
@@ -103,6 +104,16 @@ class Cadence:
     def mark(self, due: bool) -> None:
         self._last_due = due
 
+    @property
+    def last_due(self) -> bool:
+        """Whether the step now running takes a snapshot."""
+        return self._last_due
+
+    def blocked(self, seconds: float) -> None:
+        """A step that took a snapshot spent ``seconds`` of its training thread in save() and
+        wait(): what the snapshot cost it at the least."""
+        self._blocked.append(max(0.0, seconds))
+
     def observe(self, step_s: float) -> None:
         """The step that just ended took ``step_s``; it overlapped a copy if the last was due."""
         (self._with_copy if self._last_due else self._plain).append(step_s)
@@ -112,11 +123,17 @@ class Cadence:
         self._skips += 1
 
     def cost(self) -> tuple[float, float] | None:
-        """(seconds a snapshot adds to its step, seconds of a step without one), once known."""
+        """(seconds a snapshot adds to its step, seconds of a step without one), once known.
+
+        The difference of the step times, and never less than what the training thread
+        itself spent in the snapshot's save() and wait() (when it was told): on a busy host
+        the steps without a snapshot can measure as slow as those with one, and a cost of 0
+        would ask for a snapshot every step."""
         if len(self._with_copy) < 3 or len(self._plain) < 3:
             return None
         plain = statistics.median(self._plain)
-        return max(0.0, statistics.median(self._with_copy) - plain), plain
+        floor = statistics.median(self._blocked) if self._blocked else 0.0
+        return max(0.0, statistics.median(self._with_copy) - plain, floor), plain
 
     def wanted(self, world_size: int = 1) -> int:
         """The interval this rank would pick in a job of ``world_size`` ranks."""

@@ -97,6 +97,7 @@ class Snapshotter:
         self.rank, self.world_size, self.run_id = ctx.rank, ctx.world_size, ctx.run_id
         self.enabled = ctx.enabled
         self._last_save_call: float | None = None
+        self._blocked_mark = 0.0  # the saver's blocked time at the last save() call
         self._unsaved: tuple[int, Any] | None = None  # (step, extra) of a save() not taken
         self._saver = Saver(ctx, self._training, self.cadence, async_copy, self._wait_s)
         self._restorer = Restorer(ctx, self._training)
@@ -199,7 +200,12 @@ class Snapshotter:
         now = time.perf_counter()
         if self._last_save_call is not None:
             self.cadence.observe(now - self._last_save_call)
+            if self.cadence.auto and self.cadence.last_due:
+                # What the step that took a snapshot spent in save() and wait(): the least it
+                # cost training, whatever the step times say.
+                self.cadence.blocked(self._saver.blocked_s - self._blocked_mark)
         self._last_save_call = now
+        self._blocked_mark = self._saver.blocked_s
         if self.cadence.auto and step % Cadence.AGREE_EVERY == 0:
             self.cadence.agree(step)
         due = self.cadence.due(step)
