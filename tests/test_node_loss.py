@@ -113,12 +113,19 @@ def test_hosts_reach_each_other_and_keep_their_own_loopback(cluster_factory) -> 
 # there hosts them), and a spare, where there is one, started with the very same command.
 # Host 0 is never the victim except in the test of the coordinator's host.
 
+# Seconds each step of a _running job sleeps (a later --step-sleep in train_args wins).
+STEP_SLEEP_S = 0.4
+
+
 def _running(cluster_factory: Any, state_dir: Path, name: str, hosts: int, nnodes: str,
              *extra: str, **kw: Any) -> tuple[Cluster, Job, dict]:
     """A job on all ``hosts`` hosts, once it trained KILL_AT steps and a step is durable;
-    with its status then."""
+    with its status then. Its steps are paced (STEP_SLEEP_S) so that the fault still lands
+    mid-job after the status calls (a subprocess each: 3-7 s on a loaded CI machine, where
+    steps of 0.15 s let the job finish before the fault twice)."""
     c = cluster_factory(hosts)
     job = Job(c, state_dir, name)
+    kw["train_args"] = ("--step-sleep", str(STEP_SLEEP_S), *kw.get("train_args", ()))
     job.start(range(hosts), nnodes, *extra, **kw)
     job.wait_step(KILL_AT)
     return c, job, job.wait_durable(KILL_AT - 2)
