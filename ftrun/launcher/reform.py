@@ -177,7 +177,10 @@ class NewWorlds:
             self.rendezvous(worker_group)
             return "rendezvous"
         self._phase = NodeState.RENDEZVOUS
-        why = self._keeps_members(worker_group)
+        try:
+            why = self._keeps_members(worker_group)
+        except Exception as e:  # the rendezvous state unreadable: torch's round says more
+            why = f"the rendezvous state could not be read ({e})"
         spec = worker_group.spec
         # The master's port: the user's (--master-port), the agent's own store when the
         # ranks share it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0), else a new one.
