@@ -207,6 +207,18 @@ def _build_all(c: dict[str, Any]) -> None:
         assert x.ec.built == (EPOCH, STEP)
 
 
+def _durable_all(c: dict[str, Any]) -> Any:
+    """Every store builds its parity of STEP and finds the step durable; returns the
+    placement."""
+    nodes: dict[str, Node] = c["nodes"]
+    _build_all(c)
+    placement = erasure_placement(sorted(nodes), c["k"], c["m"])
+    records = _holdings(c, sorted(nodes))
+    for x in nodes.values():
+        x.ec._check_durable(placement, records, EPOCH, STEP)
+    return placement
+
+
 def test_parity_is_built_store_to_store_and_the_step_becomes_durable(cluster) -> None:
     c = cluster
     nodes: dict[str, Node] = c["nodes"]
@@ -408,11 +420,7 @@ def test_step_whose_parity_was_being_built_is_passed_over_for_the_durable_one(
 
     c = cluster
     nodes: dict[str, Node] = c["nodes"]
-    _build_all(c)
-    placement = erasure_placement(sorted(nodes), 2, 1)
-    records = _holdings(c, sorted(nodes))
-    for x in nodes.values():
-        x.ec._check_durable(placement, records, EPOCH, STEP)
+    placement = _durable_all(c)
     newer = STEP + 1
     rng = random.Random(9)
     for rank, x in enumerate(sorted(nodes.values(), key=lambda n: n.node_id)):
@@ -659,11 +667,7 @@ def test_a_lost_node_after_a_durable_step_keeps_the_buffers(cluster, monkeypatch
     shards the rebuild needs: seen in tests/test_ec_integ.py.)"""
     c = cluster
     nodes: dict[str, Node] = c["nodes"]
-    _build_all(c)
-    placement = erasure_placement(sorted(nodes), 2, 2)
-    records = _holdings(c, sorted(nodes))
-    for x in nodes.values():
-        x.ec._check_durable(placement, records, EPOCH, STEP)
+    _durable_all(c)
     victim = sorted(nodes)[3]
     every = {n: x.addr for n, x in nodes.items()}
     live = _lose(c, victim)
