@@ -141,10 +141,13 @@ class NewWorlds:
         if (self._round is None or worker_group.store is None
                 or worker_group.spec.rdzv_handler.get_backend() != "c10d"):
             return None
-        rnd = self._round[0]
-        count = self._reforms[1] if self._reforms[0] == rnd else 0
-        return Reform(worker_group.store, f"ftrun/reform/{count}",
+        return Reform(worker_group.store, f"ftrun/reform/{self._reform_count()}",
                       worker_group.group_world_size)
+
+    def _reform_count(self) -> int:
+        """Re-formations without a new round so far in this node's current round."""
+        same = self._round is not None and self._reforms[0] == self._round[0]
+        return self._reforms[1] if same else 0
 
     def _keeps_members(self, worker_group: WorkerGroup) -> str | None:
         """Why this node cannot re-form with the same members now (None: it can)."""
@@ -202,8 +205,7 @@ class NewWorlds:
             self.rendezvous(worker_group)
             return "rendezvous"
         assert self._round is not None
-        self._reforms = (self._round[0], (self._reforms[1] if self._reforms[0] ==
-                                          self._round[0] else 0) + 1)
+        self._reforms = (self._round[0], self._reform_count() + 1)
         if not fixed and decision.master_port is not None:
             worker_group.master_port = decision.master_port
         self._ctx.sink.event(
