@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
+from conftest import ROOT
 
 from ftrun.coordinator.api import JobHealth, RankHealth, SuspectCause
 from ftrun.errors import ConfigError
@@ -179,6 +181,47 @@ def test_activity_tells_an_idle_process_from_a_busy_one():
     while time.monotonic() < end:  # a busy loop: a core's worth of CPU
         pass
     assert a.idle_s(time.monotonic()) is None
+
+
+STARVED = """
+import os, sys, time
+from ftrun.rank.collectives import Activity
+os.sched_setaffinity(0, {int(sys.argv[1])})
+os.nice(19)
+a = Activity()
+a.idle_s(time.monotonic())
+cpu = time.process_time()
+end = time.monotonic() + 1.5
+while time.monotonic() < end:  # wants a whole core; gets a few percent of one
+    pass
+used = time.process_time() - cpu
+print(a.idle_s(time.monotonic()), used, flush=True)
+"""
+
+
+def test_activity_tells_a_starved_process_from_an_idle_one():
+    """A rank that wants the CPU but waits in the run queue behind busier processes (an
+    overloaded host) is busy, not idle: its own CPU use alone is a few percent of a core."""
+    import subprocess
+    import sys
+
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat"):
+        pytest.skip("this kernel keeps no scheduler statistics (/proc/PID/schedstat)")
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    hog = ("import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\n"
+           "t = time.time() + 30\nwhile time.time() < t: pass")
+    hogs = [subprocess.Popen([sys.executable, "-c", hog, str(cpu)]) for _ in range(2)]
+    try:
+        out = subprocess.run([sys.executable, "-c", STARVED, str(cpu)], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        idle, used = out.stdout.split()
+        assert float(used) < 0.1 * 1.5, f"the fault did not fire: it got {used} s of CPU"
+        assert idle == "None", f"a starved process read idle for {idle} s"
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait(timeout=30)
 
 
 def test_activity_counts_the_child_processes(tmp_path):

@@ -342,12 +342,15 @@ class CollectiveMonitor:
 
 class Activity:
     """How long this process has been idle: it and its child processes (a data loader's
-    workers) together using under IDLE_CPU of a core and moving under IDLE_IO_BPS through
-    their file and socket calls (``/proc/<pid>/io``), as sampled at each report. A rank
-    outside any collective that is idle while its peers wait for it is hung (a sleep, a lock,
-    a queue nobody fills); one that computes, reads or writes (an evaluation, a checkpoint,
-    data loader workers fetching a slow batch) is busy, and the coordinator gives it
-    ``busy_hang_s``."""
+    workers) together using, or waiting in the run queue for, under IDLE_CPU of a core and
+    moving under IDLE_IO_BPS through their file and socket calls (``/proc/<pid>/io``), as
+    sampled at each report. A rank outside any collective that is idle while its peers wait
+    for it is hung (a sleep, a lock, a queue nobody fills); one that computes, reads or writes
+    (an evaluation, a checkpoint, data loader workers fetching a slow batch) is busy, and the
+    coordinator gives it ``busy_hang_s``. Time spent runnable but not run counts as busy: on
+    an overloaded host a rank that wants the CPU gets a few percent of a core, which alone
+    would read as idle (seen in CI at a load of ~20 on 2 CPUs: a restored rank named hung
+    after 4.6 s)."""
 
     def __init__(self) -> None:
         self._last: tuple[float, dict[int, tuple[float, int]]] | None = None
@@ -384,9 +387,29 @@ class Activity:
 _TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
 
 
+def _run_delay_s(pid: int) -> float:
+    """Seconds the threads of ``pid`` have spent runnable, waiting for a CPU
+    (``/proc/<pid>/task/*/schedstat``'s second field; 0 where the kernel keeps no such
+    statistics). Threads that ended since the last reading drop out of the sum, which can
+    only make a process read idler, never busier."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
 def _activity() -> dict[int, tuple[float, int]]:
-    """pid -> (CPU seconds, bytes read and written through system calls) of this process and
-    its children (empty where /proc cannot be read)."""
+    """pid -> (CPU seconds used or waited for in the run queue, bytes read and written
+    through system calls) of this process and its children (empty where /proc cannot be
+    read)."""
     me = os.getpid()
     pids = [me]
     try:  # the main thread's children: a data loader's workers are started from it
@@ -403,7 +426,7 @@ def _activity() -> dict[int, tuple[float, int]]:
                 text = f.read()
         except OSError:
             continue  # a child that just ended
-        cpu = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+        cpu = (int(fields[11]) + int(fields[12])) * _TICK_S + _run_delay_s(pid)  # utime, stime
         io = sum(int(line.split()[1]) for line in text.splitlines()
                  if line.startswith((b"rchar:", b"wchar:")))
         out[pid] = (cpu, io)
