@@ -170,7 +170,11 @@ def test_no_false_lost_while_the_coordinator_is_behind(
     timeouts, as a long pause would); every node's heartbeat waits in the queue meanwhile.
     Once it runs again, it is behind by more than a node timeout and has more than one
     batch to read: none of the nodes whose heartbeat is still queued is declared lost."""
-    coordinator = make_coordinator(1.0)
+    # A node timeout of 3 s: the simulated nodes beat only when told, one after the other, so
+    # the last of them beats a round's time after the first; on a loaded 2-CPU machine one
+    # round of 2100 (the backlog read, then the next round sent) took over 1 s, and with a
+    # 1 s timeout its last nodes were rightly declared lost.
+    coordinator = make_coordinator(3.0)
     n = 2 * server_mod.MAX_MESSAGES_PER_TICK + 100
     sim = SimNodes(coordinator.endpoint, _secret(coordinator), n, coordinator.incarnation)
     try:

@@ -119,9 +119,12 @@ def test_stopped_rank_is_suspect_in_status_at_once(procs: Procs, state_dir: Path
     """A SIGSTOPped rank reads suspect and the job degraded long before ftrun kills it."""
     run_id = f"suspect-{uuid.uuid4().hex[:8]}"
     ckpt = tmp_path / "ckpt"
-    # --hang-timeout 30: a stopped rank is killed after 10 s; it must show as suspect first.
-    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "2", "--hang-timeout", "30",
-                      "--persist-dir", str(ckpt),
+    # --hang-timeout 60: a stopped rank is killed after 20 s; it must show as suspect first.
+    # --on-hang warn: the coordinator names a rank that stopped reporting while the others wait
+    # within ~3 s, and would restart it before the first status command (a subprocess: 3-7 s
+    # on a loaded 2-CPU machine) could see it suspect (CI, 2026-11-29).
+    nodes = two_nodes(procs, run_id, free_port(), "--max-restarts", "2", "--hang-timeout", "60",
+                      "--on-hang", "warn", "--persist-dir", str(ckpt),
                       train_args=("--fail-at-step", "3", "--fail-rank", "2", "--fail-mode", "stop",
                                   "--pg-timeout", "900"))
     status_cmd = [sys.executable, "-m", "ftrun", "status", run_id]
@@ -160,13 +163,10 @@ def test_stopped_rank_is_suspect_in_status_at_once(procs: Procs, state_dir: Path
     mine = [e for e in events if e.get("pid") == fired["pid"]]
     assert any(e["type"] == "rank_suspect" and e["cause"] == "stopped" and e["rank"] == 2
                for e in mine), mine
-    # Continued in time it recovers; otherwise ftrun killed it and restarted: its launcher at
-    # 10 s, or before that the coordinator, which names a rank that stopped reporting while
-    # the others wait (seen when the status commands above took seconds on a loaded host).
+    # Continued in time it recovers; otherwise its launcher killed it at 20 s and restarted
+    # (the coordinator only warns here).
     assert any(e["type"] == "rank_cleared" for e in mine) or any(
-        e["type"] == "hang_detected" and "stopped" in e["reason"] for e in mine) or any(
-        str(e.get("why", "")).startswith("coordinator: rank(s) [2]: hang: rank(s) 2 ")
-        and "stopped reporting" in e["why"] for e in mine), mine
+        e["type"] == "hang_detected" and "stopped" in e["reason"] for e in mine), mine
 
     # Every command the demo prints at its end works on such an ended job.
     demo = _load_demo()
