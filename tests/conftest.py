@@ -88,15 +88,16 @@ def full_matrix() -> bool:
 FULL_MATRIX = pytest.mark.skipif(
     not full_matrix(), reason="a further cell of a long matrix: run it with FTRUN_FULL_MATRIX=1")
 
-LONGEST_FILES = {  # seconds, one process, CI machine (2026-11-29, from its slowest tests)
-    "test_node_loss.py": 560, "test_launcher_integ.py": 350, "test_framework_inplace.py": 300,
-    "test_ec_integ.py": 250, "test_report.py": 250, "test_snapshot_integ.py": 250,
-    "test_failover_integ.py": 220, "test_hf.py": 200, "test_inprocess.py": 200,
-    "test_persist_integ.py": 160, "test_chaos.py": 145, "test_user_ddp.py": 136,
-    "test_memload_integ.py": 130, "test_fault_points.py": 120, "test_replica_integ.py": 110,
-    "test_etcd_integ.py": 100, "test_slurm_examples.py": 93, "test_reshard_integ.py": 90,
-    "test_lightning.py": 70, "test_ec_store.py": 60, "test_isolate.py": 45,
-    "test_data_position.py": 39, "test_warm.py": 32, "test_collectives.py": 31,
+LONGEST_FILES = {  # seconds, one process, CI machine (clean-clone run of 2026-11-29)
+    "test_node_loss.py": 455, "test_launcher_integ.py": 395, "test_snapshot_integ.py": 300,
+    "test_persist_integ.py": 250, "test_user_ddp.py": 245, "test_fault_points.py": 240,
+    "test_chaos.py": 235, "test_inprocess.py": 205, "test_etcd_integ.py": 160,
+    "test_ec_integ.py": 150, "test_report.py": 140, "test_memload_integ.py": 140,
+    "test_failover_integ.py": 140, "test_data_position.py": 110, "test_warm.py": 105,
+    "test_reshard_integ.py": 100, "test_collectives.py": 95, "test_framework_inplace.py": 290,
+    "test_replica_integ.py": 60, "test_isolate.py": 55, "test_lightning.py": 52,
+    "test_snapshot_stall.py": 50, "test_torch_seams.py": 36, "test_snapshot_cadence.py": 33,
+    "test_bind_host.py": 32, "test_catalog.py": 31,
 }
 
 

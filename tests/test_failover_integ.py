@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, TRAIN, Procs, read_events, result_line, wait_for
+from conftest import FULL_MATRIX, ROOT, TRAIN, Procs, read_events, result_line, wait_for
 from netns import KILL_AT, STEPS, Cluster, Job, cluster_fixture  # noqa: F401  (the fixture)
 from test_etcd import require_etcd
 
@@ -209,6 +209,7 @@ def _next_term(client: etcd.EtcdClient, job: Job, old: Any) -> Any:
                     "another launcher to take the coordinator role", interval_s=0.2)
 
 
+@FULL_MATRIX  # ~120 s; the failover itself is the test above, the shrink test_node_loss's
 def test_coordinator_host_killed_under_min_max_the_others_go_on_resharded(
         cluster_factory, state_dir: Path, exact_steps: None, procs: Procs,
         tmp_path: Path) -> None:
@@ -269,6 +270,7 @@ def _reference(procs: Procs, tmp_path: Path, segments: list[tuple[int, int]]) ->
 # retrying claim overwrote its shard of it, whose only other copy was on the frozen host
 # (ftrun.store.commits; tests/test_durable_keep.py).
 @pytest.mark.serial
+@FULL_MATRIX  # ~115 s alone; a frozen holder stepping down is also test_failover's
 def test_coordinator_host_frozen_steps_down_and_the_job_goes_on(
         cluster_factory, state_dir: Path, exact_steps: None, procs: Procs,
         tmp_path: Path) -> None:

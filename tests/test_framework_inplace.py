@@ -130,7 +130,7 @@ def step_log(tmp: Path, rank: int) -> list[tuple[int, str]]:
 
 
 @pytest.mark.parametrize("name, mode, fault_step", [
-    ("lightning-ddp", "kill", 9),
+    ("lightning-ddp", "kill", 9),  # Lightning's one fault in CI (its lost host: full matrix)
     # (a raise in place is also test_inprocess's and test_fault_points'.)
     pytest.param("lightning-ddp", "raise", 9, marks=FULL_MATRIX),
     ("hf-trainer", "kill", 6),

@@ -162,6 +162,7 @@ def starts(prefix: str, out: str, counters: str) -> list[tuple[str, ...]]:
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
+@FULL_MATRIX  # ~145 s; the Trainer's in-place kill is test_framework_inplace's CI cell
 def test_trainer_killed_rank_then_lost_host_resume_bit_identical(procs: Procs, tmp_path: Path,
                                                                   cluster_factory) -> None:
     # 64 samples, 4 ranks x batch 4: 4 steps per epoch, so step 7 is mid-epoch 2 of 3. The

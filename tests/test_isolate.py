@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN, Procs, free_port, read_events, wait_for
+from conftest import FULL_MATRIX, ROOT, TRAIN, Procs, free_port, read_events, wait_for
 
 from ftrun import exit_codes, knobs
 from ftrun.errors import ConfigError
@@ -161,7 +161,7 @@ ISOLATED_LINE = "was isolated by the job's coordinator: rank 3 hung in all_reduc
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("replicas", ["2", "1"])
+@pytest.mark.parametrize("replicas", [pytest.param("2", marks=FULL_MATRIX), "1"])
 def test_isolated_node_exits_8_and_the_other_goes_on(procs: Procs, state_dir: Path,
                                                      tmp_path: Path, shm_root: Path,
                                                      replicas: str) -> None:

@@ -255,6 +255,7 @@ def test_link_cut_with_spare_no_split_brain(cluster_factory, state_dir: Path,
              "still waiting" if cut.poll() is None else f"exited {cut.returncode}")
 
 
+@FULL_MATRIX  # ~80 s; a link cut is the spare test's above, the shrink the two-hosts test's
 def test_link_cut_under_min_max_survivors_go_on_without_it(
         cluster_factory, state_dir: Path, exact_steps: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -442,6 +443,7 @@ def test_losing_the_launcher_that_hosts_the_store_ends_the_job(cluster_factory,
              time.time() - t_kill)
 
 
+@FULL_MATRIX  # ~60 s; test_launcher_integ's standalone coordinator outlives any launcher
 def test_standalone_coordinator_outlives_the_host_that_would_host_it(
         cluster_factory, state_dir: Path, exact_steps: None, reference_3: str) -> None:
     """``ftrun coordinator`` runs on a host of its own (host 4). The launchers, with the same
