@@ -169,6 +169,18 @@ FIGURES: tuple[Figure, ...] = (
            "per end on separate hosts)"),
     Figure("ftrun_replicas", 2, "copies", "ftrun setting",
            "--replicas 2: each node's snapshot also in one peer's memory (group placement)"),
+    Figure("ftrun_ec_k", 4, "data fragments", "ftrun setting",
+           "the third launcher row, --redundancy ec:K+M: groups of K + M nodes, each node's "
+           "state cut into K slices, M parity fragments per stripe (ftrun.store.ec_store)"),
+    Figure("ftrun_ec_m", 2, "parity fragments", "ftrun setting",
+           "ec:4+2 holds 1.5x a node's state per node (replicas:2: 2x) and survives any 2 losses "
+           "of a group; with M = 1 a second loss in the lost host's group during its recovery "
+           "takes the memory copy"),
+    Figure("ftrun_ec_rebuild_gbps", 0.077, "GB/s", MEASURED_CPU,
+           "RESULTS.md 'Erasure coding': a lost node's 64 MB rebuilt and verified store to "
+           "store in 0.83 s (bench/ec_store.py, ec:3+1, loopback; the ISA-L coder alone "
+           "decodes at 0.5-1.0 GB/s through ftrun's path): the spare's shards are rebuilt, "
+           "then fetched like a replica"),
     Figure("ftrun_persist_interval_s", 1800.0, "s", "ftrun setting",
            "--persist-interval: the store writes a snapshot to --persist-dir every 30 min"),
     Figure("ftrun_persist_block_s", 0.0, "s per persist", ASSUMED,
@@ -235,11 +247,14 @@ def load_costs(path: str | Path | None) -> dict[str, float]:
                 or not math.isfinite(value) or value < 0:
             raise EttrError(f"--costs {path}: {name} must be a number >= 0, got {value!r}")
         values[name] = float(value)
+    if values["ftrun_ec_k"] < 2:
+        raise EttrError(f"--costs {path}: ftrun_ec_k must be >= 2 (ec:1+M is replicas), got "
+                        f"{values['ftrun_ec_k']}")
     if values["slow_rank_speed"] > 1:
         raise EttrError(f"--costs {path}: slow_rank_speed is a fraction of full speed, "
                         f"0 to 1, got {values['slow_rank_speed']}")
     for name in ("ftrun_replica_fetch_gbps", "storage_gbps", "gpus_per_node",
-                 "ftrun_auto_target", "ftrun_replicas"):
+                 "ftrun_auto_target", "ftrun_replicas", "ftrun_ec_rebuild_gbps", "ftrun_ec_m"):
         if values[name] <= 0:
             raise EttrError(f"--costs {path}: {name} must be > 0, got {values[name]}")
     return values
@@ -593,19 +608,25 @@ def checkpoint_load_s(c: dict[str, float], gpus: int) -> float:
     return max(c["local_load_s"], storage_s(c, gpus))
 
 
-def ftrun_recovery(c: dict[str, float], gpus: int) -> dict[str, float]:
+def ftrun_recovery(c: dict[str, float], gpus: int, ec: bool = False) -> dict[str, float]:
     """ftrun's recovery per kind: the world re-forms in place (every rank keeps its process
     and restores from shared memory); a dead or hung rank gets a new process; a lost host's
-    spare starts its workers and fetches the host's snapshot from the peer holding its copy."""
+    spare starts its workers and fetches the host's snapshot from the peer holding its copy
+    (``ec``: from the survivor that rebuilt it from its group's slices and parity first)."""
     in_place = c["ftrun_in_process_s"] + nccl_init_s(c, gpus)
     new_rank = c["ftrun_worker_start_s"] + in_place
-    fetch = c["gpus_per_node"] * c["state_gb_per_gpu"] / c["ftrun_replica_fetch_gbps"]
+    node_gb = c["gpus_per_node"] * c["state_gb_per_gpu"]
+    fetch = node_gb / c["ftrun_replica_fetch_gbps"]
+    if ec:
+        fetch += node_gb / c["ftrun_ec_rebuild_gbps"]
     new_host = c["ftrun_worker_start_s"] + fetch + in_place
     return {RANK_CRASH: new_rank, HANG: new_rank, HOST_LOSS: new_host, SLOW_RANK: new_host,
             SILENT_CORRUPTION: in_place}
 
 
-def ftrun_policy(c: dict[str, float], gpus: int, interval_s: float) -> Policy:
+def ftrun_policy(c: dict[str, float], gpus: int, interval_s: float, ec: bool = False) -> Policy:
+    """ftrun with ``--replicas`` (ftrun_replicas), or with ``ec``: ``--redundancy
+    ec:K+M`` (ftrun_ec_k, ftrun_ec_m)."""
     nodes = gpus / c["gpus_per_node"]
     cycle = interval_s + c["ftrun_snapshot_block_s"]
     every = max(1, round(c["ftrun_persist_interval_s"] / cycle)) \
@@ -613,14 +634,21 @@ def ftrun_policy(c: dict[str, float], gpus: int, interval_s: float) -> Policy:
     # With two copies, a second host lost during a host's recovery takes the last copy of the
     # first one's snapshot if it is the peer holding it; with three or more, one cannot.
     lost_p = (1.0 / (nodes - 1) if nodes > 1 else 1.0) if c["ftrun_replicas"] < 3 else 0.0
+    name = "ftrun"
+    if ec:
+        # Under ec:K+1 any other node of the lost host's group (K of them) lost during its
+        # recovery leaves a stripe short of K pieces; M >= 2 survives a second loss.
+        k, m = int(c["ftrun_ec_k"]), int(c["ftrun_ec_m"])
+        lost_p = min(1.0, k / (nodes - 1)) if m < 2 and nodes > 1 else 0.0 if m >= 2 else 1.0
+        name = f"ftrun, ec:{k}+{m}"
     return Policy(
-        "ftrun", interval_s, c["ftrun_snapshot_block_s"], 0.0,
+        name, interval_s, c["ftrun_snapshot_block_s"], 0.0,
         detect_s={RANK_CRASH: c["ftrun_detect_rank_crash_s"], HANG: c["ftrun_detect_hang_s"],
                   HOST_LOSS: c["ftrun_detect_host_loss_s"],
                   SLOW_RANK: c["ftrun_detect_slow_rank_s"],
                   SILENT_CORRUPTION: None if c["ftrun_sdc_at_next_snapshot"] else
                   c["sdc_detect_s"]},
-        recover_s=ftrun_recovery(c, gpus),
+        recover_s=ftrun_recovery(c, gpus, ec),
         persist_every=every, persist_block_s=c["ftrun_persist_block_s"],
         persist_lag_s=storage_s(c, gpus) if every else 0.0,
         memory_lost_p=lost_p if every else 0.0,
@@ -741,10 +769,12 @@ class SizeResult:
     ftrun: Summary
     ftrun_auto: Summary
     baseline: Summary
+    ftrun_ec: Summary
 
     def as_dict(self) -> dict[str, Any]:
         return {"gpus": self.gpus, "mtbf_s": self.mtbf_s, "ftrun": self.ftrun.as_dict(),
-                "ftrun_auto": self.ftrun_auto.as_dict(), "baseline": self.baseline.as_dict()}
+                "ftrun_auto": self.ftrun_auto.as_dict(), "baseline": self.baseline.as_dict(),
+                "ftrun_ec": self.ftrun_ec.as_dict()}
 
 
 def project(trace: Trace, costs: dict[str, float], gpus: int, runs: int, seed: int,
@@ -771,8 +801,12 @@ def project_draws(mtbf_s: float, costs: dict[str, float], gpus: int,
     def base_at(x: float) -> Policy:
         return baseline_policy(costs, gpus, x)
 
+    def ec_at(x: float) -> Policy:
+        return ftrun_policy(costs, gpus, x, ec=True)
+
     f_int = best_interval(draws, ftrun_at, horizon_s)
     b_int = best_interval(draws, base_at, horizon_s)
+    e_int = best_interval(draws, ec_at, horizon_s)
     auto_int = auto_interval_s(costs, mtbf_s)
     c = costs["base_save_block_s"]
     return SizeResult(
@@ -780,7 +814,8 @@ def project_draws(mtbf_s: float, costs: dict[str, float], gpus: int,
         summarize(draws, ftrun_at(f_int), horizon_s),
         summarize(draws, replace(ftrun_at(auto_int), name="ftrun, every=auto"), horizon_s),
         summarize(draws, base_at(b_int), horizon_s, young_s=young_s(c, mtbf_s),
-                  daly_s=daly_s(c, mtbf_s)))
+                  daly_s=daly_s(c, mtbf_s)),
+        summarize(draws, ec_at(e_int), horizon_s))
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -833,13 +868,16 @@ def render(results: Sequence[SizeResult], trace: Trace, costs: dict[str, float],
                f"linearly with the GPU count; {runs} runs per size, seed {seed}; each run a "
                f"job of {horizon_s / 86400:g} days.")
     out.append("")
+    ec = f"ec:{int(costs['ftrun_ec_k'])}+{int(costs['ftrun_ec_m'])}"
     out.append("| GPUs | MTBF | faults/run | ftrun ETTR, mean ± sd (min-max) | snapshot every "
-               "| ftrun every=auto | torchrun + DCP ETTR | checkpoint every (Young / Daly) |")
-    out.append("|---:|---:|---:|---|---:|---:|---|---|")
+               f"| ftrun every=auto | ftrun {ec} | torchrun + DCP ETTR | checkpoint every "
+               "(Young / Daly) |")
+    out.append("|---:|---:|---:|---|---:|---:|---:|---|---|")
     for r in results:
         b = r.baseline
         out.append(f"| {r.gpus:,} | {_dur(r.mtbf_s)} | {r.ftrun.faults:.1f} | {_ettr(r.ftrun)} "
-                   f"| {_dur(r.ftrun.interval_s)} | {r.ftrun_auto.mean:.4f} | {_ettr(b)} | "
+                   f"| {_dur(r.ftrun.interval_s)} | {r.ftrun_auto.mean:.4f} | "
+                   f"{r.ftrun_ec.mean:.4f} | {_ettr(b)} | "
                    f"{_dur(b.interval_s)} ({_dur(b.extra['young_s'])} / "
                    f"{_dur(b.extra['daly_s'])}) |")
     out.append("")
@@ -849,7 +887,7 @@ def render(results: Sequence[SizeResult], trace: Trace, costs: dict[str, float],
                "recompute | persist |")
     out.append("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        for s in (r.ftrun, r.ftrun_auto, r.baseline):
+        for s in (r.ftrun, r.ftrun_auto, r.ftrun_ec, r.baseline):
             out.append(f"| {r.gpus:,} | {s.name} | {s.mean:.4f} | "
                        + " | ".join(_pct(s.losses[k]) for k in LOSSES) + " |")
     out.append("")
@@ -860,6 +898,15 @@ def render(results: Sequence[SizeResult], trace: Trace, costs: dict[str, float],
         out.append("- ftrun restored from its persisted copy (both in-memory copies lost) in "
                    + ", ".join(f"{r.ftrun.memory_lost}/{runs} runs at {r.gpus:,}"
                                for r in memory) + ".")
+    memory = [r for r in results if r.ftrun_ec.memory_lost]
+    if memory:
+        out.append(f"- ftrun under {ec} restored from its persisted copy (a second loss in the "
+                   "group during a recovery) in "
+                   + ", ".join(f"{r.ftrun_ec.memory_lost}/{runs} runs at {r.gpus:,}"
+                               for r in memory) + ".")
+    out.append(f"- ftrun under {ec} holds {1 + costs['ftrun_ec_m'] / costs['ftrun_ec_k']:.2f}x "
+               f"a node's state per node against {costs['ftrun_replicas']:g}x with replicas; a "
+               "lost host's state is rebuilt before the spare fetches it.")
     out.append("")
     out.append("Per fault, at " + f"{last.gpus:,} GPUs (detection + recovery, seconds):")
     out.append("")

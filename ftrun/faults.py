@@ -5,7 +5,9 @@ verified snapshot, exactly as a bad DIMM or a stray write would. ftrun must then
 back to an older committed step; tests assert both. ``corrupt_persisted`` does the same to a
 step persisted on disk (bit rot, a torn copy). ``corrupt_replica`` flips a byte of the newest
 verified replica this host holds of another node's rank: once that node is lost, the replica
-is the only copy of its step, and a restore must refuse it. ``kill_once`` SIGKILLs the calling
+is the only copy of its step, and a restore must refuse it. ``corrupt_fragment`` does the same
+to a parity fragment this host's store built (``--redundancy ec:K+M``): a lost node's shards
+that need it cannot be rebuilt, and the restore must take another step or the disk. ``kill_once`` SIGKILLs the calling
 rank, once per job, as a crashed host or an OOM kill would; ``kill_in_snapshot_copy`` does it
 from the rank's copy thread while a snapshot is half written.
 """
@@ -93,6 +95,45 @@ def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corrup
     log.warning("fault injection: flipped byte %d of the replica of %s's shard of step %d (%s)",
                 offset, origin, step, seg.name)
     return Corruption(seg.name, step, offset)
+
+
+def corrupt_fragment(run_id: str, step: int | None = None) -> Corruption:
+    """Flip one byte in the data of a verified parity fragment this host's store holds (of
+    ``step``, else of the newest step it holds fragments of), leaving its state and hashes as
+    they are. Runs on the holding host (FTRUN_SHM_DIR as its store's)."""
+    from ftrun.errors import IntegrityError
+    from ftrun.snapshot import segment as shm
+    from ftrun.store.ec_store import FragmentKey, ec_prefix
+
+    found: list[tuple[int, str]] = []
+    for path in shm.list_segments(ec_prefix(run_id)):
+        if FragmentKey.of(path.name) is None:
+            continue  # a rebuilt shard, not a fragment
+        try:
+            seg = shm.Segment.open(path)
+        except (OSError, ValueError, IntegrityError):
+            continue
+        try:
+            h = seg.header()
+            if h.state == SegmentState.VERIFIED and h.data_len > 0 and (
+                    step is None or h.step == step):
+                found.append((h.step, path.name))
+        finally:
+            seg.close()
+    if not found:
+        raise FtrunError(f"this host ({shm.SHM_DIR}) holds no verified parity fragment of job "
+                         f"{run_id}{'' if step is None else f' for step {step}'}")
+    at, name = max(found)
+    seg = shm.Segment.open(shm.SHM_DIR / name)
+    try:
+        h = seg.header()
+        offset = h.data_len // 2
+        seg.mm[h.data_off + offset] ^= 0xFF
+    finally:
+        seg.close()
+    log.warning("fault injection: flipped byte %d of parity fragment %s (step %d)", offset, name,
+                at)
+    return Corruption(name, at, offset)
 
 
 @dataclass(frozen=True)

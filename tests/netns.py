@@ -92,10 +92,12 @@ class Job:
 
     def command(self, nnodes: str, *extra: str, endpoint: str | None = None,
                 steps: int = STEPS, train_args: Sequence[str] = (),
-                replicas: int = 2) -> list[str]:
+                replicas: int = 2, redundancy: str | None = None) -> list[str]:
+        """``redundancy`` (``ec:K+M``, ``replicas:M``) replaces ``--replicas``."""
+        copies = ["--redundancy", redundancy] if redundancy else ["--replicas", str(replicas)]
         return ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", endpoint or f"{self.c.hostname(0)}:{PORT}",
-                "--rdzv-id", self.run_id, "--replicas", str(replicas), "--max-restarts", "3",
+                "--rdzv-id", self.run_id, *copies, "--max-restarts", "3",
                 *extra,
                 TRAIN, "--steps", str(steps), "--batch", "12", "--snapshot-every", "1",
                 "--step-sleep", "0.15", "--step-log", str(self.steps_file),

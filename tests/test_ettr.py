@@ -184,3 +184,27 @@ def test_auto_interval_is_the_cadences_rule(world: int, mtbf_gpu_h: float):
         cadence.mark(cadence.due(step))
     expected = ettr.auto_interval_s(costs, mtbf_s) if mtbf_gpu_h else 0.114 / 0.03
     assert abs(cadence.wanted(world) * plain - expected) <= plain, (cadence.wanted(world), expected)
+
+
+def test_erasure_coding_row_pays_the_rebuild_and_loses_memory_only_past_m():
+    """The third launcher row (--redundancy ec:K+M): a lost host's recovery adds the rebuild
+    of its state; with M = 1 a second loss among the K other nodes of its group takes the
+    memory copy, with M >= 2 none does."""
+    costs = ettr.load_costs(None)
+    gpus = 1024
+    nodes = gpus / costs["gpus_per_node"]
+    plain = ettr.ftrun_policy(costs, gpus, 60.0)
+    coded = ettr.ftrun_policy({**costs, "ftrun_ec_k": 4.0, "ftrun_ec_m": 1.0}, gpus, 60.0,
+                              ec=True)
+    node_gb = costs["gpus_per_node"] * costs["state_gb_per_gpu"]
+    extra = node_gb / costs["ftrun_ec_rebuild_gbps"]
+    assert coded.recover_s[ettr.HOST_LOSS] == pytest.approx(
+        plain.recover_s[ettr.HOST_LOSS] + extra)
+    assert coded.recover_s[ettr.RANK_CRASH] == plain.recover_s[ettr.RANK_CRASH]
+    assert coded.memory_lost_p == pytest.approx(4 / (nodes - 1))
+    assert plain.memory_lost_p == pytest.approx(1 / (nodes - 1))
+    two = ettr.ftrun_policy({**costs, "ftrun_ec_m": 2.0}, gpus, 60.0, ec=True)
+    assert two.memory_lost_p == 0.0 and two.name == "ftrun, ec:4+2"
+    r = ettr.project(ettr.llama3_trace(), costs, 1024, 1, seed=0,
+                     horizon_s=ettr.llama3_trace().duration_s)
+    assert r.as_dict()["ftrun_ec"]["name"] == "ftrun, ec:4+2" and 0 < r.ftrun_ec.mean < 1
