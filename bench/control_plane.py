@@ -35,6 +35,18 @@ simulated; hellos travel on the aggregators' connections.
 
 The machine this runs on is shared: the generators and the coordinator compete for its cores,
 so a generator may fall behind its schedule (``late`` is how far).
+
+``--reform`` measures instead the vote that re-forms a world whose members stay (an in-process
+restart that keeps the membership, ftrun.launcher.reform) at N nodes: one c10d TCPStore
+server (libuv, as the rendezvous store is), N voters each with a connection of its own,
+spread over ``--generators`` processes of a thread per voter; every voter runs
+``Reform.vote(keep=True)`` once a start key is written, as a launcher does after its ranks
+failed in place. Reported: the time from the start to the last voter holding the decision,
+the median, the decision each got, and the store operations per voter (one addition, the
+wait, a read; the last voter's compare-and-set; a wait that outlives ``CHECK_EVERY_S`` is
+asked again):
+
+    .venv/bin/python bench/control_plane.py --reform --nodes 1024,4096,16384 --generators 16
 """
 
 from __future__ import annotations
@@ -552,6 +564,105 @@ COLUMNS = [
 ]
 
 
+def reform_voters(host: str, port: int, prefix: str, nodes: int, count: int,
+                  timeout_s: float) -> dict[str, Any]:
+    """``count`` voters of a re-formation among ``nodes`` (one generator process): their
+    connections opened, then each votes in a thread of its own once the start key is there.
+    Returns when each decided, relative to the start, and what it decided."""
+    import resource
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ftrun.launcher.reform import Reform
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * count + 256)), hard))
+    stores = [TCPStore(host, port, None, False, timedelta(seconds=timeout_s),
+                       wait_for_workers=False, use_libuv=True) for _ in range(count)]
+    print("ready", flush=True)
+    threading.stack_size(256 << 10)
+    got: list[tuple[float, str, float]] = []
+    lock = threading.Lock()
+
+    def vote(store: Any) -> None:
+        store.wait([f"{prefix}/go"], timedelta(seconds=timeout_s))
+        d = Reform(store, prefix, nodes).vote(True, "", None, timeout_s, lambda: None)
+        with lock:
+            got.append((time.time(), d.verdict, d.waited_s))
+
+    threads = [threading.Thread(target=vote, args=(s,), daemon=True) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    go = float(stores[0].get(f"{prefix}/go").decode())
+    return {"decided": [t - go for t, _, _ in got], "verdicts": [v for _, v, _ in got],
+            "waited": [w for _, _, w in got], "count": count}
+
+
+def run_reform(n_nodes: int, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ftrun.launcher.reform import CHECK_EVERY_S
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=args.reform_timeout),
+                      wait_for_workers=False, use_libuv=True)
+    prefix = f"reform-{n_nodes}"
+    per = [n_nodes // args.generators + (i < n_nodes % args.generators)
+           for i in range(args.generators)]
+    t_open = time.monotonic()
+    gens = [subprocess.Popen(
+        [sys.executable, __file__, "_reform", "--port", str(port), "--prefix", prefix,
+         "--voters", str(n_nodes), "--count", str(c), "--timeout", str(args.reform_timeout)],
+        stdout=subprocess.PIPE, text=True, env=env) for c in per if c]
+    try:
+        for g in gens:
+            line = g.stdout.readline() if g.stdout else ""
+            if line.strip() != "ready":
+                raise RuntimeError(f"a voter process did not connect ({line!r})")
+        opened = time.monotonic() - t_open
+        cpu0 = proc_cpu_s(os.getpid())
+        server.set(f"{prefix}/go", repr(time.time()))
+        outs = []
+        for g in gens:
+            out, _ = g.communicate(timeout=args.reform_timeout + 60)
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        server_cpu = proc_cpu_s(os.getpid()) - cpu0
+    finally:
+        for g in gens:
+            if g.poll() is None:
+                g.kill()
+                g.wait(timeout=30)
+    decided = sorted(x for o in outs for x in o["decided"])
+    verdicts = [v for o in outs for v in o["verdicts"]]
+    waited = [w for o in outs for w in o["waited"]]
+    if len(decided) != n_nodes or set(verdicts) != {"keep"}:
+        raise RuntimeError(f"{n_nodes} voters: {len(decided)} decided, verdicts "
+                           f"{sorted(set(verdicts))}")
+    asks = sum(1 + int(w // CHECK_EVERY_S) for w in waited)
+    return {"nodes": n_nodes, "connect_s": round(opened, 1),
+            "last_decided_s": round(decided[-1], 3), "median_decided_s":
+            round(decided[len(decided) // 2], 3), "verdicts": "keep" if verdicts else "",
+            "ops_per_voter": round(3 + asks / n_nodes + 1 / n_nodes, 2),
+            "server_cpu_s": round(server_cpu, 2)}
+
+
+def reform_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| nodes | start -> last voter decided (s) | median (s) | decision | store ops "
+             "per voter | the store's CPU s (its process) | connections opened in (s) |",
+             "|---:|---:|---:|---|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['nodes']:,} | {r['last_decided_s']} | {r['median_decided_s']} | "
+                     f"{r['verdicts']} (all) | {r['ops_per_voter']} | {r['server_cpu_s']} | "
+                     f"{r['connect_s']} |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |",
              "|" + "---|" * len(COLUMNS)]
@@ -576,6 +687,16 @@ def main() -> int:
     g.add_argument("--coll", action="store_true")
     g.add_argument("--hang-wall", type=float, default=0.0)
     g.add_argument("--hang-kind", default="elsewhere")
+    v = sub.add_parser("_reform")
+    v.add_argument("--port", type=int, required=True)
+    v.add_argument("--prefix", required=True)
+    v.add_argument("--voters", type=int, required=True)
+    v.add_argument("--count", type=int, required=True)
+    v.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--reform", action="store_true",
+                        help="measure the re-formation vote (ftrun.launcher.reform) at each "
+                             "node count instead")
+    parser.add_argument("--reform-timeout", type=float, default=300.0)
     parser.add_argument("--nodes", default="1024,2048,4096")
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
     parser.add_argument("--warmup", type=float, default=10.0)
@@ -608,7 +729,27 @@ def main() -> int:
                          args.coll, args.hang_wall, args.hang_kind)
         print(json.dumps(stats), flush=True)
         return 0
+    if args.cmd == "_reform":
+        print(json.dumps(reform_voters("127.0.0.1", args.port, args.prefix, args.voters,
+                                       args.count, args.timeout)), flush=True)
+        return 0
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    if args.reform:
+        results = []
+        for n in (int(x) for x in args.nodes.split(",")):
+            r = run_reform(n, args, env)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        text = (f"\n## Re-formation vote at scale (`bench/control_plane.py --reform`)\n\n"
+                f"`python bench/control_plane.py {' '.join(sys.argv[1:])}`, "
+                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}: "
+                f"{os.cpu_count()} CPU cores, shared by the store and the "
+                f"{args.generators} voter processes.\n\n" + reform_table(results) + "\n")
+        print(text)
+        if args.output is not None:
+            with open(args.output, "a", encoding="utf-8") as f:
+                f.write(text)
+        return 0
     results = []
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"direct", "aggregated"}:
