@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,59 @@ def test_lost_host_and_a_corrupt_fragment_fall_back_to_disk_bit_identical(
                and f"shards of step {durable}" in ln]
     assert refused, out[-6000:]
     assert not _rebuilt(job), _rebuilt(job)
+
+
+BUILT = re.compile(r"erasure coding: parity of step (\d+) built here")
+DURABLE = re.compile(r"erasure coding: step (\d+) is durable")
+# A model whose parity takes a while to build (params and AdamW's moments: ~25 MB per rank),
+# so that a host frozen at a random moment is often frozen while its peers build.
+BIG = ("--dim", "256", "--layers", "4", "--step-sleep", "0.2")
+
+
+@FULL_MATRIX  # ~5 min: a fault-free reference, then the faulted job
+def test_host_lost_while_parity_is_built_the_previous_durable_step_is_restored(
+        cluster_factory, state_dir: Path, exact_steps: None) -> None:
+    """3 hosts train under ``ec:2+1`` (a larger model), a 4th waits as the spare. A training
+    host is frozen at a moment when the newest committed step's parity is not yet built by
+    every survivor (tried again a little later otherwise); then it is killed. The survivors
+    cannot rebuild its shard of that step (their fragments of it are missing), pass it over,
+    and rebuild the previous durable step: the job resumes from it, from memory, and ends
+    bit-identical to the fault-free run."""
+    c = cluster_factory(4)
+    ref = Job(c, state_dir, "ecref")
+    ref.start(range(3), "3", redundancy="ec:2+1", train_args=BIG)
+    reference = ref.finish()
+    for p in ref.nodes:
+        c.wait(p, 30)
+    job = Job(c, state_dir, "ecmid")
+    job.start(range(4), "3", "--on-hang", "warn", redundancy="ec:2+1", steps=STEPS,
+              train_args=BIG)
+    job.wait_step(KILL_AT)
+    doc = _parity_durable(job, KILL_AT - 2)
+    training = _training(job, doc)
+    victim = next(h for h in training if h != 0)
+    survivors = [p for p in job.nodes if p.host in training and p.host != victim]  # type: ignore[attr-defined]
+    fired = None
+    for attempt in range(8):
+        c.freeze_host(victim)
+        time.sleep(1.0)  # what was in flight lands; nothing new commits
+        committed = job.status(0)["snapshots"]["committed_step"]
+        built = [{int(s) for s in BUILT.findall(c.output(p))} for p in survivors]
+        if any(committed not in b for b in built):
+            fired = committed
+            break
+        log.info("attempt %d: step %d's parity was built by every survivor; again", attempt,
+                 committed)
+        c.thaw_host(victim)
+        time.sleep(0.3 + 0.37 * attempt)
+    assert fired is not None, "the host was never frozen while its peers built parity"
+    durable = max(int(s) for p in survivors for s in DURABLE.findall(c.output(p)))
+    assert durable < fired, (durable, fired)
+    log.info("host %d frozen with step %d committed and its parity not built everywhere; "
+             "durable %d", victim, fired, durable)
+    _kill(job, victim)
+    assert job.finish() == reference
+    [resumed] = json.loads(job.result.read_text())["resumed_from"]
+    assert resumed < fired and resumed >= durable, (resumed, fired, durable)
+    assert {src.split(" ")[0] for _, _, src in job.resumes()} == {"memory"}, job.resumes()
+    assert any(s == resumed for _, s, _ in _rebuilt(job)), job.output()[-4000:]
