@@ -88,16 +88,16 @@ def full_matrix() -> bool:
 FULL_MATRIX = pytest.mark.skipif(
     not full_matrix(), reason="a further cell of a long matrix: run it with FTRUN_FULL_MATRIX=1")
 
-LONGEST_FILES = {  # seconds, one process, CI machine (clean-clone run of 2026-11-29)
-    "test_node_loss.py": 455, "test_launcher_integ.py": 395, "test_snapshot_integ.py": 300,
-    "test_persist_integ.py": 250, "test_user_ddp.py": 245, "test_fault_points.py": 240,
-    "test_chaos.py": 235, "test_inprocess.py": 205, "test_etcd_integ.py": 160,
-    "test_ec_integ.py": 150, "test_report.py": 140, "test_memload_integ.py": 140,
-    "test_failover_integ.py": 140, "test_data_position.py": 110, "test_warm.py": 105,
-    "test_reshard_integ.py": 100, "test_collectives.py": 95, "test_framework_inplace.py": 290,
-    "test_replica_integ.py": 60, "test_isolate.py": 55, "test_lightning.py": 52,
-    "test_snapshot_stall.py": 50, "test_torch_seams.py": 36, "test_snapshot_cadence.py": 33,
-    "test_bind_host.py": 32, "test_catalog.py": 31,
+LONGEST_FILES = {  # seconds, one process, CI machine (clean-clone run of 2026-11-29 05:00)
+    "test_node_loss.py": 555, "test_launcher_integ.py": 530, "test_snapshot_integ.py": 380,
+    "test_framework_inplace.py": 310, "test_fault_points.py": 280, "test_user_ddp.py": 260,
+    "test_inprocess.py": 250, "test_persist_integ.py": 220, "test_ec_netns.py": 200,
+    "test_etcd_integ.py": 185, "test_report.py": 165, "test_warm.py": 140,
+    "test_reshard_integ.py": 127, "test_failover_integ.py": 122, "test_replica_integ.py": 110,
+    "test_collectives.py": 100, "test_data_position.py": 82, "test_isolate.py": 70,
+    "test_lightning.py": 61, "test_snapshot_stall.py": 51, "test_catalog.py": 32,
+    "test_bind_host.py": 32, "test_torch_seams.py": 28, "test_snapshot_cadence.py": 28,
+    "test_control_plane.py": 28, "test_ec_store.py": 22,
 }
 
 

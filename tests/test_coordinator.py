@@ -700,6 +700,25 @@ def test_directive_survives_a_lost_reply_and_is_delivered_once(
     assert coordinator.pending_directives() == []
 
 
+def test_a_directive_seen_before_a_start_over_does_not_run_again() -> None:
+    """A start-over (the coordinator's term learned, a failover, a retarget) stops acking the
+    directives seen so far but remembers them: the same directive sent again is acked again
+    and not run a second time."""
+    from collections import deque
+
+    got: list[dict[str, Any]] = []
+    reporter = NodeReporter("127.0.0.1:9", SECRET, JOB, "host-c/1", "host-c", workers_state,
+                            interval_s=0.05, on_directive=got.append)
+    d = {"id": "abc123", "action": "probe", "data": {"peers": [], "size": 1}}
+    reporter._directive(d)
+    assert reporter._acked() == ["abc123"]
+    reporter._start_over(deque())
+    assert reporter._acked() == []  # not acked to a new coordinator
+    reporter._directive(dict(d))  # the same coordinator sends it again: acked, not run
+    assert [x["id"] for x in got] == ["abc123"] and reporter.directives == 1
+    assert reporter._acked() == ["abc123"]
+
+
 def test_directive_resent_until_acked_is_delivered_once(coordinator: Coordinator) -> None:
     """Acks lost on the way (every heartbeat's reply carries the directive again until the
     coordinator reads an ack): the launcher still runs it once."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, Procs, load_train, result_line
+from conftest import FULL_MATRIX, TRAIN, Procs, load_train, result_line
 from torch.utils.data import DistributedSampler
 
 import ftrun
@@ -245,6 +245,7 @@ def test_train_py_fsdp_completes(procs: Procs, state_dir: Path, tmp_path: Path,
 
 @pytest.mark.integration
 @pytest.mark.usefixtures("exact_steps")
+@FULL_MATRIX  # ~60 s; fewer ranks resuming: test_reshard_integ, the data order: the unit tests above
 def test_train_py_fsdp_goes_on_with_the_data_on_fewer_ranks(procs: Procs, state_dir: Path,
                                                             tmp_path: Path) -> None:
     """4 ranks persist step 2; a job of 3 ranks resumes it: steps 3.. read the samples the

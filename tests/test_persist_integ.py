@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN, Procs, free_port, read_events, result_line, wait_for
+from conftest import FULL_MATRIX, ROOT, TRAIN, Procs, free_port, read_events, result_line, wait_for
 
 from ftrun.faults import corrupt_persisted
 from ftrun.snapshot import persist
@@ -129,6 +129,7 @@ def test_every_n_steps_and_the_end_of_the_job_write_complete_steps(first_job: di
                           first_job["out"])) == 2
 
 
+@FULL_MATRIX  # ~110 s; a requeued job resuming from its final step: test_slurm_examples (real Slurm)
 def test_interval_sigusr1_and_sigterm_then_the_requeued_job_resumes_from_the_final_step(
         procs: Procs, state_dir: Path, tmp_path: Path, first_job: dict) -> None:
     ckpt = tmp_path / "ckpt"

@@ -397,7 +397,12 @@ class NodeReporter:
 
     def _start_over(self, pending: deque[tuple[str, dict[str, Any]]]) -> None:
         """A new coordinator (failover, or a restart): hello first, then a full heartbeat."""
-        self._acks.clear()  # the old coordinator's directives: nothing to ack to the new one
+        # The directives seen so far are not acked to the new coordinator, but stay known:
+        # one the same coordinator sends again (a start-over as its term is first learned,
+        # or a retarget to where it already was) must not run twice (seen in CI, loaded:
+        # a probe and an isolate each delivered twice).
+        for i in self._acks:
+            self._acks[i] = 0
         self._set_part(None, None)  # the new coordinator plans the groups again
         self.plan, self._plan_next = 0, None
         if not pending or pending[0][0] != "hello":
