@@ -115,7 +115,7 @@ def corrupt_fragment(run_id: str, step: int | None = None) -> Corruption:
             continue
         try:
             h = seg.header()
-            if h.state == SegmentState.VERIFIED and h.data_len > 0 and (
+            if h.state == shm.VERIFIED and h.data_len > 0 and (
                     step is None or h.step == step):
                 found.append((h.step, path.name))
         finally:

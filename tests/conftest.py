@@ -91,7 +91,7 @@ FULL_MATRIX = pytest.mark.skipif(
 LONGEST_FILES = {  # seconds, one process, CI machine (clean-clone run of 2026-11-29 05:00)
     "test_node_loss.py": 555, "test_launcher_integ.py": 530, "test_snapshot_integ.py": 380,
     "test_framework_inplace.py": 310, "test_fault_points.py": 280, "test_user_ddp.py": 260,
-    "test_inprocess.py": 250, "test_persist_integ.py": 220, "test_ec_netns.py": 200,
+    "test_inprocess.py": 250, "test_persist_integ.py": 220, "test_ec_integ.py": 155,
     "test_etcd_integ.py": 185, "test_report.py": 165, "test_warm.py": 140,
     "test_reshard_integ.py": 127, "test_failover_integ.py": 122, "test_replica_integ.py": 110,
     "test_collectives.py": 100, "test_data_position.py": 82, "test_isolate.py": 70,

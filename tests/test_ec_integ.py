@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FULL_MATRIX, ROOT, TRAIN, Procs, free_port, read_events, result_line, wait_for
+from conftest import ROOT, TRAIN, Procs, free_port, read_events, result_line, wait_for
 
 from ftrun.errors import IntegrityError
 from ftrun.snapshot import segment as shm
@@ -82,7 +82,6 @@ def _cleanup_segments(run_id: str) -> None:
             path.unlink(missing_ok=True)
 
 
-@FULL_MATRIX  # ~150 s; erasure coding in CI: test_ec_netns (a lost host on namespaces)
 def test_lost_node_restored_from_rebuilt_shards_matches_fault_free(
         procs: Procs, state_dir: Path, tmp_path: Path, exact_steps: None) -> None:
     run_id = f"ec-{uuid.uuid4().hex[:8]}"

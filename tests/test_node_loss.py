@@ -343,7 +343,6 @@ def test_two_hosts_of_different_groups_killed_recover_from_memory(
              x, y, durable, step, job.resumed_after(t_kill))
 
 
-@FULL_MATRIX  # ~100 s; a lost host going to disk: test_ec_netns's corrupt fragment
 def test_whole_group_killed_falls_back_to_disk(cluster_factory, state_dir: Path,
                                               exact_steps: None, tmp_path: Path) -> None:
     """Both hosts of one replica group are killed: their shards are in no live memory, so
