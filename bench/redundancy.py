@@ -6,20 +6,21 @@
 ``--nodes`` launchers of one rank each on this machine, each with shared memory of its own
 (``FTRUN_SHM_DIR``: one host's memory, gone with it), train ``examples/train.py`` with a
 snapshot every step under each ``--redundancy`` in turn (``replicas:1``: none, the
-baseline), ``--nnodes N-1:N``, ``--persist-dir`` every ``--persist-every`` steps. Per code:
+baseline), ``--nnodes N-1:N``, with no ``--persist-dir`` (the stores' socket writes are then
+all network). Per code:
 
 - **host memory** per node: the shared memory each host's store holds (``st_blocks`` of
   every segment: rank buffers, replicas, parity fragments) at the end of the timed steps,
   median over the hosts, and as a multiple of one rank's snapshot;
-- **network per snapshot**: bytes the stores passed to socket calls (``/proc/PID/io``
-  ``wchar``: replicas sent, data slices served for parity) per step, over all hosts, per
-  host;
+- **network per snapshot**: bytes sent on loopback (``/proc/net/dev``, ``lo``) per step, less
+  the same job's without redundancy (``replicas:1``: the gradients' all-reduce and the
+  control messages): replicas sent, data slices pulled for parity;
 - **store CPU** seconds per step (all hosts), and the ranks';
 - **throughput**: steps/s over the timed steps, against ``replicas:1`` in the same run;
-- **node loss**: once the timed steps are done, one launcher (not the one hosting the
-  rendezvous store) is SIGKILLed with its processes and its memory removed; the time to
-  the next step completed, the step resumed from and where from (memory, a rebuilt
-  shard, disk).
+- **node loss** (not for ``replicas:1``, which has no copy to restore from): once the timed
+  steps are done, one launcher (not the one hosting the rendezvous store) is SIGKILLed with
+  its processes and its memory removed; the time to the next step completed, the step
+  resumed from and where from (memory: a replica or a rebuilt shard).
 
 The codes alternate order over ``--repeats``. Prints a markdown section; ``--output`` writes
 it to a file too.
@@ -54,27 +55,14 @@ RESUMED = re.compile(r"rank (\d+) resumed from step (\d+) \(.*?\), from (\S+)")
 TAIL_STEPS = 15  # steps after the timed ones, during which the node is lost
 
 
-class IoSampler(rep.CpuSampler):
-    """CPU seconds and socket/file bytes written (``wchar``) of every process under the
-    launchers, by kind."""
-
-    def __init__(self, roots: list[int]) -> None:
-        super().__init__(roots)
-        self.wchar: dict[int, tuple[str, int]] = {}
-
-    def sample(self) -> None:
-        super().sample()
-        for pid, (kind, _) in self.seen.items():
-            with contextlib.suppress(OSError, ValueError, StopIteration), \
-                    open(f"/proc/{pid}/io") as f:
-                w = int(next(ln for ln in f if ln.startswith("wchar:")).split()[1])
-                self.wchar[pid] = (kind, w)
-
-    def written(self) -> dict[str, int]:
-        out = {"store": 0, "rank": 0, "launcher": 0}
-        for kind, w in self.wchar.values():
-            out[kind] += w
-        return out
+def loopback_tx() -> int:
+    """Bytes sent on this network namespace's loopback so far (``/proc/net/dev``)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])
+    return 0
 
 
 def shm_held(path: Path) -> int:
@@ -95,23 +83,22 @@ def run_code(code: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     total = args.warmup + args.steps + TAIL_STEPS
     cmd = [*rep.ftrun_cmd(f"{n - 1}:{n}", port, run_id, [
         "--redundancy", code, "--replica-addr", "127.0.0.1", "--max-restarts", "3",
-        "--rdzv-conf", rep.RDZV_CONF, "--persist-dir", str(work / f"{run_id}-persist"),
-        "--persist-every", str(args.persist_every)]),
+        "--rdzv-conf", rep.RDZV_CONF]),
         str(TRAIN), *rep.model_args(args), "--steps", str(total), "--snapshot-every", "1",
         "--step-log", str(steplog)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FTRUN_STATE_DIR": str(work / "state")}
     job = rep.Hosts(cmd, n, env, work, run_id)
     out: dict[str, Any] = {"code": code}
     try:
-        sampler = IoSampler(job.pids)
+        sampler = rep.CpuSampler(job.pids)
         rep.wait_steps(steplog, lambda s: len(s) >= args.warmup, job, args.job_timeout,
                        f"{code}: step {args.warmup}")
         sampler.sample()
-        cpu0, w0 = sampler.by_kind(), sampler.written()
+        cpu0, w0 = sampler.by_kind(), loopback_tx()
         rep.wait_steps(steplog, lambda s: len(s) >= args.warmup + args.steps, job,
                        args.job_timeout, f"{code}: step {args.warmup + args.steps}", sampler)
         sampler.sample()
-        cpu1, w1 = sampler.by_kind(), sampler.written()
+        cpu1, w1 = sampler.by_kind(), loopback_tx()
         held = [shm_held(p) for p in job.shm]
         status = rep.job_status(run_id, work)
         steps = read_jsonl(steplog)
@@ -119,8 +106,13 @@ def run_code(code: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         span = timed[-1]["time"] - next(s for s in steps if s["step"] == args.warmup)["time"]
         out.update(steps_s=len(timed) / span, cpu={k: (cpu1[k] - cpu0[k]) / len(timed)
                                                    for k in cpu1},
-                   net_per_step=(w1["store"] - w0["store"]) / len(timed), held=held,
+                   net_per_step=(w1 - w0) / len(timed), held=held,
                    status=status)
+        if code == "replicas:1":  # nothing to restore a lost node from
+            codes = job.wait(args.job_timeout)
+            out.update(loss_to_step_s=None, resumed_from=None, last_done=None, sources=[],
+                       rebuilt=False, codes=codes)
+            return out
         # The node loss: a launcher that does not host the rendezvous store.
         host = rep.listening_pid(port, [p for root in job.pids for p in tree_pids(root)])
         victim = next(i for i, root in enumerate(job.pids) if host not in tree_pids(root))
@@ -156,8 +148,10 @@ def snapshot_mb(args: argparse.Namespace) -> float:
 def table(runs: dict[str, list[dict[str, Any]]], mb: float) -> str:
     med = statistics.median
     base = med([r["steps_s"] for r in runs["replicas:1"]]) if "replicas:1" in runs else None
-    lines = ["| code | host memory per node (MB, x a rank's snapshot) | network per step, all "
-             "stores (MB) | store CPU s per step | rank CPU s per step | steps/s | vs "
+    net0 = (med([r["net_per_step"] for r in runs["replicas:1"]])
+            if "replicas:1" in runs else 0.0)
+    lines = ["| code | host memory per node (MB, x a rank's snapshot) | network per step for "
+             "redundancy, all nodes (MB) | store CPU s per step | rank CPU s per step | steps/s | vs "
              "replicas:1 | node loss -> next step (s) | resumed from / last done, from |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for code, rs in runs.items():
@@ -166,13 +160,16 @@ def table(runs: dict[str, list[dict[str, Any]]], mb: float) -> str:
         ratio = f"{sps / base:.3f}" if base else "—"
         where = "; ".join(f"{r['resumed_from']} / {r['last_done']}, "
                           f"{'+'.join(r['sources']) or '?'}"
-                          f"{' (rebuilt)' if r['rebuilt'] else ''}" for r in rs)
+                          f"{' (rebuilt)' if r['rebuilt'] else ''}" for r in rs
+                          if r["loss_to_step_s"] is not None) or "— (no copy)"
+        losses = [r["loss_to_step_s"] for r in rs if r["loss_to_step_s"] is not None]
+        loss = f"{med(losses):.2f}" if losses else "—"
         lines.append(
             f"| {code} | {held:.0f} ({held / mb:.2f}x) | "
-            f"{med([r['net_per_step'] for r in rs]) / 1e6:.1f} | "
+            f"{(med([r['net_per_step'] for r in rs]) - net0) / 1e6:.1f} | "
             f"{med([r['cpu']['store'] for r in rs]):.3f} | "
             f"{med([r['cpu']['rank'] for r in rs]):.3f} | {sps:.3f} | {ratio} | "
-            f"{med([r['loss_to_step_s'] for r in rs]):.2f} | {where} |")
+            f"{loss} | {where} |")
     return "\n".join(lines)
 
 
@@ -185,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="train.py --layers")
     p.add_argument("--warmup", type=int, default=8, help="steps not timed")
     p.add_argument("--steps", type=int, default=20, help="steps timed")
-    p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--output", type=Path, help="also write the section to this file")
@@ -209,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.nodes} launchers of 1 rank each, each with shared memory of its own, "
             f"`--nnodes {args.nodes - 1}:{args.nodes}`, examples/train.py --dim {args.dim} "
             f"--layers {args.layers} (a snapshot of {mb:.0f} MB per rank: params and AdamW's "
-            f"moments), a snapshot every step, `--persist-dir` every {args.persist_every} "
-            f"steps; steps {args.warmup + 1}..{args.warmup + args.steps} timed; then one "
+            f"moments), a snapshot every step, no `--persist-dir`; steps "
+            f"{args.warmup + 1}..{args.warmup + args.steps} timed; then one "
             "launcher (not the rendezvous store's) killed with its memory.\n\n"
             + table(runs, mb))
     print(text)

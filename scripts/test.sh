@@ -5,9 +5,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check ftrun tests examples bench
 # The suite runs on two pytest-xdist workers (FTRUN_TEST_WORKERS, default 2; 0: one
-# process), one test file each at a time, the longest files first (tests/conftest.py): ~40 min
-# in one process on the 2-CPU CI machine, ~25 with two. Timing-sensitive tests (marked
-# serial: detection latency, a healthy run without findings) always run afterwards, alone.
+# process), one test file each at a time, the longest files first (tests/conftest.py): ~37 min
+# with two on the 2-CPU CI machine. Timing-sensitive tests (marked serial: detection latency,
+# a healthy run without findings) always run afterwards, alone (~8 min).
 WORKERS=${FTRUN_TEST_WORKERS:-2}
 PARALLEL=()
 if [ "$WORKERS" != 0 ]; then
