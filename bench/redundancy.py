@@ -51,7 +51,7 @@ import replicate as rep  # noqa: E402  (bench/replicate.py: hosts, samplers, sta
 from ftrun.testing import free_port, git_tree, read_jsonl, tree_pids  # noqa: E402
 
 TRAIN = ROOT / "examples" / "train.py"
-RESUMED = re.compile(r"rank (\d+) resumed from step (\d+) \(.*?\), from (\S+)")
+RESUMED = re.compile(r"rank (\d+) resumed from step (\d+) \(.*?\), from (\w+)")
 TAIL_STEPS = 15  # steps after the timed ones, during which the node is lost
 
 
