@@ -679,3 +679,33 @@ def test_a_lost_node_after_a_durable_step_keeps_the_buffers(cluster, monkeypatch
         monkeypatch.setattr(x.ec, "_stores", lambda s=stores: dict(s))
         x.ec.work()
     assert offs == []
+
+
+def test_a_restarted_store_removes_what_its_predecessor_left() -> None:
+    """A store that crashed left its fragments and rebuilt shards in shared memory; the store
+    its launcher starts next removes them (not listed, and outside the job prefix nothing
+    else frees them before the job ends), and leaves other nodes' alone."""
+    run_id = f"ecleft-{uuid.uuid4().hex[:8]}"
+    node, other = "hostx/1", "hosty/2"
+    data = b"x" * 1000
+    left = EcSegments(run_id, node, os.getpid())
+    theirs = EcSegments(run_id, other, os.getpid())
+    manifest = _manifest(0, 2)
+    try:
+        for segs, holder in ((left, node), (theirs, other)):
+            segs.write(parity_name(run_id, holder, "0" * 8, 0, 0, 0, 0), origin=holder,
+                       rank=PARITY_RANK, step=3, epoch=EPOCH, manifest=manifest,
+                       hashes=chunk_hashes(data, CHUNK), data=[data], n_tensors=0,
+                       chunk_size=CHUNK)
+        left.close(unlink=False)  # the crashed store: its segments stay
+        ec = ErasureCoding(2, 1, run_id, node, os.getpid(), b"s" * 32, lambda: ("", -1),
+                           "127.0.0.1:9")
+        try:
+            assert ec.remove_leftovers() == 1
+            assert [p.name for p in shm.list_segments(ec_prefix(run_id))] == theirs.names()
+        finally:
+            ec.stop(unlink=True, timeout_s=1)
+    finally:
+        theirs.close(unlink=True)
+        for path in shm.list_segments(ec_prefix(run_id)):
+            path.unlink(missing_ok=True)

@@ -39,7 +39,7 @@ message kind is needed:
   restore falls back (an older step, the disk).
 
 Limits of this version: a store restarted by its launcher does not adopt the fragments its
-predecessor built (it builds the next step's); parity is built by pulling the data slices
+predecessor built (it removes them, and builds the next step's); parity is built by pulling the data slices
 (each holder reads about one node's worth of bytes per fragment), not by partial encodes
 along a chain.
 """
@@ -353,7 +353,24 @@ class ErasureCoding:
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
+        self.remove_leftovers()
         self._thread.start()
+
+    def remove_leftovers(self) -> int:
+        """Remove the fragments and rebuilt shards a previous store of this node left (it
+        crashed and its launcher started this one): they are not listed (this store builds
+        the next step's parity) and, outside the job prefix, nothing else would free their
+        memory before the job ends. Returns how many."""
+        mine = set(self.segments.names())
+        gone = 0
+        for path in shm.list_segments(f"{ec_prefix(self.run_id)}{node_tag(self.node_id)}-"):
+            if path.name not in mine:
+                path.unlink(missing_ok=True)
+                gone += 1
+        if gone:
+            log.info("erasure coding: removed %d segment(s) a previous store of this node left "
+                     "(their parity is built again from the next committed step)", gone)
+        return gone
 
     def stop(self, unlink: bool, timeout_s: float = 5.0) -> None:
         self._stop.set()
