@@ -7,9 +7,10 @@ step persisted on disk (bit rot, a torn copy). ``corrupt_replica`` flips a byte 
 verified replica this host holds of another node's rank: once that node is lost, the replica
 is the only copy of its step, and a restore must refuse it. ``corrupt_fragment`` does the same
 to a parity fragment this host's store built (``--redundancy ec:K+M``): a lost node's shards
-that need it cannot be rebuilt, and the restore must take another step or the disk. ``kill_once`` SIGKILLs the calling
-rank, once per job, as a crashed host or an OOM kill would; ``kill_in_snapshot_copy`` does it
-from the rank's copy thread while a snapshot is half written.
+that need it cannot be rebuilt, and the restore must take another step or the disk.
+``kill_once`` SIGKILLs the calling rank, once per job, as a crashed host or an OOM kill would;
+``kill_in_snapshot_copy`` does it from the rank's copy thread while a snapshot is half
+written.
 """
 
 from __future__ import annotations

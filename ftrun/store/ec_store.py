@@ -39,9 +39,9 @@ message kind is needed:
   restore falls back (an older step, the disk).
 
 Limits of this version: a store restarted by its launcher does not adopt the fragments its
-predecessor built (it removes them, and builds the next step's); parity is built by pulling the data slices
-(each holder reads about one node's worth of bytes per fragment), not by partial encodes
-along a chain.
+predecessor built (it removes them, and builds the next step's); parity is built by pulling
+the data slices (each holder reads about one node's worth of bytes per fragment), not by
+partial encodes along a chain.
 """
 
 from __future__ import annotations
