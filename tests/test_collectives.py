@@ -120,8 +120,13 @@ def test_reports_show_who_waits_for_whom(tmp_path: Path, collector: Collector) -
         stuck = [world(r) for r in by_rank[rank] if world(r).get("op")]
         assert stuck and stuck[0]["op"].endswith("all_reduce") and stuck[0]["bytes"] == 4000, \
             stuck
-    # Rank 1 arrived last at the 1.5 s all-reduce: whatever it waited there is far shorter.
-    late = {int(s): d for r in by_rank[1] for s, d in world(r).get("done", [])}
+    # Rank 1 arrived last at the late all-reduces (those ranks 0 and 2 waited in): whatever
+    # it waited there is far shorter. (Not at every op: on a loaded machine rank 1 once waited
+    # 1.4 s in the async all-reduce after them, its peers starved of CPU; CI, 2026-11-29.)
+    waited = {int(s) for rank in (0, 2) for r in by_rank[rank]
+              for s, d in world(r).get("done", []) if d >= 0.2}
+    late = {int(s): d for r in by_rank[1] for s, d in world(r).get("done", [])
+            if int(s) in waited}
     longest = {rank: max(d for r in by_rank[rank] for _, d in world(r).get("done", []))
                for rank in (0, 2)}
     assert max(late.values(), default=0.0) < 0.5 * min(longest.values()), (late, longest)
