@@ -141,10 +141,6 @@ def run_code(code: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
-def snapshot_mb(args: argparse.Namespace) -> float:
-    return rep.snapshot_mb(args)
-
-
 def table(runs: dict[str, list[dict[str, Any]]], mb: float) -> str:
     med = statistics.median
     base = med([r["steps_s"] for r in runs["replicas:1"]]) if "replicas:1" in runs else None
@@ -198,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[code].append(res)
                 print(f"  {code}: {json.dumps(res, default=str)}", flush=True)
                 loads.append(rep.load())
-    mb = snapshot_mb(args)
+    mb = rep.snapshot_mb(args)
     cmd = " ".join(["python bench/redundancy.py", *(argv if argv is not None else sys.argv[1:])])
     text = (f"`{cmd}` on {started:%Y-%m-%d %H:%M} UTC, code {git_tree()}; {rep.hardware()}; "
             f"load average after each run: {', '.join(loads)}.\n\n"

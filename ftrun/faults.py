@@ -20,10 +20,14 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ftrun import knobs
 from ftrun.errors import FtrunError, FtrunTimeoutError
 from ftrun.snapshot.api import SegmentState
+
+if TYPE_CHECKING:
+    from ftrun.snapshot.segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,18 @@ def corrupt_newest_snapshot(rank: int, run_id: str | None = None,
         chan.close()
 
 
+def _flip_middle_byte(seg: Segment) -> int:
+    """Flip the byte in the middle of ``seg``'s data region (its state and hashes as they
+    are), then close it; returns the byte's offset within the data."""
+    try:
+        h = seg.header()
+        offset = h.data_len // 2
+        seg.mm[h.data_off + offset] ^= 0xFF
+    finally:
+        seg.close()
+    return offset
+
+
 def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corruption:
     """Flip one byte in the data of the newest verified replica this host holds of ``origin``'s
     shards (of ``rank`` if given), leaving its state and hashes as they are.
@@ -87,12 +103,7 @@ def corrupt_replica(run_id: str, origin: str, rank: int | None = None) -> Corrup
         raise FtrunError(f"this host ({Catalog.shm_dir()}) holds no verified replica of {origin}'s "
                          f"shards{'' if rank is None else f' of rank {rank}'} in job {run_id}")
     step, seg = newest
-    try:
-        h = seg.header()
-        offset = h.data_len // 2
-        seg.mm[h.data_off + offset] ^= 0xFF
-    finally:
-        seg.close()
+    offset = _flip_middle_byte(seg)
     log.warning("fault injection: flipped byte %d of the replica of %s's shard of step %d (%s)",
                 offset, origin, step, seg.name)
     return Corruption(seg.name, step, offset)
@@ -125,13 +136,7 @@ def corrupt_fragment(run_id: str, step: int | None = None) -> Corruption:
         raise FtrunError(f"this host ({shm.SHM_DIR}) holds no verified parity fragment of job "
                          f"{run_id}{'' if step is None else f' for step {step}'}")
     at, name = max(found)
-    seg = shm.Segment.open(shm.SHM_DIR / name)
-    try:
-        h = seg.header()
-        offset = h.data_len // 2
-        seg.mm[h.data_off + offset] ^= 0xFF
-    finally:
-        seg.close()
+    offset = _flip_middle_byte(shm.Segment.open(shm.SHM_DIR / name))
     log.warning("fault injection: flipped byte %d of parity fragment %s (step %d)", offset, name,
                 at)
     return Corruption(name, at, offset)
