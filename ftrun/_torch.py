@@ -649,6 +649,52 @@ def _quick_delay(torch_delay: Callable[..., None]) -> Callable[..., None]:
     return delay
 
 
+# -- the master port a rendezvous picks (group rank 0) --------------------------------------
+#
+# When the workers do not share the rendezvous's store, the round's group rank 0 picks the
+# workers' MASTER_PORT with ``get_free_port()``: a port free on *localhost* (it binds
+# ``localhost:0`` and closes). A listener bound to the node's own address on that port
+# (ftrun's snapshot store serves replicas and shards on the node's address, on ports the OS
+# picks) does not conflict with that check, but it does with rank 0's store, which listens
+# on every address: rank 0 then fails with EADDRINUSE (seen in CI: the replica listener and
+# the master port on the same number). ftrun's launchers pick the port on the wildcard
+# address instead (IPv6 dual-stack where the host has it), which a listener on any address
+# of the host makes busy.
+
+
+def free_port_any_address() -> int:
+    """A TCP port free on every address of this host now (not reserved: it is closed on
+    return, like torch's own pick)."""
+    import socket
+
+    if socket.has_ipv6:
+        try:
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind(("::", 0))
+                return int(s.getsockname()[1])
+        except OSError:
+            pass  # no IPv6 on this host: the IPv4 wildcard
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+def master_port_free_on_every_address() -> None:
+    """Have the rendezvous's master-port pick (``rendezvous.api.get_free_port``, which
+    ``RendezvousStoreInfo.build`` calls) choose a port free on every address; once."""
+    from torch.distributed.elastic.rendezvous import api
+
+    if getattr(api.get_free_port, "ftrun_any_address", False):
+        return
+
+    def get_free_port() -> int:
+        return free_port_any_address()
+
+    get_free_port.ftrun_any_address = True  # type: ignore[attr-defined]
+    api.get_free_port = get_free_port
+
+
 # -- a spare does not take a restarting survivor's place ------------------------------------
 #
 # When the nodes of a round restart (an in-place restart: every process lives on), they leave

@@ -79,13 +79,19 @@ def assert_only_rank_replaced(tmp: Path, events: list[dict], rank: int) -> dict:
 
 def test_raised_fault_recovers_in_place(procs: Procs, tmp_path: Path,
                                         fault_free: str) -> None:
+    """Rank 1 raises (gloo, every rank under one launcher): it keeps its process like the
+    others; the launcher aborts ranks 0 and 2, every rank shuts down the connections it
+    accepted, and the three run the function again in their processes."""
     digest, run_id, out = run_job(procs, tmp_path, "--fail-mode", "raise",
                                   "--kill-at-step", "5", "--kill-rank", "1")
     assert (tmp_path / "user-ddp-fault-rank1-step5").exists(), "the fault never fired"
     assert "raising in rank 1 in step 5" in out
-    rec = assert_only_rank_replaced(tmp_path, read_events(tmp_path / "state", run_id), 1)
-    assert "rank 1 failed" in rec["why"] and "injected fault" in rec["why"], rec
-    assert sorted(rec["kept"]) == [0, 2], rec
+    recoveries = [e for e in read_events(tmp_path / "state", run_id) if e["type"] == "recovery"]
+    assert [(r["how"], r["new_processes"], sorted(r["kept"])) for r in recoveries] == \
+        [("in_process", [], [0, 1, 2])], recoveries
+    assert "rank 1 failed" in recoveries[0]["why"] and "injected fault" in recoveries[0]["why"]
+    pids = pids_by_rank(tmp_path)
+    assert all(len(p) == 1 for p in pids.values()), pids  # every rank kept its process
     assert digest == fault_free
 
 
@@ -214,17 +220,34 @@ def test_two_nodes_survivors_keep_their_processes(procs: Procs, tmp_path: Path,
     assert len(pids[1]) == 2 and len(pids[0]) == 1 and len(pids[2]) == 1, pids
 
 
-def test_only_nccl_ranks_that_raised_keep_their_process() -> None:
+def test_which_ranks_that_raised_keep_their_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whether a rank whose function raised may run again in its process: on NCCL (its abort
     releases the peers) yes, unless the error may have left the device unusable; on gloo
-    never (only the process's exit closes its connections)."""
+    only when the whole world is under its launcher (every rank shuts down the connections
+    it accepted), not with ranks on other nodes (only its exit closes every pair there)."""
     import torch
 
-    from ftrun.rank.resilient import _keeps_process
+    from ftrun.rank.resilient import _keeps_process, _world_is_local, peer_lost
 
     assert _keeps_process("nccl", ValueError("bad batch"))
     assert not _keeps_process("gloo", ValueError("bad batch"))
     assert not _keeps_process(None, ValueError("bad batch"))
+    assert _keeps_process("gloo", ValueError("bad batch"), world_local=True)
+    assert _keeps_process(None, ValueError("bad batch"), world_local=True)
+    assert not _keeps_process("gloo", MemoryError(), world_local=True)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert _world_is_local()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not _world_is_local()
+    monkeypatch.delenv("WORLD_SIZE")
+    assert not _world_is_local()
+    # A store that cannot listen on MASTER_PORT is this rank's failure, not a lost peer.
+    assert not peer_lost(torch.distributed.DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 33327, "
+        "code: -98, name: EADDRINUSE, message: address already in use"))
+    assert peer_lost(torch.distributed.DistNetworkError("Connection reset by peer"))
+    assert peer_lost(RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:4242"))
     assert not _keeps_process("nccl", RuntimeError("CUDA error: an illegal memory access"))
     assert not _keeps_process("nccl", torch.cuda.OutOfMemoryError("CUDA out of memory"))
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from ftrun.launcher.reform import KEEP, ROUND, Decision, Reform, free_port
+from ftrun.launcher.reform import KEEP, ROUND, Decision, Reform
 
 
 class Stores:
@@ -112,14 +112,6 @@ def test_decisions_are_per_prefix(store: Stores) -> None:
     for t in threads:
         t.join(30)
     assert [(d.verdict, d.master_port) for d in got if d] == [(KEEP, 7)] * 2
-
-
-def test_free_port_is_bindable() -> None:
-    import socket
-
-    port = free_port("127.0.0.1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
 
 
 def test_without_an_offered_port_the_master_keeps_its_own(store: Stores) -> None:

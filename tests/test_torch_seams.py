@@ -904,3 +904,31 @@ def test_rendezvous_waits_poll_sooner_at_first_and_back_off_to_torchs_second(
     slept.clear()
     dr._delay(seconds=0.5)
     assert slept == [0.5]  # not the wait's poll: torch's delay, unchanged
+
+
+def test_the_rounds_master_port_is_free_on_every_address() -> None:
+    """Group rank 0 of a round picks MASTER_PORT through rendezvous.api.get_free_port (a
+    module global that RendezvousStoreInfo.build calls); ftrun's replacement picks a port
+    free on the wildcard address. The case it prevents: a listener on one address of the
+    host (ftrun's store serves replicas on the node's address) leaves the port free on
+    localhost, where torch's pick looks, but rank 0's store, listening on every address,
+    then fails with EADDRINUSE."""
+    from torch.distributed.elastic.rendezvous import api
+
+    assert "get_free_port()" in inspect.getsource(api.RendezvousStoreInfo.build)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("0.0.0.0", port))  # what rank 0's store would do on that port
+    _torch.master_port_free_on_every_address()
+    installed = api.get_free_port
+    assert getattr(installed, "ftrun_any_address", False)
+    _torch.master_port_free_on_every_address()
+    assert api.get_free_port is installed  # replaced once
+    for _ in range(3):
+        port = api.get_free_port()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", port))

@@ -174,6 +174,8 @@ class FtrunAgent(InPlaceRestarts, NewWorlds, Orders, WorkerWatch, ExitBarrier,
             if warm else None
         # A node left on the wait list of a full round would restart every node, every round.
         _torch.spares_stay_spare(spec.rdzv_handler)
+        # Rank 0's store must be able to listen on the port the round picks for it.
+        _torch.master_port_free_on_every_address()
         # A re-formation's nodes wait for each other: they poll sooner than torch's second.
         nodes = _torch.rendezvous_max_nodes(spec.rdzv_handler)
         if nodes is not None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,13 +54,6 @@ class Decision:
     why: str  # why ROUND (empty for KEEP)
     master_port: int | None  # the new world's master port (KEEP)
     waited_s: float
-
-
-def free_port(host: str = "") -> int:
-    """A port free on this host now (the way torch's agent picks its master port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _text(value: Any) -> str:
@@ -191,7 +183,7 @@ class NewWorlds:
                                                        False))
         port = None
         if why is None and worker_group.group_rank == 0 and not fixed:
-            port = free_port()
+            port = _torch.free_port_any_address()  # as the first round's (see _torch)
         try:
             decision = votes.vote(why is None, why or "", port, self._inplace_timeout_s,
                                   lambda: self._members_gone(worker_group))

@@ -16,12 +16,14 @@ wrapper keeps the process, its imports and its CUDA context across faults:
    the function's groups accepted are shut down (:mod:`ftrun.rank.sockets`), which
    releases this rank and the peers blocked on it; a rank that never comes back is the
    launcher's to kill (a new process for it after its deadline).
-3. The function raised on its own. On gloo the rank is dead: the error goes to the state
-   file (``failed``) and is raised again, so the process exits: that closes its connections
-   and releases the peers blocked in a collective with it (on gloo nothing else does). Its
-   launcher starts a new process for this rank alone. On NCCL, whose abort releases the
-   peers, the rank keeps its process (``faulted``) and restarts in place with the others,
-   unless the error may have left the device unusable (a CUDA error): then it exits.
+3. The function raised on its own. Where something other than its exit releases the peers
+   blocked in a collective with it, the rank keeps its process (``faulted``) and restarts in
+   place with the others: on NCCL (its abort), and on gloo when the whole world is on this
+   node (its launcher aborts every other rank, and every rank shuts down the connections it
+   accepted), unless the error may have left the device unusable (a CUDA error). Otherwise
+   (gloo with ranks on other nodes) the rank is dead: the error goes to the state file
+   (``failed``) and is raised again, so the process exits, which closes its connections and
+   releases its peers; its launcher starts a new process for this rank alone.
 4. The function failed because a peer went away (a lost-connection error from a
    collective, see :func:`peer_lost`) or was aborted: everything it built is released
    (process groups aborted and forgotten, its frames' locals cleared, the collective monitor
@@ -407,13 +409,21 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
               "communicator was aborted", "was aborted", "remote worker crash")
 
 
+# A DistError that is this rank's own: its store could not listen on MASTER_PORT (taken on
+# this host). No peer went away; the rank fails, and its new process gets a new port.
+_OWN_DIST_ERROR = ("failed to listen", "eaddrinuse", "address already in use")
+
+
 def peer_lost(e: BaseException) -> bool:
     """Whether ``e`` (or what it was raised from) is a collective failing because a peer
-    went away: torch's DistError family, or a gloo/NCCL message saying so."""
+    went away: torch's DistError family, or a gloo/NCCL message saying so (not a store that
+    could not listen here)."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        if any(p in str(cur).lower() for p in _OWN_DIST_ERROR):
+            return False
         dist = sys.modules.get("torch.distributed")
         dist_error = getattr(dist, "DistError", None) if dist is not None else None
         if isinstance(dist_error, type) and isinstance(cur, dist_error):
@@ -431,13 +441,16 @@ _CONTEXT_LOST = ("cuda error", "cudaerror", "device-side assert", "illegal memor
                  "an illegal instruction", "cublas_status", "cudnn_status", "out of memory")
 
 
-def _keeps_process(backend: str | None, e: BaseException) -> bool:
+def _keeps_process(backend: str | None, e: BaseException, world_local: bool = False) -> bool:
     """Whether a rank whose function raised ``e`` on its own can run again in its process:
-    on NCCL, whose abort releases the peers blocked with it, unless the error may have
-    left the device unusable. On gloo the rank exits: its exit is sure to close every
-    connection its peers wait on (the survivors' shut-down of accepted connections,
-    :mod:`ftrun.rank.sockets`, is not used to keep a raising rank)."""
-    if backend != "nccl":
+    when something other than its exit releases the peers blocked with it, unless the error
+    may have left the device unusable. On NCCL its abort does. On gloo (or before any group
+    exists) only when the whole world is on this node (``world_local``): its launcher then
+    aborts every other rank, and each one, this one included, shuts down the connections it
+    accepted (:mod:`ftrun.rank.sockets`), which closes every pair of the group from one end.
+    With ranks on other nodes, a pair whose remote end accepted would stay open (that rank's
+    launcher is not told): the rank exits, which closes all of them."""
+    if backend != "nccl" and not world_local:
         return False
     accel = getattr(sys.modules.get("torch"), "AcceleratorError", None)
     seen: set[int] = set()
@@ -450,6 +463,13 @@ def _keeps_process(backend: str | None, e: BaseException) -> bool:
             return False
         cur = cur.__cause__ or cur.__context__
     return True
+
+
+def _world_is_local() -> bool:
+    """Whether every rank of the current world runs under this rank's launcher (torch's
+    elastic environment: WORLD_SIZE equals LOCAL_WORLD_SIZE)."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    return bool(world) and world == local
 
 
 # Called, in order of registration, before each run of a resilient function after the first
@@ -547,9 +567,10 @@ def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                     state, note = "aborted", _summary(e)
                     log.warning("a collective failed because a peer went away (%s); waiting "
                                 "for the launcher's decision", note)
-                elif _keeps_process(control._backend, e):
-                    # This rank's own fault, on a backend whose abort releases the peers
-                    # (NCCL): the process stays, like every other rank's; the launcher
+                elif _keeps_process(control._backend, e, _world_is_local()):
+                    # This rank's own fault, where something else than its exit releases
+                    # the peers (NCCL's abort; on one node, the connections every rank
+                    # shuts down): the process stays, like every other rank's; the launcher
                     # restarts the whole job in place.
                     state, note = "faulted", _summary(e)
                     log.error("the training function failed (%s); this process stays and "
