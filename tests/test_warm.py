@@ -12,6 +12,8 @@ ahead of time.
   descriptors, output, traceback and exit code (``SystemExit(3)``, an uncaught exception,
   ``KeyboardInterrupt``), in script and ``-m`` mode.
 - ``import torch`` reads none of the variables a warm interpreter is started without.
+- A rank notes the torch modules its first step imported; a waiting interpreter imports them
+  (torch's only), and stops when its request arrives.
 """
 
 from __future__ import annotations
@@ -106,9 +108,62 @@ def test_a_killed_rank_is_replaced_warm_and_the_weights_stay_bit_identical(
     assert spawn_of[replacement] < fault["seq"], events
     assert f"local rank 1 runs in warm interpreter {replacement} (ready" in out, out[-6000:]
     assert not [e for e in events if e["type"] == "worker_cold_start"], events
+    # The ranks noted the torch modules their first step imported (DDP's constructor
+    # imports torch._dynamo) for the waiting interpreters.
+    learned = (run_dir / "state" / "jobs" / run_id / "warm-imports.txt").read_text().split()
+    assert "torch._dynamo" in learned and all(n.startswith("torch") for n in learned), learned
     # The launcher killed and reaped the interpreters it did not hand out.
     no_process_left(token)
     assert not [pid for pid in spawned if pid_alive(pid)]
+
+
+LEARN = """import socket, sys
+from ftrun.launcher import warm_boot
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+if sys.argv[2] == "wanted":
+    ours.send(b"{}")  # a request is waiting already: the rank is wanted now
+warm_boot._import_learned(sys.argv[1], theirs)
+print(sorted(n for n in ("torch.distributed.checkpoint", "json.tool") if n in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("request_waiting", [False, True])
+def test_a_waiting_interpreter_imports_the_learned_torch_modules(
+        tmp_path: Path, request_waiting: bool) -> None:
+    """warm_boot imports the torch modules the job's ranks noted (not others, not unknown
+    ones), and stops as soon as a request waits (the rank imports the rest itself)."""
+    learned = tmp_path / "warm-imports.txt"
+    learned.write_text("json.tool\ntorch.no_such_module\ntorch.distributed.checkpoint\n")
+    out = subprocess.run([sys.executable, "-c", LEARN, str(learned),
+                          "wanted" if request_waiting else "idle"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("[]" if request_waiting
+                                  else "['torch.distributed.checkpoint']"), out.stdout
+
+
+NOTE = """import os, sys
+import torch.distributed.checkpoint  # noqa: F401
+from ftrun.rank import progress
+progress.note_imports()
+progress.note_imports()  # once per process, and the first writer wins
+"""
+
+
+def test_a_rank_notes_the_torch_modules_it_imported(tmp_path: Path) -> None:
+    env = {**os.environ, "FTRUN_JOB_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", NOTE], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    names = (tmp_path / "warm-imports.txt").read_text().split()
+    assert "torch" in names and "torch.distributed.checkpoint" in names, names
+    assert all(n == "torch" or n.startswith("torch.") for n in names), names
+    assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "warm-imports.txt").write_text("torch\n")  # another rank's, first
+    out = subprocess.run([sys.executable, "-c", NOTE], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "warm-imports.txt").read_text() == "torch\n"
 
 
 # -- a process restart, and a launcher SIGKILLed --------------------------------------------------

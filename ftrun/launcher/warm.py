@@ -9,7 +9,10 @@ starts (the first start, a restart of every worker, a dead rank replaced alone) 
 first (:func:`ftrun._torch.intercept_worker_starts`): an interpreter whose start matches the
 request exactly receives the rank's environment, working directory, argv and log files and
 runs the script; its pid is the rank's pid, so torch's monitoring, ftrun's kills and control
-sockets work as for a cold worker. A replacement is then started in the background.
+sockets work as for a cold worker. A replacement is then started in the background. Once a
+rank of the job has finished a step, waiting interpreters also import the torch modules it
+had imported by then (:data:`~ftrun.rank.progress.LEARNED_IMPORTS`; DDP alone imports
+``torch._dynamo``), so that a replacement rank does not make its peers wait for them.
 
 A warm start must be indistinguishable from a cold one. What an interpreter fixes at its start
 or while it imports torch must therefore equal the request's, or the worker starts cold (and
@@ -53,6 +56,7 @@ from typing import IO, Any, Protocol
 
 from ftrun import _torch, knobs
 from ftrun.launcher import warm_boot
+from ftrun.rank.progress import LEARNED_IMPORTS
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +205,10 @@ class WarmPool:
         self.imports = tuple(imports)
         self._sink = sink
         self._env = start_env(env)
+        # Where the job's ranks note the torch modules they imported (ftrun.rank.progress):
+        # waiting interpreters import them too (warm_boot, LEARNED).
+        job_dir = env.get(knobs.JOB_DIR.name) or ""
+        self.learned = os.path.join(job_dir, LEARNED_IMPORTS) if job_dir else ""
         self._cwd = os.getcwd()
         self._idle: list[_Warm] = []
         self._cond = threading.Condition()
@@ -439,7 +447,7 @@ class WarmPool:
             proc = subprocess.Popen(
                 [cmd.python, "-u", "-c", warm_boot.STUB, str(Path(warm_boot.__file__)),
                  str(theirs.fileno()), str(os.getpid()), cmd.mode, cmd.target,
-                 ",".join(self.imports)],
+                 ",".join(self.imports), self.learned],
                 env=env, cwd=cwd, pass_fds=(theirs.fileno(),), start_new_session=True)
         except BaseException:
             ours.close()

@@ -1,6 +1,7 @@
 """The bootstrap of a warm worker interpreter (see :mod:`ftrun.launcher.warm`).
 
-Run by the launcher as ``PYTHON -u -c STUB THIS_FILE FD LAUNCHER_PID MODE TARGET IMPORTS``
+Run by the launcher as ``PYTHON -u -c STUB THIS_FILE FD LAUNCHER_PID MODE TARGET IMPORTS
+LEARNED``
 (:data:`STUB` runs this file in a namespace of its own, so that emptying ``__main__`` for the
 script leaves the bootstrap's functions working). Standard library only, and no ``ftrun``: the
 interpreter must hold nothing the rank's own ``python -u script.py`` would not.
@@ -11,7 +12,13 @@ interpreter must hold nothing the rank's own ``python -u script.py`` would not.
 2. Import torch and the modules named in IMPORTS, then send ``R`` (ready) on socket FD.
 3. Block for one request on FD: a JSON document (environment, working directory, argv) and
    two file descriptors (the rank's stdout and stderr). End of file: the pool is closing,
-   exit 0.
+   exit 0. While it waits, once the file LEARNED exists (the torch modules the job's ranks
+   had imported by their first finished step, noted by :mod:`ftrun.rank.progress`; empty:
+   none), import those too, warnings silenced: a rank imports much of torch lazily in its
+   first steps (``DistributedDataParallel``'s constructor imports ``torch._dynamo``,
+   800-odd modules: 2.4-4.5 s on this project's CPUs), which a replacement would otherwise
+   pay while the survivors wait for it in their first collective. Only modules the same
+   script's ranks imported, so the rank this interpreter becomes would import them too.
 4. Become the rank: the output held so far written to the rank's streams and those streams
    put on fds 1 and 2, the environment replaced whole, the working directory set, every
    descriptor the bootstrap opened closed (those torch's import opened stay open, as in a
@@ -37,10 +44,12 @@ import builtins
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import sys
 import types
+import warnings
 from collections.abc import MutableMapping
 
 STUB = ("import sys; g = {'__name__': 'ftrun_warm_boot', '__file__': sys.argv[1]}; "
@@ -138,6 +147,40 @@ def _receive(sock: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(msg), fds
 
 
+def _await_request(sock: socket.socket) -> tuple[dict, list[int]]:
+    """Step 3: the next request, importing the learned modules meanwhile (once)."""
+    while _learned["path"]:
+        ready, _, _ = select.select([sock], [], [], WAIT_POLL_S)
+        if ready:
+            break
+        if os.path.exists(_learned["path"]):
+            _import_learned(_learned["path"], sock)
+    return _receive(sock)
+
+
+def _import_learned(path: str, sock: socket.socket) -> None:
+    """Import the ``torch`` modules listed in ``path`` (one per line) until a request
+    arrives on ``sock`` (the rank imports the rest itself); a module that fails is left for
+    the rank to import (or fail on) itself."""
+    _learned["path"] = ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = [n.strip() for n in f]
+    except OSError:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            if (name != "torch" and not name.startswith("torch.")) or name in sys.modules:
+                continue
+            if select.select([sock], [], [], 0)[0]:
+                return  # the rank is wanted now
+            try:
+                __import__(name)
+            except Exception:  # noqa: BLE001, S112 - the rank's own import says why
+                continue
+
+
 def _main_namespace(path: str | None) -> dict:
     """``__main__``'s namespace emptied to what ``python path`` starts with (``-m`` when
     ``path`` is None: runpy fills it in)."""
@@ -183,8 +226,13 @@ def _die_by_sigint() -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
 
+_learned = {"path": ""}  # LEARNED: the file to import from while waiting ("" once done)
+WAIT_POLL_S = 0.25  # how often a waiting interpreter looks for LEARNED
+
+
 def main(argv: list[str]) -> None:
-    sock_fd, launcher_pid, mode, target, imports = argv
+    sock_fd, launcher_pid, mode, target, imports, learned = argv
+    _learned["path"] = learned
     _tie_to_launcher(int(launcher_pid))
     atexit.register(_die_by_sigint)  # first, so that it runs last (after torch's, the script's)
     script = mode == "script"
@@ -200,7 +248,7 @@ def main(argv: list[str]) -> None:
             sock.sendall(b"R")
         except OSError:
             pass  # the launcher took this interpreter before it was ready: the request waits
-        request, fds = _receive(sock)
+        request, fds = _await_request(sock)
     except BaseException:
         _release_output(held, [held[0][1], held[1][1]])  # the launcher's log shows why
         raise
@@ -274,7 +322,7 @@ def _unpark() -> None:
     except OSError:
         pass  # the request may be waiting already
     try:
-        request, fds = _receive(sock)
+        request, fds = _await_request(sock)
     except BaseException:
         _release_output(held, [held[0][1], held[1][1]])  # the launcher's log shows why
         raise

@@ -23,6 +23,7 @@ import mmap
 import os
 import signal
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -71,9 +72,42 @@ def progress(step: int, *, done: bool = False) -> None:
         if m is not None:
             m[:SIZE] = _LAYOUT.pack(int(step), time.monotonic_ns(),
                                     (DONE if done else 0) | _stacks)
+            if not _imports_noted:
+                note_imports()
     except (OSError, ValueError):
         # The launcher owns the file; if it vanished, the launcher is gone or restarting us.
         _forget()
+
+
+# The torch modules imported by the first finished step, noted once per process in the job's
+# directory on this host for the node's warm interpreters (ftrun.launcher.warm_boot), which
+# import them while they wait: much of torch is imported lazily by a rank's first steps
+# (DDP's constructor imports torch._dynamo), and a replacement rank would pay for it while
+# the survivors wait in their first collective with it. The first rank to write wins.
+LEARNED_IMPORTS = "warm-imports.txt"  # in FTRUN_JOB_DIR; ftrun.launcher.warm passes it on
+_imports_noted = False
+
+
+def note_imports() -> None:
+    """Write the names of the ``torch`` modules this process imported to
+    ``FTRUN_JOB_DIR/warm-imports.txt``, unless a rank did already; once per process, never
+    raises."""
+    global _imports_noted
+    _imports_noted = True
+    job_dir = knobs.JOB_DIR.get()
+    if not job_dir:
+        return
+    path = os.path.join(job_dir, LEARNED_IMPORTS)
+    try:
+        if os.path.exists(path):
+            return
+        names = sorted(n for n in list(sys.modules) if n == "torch" or n.startswith("torch."))
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(f"{n}\n" for n in names))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # warm interpreters then import torch alone, as before
 
 
 def collective_wait(since_ns: int) -> None:
