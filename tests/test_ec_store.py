@@ -178,7 +178,8 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
                                lambda: (EPOCH, STEP), "127.0.0.1:9",
                                durable=lambda s, n=node_id: durable.append((n, s)))
             service = ShardService(run_id, node_id, os.getpid(), secret,
-                                   lambda s=shards, e=ec: [*s.records(), *e.records()])
+                                   lambda s=shards, e=ec: [*s.records(), *e.records()],
+                                   ec.refused_rebuilds)
             nodes[node_id] = Node(node_id, shards, service, ec, {rank: data})
             service.start("127.0.0.1")
         yield {"run_id": run_id, "secret": secret, "nodes": nodes, "durable": durable,
@@ -336,6 +337,37 @@ def test_corrupt_parity_with_no_other_piece_refuses_the_rebuild(cluster, caplog)
     rebuilder.ec.rebuild_lost(live, _holdings(c, sorted(live)))
     assert not [r for r in _holdings(c, sorted(live)) if r["origin"] == victim]
     assert "cannot be rebuilt" in caplog.text and "refused: position" in caplog.text
+
+
+def test_a_refused_rebuild_is_listed_and_the_waiting_stores_stop_at_once(
+        cluster, caplog, monkeypatch) -> None:
+    """The rebuilder refuses (a corrupt parity fragment) and lists the refusal in its
+    holdings; another store waiting for that rebuild stops at once with the rebuilder's
+    reason (before: it waited REBUILD_WAIT_S, 30 s per step, while its ranks' peers, already
+    told, timed out in their first collective)."""
+    from ftrun.store import ec_store
+
+    c = cluster
+    _build_all(c)
+    nodes: dict[str, Node] = c["nodes"]
+    victim = sorted(nodes)[1]
+    placement = erasure_placement(sorted(nodes), 2, 1)
+    si = placement.stripes.index(placement.stripe_of(victim, 0))
+    holder = placement.stripes[si].parity[0]
+    [frag] = [r for r in nodes[holder].ec.records() if FragmentKey.of(r.segment).stripe == si]
+    _corrupt(frag.segment)
+    live = _lose(c, victim)
+    rebuilder, other = nodes[sorted(live)[0]], nodes[sorted(live)[2]]
+    records = _holdings(c, sorted(live))
+    assert rebuilder.ec.rebuild_lost(live, records) == []
+    [refusal] = rebuilder.ec.refused_rebuilds()
+    assert (refusal["origin"], refusal["step"], refusal["epoch"]) == (victim, STEP, EPOCH)
+    assert "refused: position" in refusal["why"], refusal
+    monkeypatch.setattr(ec_store, "REBUILD_WAIT_S", 600.0)  # only the refusal ends the wait
+    caplog.clear()
+    assert other.ec.rebuild_lost(live, records) == []
+    assert f"node {rebuilder.node_id}, which rebuilds them, could not:" in caplog.text
+    assert "did not list them" not in caplog.text
 
 
 def test_corrupt_survivor_slice_refuses_the_rebuild(cluster, caplog) -> None:

@@ -604,9 +604,14 @@ class HoldingsRequest(Body):
 
 
 class HoldingsReply(Body):
+    """``refused``: the lost nodes' shards this node was to rebuild and could not (erasure
+    coding: ``origin``, ``step``, ``epoch``, ``why``), so that the stores waiting for them
+    stop at once."""
+
     KIND = "holdings_reply"
     node_id: Str
     records: L[list[Json], Items]
+    refused: L[list[Json], Items] | UnsetType = UNSET
 
 
 class SurveyRequest(Body):

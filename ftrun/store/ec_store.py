@@ -90,6 +90,7 @@ WARN_EVERY_S = 30.0
 # this one's do); then the step is not complete in memory and the restore falls back.
 REBUILD_WAIT_S = 30.0
 REBUILD_POLL_S = 0.2
+MAX_REFUSED = 64  # refused rebuilds a store remembers (newest kept)
 _PARITY_RE = re.compile(r"-p-([0-9a-f]{8})-g(\d+)-t(\d+)-i(\d+)-s(\d+)$")
 
 
@@ -350,6 +351,10 @@ class ErasureCoding:
         self.durable_epoch = ""  # the snapshot epoch of durable_step
         self.failed = 0  # builds given up (logged)
         self.off: str | None = None  # why no parity is built now
+        # (lost node, step, epoch) -> why: the rebuilds this store was to make and refused
+        # (listed in its holdings, so that the stores waiting for them stop at once).
+        self._refused: dict[tuple[str, int, str], str] = {}
+        self._refused_lock = threading.Lock()  # the survey's thread writes, the shards' reads
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -663,8 +668,12 @@ class ErasureCoding:
                     # waits: a step whose parity was still being built is passed over at once
                     self._check_pieces(node, placement, docs, records, live, step, epoch)
                     if rebuilder == self.node_id:
-                        self._rebuild_node(node, nodes, docs, records, held, step, epoch,
-                                           reader)
+                        try:
+                            self._rebuild_node(node, nodes, docs, records, held, step, epoch,
+                                               reader)
+                        except (FtrunError, OSError, ValueError, KeyError) as e:
+                            self._refuse(node, step, epoch, str(e))
+                            raise
                     else:
                         elsewhere += self._await_rebuild(node, rebuilder, live[rebuilder], ranks,
                                                          step, epoch)
@@ -676,21 +685,40 @@ class ErasureCoding:
                 return elsewhere
         return []
 
+    def _refuse(self, node: str, step: int, epoch: str, why: str) -> None:
+        with self._refused_lock:
+            self._refused[(node, step, epoch)] = why[:500]
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.pop(next(iter(self._refused)))
+
+    def refused_rebuilds(self) -> list[dict[str, Any]]:
+        """The lost nodes' shards this store was to rebuild and could not (for its
+        holdings: the stores waiting for them stop at once)."""
+        with self._refused_lock:
+            return [{"origin": n, "step": s, "epoch": e, "why": why}
+                    for (n, s, e), why in self._refused.items()]
+
     def _await_rebuild(self, node: str, rebuilder: str, addr: str, ranks: set[int], step: int,
                        epoch: str) -> list[dict[str, Any]]:
         """The records of ``node``'s shards of ``step`` (``ranks``) once the store of
-        ``rebuilder`` lists them as rebuilt; RestoreError when it has not within
-        :data:`REBUILD_WAIT_S` (its own survey rebuilds them, once its ranks restore)."""
+        ``rebuilder`` lists them as rebuilt; RestoreError as soon as it lists them as refused,
+        or when it has not listed them within :data:`REBUILD_WAIT_S` (its own survey
+        rebuilds them, once its ranks restore)."""
         deadline = time.monotonic() + REBUILD_WAIT_S
         while True:
+            refused: list[dict[str, Any]] = []
             found, _ = ask_holdings({rebuilder: addr}, self._secret, self.run_id,
-                                    f"ec-rebuild:{self.node_id}")
+                                    f"ec-rebuild:{self.node_id}", refused=refused)
             got = [r for r in found if r["origin"] == node and r["rank"] in ranks
                    and r["step"] == step and r["epoch"] == epoch]
             if {r["rank"] for r in got} == ranks:
                 log.info("erasure coding: node %s's shards of step %d rebuilt by %s", node,
                          step, rebuilder)
                 return got
+            why = next((r.get("why") for r in refused if r.get("origin") == node
+                        and r.get("step") == step and r.get("epoch") == epoch), None)
+            if why is not None:
+                raise RestoreError(f"node {rebuilder}, which rebuilds them, could not: {why}")
             if time.monotonic() > deadline:
                 raise RestoreError(f"node {rebuilder}, which rebuilds them, did not list them "
                                    f"within {REBUILD_WAIT_S:g} s")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from ftrun import protocol
 from ftrun.errors import FtrunError, IntegrityError
@@ -44,10 +45,12 @@ class ShardService:
     """
 
     def __init__(self, run_id: str, node_id: str, owner_pid: int, secret: bytes,
-                 replicas: Callable[[], list[Record]] | None = None) -> None:
+                 replicas: Callable[[], list[Record]] | None = None,
+                 refused: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.node_id = node_id
         self.catalog = Catalog(run_id, node_id, owner_pid)
         self._replicas = replicas
+        self._refused = refused  # the rebuilds this node refused (erasure coding)
         self._world: dict[tuple[str, int, str, int], int] = {}  # (segment, step, epoch, manifest hash)
         self._service = Service(Server("shard service", secret, run_id, {
             "holdings_request": self._on_holdings,
@@ -112,6 +115,8 @@ class ShardService:
             out.append({"segment": rec.segment, "origin": rec.origin, "rank": rec.rank,
                         "step": rec.step, "epoch": rec.epoch, "world_size": world,
                         "data_len": rec.data_len, "chunk_size": rec.chunk_size})
+        if self._refused is not None:
+            return m.HoldingsReply(node_id=self.node_id, records=out, refused=self._refused())
         return m.HoldingsReply(node_id=self.node_id, records=out)
 
     def _record(self, b: m.ShardMetaRequest | m.ShardReadRequest) -> Record:

@@ -349,6 +349,10 @@ class SnapshotStore:
         self._erasure = ec
         self.handlers.surveyor.rebuild = ec.rebuild_lost
 
+    def _rebuilds_refused(self) -> list[dict[str, Any]]:
+        erasure = self._erasure
+        return erasure.refused_rebuilds() if erasure is not None else []
+
     def _held_elsewhere(self) -> list[Any]:
         """Records of what this store holds besides its ranks' buffers: replicas, parity
         fragments, rebuilt shards (served by the shard service)."""
@@ -363,7 +367,7 @@ class SnapshotStore:
         from ftrun.store.shards import ShardService
 
         service = ShardService(self.cfg.run_id, self.cfg.node_id, self.cfg.owner_pid,
-                               self._secret, self._held_elsewhere)
+                               self._secret, self._held_elsewhere, self._rebuilds_refused)
         try:
             service.start(self.cfg.replica_host)
         except Exception:  # noqa: BLE001 - restores then read this node's memory only

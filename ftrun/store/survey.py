@@ -43,10 +43,13 @@ def _client(addr: str, secret: bytes, run_id: str, sender: str) -> Client:
 
 
 def ask_holdings(stores: dict[str, str], secret: bytes, run_id: str, sender: str,
-                 timeout_s: float = SURVEY_TIMEOUT_S) -> tuple[list[dict[str, Any]], list[str]]:
+                 timeout_s: float = SURVEY_TIMEOUT_S,
+                 refused: list[dict[str, Any]] | None = None,
+                 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Ask every store (node -> shard service address) what it holds, in parallel:
     (its records, each with the ``node`` and ``addr`` holding it; the nodes that did not
-    answer)."""
+    answer). ``refused``, when given, receives the rebuilds the stores refused (each with
+    the ``node`` that refused)."""
 
     def ask(node: str, addr: str) -> list[dict[str, Any]] | None:
         client = _client(addr, secret, run_id, sender)
@@ -57,6 +60,8 @@ def ask_holdings(stores: dict[str, str], secret: bytes, run_id: str, sender: str
             return None
         finally:
             client.close()
+        if refused is not None:
+            refused.extend({**r, "node": node} for r in reply.body.get("refused") or ())
         return [{**r, "node": node, "addr": addr} for r in reply.body["records"]]
 
     if not stores:
