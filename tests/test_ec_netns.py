@@ -147,11 +147,9 @@ def test_two_hosts_lost_under_ec_3_2_the_survivors_go_on_from_memory(
         job.resumes()
 
 
-# Full matrix: run on this machine it did not finish in 180 s after the kill (twice): the
-# survivors' gloo collectives waited out their 60 s timeout for the frozen, then killed, host
-# before the restarts, and the stores waited 30 s for the rebuilder; the refusal itself and
-# the restore's "no step held in full" were right (see the session notes of 2026-11-29).
-@FULL_MATRIX
+# In CI (~90 s): the one namespace test of erasure coding there. Before the rebuilder listed
+# its refusals, the other stores waited 30 s per step for it, the rebuilder's rank timed out
+# in the restore's first collective, and the job did not finish within 180 s.
 def test_lost_host_and_a_corrupt_fragment_fall_back_to_disk_bit_identical(
         cluster_factory, state_dir: Path, exact_steps: None, reference_3: str,
         tmp_path: Path) -> None:
@@ -217,7 +215,11 @@ def test_host_lost_while_parity_is_built_the_previous_durable_step_is_restored(
     for p in ref.nodes:
         c.wait(p, 30)
     job = Job(c, state_dir, "ecmid")
-    job.start(range(4), "3", redundancy="ec:2+1", steps=STEPS, train_args=BIG)
+    # The attempts freeze the host for a moment, again and again: the coordinator would name
+    # its rank hung each time (3 s) and restart it until no restart is left; warned only, the
+    # kill below is what the job recovers from (its host lost: missed heartbeats).
+    job.start(range(4), "3", "--on-hang", "warn", redundancy="ec:2+1", steps=STEPS,
+              train_args=BIG)
     job.wait_step(KILL_AT)
     doc = _parity_durable(job, KILL_AT - 2)
     training = _training(job, doc)
