@@ -5,7 +5,8 @@
 
 ``--nodes`` launchers of one rank each on this machine, each with shared memory of its own
 (``FTRUN_SHM_DIR``: one host's memory, gone with it), train ``examples/train.py`` with a
-snapshot every step under each ``--redundancy`` in turn (``replicas:1``: none, the
+snapshot every step (``--snapshot-every auto``: ftrun's cadence) under each
+``--redundancy`` in turn (``replicas:1``: none, the
 baseline), ``--nnodes N-1:N``, with no ``--persist-dir`` (the stores' socket writes are then
 all network). Per code:
 
@@ -84,7 +85,8 @@ def run_code(code: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cmd = [*rep.ftrun_cmd(f"{n - 1}:{n}", port, run_id, [
         "--redundancy", code, "--replica-addr", "127.0.0.1", "--max-restarts", "3",
         "--rdzv-conf", rep.RDZV_CONF]),
-        str(TRAIN), *rep.model_args(args), "--steps", str(total), "--snapshot-every", "1",
+        str(TRAIN), *rep.model_args(args), "--steps", str(total),
+        "--snapshot-every", args.snapshot_every,
         "--step-log", str(steplog)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FTRUN_STATE_DIR": str(work / "state")}
     job = rep.Hosts(cmd, n, env, work, run_id)
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=8, help="steps not timed")
     p.add_argument("--steps", type=int, default=20, help="steps timed")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--snapshot-every", default="1",
+                   help="train.py --snapshot-every: 1 (every step) or auto (ftrun's cadence)")
     p.add_argument("--job-timeout", type=float, default=300.0)
     p.add_argument("--output", type=Path, help="also write the section to this file")
     p.add_argument("--json", type=Path, help="write every measurement here")
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.nodes} launchers of 1 rank each, each with shared memory of its own, "
             f"`--nnodes {args.nodes - 1}:{args.nodes}`, examples/train.py --dim {args.dim} "
             f"--layers {args.layers} (a snapshot of {mb:.0f} MB per rank: params and AdamW's "
-            f"moments), a snapshot every step, no `--persist-dir`; steps "
+            f"moments), `--snapshot-every {args.snapshot_every}`, no `--persist-dir`; steps "
             f"{args.warmup + 1}..{args.warmup + args.steps} timed; then one "
             "launcher (not the rendezvous store's) killed with its memory.\n\n"
             + table(runs, mb))
