@@ -181,8 +181,11 @@ def test_lost_host_and_a_corrupt_fragment_fall_back_to_disk_bit_identical(
     _kill(job, victim)
     assert job.finish() == reference_3
     [resumed] = json.loads(job.result.read_text())["resumed_from"]
+    # A step persisted before the fault (by the end the newest three kept are later ones).
+    persisted = {e["step"] for e in job.events() if e["type"] == "persist_target"}
     on_disk = [s.step for s in persist.list_steps(ckpt) if s.complete]
-    assert resumed in on_disk and resumed <= committed, (resumed, committed, on_disk)
+    assert resumed in persisted and resumed <= committed, (resumed, committed, persisted,
+                                                           on_disk)
     assert {(s, src.split(" ")[0]) for _, s, src in job.resumes()} == {(resumed, "disk")}, \
         job.resumes()
     out = job.output()

@@ -560,8 +560,11 @@ def test_host_killed_with_spare_survivors_restart_in_place(cluster_factory, stat
     assert len(lost) == 1 and lost[0]["early"] and "while other nodes' workers failed" in \
         lost[0]["reason"], lost
     dropped = [e for e in events if e["type"] == "rendezvous_node_dropped"]
-    assert [(e["lost_node"], e["early"]) for e in dropped] == [(lost_node, True)], dropped
-    assert dropped[0]["node"] != lost_node, dropped  # a survivor dropped it
+    # Each survivor told to drop it may find it still there (CI: both did, under load): the
+    # drop is the same either way.
+    assert dropped and {(e["lost_node"], e["early"]) for e in dropped} == {(lost_node, True)}, \
+        dropped
+    assert all(e["node"] != lost_node for e in dropped), dropped  # survivors dropped it
     assert dropped[0]["rdzv_node"].startswith(c.hostname(victim) + "_"), dropped
     assert not [e for e in events if e["type"] == "rendezvous_drop_refused"], events
     recoveries = [e for e in events if e["type"] == "recovery"]
