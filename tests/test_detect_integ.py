@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import FULL_MATRIX, wait_for
 from netns import (  # noqa: F401  (the fixtures)
     KILL_AT,
     Cluster,
@@ -103,6 +103,9 @@ def test_rank_inside_a_collective_that_never_returns_is_named_and_killed(
              hang["ts"] - t_fault, job.resumed_after(t_fault))
 
 
+# ~70 s serial: test_detect's slow-rank analyses and the launchers' collective hang test
+# (test_launcher_integ: the same reports, collector and coordinator) run in CI.
+@FULL_MATRIX
 def test_slow_rank_is_flagged_within_twenty_steps(cluster_factory, state_dir: Path) -> None:
     """Rank 2 computes twice as slowly (--slow-rank 2 --slow-factor 2) from the first step: it
     is flagged slow, by name, within 20 steps, and nothing else is flagged.

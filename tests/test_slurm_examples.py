@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN, Procs, load_train, pid_alive, wait_for
+from conftest import FULL_MATRIX, ROOT, TRAIN, Procs, load_train, pid_alive, wait_for
 from slurm_cluster import SlurmCluster, exclusive, launcher_pid_slurm_node, unavailable
 
 # These tests check exact steps (resumed from, persisted): no snapshot may be skipped.
@@ -204,6 +204,7 @@ def test_requeue_resumes_from_the_persisted_step(reference: PlainRun, cluster: S
     assert result["params_xxh3"] == reference.params_xxh3()
 
 
+@FULL_MATRIX  # ~55 s serial; test_node_loss's spare cases and the basic/requeue examples run
 def test_spares_lose_a_node_and_complete(cluster: SlurmCluster, tmp_path: Path) -> None:
     work = tmp_path / "spares"
     steps_log = work / "steps.jsonl"
