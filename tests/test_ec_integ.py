@@ -126,8 +126,16 @@ def test_lost_node_restored_from_rebuilt_shards_matches_fault_free(
             return max(after) if after else None
 
         wait_for(resumed_and_durable, 150, "a durable step after the restore", interval_s=0.5)
-        doc = _status(run_id)
-        assert doc is not None
+        # The stores report their parity with their node's heartbeats: the spare's first
+        # built step shows in the status a moment after its log says so (CI: -1 at once).
+        def spare_built() -> dict | None:
+            doc = _status(run_id)
+            parity = ((doc or {}).get("snapshots") or {}).get("parity") or {}
+            mine = [p for node, p in parity.items() if node.endswith(f"/{spare.pid}")]
+            return doc if mine and (mine[0].get("built_step") or -1) > step else None
+
+        doc = wait_for(spare_built, 60, "the spare's parity built in ftrun status",
+                       interval_s=0.5)
         snaps = doc["snapshots"]
         assert snaps["redundancy"] == "ec:2+1", snaps
         assert snaps["parity_durable_step"] >= step, snaps
