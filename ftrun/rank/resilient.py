@@ -422,13 +422,13 @@ def peer_lost(e: BaseException) -> bool:
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if any(p in str(cur).lower() for p in _OWN_DIST_ERROR):
+        text = str(cur).lower()
+        if any(p in text for p in _OWN_DIST_ERROR):
             return False
         dist = sys.modules.get("torch.distributed")
         dist_error = getattr(dist, "DistError", None) if dist is not None else None
         if isinstance(dist_error, type) and isinstance(cur, dist_error):
             return True
-        text = str(cur).lower()
         if any(p in text for p in _PEER_LOST):
             return True
         cur = cur.__cause__ or cur.__context__
